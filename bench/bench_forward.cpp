@@ -1,0 +1,207 @@
+// SPDX-License-Identifier: Apache-2.0
+// Forward throughput of the tile kernel vs an fp32 GEMM of the same size, in one run.
+//
+// GFLOP/s counts 4 * D per *allowed* query-key pair (masked pairs are not
+// work). The reference GEMM is cblas_sgemm of the Q K^T shape (N x N x D) and
+// a 4096^3 sgemm (the machine's GEMM peak), with as many BLAS threads as
+// Kokkos has. After Google Benchmark's table the binary prints, per case,
+// attention GFLOP/s / GEMM GFLOP/s and causal / full.
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+
+#include <blockattn/blockattn.hpp>
+#ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
+#include <blockattn/kokkos_kernels_gemm.hpp>
+#endif
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace {
+
+using Exec = Kokkos::DefaultExecutionSpace;
+constexpr bool host = blockattn::impl::is_host_space_v<Exec>;
+
+enum MaskId { full = 0, causal = 1 };
+
+template <class Shape>
+void bm_attention(benchmark::State& state) {
+  const int n = int(state.range(0)), d = int(state.range(1));
+  const MaskId mask = MaskId(state.range(2));
+  Kokkos::View<float****> q("q", 1, n, 1, d), k("k", 1, n, 1, d), v("v", 1, n, 1, d),
+      o("o", 1, n, 1, d);
+  Kokkos::View<float***> lse("lse", 1, 1, n);
+  auto fill = [](auto view, unsigned seed) {
+    auto h = Kokkos::create_mirror_view(view);
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = u(rng);
+    Kokkos::deep_copy(view, h);
+  };
+  fill(q, 1);
+  fill(k, 2);
+  fill(v, 3);
+  auto run = [&] {
+    if (mask == causal)
+      blockattn::impl::forward<Shape>("bench", Exec{}, q, k, v, o, lse, blockattn::CausalMask{},
+                                      blockattn::OffsetPositions{}, blockattn::OffsetPositions{},
+                                      std::nan(""));
+    else
+      blockattn::impl::forward<Shape>("bench", Exec{}, q, k, v, o, lse, blockattn::FullMask{},
+                                      blockattn::OffsetPositions{}, blockattn::OffsetPositions{},
+                                      std::nan(""));
+    Kokkos::fence();
+  };
+  run();  // warm-up
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const blockattn::TileCounts tiles =
+      mask == causal
+          ? blockattn::count_tiles(blockattn::CausalMask{}, n, n, Shape::block_q, Shape::block_k)
+          : blockattn::count_tiles(blockattn::FullMask{}, n, n, Shape::block_q, Shape::block_k);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(blockattn::forward_flops(tiles.allowed_pairs, d) * 1e-9,
+                         benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = Exec().concurrency();
+  state.SetLabel(std::string(mask == causal ? "causal" : "full") + " " + Shape::tile_gemm::name());
+}
+
+void bm_sgemm(benchmark::State& state) {
+  const int m = int(state.range(0)), nn = int(state.range(1)), kk = int(state.range(2));
+  std::vector<float> a(std::size_t(m) * kk, 0.5f), b(std::size_t(nn) * kk, 0.25f),
+      c(std::size_t(m) * nn);
+  openblas_set_num_threads(Exec().concurrency());
+  auto run = [&] {
+    // C = A B^T: the Q K^T product of attention when kk = head dim.
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nn, kk, 1.f, a.data(), kk, b.data(), kk,
+                0.f, c.data(), nn);
+  };
+  run();
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * m * nn * kk * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = Exec().concurrency();
+}
+
+/// Keeps every run's GFLOP/s to print the ratios at the end.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  std::map<std::string, double> rate;
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& r : runs) {
+      auto it = r.counters.find("GFLOP/s");
+      if (it != r.counters.end() && r.run_type == Run::RT_Iteration)
+        rate[r.benchmark_name()] = it->second.value;
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+};
+
+using RegisterShape = blockattn::DefaultTileShape<float, host>;
+#ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
+using BatchedShape = blockattn::KokkosBatchedTileShape<float, host>;
+#endif
+
+const std::vector<int> lengths = {1024, 2048, 4096, 8192};
+const std::vector<int> dims = {64, 128};
+
+std::string attn_name(const char* variant, int n, int d, int mask) {
+  return std::string("attention/") + variant + "/N:" + std::to_string(n) +
+         "/D:" + std::to_string(d) + "/mask:" + std::to_string(mask) + "/manual_time";
+}
+
+void register_all(bool quick) {
+  for (int d : dims)
+    for (int n : lengths) {
+      if (quick && n > 4096) continue;
+      for (int mask : {full, causal}) {
+        benchmark::RegisterBenchmark(attn_name("register", n, d, mask).c_str(),
+                                     bm_attention<RegisterShape>)
+            ->Args({n, d, mask})
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(0.3);
+#ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
+        if (n <= 2048)  // the slower variant: two sizes are enough to compare
+          benchmark::RegisterBenchmark(attn_name("kokkos_batched", n, d, mask).c_str(),
+                                       bm_attention<BatchedShape>)
+              ->Args({n, d, mask})
+              ->UseManualTime()
+              ->Unit(benchmark::kMillisecond)
+              ->MinTime(0.3);
+#endif
+      }
+      benchmark::RegisterBenchmark(
+          ("sgemm/N:" + std::to_string(n) + "/D:" + std::to_string(d) + "/manual_time").c_str(),
+          bm_sgemm)
+          ->Args({n, n, d})
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(0.3);
+    }
+  benchmark::RegisterBenchmark("sgemm/4096^3/manual_time", bm_sgemm)
+      ->Args({4096, 4096, 4096})
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond)
+      ->MinTime(0.5);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Kokkos::initialize(argc, argv);
+  {
+    bool quick = false;
+    std::vector<char*> args;
+    for (int i = 0; i < argc; ++i) {
+      if (std::string(argv[i]) == "--quick")
+        quick = true;
+      else
+        args.push_back(argv[i]);
+    }
+    int bargc = int(args.size());
+    benchmark::Initialize(&bargc, args.data());
+    register_all(quick);
+    RatioReporter reporter;
+    benchmark::RunSpecifiedBenchmarks(&reporter);
+
+    const int threads = Exec().concurrency();
+    const double peak = reporter.rate["sgemm/4096^3/manual_time"];
+    std::printf("\nRatios measured in this run (%s, %d thread%s; sgemm 4096^3 = %.1f GFLOP/s)\n",
+                Exec::name(), threads, threads == 1 ? "" : "s", peak);
+    std::printf("%-16s %5s %5s %7s %10s %14s %14s %14s\n", "variant", "N", "D", "mask", "GFLOP/s",
+                "/ sgemm(NxNxD)", "/ sgemm 4096^3", "causal / full");
+    for (const char* variant : {"register", "kokkos_batched"})
+      for (int d : dims)
+        for (int n : lengths)
+          for (int mask : {full, causal}) {
+            auto it = reporter.rate.find(attn_name(variant, n, d, mask));
+            if (it == reporter.rate.end()) continue;
+            const double g = reporter.rate["sgemm/N:" + std::to_string(n) +
+                                           "/D:" + std::to_string(d) + "/manual_time"];
+            const double f = reporter.rate[attn_name(variant, n, d, full)];
+            std::printf("%-16s %5d %5d %7s %10.1f %14.2f %14.2f %14s\n", variant, n, d,
+                        mask == causal ? "causal" : "full", it->second, it->second / g,
+                        peak > 0 ? it->second / peak : 0.0,
+                        mask == causal ? std::to_string(it->second / f).substr(0, 4).c_str() : "");
+          }
+    benchmark::Shutdown();
+  }
+  Kokkos::finalize();
+  return 0;
+}

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# BlockAttn's one entry point for newcomers and CI.
+#
+#   cmake/blockattn.sh demo  [demo args]   build and run the demo (the library's main job)
+#   cmake/blockattn.sh test                build and run the whole test suite (ctest)
+#   cmake/blockattn.sh bench [bench args]  build and run the forward benchmark
+#   cmake/blockattn.sh deps                only install / build the dependencies
+#
+# Every command first makes sure the dependencies are there (idempotent: when
+# nothing is missing this takes a second): Debian packages through apt-get, and
+# Kokkos + Kokkos Kernels 3.4.1 with the OpenMP and Serial backends, built from
+# Debian's own `trilinos` source package into .deps/ (git-ignored).
+#
+# Environment:
+#   KOKKOS_ROOT   use this Kokkos (any version >= 3.4, any backend) instead of .deps/
+#   BLOCKATTN_DEPS  where to build Kokkos (default: <repo>/.deps)
+#   BUILD_DIR     build tree (default: <repo>/build)
+#   JOBS          parallel build jobs (default: nproc)
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+deps=${BLOCKATTN_DEPS:-$repo/.deps}
+build=${BUILD_DIR:-$repo/build}
+jobs=${JOBS:-$(nproc)}
+kokkos_prefix=$deps/kokkos-3.4.1-openmp
+log() { printf '[blockattn] %s\n' "$*" >&2; }
+
+as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+# Debian packages the build, the tests and the bench use.
+packages=(cmake g++ make dpkg-dev libopenmpi-dev openmpi-bin doctest-dev libbenchmark-dev
+          libopenblas-dev libtrilinos-kokkos-dev libtrilinos-kokkos-kernels-dev)
+
+install_packages() {
+  local missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "installing Debian packages: ${missing[*]}"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+}
+
+# Kokkos 3.4.1 (OpenMP + Serial) and Kokkos Kernels 3.4.1 from Debian's trilinos source.
+build_kokkos() {
+  [ -f "$kokkos_prefix/.complete" ] && return 0
+  local src=$deps/src
+  mkdir -p "$src"
+  if ! ls "$src"/trilinos_*.orig.tar.* >/dev/null 2>&1; then
+    if ! apt-get source --print-uris trilinos >/dev/null 2>&1; then
+      log "adding a deb-src entry for Debian bookworm"
+      as_root tee /etc/apt/sources.list.d/blockattn-deb-src.sources >/dev/null <<'SRC'
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: bookworm
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+      as_root apt-get update -qq
+    fi
+    log "downloading Debian's trilinos source package"
+    (cd "$src" && apt-get source --download-only -qq trilinos 2>/dev/null)
+  fi
+  local tarball
+  tarball=$(ls "$src"/trilinos_*.orig.tar.* | head -n 1)
+  log "extracting packages/kokkos and packages/kokkos-kernels from $(basename "$tarball")"
+  rm -rf "$src/tree" && mkdir -p "$src/tree"
+  tar -xf "$tarball" -C "$src/tree" --strip-components=1 --wildcards \
+    '*/packages/kokkos/*' '*/packages/kokkos-kernels/*'
+  grep -q 'set(Kokkos_VERSION_MINOR 4)' "$src/tree/packages/kokkos/CMakeLists.txt" ||
+    { log "unexpected Kokkos version in $tarball (want 3.4.x)"; exit 1; }
+  log "building Kokkos 3.4.1 (OpenMP + Serial) into $kokkos_prefix"
+  cmake -S "$src/tree/packages/kokkos" -B "$deps/build-kokkos" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_INSTALL_PREFIX="$kokkos_prefix" -DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON \
+    -DKokkos_ENABLE_OPENMP=ON -DKokkos_ENABLE_SERIAL=ON >"$deps/kokkos.log" 2>&1
+  cmake --build "$deps/build-kokkos" -j "$jobs" >>"$deps/kokkos.log" 2>&1
+  cmake --install "$deps/build-kokkos" >>"$deps/kokkos.log" 2>&1
+  log "building Kokkos Kernels 3.4.1 (ETI off)"
+  cmake -S "$src/tree/packages/kokkos-kernels" -B "$deps/build-kokkos-kernels" \
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$kokkos_prefix" -DKokkos_ROOT="$kokkos_prefix" \
+    -DBUILD_SHARED_LIBS=ON -DKokkosKernels_ENABLE_TPL_BLAS=OFF \
+    -DKokkosKernels_INST_DOUBLE=OFF -DKokkosKernels_INST_FLOAT=OFF \
+    -DKokkosKernels_INST_ORDINAL_INT=OFF -DKokkosKernels_INST_OFFSET_INT=OFF \
+    -DKokkosKernels_INST_OFFSET_SIZE_T=OFF -DKokkosKernels_INST_LAYOUTLEFT=OFF \
+    >"$deps/kokkos-kernels.log" 2>&1
+  cmake --build "$deps/build-kokkos-kernels" -j "$jobs" >>"$deps/kokkos-kernels.log" 2>&1
+  cmake --install "$deps/build-kokkos-kernels" >>"$deps/kokkos-kernels.log" 2>&1
+  rm -rf "$deps/build-kokkos" "$deps/build-kokkos-kernels" "$src/tree"
+  touch "$kokkos_prefix/.complete"
+}
+
+ensure_deps() {
+  install_packages
+  if [ -z "${KOKKOS_ROOT:-}" ]; then build_kokkos; fi
+}
+
+configure() {
+  local kokkos=${KOKKOS_ROOT:-$kokkos_prefix}
+  local extra=""
+  [ -f /usr/lib/x86_64-linux-gnu/cmake/Kokkos/KokkosConfig.cmake ] &&
+    extra=-DBLOCKATTN_CONSUMER_EXTRA_KOKKOS_DIR=/usr/lib/x86_64-linux-gnu/cmake/Kokkos
+  cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
+    -DBLOCKATTN_BUILD_BENCH=ON $extra "$@" >/dev/null
+}
+
+# Kokkos' OpenMP backend asks for these; 2 threads = this machine's 2 cores.
+export OMP_PROC_BIND=${OMP_PROC_BIND:-false}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  deps)
+    ensure_deps
+    log "dependencies ready (Kokkos: ${KOKKOS_ROOT:-$kokkos_prefix})"
+    ;;
+  demo)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_demo
+    "$build/examples/blockattn_demo" "$@"
+    ;;
+  test)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs"
+    (cd "$build" && ctest --output-on-failure "$@")
+    ;;
+  bench)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_bench_forward
+    "$repo/bench/run_forward.sh" "$build/bench/blockattn_bench_forward" "$@"
+    ;;
+  *)
+    sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac

@@ -1,0 +1,231 @@
+// SPDX-License-Identifier: Apache-2.0
+// Single-device blockwise attention forward:
+//   O = softmax(scale * Q K^T  masked) V,   LSE = log sum exp(scale * Q K^T  masked)
+#pragma once
+
+#include <blockattn/config.hpp>
+#include <blockattn/errors.hpp>
+#include <blockattn/impl/forward_kernel.hpp>
+#include <blockattn/impl/pack.hpp>
+#include <blockattn/mask.hpp>
+#include <blockattn/positions.hpp>
+#include <blockattn/tile_shape.hpp>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+namespace blockattn {
+
+/// Largest supported head dim.
+inline constexpr int max_head_dim = 256;
+
+/// Run-time options of a forward call.
+struct ForwardOptions {
+  /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  /// Global position of query row 0 and key row 0 (masks see global positions).
+  index_type q_offset = 0;
+  index_type k_offset = 0;
+};
+
+namespace impl {
+
+template <class V>
+using value_of = typename V::non_const_value_type;
+
+/// True when q, k, v, o, lse are Views of the ranks and value types attention_forward takes.
+template <class QV, class KV, class VV, class OV, class LV>
+constexpr bool forward_views_ok() {
+  if constexpr (Kokkos::is_view<QV>::value && Kokkos::is_view<KV>::value &&
+                Kokkos::is_view<VV>::value && Kokkos::is_view<OV>::value &&
+                Kokkos::is_view<LV>::value) {
+    using T = value_of<OV>;
+    return QV::rank == 4 && KV::rank == 4 && VV::rank == 4 && OV::rank == 4 && LV::rank == 3 &&
+           (std::is_same<T, float>::value || std::is_same<T, double>::value) &&
+           std::is_same<value_of<QV>, T>::value && std::is_same<value_of<KV>, T>::value &&
+           std::is_same<value_of<VV>, T>::value && std::is_same<value_of<LV>, T>::value &&
+           !std::is_const<typename OV::value_type>::value &&
+           !std::is_const<typename LV::value_type>::value;
+  } else {
+    return false;
+  }
+}
+
+/// One static_assert per requirement, each naming the fix.
+template <class QV, class KV, class VV, class OV, class LV>
+constexpr void check_forward_view_types() {
+  constexpr bool views = Kokkos::is_view<QV>::value && Kokkos::is_view<KV>::value &&
+                         Kokkos::is_view<VV>::value && Kokkos::is_view<OV>::value &&
+                         Kokkos::is_view<LV>::value;
+  static_assert(views, "BlockAttn: attention_forward takes Kokkos::Views q, k, v, o, lse");
+  if constexpr (views) {
+    static_assert(QV::rank == 4 && KV::rank == 4 && VV::rank == 4 && OV::rank == 4,
+                  "BlockAttn: q, k, v and o must be rank-4 Views (batch, seq, heads, head_dim)");
+    static_assert(LV::rank == 3, "BlockAttn: lse must be a rank-3 View (batch, heads, seq)");
+    using T = value_of<OV>;
+    static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                  "BlockAttn: the value type must be float or double");
+    static_assert(std::is_same<value_of<QV>, T>::value && std::is_same<value_of<KV>, T>::value &&
+                      std::is_same<value_of<VV>, T>::value && std::is_same<value_of<LV>, T>::value,
+                  "BlockAttn: q, k, v, o and lse must have the same value type");
+    static_assert(!std::is_const<typename OV::value_type>::value &&
+                      !std::is_const<typename LV::value_type>::value,
+                  "BlockAttn: o and lse are outputs and must not be Views of const");
+  }
+}
+
+/// Validates shapes and spaces of a forward call; returns the extents.
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV>
+ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const VV& v, const OV& o,
+                                const LV& lse, double scale) {
+  require_accessible<ExecSpace, typename QV::memory_space>(fn, "q");
+  require_accessible<ExecSpace, typename KV::memory_space>(fn, "k");
+  require_accessible<ExecSpace, typename VV::memory_space>(fn, "v");
+  require_accessible<ExecSpace, typename OV::memory_space>(fn, "o");
+  require_accessible<ExecSpace, typename LV::memory_space>(fn, "lse");
+  const char* names[4] = {"batch", "seq", "heads", "head_dim"};
+  for (int d = 0; d < 4; ++d) {
+    require_positive_extent(fn, "q", q, d, names[d]);
+    require_positive_extent(fn, "k", k, d, names[d]);
+  }
+  require_extent(fn, "k", k, 0, "batch", q.extent(0), "the batch of q");
+  require_extent(fn, "k", k, 3, "head_dim", q.extent(3), "the head_dim of q");
+  for (int d = 0; d < 4; ++d)
+    require_extent(fn, "v", v, d, names[d], k.extent(d), "the same extent of k");
+  for (int d = 0; d < 4; ++d)
+    require_extent(fn, "o", o, d, names[d], q.extent(d), "the same extent of q");
+  require_extent(fn, "lse", lse, 0, "batch", q.extent(0), "q.extent(0)");
+  require_extent(fn, "lse", lse, 1, "heads", q.extent(2), "q.extent(2)");
+  require_extent(fn, "lse", lse, 2, "seq", q.extent(1), "q.extent(1)");
+  if (q.extent(2) % k.extent(2) != 0)
+    fail(fn, "argument 'k' has extent(2) (heads) = ", k.extent(2),
+         ", expected a divisor of the heads of q (", q.extent(2), ")");
+  if (q.extent(3) > std::size_t(max_head_dim))
+    fail(fn, "argument 'q' has extent(3) (head_dim) = ", q.extent(3), ", expected at most ",
+         max_head_dim);
+  constexpr std::size_t int_max = std::size_t(std::numeric_limits<int>::max());
+  if (q.extent(1) > int_max / 2 || k.extent(1) > int_max / 2)
+    fail(fn, "sequence length ", q.extent(1) > k.extent(1) ? q.extent(1) : k.extent(1),
+         " exceeds the per-call limit of ", int_max / 2, " rows");
+  if (!std::isnan(scale) && !(std::isfinite(scale) && scale != 0.0))
+    fail(fn, "argument 'scale' is ", scale, ", expected a finite non-zero value");
+  ForwardExtents e;
+  e.batch = int(q.extent(0));
+  e.queries = int(q.extent(1));
+  e.heads = int(q.extent(2));
+  e.dim = int(q.extent(3));
+  e.keys = int(k.extent(1));
+  e.kv_heads = int(k.extent(2));
+  return e;
+}
+
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class QV, class OV, class LV>
+void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
+                    const PackedKV<T, typename ExecSpace::memory_space>& kv, const OV& o,
+                    const LV& lse, const Mask& mask, const QPos& qpos, const KPos& kpos, T scale) {
+  using Kernel = ForwardKernel<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  Kernel f;
+  f.q = typename Kernel::in_view(q);
+  f.kt = kv.kt;
+  f.v = kv.v;
+  f.o = typename Kernel::out_view(o);
+  f.lse = typename Kernel::lse_view(lse);
+  f.mask = mask;
+  f.qpos = qpos;
+  f.kpos = kpos;
+  f.ext = e;
+  f.dim_padded = static_cast<int>(kv.kt.extent(3));
+  f.q_tiles = (e.queries + Shape::block_q - 1) / Shape::block_q;
+  f.k_tiles = (e.keys + Shape::block_k - 1) / Shape::block_k;
+  f.group = e.heads / e.kv_heads;
+  f.q_scale = scale * log2e<T>;
+  const int league = e.batch * e.heads * f.q_tiles;
+  const std::size_t bytes = Kernel::scratch_bytes(f.dim_padded);
+  typename Kernel::policy_type policy =
+      is_host_space_v<ExecSpace> ? typename Kernel::policy_type(exec, league, 1)
+                                 : typename Kernel::policy_type(exec, league, Kokkos::AUTO);
+  f.scratch_level = bytes <= std::size_t(policy.scratch_size_max(0)) ? 0 : 1;
+  policy.set_scratch_size(f.scratch_level, Kokkos::PerTeam(bytes));
+  Kokkos::parallel_for("blockattn::forward", policy, f);
+}
+
+/// The forward after its compile-time checks passed: validates and launches.
+template <class Shape, class ExecSpace, class QV, class KV, class VV, class OV, class LV,
+          class Mask, class QPos, class KPos>
+void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
+                     const OV& o, const LV& lse, const Mask& mask, const QPos& qpos,
+                     const KPos& kpos, double scale) {
+  using T = typename OV::non_const_value_type;
+  using mem = typename ExecSpace::memory_space;
+  const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale);
+  const T s = std::isnan(scale) ? T(1) / std::sqrt(T(e.dim)) : T(scale);
+  auto dispatch = [&](auto static_d) {
+    constexpr int SD = decltype(static_d)::value;
+    using Kernel = ForwardKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
+    auto kv = allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, Kernel::pad_dim(e.dim),
+                                         Shape::block_k);
+    pack_kv(exec, k, v, kv);
+    launch_forward<ExecSpace, T, SD, Shape>(exec, e, q, kv, o, lse, mask, qpos, kpos, s);
+  };
+  if (e.dim == 64)
+    dispatch(std::integral_constant<int, 64>{});
+  else if (e.dim == 128)
+    dispatch(std::integral_constant<int, 128>{});
+  else
+    dispatch(std::integral_constant<int, 0>{});
+}
+
+/// Forward on one device for arbitrary (strictly increasing) position maps.
+template <class Shape, class ExecSpace, class QV, class KV, class VV, class OV, class LV,
+          class Mask, class QPos, class KPos>
+void forward(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
+             const OV& o, const LV& lse, const Mask& mask, const QPos& qpos, const KPos& kpos,
+             double scale) {
+  check_forward_view_types<QV, KV, VV, OV, LV>();
+  check_mask_policy<Mask>();
+  check_position_map<QPos>();
+  check_position_map<KPos>();
+  check_tile_shape<Shape>();
+  // Stop here when a requirement failed: the static_assert above is the only
+  // diagnostic, not a backtrace from deeper templates.
+  if constexpr (forward_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask> &&
+                is_position_map<QPos>::value && is_position_map<KPos>::value) {
+    forward_checked<Shape>(fn, exec, q, k, v, o, lse, mask, qpos, kpos, scale);
+  }
+}
+
+}  // namespace impl
+
+/// O = softmax(scale * Q K^T, masked) V and LSE, on one device.
+///
+///   q   (batch, queries, heads,    head_dim)   any layout (LayoutRight, LayoutStride, ...)
+///   k   (batch, keys,    kv_heads, head_dim)   kv_heads divides heads (GQA / MQA)
+///   v   (batch, keys,    kv_heads, head_dim)
+///   o   (batch, queries, heads,    head_dim)   output
+///   lse (batch, heads,   queries)              output, natural log; -inf for a row
+///                                              with no allowed key (its o row is 0)
+///
+/// The mask sees global positions `opts.q_offset + i` and `opts.k_offset + j`.
+/// Work is enqueued on `exec`; the call returns without fencing, like Kokkos.
+/// Throws blockattn::invalid_argument on bad shapes or spaces.
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class Mask = FullMask,
+          class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV& v, const OV& o,
+                       const LV& lse, const Mask& mask = {}, const ForwardOptions& opts = {}) {
+  using T = typename OV::non_const_value_type;
+  using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
+  impl::forward<Shape>("attention_forward", exec, q, k, v, o, lse, mask,
+                       OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, opts.scale);
+}
+
+/// Same, on a default-constructed instance of the Views' execution space.
+template <class QV, class KV, class VV, class OV, class LV, class Mask = FullMask,
+          class = std::enable_if_t<Kokkos::is_view<QV>::value>>
+void attention_forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                       const Mask& mask = {}, const ForwardOptions& opts = {}) {
+  attention_forward(typename OV::execution_space{}, q, k, v, o, lse, mask, opts);
+}
+
+}  // namespace blockattn

@@ -1,0 +1,196 @@
+// SPDX-License-Identifier: Apache-2.0
+// The block kernel: one team per (batch, head, query tile) loops over the key
+// tiles of one packed K/V block and owns the online-softmax state of its rows.
+#pragma once
+
+#include <blockattn/config.hpp>
+#include <blockattn/impl/exp2.hpp>
+#include <blockattn/impl/micro_gemm.hpp>
+#include <blockattn/impl/pack.hpp>
+#include <blockattn/mask.hpp>
+#include <blockattn/tile_shape.hpp>
+
+namespace blockattn::impl {
+
+/// Sizes of one forward problem, host side (CUTLASS "Arguments").
+struct ForwardExtents {
+  int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0, dim = 0;
+};
+
+/// The functor. StaticD > 0 fixes the (padded) head dim at compile time.
+///
+/// Loop nest of one team (see include/blockattn/README.md):
+///   for key tile j in block            <- operator()    (skips empty tiles)
+///     S = Q_i K_j^T                    <- micro_gemm    (register tiles)
+///     online softmax on rows of S      <- softmax_rows  (mask on partial tiles)
+///     O_i = diag(alpha) O_i + P V_j    <- micro_gemm
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct ForwardKernel {
+  using memory_space = typename ExecSpace::memory_space;
+  using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+  using member_type = typename policy_type::member_type;
+  using in_view = Kokkos::View<const T****, Kokkos::LayoutStride, memory_space,
+                               Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using out_view = Kokkos::View<T****, Kokkos::LayoutStride, memory_space,
+                                Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using lse_view = Kokkos::View<T***, Kokkos::LayoutStride, memory_space,
+                                Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using kt_view = typename PackedKV<T, memory_space>::kt_view;
+  using v_view = typename PackedKV<T, memory_space>::v_view;
+
+  using Gemm = typename Shape::tile_gemm;
+  static constexpr int BQ = Shape::block_q;
+  static constexpr int BK = Shape::block_k;
+  static constexpr int MR = Shape::micro_rows;
+  static constexpr int NR = Shape::micro_cols;
+  // Width of the P*V micro tile: the full micro tile for the compile-time head
+  // dims, one granule otherwise (the padded dim is a multiple of it).
+  static constexpr int NRO = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
+  static_assert(StaticD % NRO == 0,
+                "BlockAttn: a static head dim must be a multiple of micro_cols");
+
+  /// The head dim as stored in scratch and in the packed K/V block.
+  static int pad_dim(int dim) {
+    return StaticD > 0 ? StaticD
+                       : (dim + Shape::dim_granule - 1) / Shape::dim_granule * Shape::dim_granule;
+  }
+
+  in_view q;   // (batch, queries, heads, dim)
+  kt_view kt;  // packed block, see PackedKV
+  v_view v;
+  out_view o;    // (batch, queries, heads, dim)
+  lse_view lse;  // (batch, heads, queries)
+  Mask mask;
+  QPos qpos;
+  KPos kpos;
+  ForwardExtents ext;
+  int dim_padded = 0, q_tiles = 0, k_tiles = 0, group = 1;
+  T q_scale = T(1);  // softmax scale * log2(e): logits are kept in base 2
+
+  static std::size_t scratch_bytes(int dim_padded) {
+    // Q tile, O accumulator, S/P tile, and three row vectors (m, l, alpha).
+    const std::size_t elems = std::size_t(2) * BQ * dim_padded + std::size_t(BQ) * BK + 3 * BQ;
+    return elems * sizeof(T);
+  }
+
+  KOKKOS_INLINE_FUNCTION int padded_dim() const { return StaticD > 0 ? StaticD : dim_padded; }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int dp = padded_dim();
+    // Heavier (later) query tiles first: with causal masks they carry more tiles.
+    const int league = team.league_rank();
+    const int qt = q_tiles - 1 - league % q_tiles;
+    const int h = (league / q_tiles) % ext.heads;
+    const int b = league / (q_tiles * ext.heads);
+    const int hk = h / group;
+    const int q0 = qt * BQ;
+    const int q_rows = ext.queries - q0 < BQ ? ext.queries - q0 : BQ;
+
+    const int level = scratch_level;
+    T* const qs = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));
+    T* const os = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));
+    T* const ss = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * BK));
+    T* const m = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
+    T* const l = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
+    T* const alpha = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
+
+    // Q tile (BQ, dp), pre-scaled; O accumulator and statistics cleared.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+      const bool row_in = r < q_rows;
+      for (int d = 0; d < dp; ++d) {
+        qs[r * dp + d] = (row_in && d < ext.dim) ? q_scale * q(b, q0 + r, h, d) : T(0);
+        os[r * dp + d] = T(0);
+      }
+      m[r] = -infinity<T>();
+      l[r] = T(0);
+    });
+    team.team_barrier();
+
+    const index_type q_begin = qpos(q0), q_end = qpos(q0 + q_rows - 1) + 1;
+    const T* const v_head = &v(b, hk, 0, 0);
+    for (int kb = 0; kb < k_tiles; ++kb) {
+      const int k0 = kb * BK;
+      const int k_rows = ext.keys - k0 < BK ? ext.keys - k0 : BK;
+      const TileKind kind = mask.classify(q_begin, q_end, kpos(k0), kpos(k0 + k_rows - 1) + 1);
+      if (kind == TileKind::empty) continue;
+
+      // S (BQ, BK) = Q (BQ, dp) * K^T (dp, BK)
+      const T* const kt_tile = &kt(b, hk, kb, 0, 0);
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (BK / NR)), [&](const int t) {
+        const int r0 = (t / (BK / NR)) * MR, c0 = (t % (BK / NR)) * NR;
+        Gemm::template apply<MR, NR, StaticD>(dp, qs + r0 * dp, dp, kt_tile + c0, BK,
+                                              ss + r0 * BK + c0, BK,
+                                              static_cast<const T*>(nullptr));
+      });
+      team.team_barrier();
+
+      const bool per_element = kind == TileKind::partial || k_rows < BK;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+        T* const srow = ss + r * BK;
+        if (per_element) {
+          const index_type qg = qpos(q0 + r);
+          for (int c = 0; c < BK; ++c) {
+            const bool keep =
+                c < k_rows && (kind == TileKind::full || mask.allowed(qg, kpos(k0 + c)));
+            srow[c] = keep ? srow[c] : -infinity<T>();
+          }
+        }
+        softmax_row(srow, m[r], l[r], alpha[r]);
+      });
+      team.team_barrier();
+
+      // O (BQ, dp) = diag(alpha) O + P (BQ, BK) * V (BK, dp)
+      const T* const v_tile = v_head + static_cast<std::ptrdiff_t>(k0) * dp;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (dp / NRO)), [&](const int t) {
+        const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
+        Gemm::template apply<MR, NRO, BK>(BK, ss + r0 * BK, BK, v_tile + c0, dp, os + r0 * dp + c0,
+                                          dp, alpha + r0);
+      });
+      team.team_barrier();
+    }
+
+    // Normalise and write back. Rows that saw no allowed key: O = 0, LSE = -inf.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+      const bool seen = l[r] > T(0);
+      const T inv_l = seen ? T(1) / l[r] : T(0);
+      for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d] * inv_l;
+      lse(b, h, q0 + r) = seen ? (m[r] + kmath::log2(l[r])) * ln2<T> : -infinity<T>();
+    });
+  }
+
+  /// Online-softmax update of one row (base-2 logits in `s`, overwritten by P):
+  ///   m' = max(m, max_c s_c);  p_c = 2^(s_c - m');  alpha = 2^(m - m');  l' = alpha l + sum p.
+  /// A row with no allowed key so far keeps m = -inf, l = 0 and P = 0 (never
+  /// computes -inf - -inf).
+  /// The max and the sum run in `lanes` independent partial results so that
+  /// host compilers vectorise them without reassociating (no -ffast-math).
+  KOKKOS_FORCEINLINE_FUNCTION static void softmax_row(T* __restrict__ s, T& m, T& l, T& alpha) {
+    constexpr int lanes = Shape::dim_granule;
+    static_assert(BK % lanes == 0, "BlockAttn: block_k must be a multiple of dim_granule");
+    T part[lanes];
+    for (int j = 0; j < lanes; ++j) part[j] = -infinity<T>();
+    for (int c = 0; c < BK; c += lanes)
+      for (int j = 0; j < lanes; ++j) part[j] = s[c + j] > part[j] ? s[c + j] : part[j];
+    T row_max = m;
+    for (int j = 0; j < lanes; ++j) row_max = part[j] > row_max ? part[j] : row_max;
+    const T m_new = row_max;
+    if (m_new == -infinity<T>()) {
+      for (int c = 0; c < BK; ++c) s[c] = T(0);
+      alpha = T(1);
+      return;
+    }
+    for (int c = 0; c < BK; ++c) s[c] = exp2_nonpositive(s[c] - m_new);
+    for (int j = 0; j < lanes; ++j) part[j] = s[j];
+    for (int c = lanes; c < BK; c += lanes)
+      for (int j = 0; j < lanes; ++j) part[j] += s[c + j];
+    T sum = T(0);
+    for (int j = 0; j < lanes; ++j) sum += part[j];
+    alpha = exp2_nonpositive(m - m_new);
+    l = alpha * l + sum;
+    m = m_new;
+  }
+
+  int scratch_level = 0;
+};
+
+}  // namespace blockattn::impl

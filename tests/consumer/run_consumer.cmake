@@ -1,0 +1,35 @@
+# Installs BlockAttn from BUILD_DIR into a fresh prefix, then builds and runs the
+# consumer project against it (find_package) and against SOURCE_DIR (add_subdirectory).
+foreach(var SOURCE_DIR BUILD_DIR WORK_DIR KOKKOS_DIR CXX)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "run_consumer.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+file(REMOVE_RECURSE ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  message("${out}")
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "command failed (${rc}): ${ARGN}\n${err}")
+  endif()
+endfunction()
+
+function(consumer mode kokkos_dir tag)
+  set(bdir ${WORK_DIR}/${mode}-${tag})
+  run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${bdir}
+      -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=Release
+      -DCONSUMER_MODE=${mode} -DBLOCKATTN_SOURCE_DIR=${SOURCE_DIR}
+      -DCMAKE_PREFIX_PATH=${prefix} -DKokkos_DIR=${kokkos_dir})
+  run(${CMAKE_COMMAND} --build ${bdir} -j 2)
+  run(${bdir}/consumer)
+  message("consumer (${mode}, Kokkos from ${kokkos_dir}): OK")
+endfunction()
+
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+consumer(package ${KOKKOS_DIR} main)
+consumer(subdirectory ${KOKKOS_DIR} main)
+if(EXTRA_KOKKOS_DIR)
+  consumer(package ${EXTRA_KOKKOS_DIR} extra)
+endif()

@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+// Runs attention_forward on device Views built from host tensors and compares
+// with the fp64 reference.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "backend.hpp"
+#include "reference.hpp"
+
+namespace blockattn::test {
+
+/// Copies a host tensor into a device View of T, rounding to T; the host
+/// tensor is overwritten with the rounded values so that the reference sees
+/// exactly the kernel's inputs.
+template <class View>
+void upload(HostTensor& t, const View& view) {
+  using T = typename View::non_const_value_type;
+  auto h = Kokkos::create_mirror_view(view);
+  for (int a = 0; a < t.b; ++a)
+    for (int n = 0; n < t.n; ++n)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) {
+          h(a, n, x, d) = static_cast<T>(t(a, n, x, d));
+          t(a, n, x, d) = static_cast<double>(h(a, n, x, d));
+        }
+  Kokkos::deep_copy(view, h);
+}
+
+struct ErrorReport {
+  double o_err = 0.0;    // max |O - O_ref|  (V entries are in [-1, 1])
+  double lse_err = 0.0;  // max |LSE - LSE_ref| over rows with an allowed key
+  bool finite = true;    // no NaN anywhere, no inf in O, LSE = -inf exactly where expected
+  int masked_rows = 0;   // rows with no allowed key (O must be exactly 0 there)
+  bool masked_rows_exact = true;
+};
+
+template <class OView, class LView>
+ErrorReport compare(const ReferenceResult& ref, const OView& o, const LView& lse) {
+  auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  ErrorReport r;
+  const auto& t = ref.o;
+  for (int a = 0; a < t.b; ++a)
+    for (int h = 0; h < t.h; ++h)
+      for (int n = 0; n < t.n; ++n) {
+        const double want = ref.lse[(std::size_t(a) * t.h + h) * t.n + n];
+        const double got = static_cast<double>(lh(a, h, n));
+        const bool row_masked = std::isinf(want);
+        if (std::isnan(got)) r.finite = false;
+        if (row_masked) {
+          ++r.masked_rows;
+          if (!(std::isinf(got) && got < 0)) r.masked_rows_exact = false;
+        } else {
+          if (std::isinf(got)) r.finite = false;
+          r.lse_err = std::max(r.lse_err, std::abs(got - want));
+        }
+        for (int d = 0; d < t.d; ++d) {
+          const double og = static_cast<double>(oh(a, n, h, d));
+          if (!std::isfinite(og)) r.finite = false;
+          if (row_masked && og != 0.0) r.masked_rows_exact = false;
+          r.o_err = std::max(r.o_err, std::abs(og - t(a, n, h, d)));
+        }
+      }
+  return r;
+}
+
+/// Error budget of one forward call, in absolute units of O (V in [-1, 1]) and
+/// of LSE. Rounding errors add up like a random walk: each logit carries about
+/// sqrt(D) * eps * A (A = scale * max sum_d |q_d k_d|, the logit's condition),
+/// which moves a softmax weight by the same relative amount; the row sums and
+/// P*V add about sqrt(Nk) * eps. A factor 8 covers the constants of exp2 (2 ulp),
+/// the pre-scaling of Q and the order of the partial sums.
+template <class T>
+double tolerance(const ReferenceResult& ref, int dim, int keys) {
+  const double eps = std::numeric_limits<T>::epsilon();
+  return 8.0 * eps *
+         (std::sqrt(double(dim)) * ref.max_dot_condition + std::sqrt(double(keys)) + 1.0);
+}
+
+struct Shape {
+  int b, nq, nk, h, hkv, d;
+};
+
+inline std::string describe(const Shape& s) {
+  return "B=" + std::to_string(s.b) + " Nq=" + std::to_string(s.nq) +
+         " Nk=" + std::to_string(s.nk) + " H=" + std::to_string(s.h) +
+         " Hkv=" + std::to_string(s.hkv) + " D=" + std::to_string(s.d);
+}
+
+}  // namespace blockattn::test

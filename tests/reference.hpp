@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: Apache-2.0
+// fp64 naive attention on the host: the oracle of every forward test.
+#pragma once
+
+#include <blockattn/blockattn.hpp>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace blockattn::test {
+
+/// Row-major host tensors in the library's (batch, seq, heads, dim) order.
+struct HostTensor {
+  int b = 0, n = 0, h = 0, d = 0;
+  std::vector<double> data;
+  HostTensor() = default;
+  HostTensor(int b_, int n_, int h_, int d_)
+      : b(b_), n(n_), h(h_), d(d_), data(std::size_t(b_) * n_ * h_ * d_, 0.0) {}
+  double& operator()(int i, int j, int k, int l) {
+    return data[((std::size_t(i) * n + j) * h + k) * d + l];
+  }
+  double operator()(int i, int j, int k, int l) const {
+    return data[((std::size_t(i) * n + j) * h + k) * d + l];
+  }
+};
+
+inline HostTensor random_tensor(int b, int n, int h, int d, std::mt19937_64& rng,
+                                double amplitude = 1.0) {
+  HostTensor t(b, n, h, d);
+  std::uniform_real_distribution<double> dist(-amplitude, amplitude);
+  for (auto& x : t.data) x = dist(rng);
+  return t;
+}
+
+struct ReferenceResult {
+  HostTensor o;                    // (b, nq, h, d)
+  std::vector<double> lse;         // (b, h, nq)
+  double max_abs_logit = 0.0;      // max |scale * q.k| over allowed pairs
+  double max_dot_condition = 0.0;  // max scale * sum_d |q_d k_d| over allowed pairs
+};
+
+/// O and LSE in fp64 straight from the definition, for any mask policy and
+/// position offsets. Inputs are taken as given (already rounded to the test's
+/// value type), so the result is the exact answer for those inputs.
+template <class Mask>
+ReferenceResult reference_attention(const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                                    const Mask& mask, double scale, index_type q_offset = 0,
+                                    index_type k_offset = 0) {
+  ReferenceResult r;
+  r.o = HostTensor(q.b, q.n, q.h, q.d);
+  r.lse.assign(std::size_t(q.b) * q.h * q.n, -std::numeric_limits<double>::infinity());
+  const int group = q.h / k.h;
+  std::vector<double> s(k.n);
+  for (int b = 0; b < q.b; ++b)
+    for (int h = 0; h < q.h; ++h)
+      for (int i = 0; i < q.n; ++i) {
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int j = 0; j < k.n; ++j) {
+          if (!mask.allowed(q_offset + i, k_offset + j)) {
+            s[j] = -std::numeric_limits<double>::infinity();
+            continue;
+          }
+          double acc = 0.0, cond = 0.0;
+          for (int x = 0; x < q.d; ++x) {
+            acc += q(b, i, h, x) * k(b, j, h / group, x);
+            cond += std::abs(q(b, i, h, x) * k(b, j, h / group, x));
+          }
+          s[j] = scale * acc;
+          r.max_abs_logit = std::max(r.max_abs_logit, std::abs(s[j]));
+          r.max_dot_condition = std::max(r.max_dot_condition, std::abs(scale) * cond);
+          mx = std::max(mx, s[j]);
+        }
+        if (mx == -std::numeric_limits<double>::infinity()) continue;  // O row stays 0
+        double sum = 0.0;
+        for (int j = 0; j < k.n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        for (int x = 0; x < q.d; ++x) {
+          double acc = 0.0;
+          for (int j = 0; j < k.n; ++j) acc += s[j] * v(b, j, h / group, x);
+          r.o(b, i, h, x) = acc / sum;
+        }
+        r.lse[(std::size_t(b) * q.h + h) * q.n + i] = mx + std::log(sum);
+      }
+  return r;
+}
+
+}  // namespace blockattn::test

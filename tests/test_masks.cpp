@@ -1,0 +1,98 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-only tests: every mask's classify() agrees with its allowed() on every
+// box of small position ranges (exhaustive), and the policy concept checks.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+
+#include "user_masks.hpp"
+
+using namespace blockattn;
+
+namespace {
+
+/// The truth for a box: empty / full / partial, from allowed() on every pair.
+template <class Mask>
+TileKind brute_force(const Mask& m, index_type qb, index_type qe, index_type kb, index_type ke) {
+  bool any = false, all = true;
+  for (index_type q = qb; q < qe; ++q)
+    for (index_type k = kb; k < ke; ++k) {
+      const bool a = m.allowed(q, k);
+      any = any || a;
+      all = all && a;
+    }
+  return !any ? TileKind::empty : (all ? TileKind::full : TileKind::partial);
+}
+
+/// classify must be conservative (never claim empty/full wrongly) and, for the
+/// built-in masks, exact on contiguous boxes.
+template <class Mask>
+void check_classify(const Mask& m, bool exact) {
+  const index_type lo = -3, hi = 12;
+  int checked = 0;
+  for (index_type qb = lo; qb < hi; ++qb)
+    for (index_type qe = qb + 1; qe <= hi; ++qe)
+      for (index_type kb = lo; kb < hi; ++kb)
+        for (index_type ke = kb + 1; ke <= hi; ++ke) {
+          const TileKind truth = brute_force(m, qb, qe, kb, ke);
+          const TileKind got = m.classify(qb, qe, kb, ke);
+          if (got != TileKind::partial) CHECK(got == truth);
+          if (exact) CHECK(got == truth);
+          ++checked;
+        }
+  CHECK(checked > 10000);
+}
+
+}  // namespace
+
+TEST_CASE("mask classify agrees with allowed on every small box") {
+  SUBCASE("full") {
+    check_classify(FullMask{}, true);
+  }
+  SUBCASE("causal") {
+    check_classify(CausalMask{}, true);
+  }
+  SUBCASE("sliding window, symmetric") {
+    check_classify(SlidingWindowMask{2, 2}, true);
+  }
+  SUBCASE("sliding window, left only") {
+    check_classify(SlidingWindowMask{3, 0}, true);
+  }
+  SUBCASE("sliding window, shifted band") {
+    check_classify(SlidingWindowMask{-1, 4}, true);
+  }
+  SUBCASE("causal_window") {
+    check_classify(causal_window(4), true);
+  }
+  SUBCASE("user prefix-LM (conservative)") {
+    check_classify(test::PrefixLMMask{5}, false);
+  }
+}
+
+TEST_CASE("causal is a sliding window with unbounded left side") {
+  const SlidingWindowMask w{index_type(1) << 40, 0};
+  for (index_type q = 0; q < 20; ++q)
+    for (index_type k = 0; k < 20; ++k) CHECK(w.allowed(q, k) == CausalMask{}.allowed(q, k));
+}
+
+namespace {
+struct NoClassify {
+  bool allowed(index_type, index_type) const { return true; }
+};
+struct WrongReturn {
+  int classify(index_type, index_type, index_type, index_type) const { return 0; }
+  bool allowed(index_type, index_type) const { return true; }
+};
+}  // namespace
+
+TEST_CASE("mask policy concept") {
+  static_assert(is_mask_policy_v<FullMask>);
+  static_assert(is_mask_policy_v<CausalMask>);
+  static_assert(is_mask_policy_v<SlidingWindowMask>);
+  static_assert(is_mask_policy_v<test::PrefixLMMask>);
+  static_assert(!is_mask_policy_v<NoClassify>);
+  static_assert(!is_mask_policy_v<WrongReturn>);
+  static_assert(!is_mask_policy_v<int>);
+  CHECK(is_mask_policy_v<CausalMask>);
+  CHECK_FALSE(is_mask_policy_v<NoClassify>);
+}
