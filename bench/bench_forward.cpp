@@ -65,10 +65,10 @@ void bm_attention(benchmark::State& state) {
     state.SetIterationTime(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
+  const blockattn::TileSizes ts = blockattn::forward_tile_sizes<float, Exec, Shape>(d);
   const blockattn::TileCounts tiles =
-      mask == causal
-          ? blockattn::count_tiles(blockattn::CausalMask{}, n, n, Shape::block_q, Shape::block_k)
-          : blockattn::count_tiles(blockattn::FullMask{}, n, n, Shape::block_q, Shape::block_k);
+      mask == causal ? blockattn::count_tiles(blockattn::CausalMask{}, n, n, ts.block_q, ts.block_k)
+                     : blockattn::count_tiles(blockattn::FullMask{}, n, n, ts.block_q, ts.block_k);
   state.counters["GFLOP/s"] =
       benchmark::Counter(blockattn::forward_flops(tiles.allowed_pairs, d) * 1e-9,
                          benchmark::Counter::kIsIterationInvariantRate);
@@ -106,7 +106,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
     for (const Run& r : runs) {
       auto it = r.counters.find("GFLOP/s");
       if (it != r.counters.end() && r.run_type == Run::RT_Iteration)
-        rate[r.benchmark_name()] = it->second.value;
+        rate[r.run_name.function_name] = it->second.value;
     }
     ConsoleReporter::ReportRuns(runs);
   }
@@ -122,7 +122,11 @@ const std::vector<int> dims = {64, 128};
 
 std::string attn_name(const char* variant, int n, int d, int mask) {
   return std::string("attention/") + variant + "/N:" + std::to_string(n) +
-         "/D:" + std::to_string(d) + "/mask:" + std::to_string(mask) + "/manual_time";
+         "/D:" + std::to_string(d) + (mask == causal ? "/causal" : "/full");
+}
+
+std::string gemm_name(int n, int d) {
+  return "sgemm/M:" + std::to_string(n) + "/N:" + std::to_string(n) + "/K:" + std::to_string(d);
 }
 
 void register_all(bool quick) {
@@ -146,15 +150,13 @@ void register_all(bool quick) {
               ->MinTime(0.3);
 #endif
       }
-      benchmark::RegisterBenchmark(
-          ("sgemm/N:" + std::to_string(n) + "/D:" + std::to_string(d) + "/manual_time").c_str(),
-          bm_sgemm)
+      benchmark::RegisterBenchmark(gemm_name(n, d).c_str(), bm_sgemm)
           ->Args({n, n, d})
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond)
           ->MinTime(0.3);
     }
-  benchmark::RegisterBenchmark("sgemm/4096^3/manual_time", bm_sgemm)
+  benchmark::RegisterBenchmark("sgemm/4096^3", bm_sgemm)
       ->Args({4096, 4096, 4096})
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond)
@@ -181,7 +183,7 @@ int main(int argc, char** argv) {
     benchmark::RunSpecifiedBenchmarks(&reporter);
 
     const int threads = Exec().concurrency();
-    const double peak = reporter.rate["sgemm/4096^3/manual_time"];
+    const double peak = reporter.rate["sgemm/4096^3"];
     std::printf("\nRatios measured in this run (%s, %d thread%s; sgemm 4096^3 = %.1f GFLOP/s)\n",
                 Exec::name(), threads, threads == 1 ? "" : "s", peak);
     std::printf("%-16s %5s %5s %7s %10s %14s %14s %14s\n", "variant", "N", "D", "mask", "GFLOP/s",
@@ -192,8 +194,7 @@ int main(int argc, char** argv) {
           for (int mask : {full, causal}) {
             auto it = reporter.rate.find(attn_name(variant, n, d, mask));
             if (it == reporter.rate.end()) continue;
-            const double g = reporter.rate["sgemm/N:" + std::to_string(n) +
-                                           "/D:" + std::to_string(d) + "/manual_time"];
+            const double g = reporter.rate[gemm_name(n, d)];
             const double f = reporter.rate[attn_name(variant, n, d, full)];
             std::printf("%-16s %5d %5d %7s %10.1f %14.2f %14.2f %14s\n", variant, n, d,
                         mask == causal ? "causal" : "full", it->second, it->second / g,

@@ -104,6 +104,7 @@ configure() {
   [ -f /usr/lib/x86_64-linux-gnu/cmake/Kokkos/KokkosConfig.cmake ] &&
     extra=-DBLOCKATTN_CONSUMER_EXTRA_KOKKOS_DIR=/usr/lib/x86_64-linux-gnu/cmake/Kokkos
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
+    -DKokkosKernels_ROOT="$kokkos" \
     -DBLOCKATTN_BUILD_BENCH=ON $extra "$@" >/dev/null
 }
 

@@ -138,6 +138,9 @@ int run_all(const Args& a) {
   std::printf("BlockAttn demo: Kokkos %s (%d threads), %s, B=%d H=%d N=%d D=%d\n",
               Kokkos::DefaultExecutionSpace::name(), Kokkos::DefaultExecutionSpace().concurrency(),
               a.fp64 ? "fp64" : "fp32", a.batch, a.heads, a.n, a.d);
+  std::printf("tiles are per (batch, head), %dx%d each; GFLOP/s counts 4*D per allowed pair\n",
+              blockattn::forward_tile_sizes<T>(a.d).block_q,
+              blockattn::forward_tile_sizes<T>(a.d).block_k);
   std::printf("%-18s %10s %10s %8s %8s %8s %10s %10s %s\n", "mask", "time[ms]", "GFLOP/s", "full",
               "partial", "skipped", "max_err", "tolerance", "check");
   int failures = 0;

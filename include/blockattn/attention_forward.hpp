@@ -142,10 +142,13 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.group = e.heads / e.kv_heads;
   f.q_scale = scale * log2e<T>;
   const int league = e.batch * e.heads * f.q_tiles;
+  // Chunk size 1: with dynamic scheduling, a thread takes one query tile at a
+  // time, so the uneven tiles of causal masks spread evenly over threads.
   const std::size_t bytes = Kernel::scratch_bytes(f.dim_padded);
   typename Kernel::policy_type policy =
       is_host_space_v<ExecSpace> ? typename Kernel::policy_type(exec, league, 1)
                                  : typename Kernel::policy_type(exec, league, Kokkos::AUTO);
+  policy.set_chunk_size(1);
   f.scratch_level = bytes <= std::size_t(policy.scratch_size_max(0)) ? 0 : 1;
   policy.set_scratch_size(f.scratch_level, Kokkos::PerTeam(bytes));
   Kokkos::parallel_for("blockattn::forward", policy, f);
@@ -161,20 +164,16 @@ void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const K
   using mem = typename ExecSpace::memory_space;
   const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale);
   const T s = std::isnan(scale) ? T(1) / std::sqrt(T(e.dim)) : T(scale);
-  auto dispatch = [&](auto static_d) {
+  with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
     constexpr int SD = decltype(static_d)::value;
-    using Kernel = ForwardKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
-    auto kv = allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, Kernel::pad_dim(e.dim),
-                                         Shape::block_k);
+    using S = decltype(shape);
+    check_tile_shape<S>();
+    using Kernel = ForwardKernel<ExecSpace, T, SD, S, Mask, QPos, KPos>;
+    auto kv =
+        allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, Kernel::pad_dim(e.dim), S::block_k);
     pack_kv(exec, k, v, kv);
-    launch_forward<ExecSpace, T, SD, Shape>(exec, e, q, kv, o, lse, mask, qpos, kpos, s);
-  };
-  if (e.dim == 64)
-    dispatch(std::integral_constant<int, 64>{});
-  else if (e.dim == 128)
-    dispatch(std::integral_constant<int, 128>{});
-  else
-    dispatch(std::integral_constant<int, 0>{});
+    launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, s);
+  });
 }
 
 /// Forward on one device for arbitrary (strictly increasing) position maps.
@@ -187,7 +186,6 @@ void forward(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, co
   check_mask_policy<Mask>();
   check_position_map<QPos>();
   check_position_map<KPos>();
-  check_tile_shape<Shape>();
   // Stop here when a requirement failed: the static_assert above is the only
   // diagnostic, not a backtrace from deeper templates.
   if constexpr (forward_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask> &&

@@ -36,9 +36,11 @@ struct KokkosBatchedTileGemm {
 };
 
 /// DefaultTileShape with the KokkosBatched tile product.
-template <class T, bool HostSpace>
-struct KokkosBatchedTileShape : DefaultTileShape<T, HostSpace> {
+template <class T, bool HostSpace, int HeadDim = 0>
+struct KokkosBatchedTileShape : DefaultTileShape<T, HostSpace, HeadDim> {
   using tile_gemm = KokkosBatchedTileGemm;
+  template <int D>
+  using for_head_dim = KokkosBatchedTileShape<T, HostSpace, D>;
 };
 
 }  // namespace blockattn

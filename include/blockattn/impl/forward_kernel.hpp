@@ -10,6 +10,9 @@
 #include <blockattn/mask.hpp>
 #include <blockattn/tile_shape.hpp>
 
+#include <cstdint>
+#include <type_traits>
+
 namespace blockattn::impl {
 
 /// Sizes of one forward problem, host side (CUTLASS "Arguments").
@@ -46,6 +49,8 @@ struct ForwardKernel {
   // Width of the P*V micro tile: the full micro tile for the compile-time head
   // dims, one granule otherwise (the padded dim is a multiple of it).
   static constexpr int NRO = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
+  // Granularity (keys) at which partial tiles trim the P*V reduction.
+  static constexpr int KG = Shape::dim_granule;
   static_assert(StaticD % NRO == 0,
                 "BlockAttn: a static head dim must be a multiple of micro_cols");
 
@@ -118,6 +123,15 @@ struct ForwardKernel {
       const T* const kt_tile = &kt(b, hk, kb, 0, 0);
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (BK / NR)), [&](const int t) {
         const int r0 = (t / (BK / NR)) * MR, c0 = (t % (BK / NR)) * NR;
+        // In a partial tile, a micro tile the mask rules out entirely is not
+        // computed: the mask pass below overwrites all of it with -inf.
+        if (kind == TileKind::partial && r0 < q_rows && c0 < k_rows) {
+          const int r1 = (r0 + MR < q_rows ? r0 + MR : q_rows) - 1;
+          const int c1 = (c0 + NR < k_rows ? c0 + NR : k_rows) - 1;
+          if (mask.classify(qpos(q0 + r0), qpos(q0 + r1) + 1, kpos(k0 + c0), kpos(k0 + c1) + 1) ==
+              TileKind::empty)
+            return;
+        }
         Gemm::template apply<MR, NR, StaticD>(dp, qs + r0 * dp, dp, kt_tile + c0, BK,
                                               ss + r0 * BK + c0, BK,
                                               static_cast<const T*>(nullptr));
@@ -129,10 +143,10 @@ struct ForwardKernel {
         T* const srow = ss + r * BK;
         if (per_element) {
           const index_type qg = qpos(q0 + r);
+          const bool check_mask = kind == TileKind::partial;
           for (int c = 0; c < BK; ++c) {
-            const bool keep =
-                c < k_rows && (kind == TileKind::full || mask.allowed(qg, kpos(k0 + c)));
-            srow[c] = keep ? srow[c] : -infinity<T>();
+            const bool keep = c < k_rows && (!check_mask || mask.allowed(qg, kpos(k0 + c)));
+            srow[c] = keep_or_neg_inf(keep, srow[c]);
           }
         }
         softmax_row(srow, m[r], l[r], alpha[r]);
@@ -141,11 +155,23 @@ struct ForwardKernel {
 
       // O (BQ, dp) = diag(alpha) O + P (BQ, BK) * V (BK, dp)
       const T* const v_tile = v_head + static_cast<std::ptrdiff_t>(k0) * dp;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (dp / NRO)), [&](const int t) {
-        const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
-        Gemm::template apply<MR, NRO, BK>(BK, ss + r0 * BK, BK, v_tile + c0, dp, os + r0 * dp + c0,
-                                          dp, alpha + r0);
-      });
+      const int o_tiles = (BQ / MR) * (dp / NRO);
+      if (kind == TileKind::full) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
+          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
+          Gemm::template apply<MR, NRO, BK>(BK, ss + r0 * BK, BK, v_tile + c0, dp,
+                                            os + r0 * dp + c0, dp, alpha + r0);
+        });
+      } else {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
+          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
+          const KeyRange keys = live_keys(r0, q0, q_rows, k0, k_rows);
+          Gemm::template apply<MR, NRO, 0>(
+              keys.end - keys.begin, ss + r0 * BK + keys.begin, BK,
+              v_tile + static_cast<std::ptrdiff_t>(keys.begin) * dp + c0, dp, os + r0 * dp + c0, dp,
+              alpha + r0);
+        });
+      }
       team.team_barrier();
     }
 
@@ -156,6 +182,36 @@ struct ForwardKernel {
       for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d] * inv_l;
       lse(b, h, q0 + r) = seen ? (m[r] + kmath::log2(l[r])) * ln2<T> : -infinity<T>();
     });
+  }
+
+  struct KeyRange {
+    int begin, end;
+  };
+
+  /// In a partial tile, the keys [begin, end) (granularity KG) that some row
+  /// r0 .. r0 + MR - 1 may see: P is 0 outside, so P*V skips them. An empty
+  /// range only rescales the accumulator.
+  KOKKOS_INLINE_FUNCTION KeyRange live_keys(int r0, int q0, int q_rows, int k0, int k_rows) const {
+    if (r0 >= q_rows) return {0, 0};
+    const int r1 = (r0 + MR < q_rows ? r0 + MR : q_rows) - 1;
+    const index_type qb = qpos(q0 + r0), qe = qpos(q0 + r1) + 1;
+    auto empty = [&](int c) {
+      const int c1 = (c + KG < k_rows ? c + KG : k_rows) - 1;
+      return c >= k_rows ||
+             mask.classify(qb, qe, kpos(k0 + c), kpos(k0 + c1) + 1) == TileKind::empty;
+    };
+    int lo = 0, hi = BK;
+    while (lo < hi && empty(lo)) lo += KG;
+    while (hi > lo && empty(hi - KG)) hi -= KG;
+    return {lo, hi};
+  }
+
+  /// x if keep, else -inf, as integer masking: a float select under a
+  /// condition stays scalar with GCC's default -ftrapping-math.
+  KOKKOS_FORCEINLINE_FUNCTION static T keep_or_neg_inf(bool keep, T x) {
+    using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    const Bits m = Bits(0) - static_cast<Bits>(keep);
+    return bit_cast<T>((bit_cast<Bits>(x) & m) | (bit_cast<Bits>(-infinity<T>()) & ~m));
   }
 
   /// Online-softmax update of one row (base-2 logits in `s`, overwritten by P):
