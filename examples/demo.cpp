@@ -112,11 +112,8 @@ Row run(const Args& a, const char* name, const Mask& mask) {
         }
       }
 
-  using Shape =
-      blockattn::DefaultTileShape<T,
-                                  blockattn::impl::is_host_space_v<Kokkos::DefaultExecutionSpace>>;
-  blockattn::TileCounts tiles =
-      blockattn::count_tiles(mask, a.n, a.n, Shape::block_q, Shape::block_k);
+  const blockattn::TileSizes ts = blockattn::forward_tile_sizes<T>(a.d);
+  blockattn::TileCounts tiles = blockattn::count_tiles(mask, a.n, a.n, ts.block_q, ts.block_k);
   const double heads = double(a.batch) * a.heads;
   const double flops = heads * blockattn::forward_flops(tiles.allowed_pairs, a.d);
   // Same budget as the tests: 8 eps (sqrt(D) * logit condition + sqrt(N) + 1),

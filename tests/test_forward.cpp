@@ -67,12 +67,12 @@ ErrorReport run_case(const Shape& s, const Mask& mask, Layout layout, std::uint6
   return err;
 }
 
-// Lengths around the tile size (64 on CPUs, 32 on GPUs), Nq != Nk, GQA, and the
-// head dims with compile-time paths (64, 128) and the generic path.
+// Lengths around the tile sizes (64x64, and 96x128 at fp32 D = 128, on CPUs; 32 on GPUs), Nq != Nk,
+// GQA, and the head dims with compile-time paths (64, 128) and the generic path.
 const Shape shapes[] = {
     {1, 1, 1, 1, 1, 64},     {1, 17, 33, 1, 1, 40},   {2, 64, 64, 2, 1, 64},
     {1, 65, 130, 2, 2, 128}, {1, 130, 63, 4, 2, 128}, {2, 100, 200, 2, 1, 8},
-    {1, 97, 97, 1, 1, 256},  {1, 33, 129, 3, 3, 200},
+    {1, 97, 97, 1, 1, 256},  {1, 33, 129, 3, 3, 200}, {1, 193, 257, 2, 1, 128},
 };
 
 }  // namespace
