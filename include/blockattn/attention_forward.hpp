@@ -120,13 +120,28 @@ ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const 
   return e;
 }
 
+/// How one kernel call relates to the calls before and after it over other
+/// K/V blocks of the same queries (the ring schedules make one call per step).
+template <class T, class MemorySpace>
+struct BlockStep {
+  Kokkos::View<T***, Kokkos::LayoutRight, MemorySpace> m_state, l_state;  // (batch, heads, queries)
+  bool resume = false;     // continue from the state of an earlier call
+  bool finish = true;      // normalise into o and lse
+  bool skip_keys = false;  // no key tile at all (only resume/finish)
+};
+
 template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
           class QV, class OV, class LV>
 void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
                     const PackedKV<T, typename ExecSpace::memory_space>& kv, const OV& o,
-                    const LV& lse, const Mask& mask, const QPos& qpos, const KPos& kpos, T scale) {
+                    const LV& lse, const Mask& mask, const QPos& qpos, const KPos& kpos, T scale,
+                    const BlockStep<T, typename ExecSpace::memory_space>& step = {}) {
   using Kernel = ForwardKernel<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
   Kernel f;
+  f.m_state = step.m_state;
+  f.l_state = step.l_state;
+  f.resume = step.resume;
+  f.finish = step.finish;
   f.q = typename Kernel::in_view(q);
   f.kt = kv.kt;
   f.v = kv.v;
@@ -138,7 +153,7 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.ext = e;
   f.dim_padded = static_cast<int>(kv.kt.extent(3));
   f.q_tiles = (e.queries + Shape::block_q - 1) / Shape::block_q;
-  f.k_tiles = (e.keys + Shape::block_k - 1) / Shape::block_k;
+  f.k_tiles = step.skip_keys ? 0 : (e.keys + Shape::block_k - 1) / Shape::block_k;
   f.group = e.heads / e.kv_heads;
   f.q_scale = scale * log2e<T>;
   const int league = e.batch * e.heads * f.q_tiles;

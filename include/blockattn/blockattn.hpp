@@ -3,9 +3,16 @@
 #pragma once
 
 #include <blockattn/attention_forward.hpp>
+#include <blockattn/communicator.hpp>
 #include <blockattn/config.hpp>
+#include <blockattn/distributed_attention.hpp>
 #include <blockattn/errors.hpp>
 #include <blockattn/mask.hpp>
+#include <blockattn/partition.hpp>
 #include <blockattn/positions.hpp>
+#include <blockattn/ring_schedule.hpp>
 #include <blockattn/tile_shape.hpp>
 #include <blockattn/work.hpp>
+
+// The MPI communicator is not included here (only it needs <mpi.h>):
+// #include <blockattn/mpi_communicator.hpp>

@@ -31,9 +31,11 @@ struct TileCounts {
 
 /// Counts the tiles of an (nq x nk) block cut into (block_q x block_k) tiles,
 /// for one (batch, head). Positions come from the maps, as in the kernels.
+/// Counting allowed pairs evaluates the mask on every pair of partial tiles;
+/// count_pairs = false skips that (allowed_pairs then counts full tiles only).
 template <class Mask, class QPos = OffsetPositions, class KPos = OffsetPositions>
 TileCounts count_tiles(const Mask& mask, index_type nq, index_type nk, int block_q, int block_k,
-                       const QPos& qpos = {}, const KPos& kpos = {}) {
+                       const QPos& qpos = {}, const KPos& kpos = {}, bool count_pairs = true) {
   impl::check_mask_policy<Mask>();
   TileCounts c;
   for (index_type q0 = 0; q0 < nq; q0 += block_q) {
@@ -50,8 +52,10 @@ TileCounts count_tiles(const Mask& mask, index_type nq, index_type nk, int block
           break;
         case TileKind::partial:
           ++c.partial;
-          for (index_type i = q0; i < q1; ++i)
-            for (index_type j = k0; j < k1; ++j) c.allowed_pairs += mask.allowed(qpos(i), kpos(j));
+          if (count_pairs)
+            for (index_type i = q0; i < q1; ++i)
+              for (index_type j = k0; j < k1; ++j)
+                c.allowed_pairs += mask.allowed(qpos(i), kpos(j));
           break;
       }
     }

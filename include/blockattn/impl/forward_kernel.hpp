@@ -65,6 +65,13 @@ struct ForwardKernel {
   v_view v;
   out_view o;    // (batch, queries, heads, dim)
   lse_view lse;  // (batch, heads, queries)
+  // Online-softmax state between calls over several K/V blocks (ring steps):
+  // resume = read O (unnormalised), m, l written by the previous call;
+  // finish = normalise into O and LSE (else write the state back).
+  using state_view = Kokkos::View<T***, Kokkos::LayoutRight, memory_space>;
+  state_view m_state, l_state;  // (batch, heads, queries), base-2 running max and sum
+  bool resume = false;
+  bool finish = true;
   Mask mask;
   QPos qpos;
   KPos kpos;
@@ -99,15 +106,18 @@ struct ForwardKernel {
     T* const l = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
     T* const alpha = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
 
-    // Q tile (BQ, dp), pre-scaled; O accumulator and statistics cleared.
+    // Q tile (BQ, dp), pre-scaled; the online-softmax state of its rows either
+    // fresh (O = 0, m = -inf, l = 0) or resumed from an earlier block.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
       const bool row_in = r < q_rows;
+      const bool load = resume && row_in;
       for (int d = 0; d < dp; ++d) {
-        qs[r * dp + d] = (row_in && d < ext.dim) ? q_scale * q(b, q0 + r, h, d) : T(0);
-        os[r * dp + d] = T(0);
+        const bool col_in = row_in && d < ext.dim;
+        qs[r * dp + d] = col_in ? q_scale * q(b, q0 + r, h, d) : T(0);
+        os[r * dp + d] = (load && d < ext.dim) ? o(b, q0 + r, h, d) : T(0);
       }
-      m[r] = -infinity<T>();
-      l[r] = T(0);
+      m[r] = load ? m_state(b, h, q0 + r) : -infinity<T>();
+      l[r] = load ? l_state(b, h, q0 + r) : T(0);
     });
     team.team_barrier();
 
@@ -175,6 +185,15 @@ struct ForwardKernel {
       team.team_barrier();
     }
 
+    if (!finish) {
+      // More blocks follow: keep the unnormalised O in `o` and (m, l) in the state.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+        for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d];
+        m_state(b, h, q0 + r) = m[r];
+        l_state(b, h, q0 + r) = l[r];
+      });
+      return;
+    }
     // Normalise and write back. Rows that saw no allowed key: O = 0, LSE = -inf.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
       const bool seen = l[r] > T(0);

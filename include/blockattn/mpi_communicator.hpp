@@ -1,0 +1,169 @@
+// SPDX-License-Identifier: Apache-2.0
+// MpiCommunicator: the communicator concept over a user's MPI_Comm. The only
+// BlockAttn header that includes <mpi.h>. BlockAttn never calls MPI_Init or
+// MPI_Finalize; the communicator does not own or free the MPI_Comm.
+#pragma once
+
+#include <mpi.h>
+
+#include <blockattn/communicator.hpp>
+#include <blockattn/config.hpp>
+#include <blockattn/errors.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <type_traits>
+
+namespace blockattn {
+
+/// Transfer modes: data of Views that the host cannot access is copied through
+/// a host buffer (HostStaged, the default), or handed to MPI as is (GpuAware,
+/// for CUDA-/ROCm-aware MPI builds).
+struct HostStaged {};
+struct GpuAware {};
+
+template <class Transfer = HostStaged>
+class MpiCommunicator {
+  static_assert(std::is_same<Transfer, HostStaged>::value ||
+                    std::is_same<Transfer, GpuAware>::value,
+                "BlockAttn: MpiCommunicator<Transfer>: Transfer must be HostStaged or GpuAware");
+
+ public:
+  using communicator_type = MpiCommunicator;
+
+  /// A pending transfer. `finish` runs after MPI completes it (host-staged
+  /// receives copy into the device View there).
+  struct request_type {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::shared_ptr<void> staging;
+    std::function<void()> finish;
+  };
+
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD) : m_comm(comm) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized)
+      impl::fail("MpiCommunicator",
+                 "MPI is not initialized; expected MPI_Init to be called by the "
+                 "application before constructing a communicator");
+    MPI_Comm_rank(m_comm, &m_rank);
+    MPI_Comm_size(m_comm, &m_size);
+  }
+
+  int rank() const { return m_rank; }
+  int size() const { return m_size; }
+  MPI_Comm comm() const { return m_comm; }
+
+  template <class View>
+  request_type isend(const View& v, int dest, int tag) {
+    impl::require_contiguous("MpiCommunicator::isend", "view", v);
+    check_peer("MpiCommunicator::isend", dest);
+    request_type r;
+    const int count = byte_count(v);
+    if constexpr (needs_staging<View>()) {
+      auto h = std::make_shared<typename View::HostMirror>(
+          Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v));
+      r.staging = h;
+      check(MPI_Isend(h->data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
+    } else {
+      Kokkos::fence();  // the data must be complete before MPI reads it
+      check(MPI_Isend(v.data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
+    }
+    return r;
+  }
+
+  template <class View>
+  request_type irecv(const View& v, int source, int tag) {
+    impl::require_contiguous("MpiCommunicator::irecv", "view", v);
+    check_peer("MpiCommunicator::irecv", source);
+    request_type r;
+    const int count = byte_count(v);
+    if constexpr (needs_staging<View>()) {
+      auto h = std::make_shared<typename View::HostMirror>(Kokkos::create_mirror_view(v));
+      r.staging = h;
+      r.finish = [h, v]() { Kokkos::deep_copy(v, *h); };
+      check(MPI_Irecv(h->data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
+    } else {
+      check(MPI_Irecv(v.data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
+    }
+    return r;
+  }
+
+  void wait(request_type& r) {
+    check(MPI_Wait(&r.request, MPI_STATUS_IGNORE), "MPI_Wait");
+    complete(r);
+  }
+  bool test(request_type& r) {
+    int flag = 0;
+    check(MPI_Test(&r.request, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    if (flag) complete(r);
+    return flag != 0;
+  }
+  void barrier() { check(MPI_Barrier(m_comm), "MPI_Barrier"); }
+
+  template <class T>
+  T allreduce(T value, ReduceOp op) {
+    T out{};
+    check(MPI_Allreduce(&value, &out, 1, mpi_type<T>(), mpi_op(op), m_comm), "MPI_Allreduce");
+    return out;
+  }
+
+ private:
+  MPI_Comm m_comm;
+  int m_rank = 0, m_size = 1;
+
+  template <class View>
+  static constexpr bool needs_staging() {
+    return std::is_same<Transfer, HostStaged>::value &&
+           !Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename View::memory_space>::accessible;
+  }
+  template <class View>
+  static int byte_count(const View& v) {
+    const std::size_t bytes = v.span() * sizeof(typename View::value_type);
+    if (bytes > std::size_t(std::numeric_limits<int>::max()))
+      impl::fail("MpiCommunicator", "message of ", bytes,
+                 " bytes exceeds MPI's int count; expected at most ",
+                 std::numeric_limits<int>::max(), " bytes per message");
+    return static_cast<int>(bytes);
+  }
+  void check_peer(const char* fn, int peer) const {
+    if (peer < 0 || peer >= m_size)
+      impl::fail(fn, "peer rank = ", peer, ", expected 0 <= rank < ", m_size);
+  }
+  static void check(int rc, const char* what) {
+    if (rc != MPI_SUCCESS) impl::fail("MpiCommunicator", what, " failed with error code ", rc);
+  }
+  static void complete(request_type& r) {
+    if (r.finish) r.finish();
+    r.finish = nullptr;
+    r.staging.reset();
+  }
+  template <class T>
+  static MPI_Datatype mpi_type() {
+    if constexpr (std::is_same<T, double>::value)
+      return MPI_DOUBLE;
+    else if constexpr (std::is_same<T, float>::value)
+      return MPI_FLOAT;
+    else if constexpr (std::is_same<T, int>::value)
+      return MPI_INT;
+    else if constexpr (std::is_same<T, std::int64_t>::value)
+      return MPI_INT64_T;
+    else
+      static_assert(sizeof(T) == 0, "BlockAttn: allreduce supports int, int64_t, float, double");
+  }
+  static MPI_Op mpi_op(ReduceOp op) {
+    switch (op) {
+      case ReduceOp::sum:
+        return MPI_SUM;
+      case ReduceOp::max:
+        return MPI_MAX;
+      case ReduceOp::min:
+        return MPI_MIN;
+    }
+    return MPI_SUM;
+  }
+};
+
+}  // namespace blockattn

@@ -1,0 +1,212 @@
+// SPDX-License-Identifier: Apache-2.0
+// Multi-rank: the distributed forward equals the single-device forward on the
+// same global sequence, for every partition x mask, on this binary's backend.
+// Run under mpiexec with any number of ranks (ctest: 1, 2, 3, 4).
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+#include <blockattn/mpi_communicator.hpp>
+
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "backend.hpp"
+#include "user_masks.hpp"
+
+using namespace blockattn;
+using blockattn::test::ExecSpace;
+using blockattn::test::MemSpace;
+
+namespace {
+
+template <class T>
+using V4 = Kokkos::View<T****, MemSpace>;
+template <class T>
+using V3 = Kokkos::View<T***, MemSpace>;
+
+template <class View>
+void fill_random(const View& v, std::uint64_t seed) {
+  auto h = Kokkos::create_mirror_view(v);
+  std::mt19937_64 rng(seed);  // the same on every rank: one global sequence
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = typename View::value_type(u(rng));
+  Kokkos::deep_copy(v, h);
+}
+
+/// max |a - b| / max |b| over finite entries; inf entries must match exactly.
+template <class View>
+double rel_error(const View& a, const View& b, bool& inf_mismatch) {
+  auto ah = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), a);
+  auto bh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b);
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < ah.size(); ++i) {
+    const double x = ah.data()[i], y = bh.data()[i];
+    if (std::isinf(y) || std::isinf(x) || std::isnan(x)) {
+      if (!(x == y)) inf_mismatch = true;
+      continue;
+    }
+    num = std::max(num, std::abs(x - y));
+    den = std::max(den, std::abs(y));
+  }
+  return den > 0 ? num / den : num;
+}
+
+struct Case {
+  int b, n_local, h, hkv, d;
+};
+
+/// Tolerance of distributed vs single device: the same tile kernel on the same
+/// inputs, with keys visited in another order and merged by the same rescale
+/// rule, so the results differ by rounding only: ~1e-16 (fp64) and ~1e-7 (fp32)
+/// times a few accumulation steps. The limits leave 10-100x margin.
+template <class T>
+constexpr double dist_tol() {
+  return std::is_same<T, double>::value ? 1e-12 : 1e-5;
+}
+
+template <class T, class Partition, class Mask, class Comm>
+void check_against_single(Comm comm, const Case& c, const Mask& mask, std::uint64_t seed) {
+  const int P = comm.size(), rank = comm.rank();
+  const int N = c.n_local * P;
+  V4<T> q("q", c.b, N, c.h, c.d), k("k", c.b, N, c.hkv, c.d), v("v", c.b, N, c.hkv, c.d),
+      o("o", c.b, N, c.h, c.d);
+  V3<T> lse("lse", c.b, c.h, N);
+  fill_random(q, seed);
+  fill_random(k, seed + 1);
+  fill_random(v, seed + 2);
+  attention_forward(ExecSpace{}, q, k, v, o, lse, mask);
+
+  V4<T> ql("ql", c.b, c.n_local, c.h, c.d), kl("kl", c.b, c.n_local, c.hkv, c.d),
+      vl("vl", c.b, c.n_local, c.hkv, c.d), ol("ol", c.b, c.n_local, c.h, c.d),
+      oref("oref", c.b, c.n_local, c.h, c.d);
+  V3<T> ll("ll", c.b, c.h, c.n_local), lref("lref", c.b, c.h, c.n_local);
+  to_local<Partition>(ExecSpace{}, P, rank, q, ql);
+  to_local<Partition>(ExecSpace{}, P, rank, k, kl);
+  to_local<Partition>(ExecSpace{}, P, rank, v, vl);
+  to_local<Partition>(ExecSpace{}, P, rank, o, oref);
+  to_local<Partition>(ExecSpace{}, P, rank, lse, lref);
+
+  DistributedAttention<Partition, Mask, RingSchedule, Comm, ExecSpace> attn(comm, mask);
+  const RunStats stats = attn.forward(ql, kl, vl, ol, ll);
+  Kokkos::fence();
+  bool inf_mismatch = false;
+  const double eo = rel_error(ol, oref, inf_mismatch);
+  const double el = rel_error(ll, lref, inf_mismatch);
+  INFO("rank ", rank, "/", P, " partition=", Partition::name(), " N=", N, " D=", c.d, " o_err=", eo,
+       " lse_err=", el);
+  CHECK(eo <= dist_tol<T>());
+  CHECK(el <= dist_tol<T>());
+  CHECK_FALSE(inf_mismatch);
+  CHECK(int(stats.steps.size()) == P);
+
+  // Gathering the local outputs back into global order gives the global output.
+  V4<T> back("back", c.b, N, c.h, c.d);
+  from_local<Partition>(ExecSpace{}, P, rank, ol, back);
+  auto bh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), back);
+  auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
+  const auto map = Partition::positions(N, P, rank);
+  double gerr = 0.0;
+  for (int i = 0; i < c.n_local; ++i)
+    gerr = std::max(gerr, std::abs(double(bh(0, map(i), 0, 0)) - double(oh(0, map(i), 0, 0))));
+  CHECK(gerr <= dist_tol<T>());
+}
+
+template <class T, class Partition, class Comm>
+void all_masks(Comm comm, const Case& c, std::uint64_t seed) {
+  const index_type N = index_type(c.n_local) * comm.size();
+  check_against_single<T, Partition>(comm, c, FullMask{}, seed);
+  check_against_single<T, Partition>(comm, c, CausalMask{}, seed + 10);
+  check_against_single<T, Partition>(comm, c, SlidingWindowMask{N / 5, N / 7}, seed + 20);
+  check_against_single<T, Partition>(comm, c, test::PrefixLMMask{N / 3}, seed + 30);
+}
+
+// Local lengths are even (zigzag) and not multiples of the tile sizes.
+const Case cases[] = {{1, 74, 1, 1, 64}, {2, 38, 2, 1, 40}, {1, 130, 2, 2, 128}};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("distributed forward equals single-device forward", T, double, float) {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  std::uint64_t seed = 100;
+  for (const Case& c : cases) {
+    all_masks<T, ContiguousPartition>(comm, c, seed += 100);
+    all_masks<T, StripedPartition>(comm, c, seed += 100);
+    all_masks<T, ZigzagPartition>(comm, c, seed += 100);
+  }
+}
+
+TEST_CASE("the size-1 communicator runs the same code without MPI") {
+  check_against_single<double, StripedPartition>(SelfCommunicator{}, {1, 50, 2, 1, 64},
+                                                 CausalMask{}, 7);
+  check_against_single<float, ZigzagPartition>(SelfCommunicator{}, {2, 66, 1, 1, 40},
+                                               test::PrefixLMMask{20}, 8);
+}
+
+TEST_CASE("accounting: bytes and steps match the ring") {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const int P = comm.size(), n = 64, d = 64;
+  V4<float> q("q", 1, n, 2, d), o("o", 1, n, 2, d);
+  V3<float> lse("lse", 1, 2, n);
+  DistributedAttention<ContiguousPartition, CausalMask, RingSchedule, MpiCommunicator<>, ExecSpace>
+      attn(comm);
+  const RunStats s = attn.forward(q, q, q, o, lse);
+  REQUIRE(int(s.steps.size()) == P);
+  for (int i = 0; i < P; ++i) {
+    CHECK(s.steps[i].source == ring_source(comm.rank(), i, P));
+    // Contiguous causal: the block of a later rank is skipped whole.
+    CHECK(s.steps[i].computed == (s.steps[i].source <= comm.rank()));
+    // K^T and V of the local block (padded to whole tiles), except after the last step.
+    const std::int64_t padded = (n + s.block_k - 1) / s.block_k * s.block_k;
+    CHECK(s.steps[i].bytes_sent == (i + 1 < P ? 2 * padded * d * 2 * 4 : 0));  // 2 kv heads, fp32
+  }
+}
+
+TEST_CASE("bad arguments on one rank throw on every rank, no hang") {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  // Rank P-1 passes a k of the wrong head_dim; everyone must throw.
+  const int d_k = comm.rank() == P - 1 ? 32 : 64;
+  V4<double> q("q", 1, 16, 1, 64), k("k", 1, 16, 1, d_k), o("o", 1, 16, 1, 64);
+  V3<double> lse("lse", 1, 1, 16);
+  DistributedAttention<StripedPartition, CausalMask, RingSchedule, MpiCommunicator<>, ExecSpace>
+      attn(comm);
+  std::string msg;
+  try {
+    attn.forward(q, k, k, o, lse);
+  } catch (const invalid_argument& e) {
+    msg = e.what();
+  }
+  INFO("rank ", comm.rank(), ": ", msg);
+  CHECK_FALSE(msg.empty());
+  if (comm.rank() == P - 1)
+    CHECK(msg.find("'k'") != std::string::npos);
+  else
+    CHECK(msg.find("invalid arguments on rank " + std::to_string(P - 1)) != std::string::npos);
+
+  // Local lengths that differ between ranks.
+  const int n = comm.rank() == 0 && P > 1 ? 18 : 16;
+  V4<double> q2("q", 1, n, 1, 8), o2("o", 1, n, 1, 8);
+  V3<double> l2("l", 1, 1, n);
+  msg.clear();
+  try {
+    attn.forward(q2, q2, q2, o2, l2);
+  } catch (const invalid_argument& e) {
+    msg = e.what();
+  }
+  if (P > 1)
+    CHECK(msg.find("local length (q.extent(1)) differs between ranks") != std::string::npos);
+
+  // Zigzag needs N to be a multiple of 2P: an odd local length cannot work.
+  DistributedAttention<ZigzagPartition, CausalMask, RingSchedule, MpiCommunicator<>, ExecSpace> zz(
+      comm);
+  V4<double> q3("q", 1, 15, 1, 8), o3("o", 1, 15, 1, 8);
+  V3<double> l3("l", 1, 1, 15);
+  msg.clear();
+  try {
+    zz.forward(q3, q3, q3, o3, l3);
+  } catch (const invalid_argument& e) {
+    msg = e.what();
+  }
+  CHECK(msg.find("N must be a positive multiple of " + std::to_string(2 * P)) != std::string::npos);
+}
