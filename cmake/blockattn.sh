@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # BlockAttn's one entry point for newcomers and CI.
 #
-#   cmake/blockattn.sh demo  [demo args]   build and run the demo (the library's main job)
+#   cmake/blockattn.sh demo  [demo args]   build and run the demo (the library's main job):
+#                                          distributed causal attention over P MPI ranks
+#                                          (P=2 by default; set P=4 to change)
+#   cmake/blockattn.sh demo-single [args]  the single-device demo (4 masks, one process)
 #   cmake/blockattn.sh test                build and run the whole test suite (ctest)
 #   cmake/blockattn.sh bench [bench args]  build and run the forward benchmark
 #   cmake/blockattn.sh deps                only install / build the dependencies
@@ -108,6 +111,13 @@ configure() {
     -DBLOCKATTN_BUILD_BENCH=ON $extra "$@" >/dev/null
 }
 
+# Open MPI: allow running as root (CI containers) and avoid the single-copy
+# (CMA) transport that container ptrace rules often forbid.
+mpi_env() {
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  export OMPI_MCA_btl_vader_single_copy_mechanism=none
+}
+
 # Kokkos' OpenMP backend asks for these; 2 threads = this machine's 2 cores.
 export OMP_PROC_BIND=${OMP_PROC_BIND:-false}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
@@ -123,7 +133,16 @@ case "$cmd" in
     ensure_deps
     configure
     cmake --build "$build" -j "$jobs" --target blockattn_demo
-    "$build/examples/blockattn_demo" "$@"
+    ranks=${P:-2}
+    threads=$(( $(nproc) / ranks )); [ "$threads" -ge 1 ] || threads=1
+    mpi_env
+    OMP_NUM_THREADS=$threads mpiexec -n "$ranks" --oversubscribe "$build/examples/blockattn_demo" "$@"
+    ;;
+  demo-single)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_demo_single
+    "$build/examples/blockattn_demo_single" "$@"
     ;;
   test)
     ensure_deps
@@ -136,6 +155,12 @@ case "$cmd" in
     configure
     cmake --build "$build" -j "$jobs" --target blockattn_bench_forward
     "$repo/bench/run_forward.sh" "$build/bench/blockattn_bench_forward" "$@"
+    ;;
+  bench-ring)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_bench_ring
+    "$repo/bench/run_ring.sh" "$build/bench/blockattn_bench_ring" "$@"
     ;;
   *)
     sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'

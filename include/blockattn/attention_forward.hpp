@@ -128,7 +128,16 @@ struct BlockStep {
   bool resume = false;     // continue from the state of an earlier call
   bool finish = true;      // normalise into o and lse
   bool skip_keys = false;  // no key tile at all (only resume/finish)
+  // Launch only teams [league_begin, league_end) of (batch, head, query tile);
+  // league_end < 0: all. Schedules split a step to progress communication.
+  int league_begin = 0, league_end = -1;
 };
+
+/// Number of teams (batch x heads x query tiles) of a forward launch.
+template <class Shape>
+int forward_league_size(const ForwardExtents& e) {
+  return e.batch * e.heads * ((e.queries + Shape::block_q - 1) / Shape::block_q);
+}
 
 template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
           class QV, class OV, class LV>
@@ -156,7 +165,10 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.k_tiles = step.skip_keys ? 0 : (e.keys + Shape::block_k - 1) / Shape::block_k;
   f.group = e.heads / e.kv_heads;
   f.q_scale = scale * log2e<T>;
-  const int league = e.batch * e.heads * f.q_tiles;
+  const int full_league = e.batch * e.heads * f.q_tiles;
+  f.league_begin = step.league_begin;
+  const int league = (step.league_end < 0 ? full_league : step.league_end) - step.league_begin;
+  if (league <= 0) return;
   // Chunk size 1: with dynamic scheduling, a thread takes one query tile at a
   // time, so the uneven tiles of causal masks spread evenly over threads.
   const std::size_t bytes = Kernel::scratch_bytes(f.dim_padded);

@@ -127,6 +127,7 @@ class DistributedAttention {
   Mask m_mask;
   ExecSpace m_exec;
   static constexpr const char* fn = "DistributedAttention::forward";
+  static constexpr int progress_chunks = 8;  // compute launches per step with a transfer in flight
 
   template <class QV, class KV, class VV, class OV, class LV>
   impl::ForwardExtents validate(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
@@ -224,8 +225,21 @@ class DistributedAttention {
         state.resume = resumed;
         state.finish = !more;
         state.skip_keys = !computed;
-        impl::launch_forward<ExecSpace, T, SD, Shape>(m_exec, e, q, buf[cur], o, lse, m_mask, qpos,
-                                                      kpos, scale, state);
+        // In chunks of query tiles, testing the transfers in between: MPI
+        // libraries move large messages only inside MPI calls, so without
+        // these tests the transfer would wait for the end of the compute.
+        const int league = impl::forward_league_size<Shape>(e);
+        const int chunks = reqs.empty() ? 1 : (league < progress_chunks ? league : progress_chunks);
+        for (int c = 0; c < chunks; ++c) {
+          state.league_begin = int(std::int64_t(league) * c / chunks);
+          state.league_end = int(std::int64_t(league) * (c + 1) / chunks);
+          impl::launch_forward<ExecSpace, T, SD, Shape>(m_exec, e, q, buf[cur], o, lse, m_mask,
+                                                        qpos, kpos, scale, state);
+          if (!reqs.empty()) {
+            m_exec.fence();
+            for (auto& r : reqs) m_comm.test(r);
+          }
+        }
         resumed = resumed || computed;
       }
       m_exec.fence();

@@ -96,9 +96,16 @@ struct has_partition_members<
           std::is_same<decltype(P::owner(index_type{}, 1, index_type{})), Owner>::value> {};
 }  // namespace impl
 
+namespace impl {
+template <class P, bool = has_partition_members<P>::value>
+struct is_partition_policy : std::false_type {};
 template <class P>
-inline constexpr bool is_partition_policy_v =
-    impl::has_partition_members<P>::value&& impl::is_position_map<typename P::position_map>::value;
+struct is_partition_policy<P, true> : is_position_map<typename P::position_map> {};
+}  // namespace impl
+
+/// True when P models the partition-policy concept described at the top of this file.
+template <class P>
+inline constexpr bool is_partition_policy_v = impl::is_partition_policy<P>::value;
 
 namespace impl {
 template <class P>

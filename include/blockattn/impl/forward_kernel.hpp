@@ -72,6 +72,7 @@ struct ForwardKernel {
   state_view m_state, l_state;  // (batch, heads, queries), base-2 running max and sum
   bool resume = false;
   bool finish = true;
+  int league_begin = 0;  // first (batch, head, query tile) of this launch
   Mask mask;
   QPos qpos;
   KPos kpos;
@@ -90,7 +91,7 @@ struct ForwardKernel {
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const int dp = padded_dim();
     // Heavier (later) query tiles first: with causal masks they carry more tiles.
-    const int league = team.league_rank();
+    const int league = team.league_rank() + league_begin;
     const int qt = q_tiles - 1 - league % q_tiles;
     const int h = (league / q_tiles) % ext.heads;
     const int b = league / (q_tiles * ext.heads);

@@ -1,0 +1,140 @@
+// SPDX-License-Identifier: Apache-2.0
+// KV-ring benchmarks (run under mpiexec; see bench/run_ring.sh).
+//
+// overlap (default): for local block sizes c (tokens per rank), full attention,
+//   times the ring (communication posted before each step's compute, completed
+//   after it) against the same steps with no communication (each rank computes
+//   the same tiles on its local block), interleaved, best of R each. Also
+//   measures F (attained FLOP/s of one step) and B (bytes/s of the same
+//   exchange without compute) and prints the condition of ring-attention.txt
+//   (compute of a step >= transfer of a block: c >= F * bytes_per_token / (4 d)).
+// --memory: per-rank memory at a fixed block size: what the schedule allocates
+//   (workspace), the local Q, K, V, O, LSE, and the process' peak RSS.
+#include <sys/resource.h>
+#include <blockattn/blockattn.hpp>
+#include <blockattn/mpi_communicator.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using T = float;
+using V4 = Kokkos::View<T****>;
+using V3 = Kokkos::View<T***>;
+using Comm = blockattn::MpiCommunicator<>;
+using Attn = blockattn::DistributedAttention<blockattn::ContiguousPartition, blockattn::FullMask,
+                                             blockattn::RingSchedule, Comm>;
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Local {
+  V4 q, k, v, o;
+  V3 lse;
+  Local(int c, int h, int d)
+      : q("q", 1, c, h, d),
+        k("k", 1, c, h, d),
+        v("v", 1, c, h, d),
+        o("o", 1, c, h, d),
+        lse("lse", 1, h, c) {
+    Kokkos::deep_copy(q, 0.01f);
+    Kokkos::deep_copy(k, 0.02f);
+    Kokkos::deep_copy(v, 1.0f);
+  }
+};
+
+void overlap(Comm& comm, int reps) {
+  const int d = 128, h = 1;
+  const int P = comm.size();
+  if (comm.rank() == 0) {
+    std::printf("KV ring overlap, P = %d, full mask, fp32, D = %d, %d thread(s) per rank\n", P, d,
+                Kokkos::DefaultExecutionSpace().concurrency());
+    std::printf("%8s %12s %12s %10s %12s %12s %10s\n", "c", "ring[ms]", "compute[ms]", "ring/comp",
+                "F[GFLOP/s]", "B[GB/s]", "c_min=F/B'");
+  }
+  for (int c : {256, 512, 1024, 2048, 4096}) {
+    Local x(c, h, d);
+    Attn attn(comm);
+    blockattn::DistributedOptions ring, compute;
+    compute.communicate = false;
+    double best_ring = 1e30, best_comp = 1e30;
+    attn.forward(x.q, x.k, x.v, x.o, x.lse, ring);  // warm-up
+    for (int r = 0; r < reps; ++r) {
+      for (int mode = 0; mode < 2; ++mode) {
+        comm.barrier();
+        const double t0 = now();
+        attn.forward(x.q, x.k, x.v, x.o, x.lse, mode == 0 ? ring : compute);
+        const double t = comm.allreduce(now() - t0, blockattn::ReduceOp::max);
+        (mode == 0 ? best_ring : best_comp) = std::min(mode == 0 ? best_ring : best_comp, t);
+      }
+    }
+    // B: the same exchange of one packed block with nobody computing.
+    const std::int64_t bytes = attn.forward(x.q, x.k, x.v, x.o, x.lse, ring).steps[0].bytes_sent;
+    Kokkos::View<char*> sbuf("s", bytes), rbuf("r", bytes);
+    double best_xfer = 1e30;
+    for (int r = 0; r < reps; ++r) {
+      comm.barrier();
+      const double t0 = now();
+      auto rq = comm.irecv(rbuf, blockattn::ring_prev(comm), 99);
+      auto sq = comm.isend(sbuf, blockattn::ring_next(comm), 99);
+      comm.wait(rq);
+      comm.wait(sq);
+      best_xfer = std::min(best_xfer, comm.allreduce(now() - t0, blockattn::ReduceOp::max));
+    }
+    const double F = 4.0 * double(c) * c * d * h / (best_comp / P);  // FLOP/s of one step
+    const double B = double(bytes) / best_xfer;                      // bytes/s of one block
+    // Compute of a step (4 c^2 d / F) >= transfer of a block (bytes_per_token * c / B):
+    const double c_min = F * (double(bytes) / c) / (4.0 * d * h) / B;
+    if (comm.rank() == 0)
+      std::printf("%8d %12.3f %12.3f %10.3f %12.1f %12.2f %10.0f\n", c, best_ring * 1e3,
+                  best_comp * 1e3, best_ring / best_comp, F * 1e-9, B * 1e-9, c_min);
+  }
+}
+
+void memory(Comm& comm, int c) {
+  const int d = 128, h = 1;
+  Local x(c, h, d);
+  Attn attn(comm);
+  const auto stats = attn.forward(x.q, x.k, x.v, x.o, x.lse);
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  const double block = double(c) * d * h * sizeof(T);  // one (c x d) block
+  const double inputs = 4 * block + double(x.lse.span()) * sizeof(T);
+  const double peak_rss = comm.allreduce(double(ru.ru_maxrss) * 1024.0, blockattn::ReduceOp::max);
+  const double ws = comm.allreduce(double(stats.workspace_bytes), blockattn::ReduceOp::max);
+  if (comm.rank() == 0)
+    std::printf(
+        "memory: P=%d N=%lld c=%d D=%d | per rank: workspace %.2f MiB (%.2f blocks), "
+        "q/k/v/o/lse %.2f MiB (%.2f blocks), peak RSS %.1f MiB\n",
+        comm.size(), (long long)c * comm.size(), c, d, ws / 1048576.0, ws / block,
+        inputs / 1048576.0, inputs / block, peak_rss / 1048576.0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  Kokkos::initialize(argc, argv);
+  {
+    Comm comm(MPI_COMM_WORLD);
+    bool mem = false;
+    int c = 4096, reps = 5;
+    for (int i = 1; i < argc; ++i) {
+      if (!std::strcmp(argv[i], "--memory")) mem = true;
+      if (!std::strcmp(argv[i], "--c") && i + 1 < argc) c = std::atoi(argv[++i]);
+      if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    }
+    if (mem)
+      memory(comm, c);
+    else
+      overlap(comm, reps);
+  }
+  Kokkos::finalize();
+  MPI_Finalize();
+  return 0;
+}
