@@ -86,3 +86,69 @@ ReferenceResult reference_attention(const HostTensor& q, const HostTensor& k, co
 }
 
 }  // namespace blockattn::test
+
+namespace blockattn::test {
+
+struct ReferenceGrads {
+  HostTensor dq, dk, dv;
+  double max_dot_condition = 0.0;
+};
+
+/// Gradients of L = sum(dO o O) in fp64 straight from the definition:
+/// P = softmax(masked scale Q K^T), dV = P^T dO, dP = dO V^T,
+/// dS = P o (dP - rowsum(P o dP)), dQ = scale dS K, dK = scale dS^T Q.
+template <class Mask>
+ReferenceGrads reference_backward(const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                                  const HostTensor& dout, const Mask& mask, double scale,
+                                  index_type q_offset = 0, index_type k_offset = 0) {
+  ReferenceGrads g;
+  g.dq = HostTensor(q.b, q.n, q.h, q.d);
+  g.dk = HostTensor(k.b, k.n, k.h, k.d);
+  g.dv = HostTensor(v.b, v.n, v.h, v.d);
+  const int group = q.h / k.h;
+  std::vector<double> p(k.n), dp(k.n);
+  for (int b = 0; b < q.b; ++b)
+    for (int h = 0; h < q.h; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < q.n; ++i) {
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int j = 0; j < k.n; ++j) {
+          if (!mask.allowed(q_offset + i, k_offset + j)) {
+            p[j] = -std::numeric_limits<double>::infinity();
+            continue;
+          }
+          double acc = 0.0, cond = 0.0;
+          for (int x = 0; x < q.d; ++x) {
+            acc += q(b, i, h, x) * k(b, j, hk, x);
+            cond += std::abs(q(b, i, h, x) * k(b, j, hk, x));
+          }
+          p[j] = scale * acc;
+          g.max_dot_condition = std::max(g.max_dot_condition, std::abs(scale) * cond);
+          mx = std::max(mx, p[j]);
+        }
+        if (mx == -std::numeric_limits<double>::infinity()) continue;  // no gradient
+        double sum = 0.0;
+        for (int j = 0; j < k.n; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        double drow = 0.0;
+        for (int j = 0; j < k.n; ++j) {
+          p[j] /= sum;
+          double acc = 0.0;
+          for (int x = 0; x < q.d; ++x) acc += dout(b, i, h, x) * v(b, j, hk, x);
+          dp[j] = acc;
+          drow += p[j] * acc;
+        }
+        for (int j = 0; j < k.n; ++j) {
+          if (p[j] == 0.0) continue;
+          const double ds = p[j] * (dp[j] - drow);
+          for (int x = 0; x < q.d; ++x) {
+            g.dv(b, j, hk, x) += p[j] * dout(b, i, h, x);
+            g.dq(b, i, h, x) += scale * ds * k(b, j, hk, x);
+            g.dk(b, j, hk, x) += scale * ds * q(b, i, h, x);
+          }
+        }
+      }
+    }
+  return g;
+}
+
+}  // namespace blockattn::test

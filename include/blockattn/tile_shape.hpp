@@ -61,6 +61,14 @@ struct DefaultTileShape<T, false, HeadDim> {
   using for_head_dim = DefaultTileShape<T, false, D>;
 };
 
+/// Backward tiles: the generic shape for every head dim (the key tile is also
+/// cut into micro_rows-row micro tiles there, so block_k % micro_rows == 0).
+template <class T, bool HostSpace>
+struct BackwardTileShape : DefaultTileShape<T, HostSpace, 0> {
+  template <int D>
+  using for_head_dim = BackwardTileShape;
+};
+
 namespace impl {
 template <class ExecSpace>
 inline constexpr bool is_host_space_v =

@@ -5,6 +5,8 @@
 
 #include <blockattn/config.hpp>
 
+#include <cstddef>
+
 namespace blockattn::impl {
 
 /// C (MR x NR, ldc) <- [row_scale ? diag(row_scale) * C : 0] + A (MR x kdim, lda) * B (kdim x NR,
@@ -31,6 +33,31 @@ KOKKOS_FORCEINLINE_FUNCTION void micro_gemm(int kdim, const T* __restrict__ a, i
     BLOCKATTN_UNROLL
     for (int r = 0; r < MR; ++r) {
       const T ar = a[r * lda + k];
+      for (int j = 0; j < NR; ++j) acc[r][j] += ar * brow[j];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) c[r * ldc + j] = acc[r][j];
+}
+
+/// C (MR x NR, ldc) <- [row_scale ? diag(row_scale) C : C] + A^T (MR x kdim) * B (kdim x NR, ldb),
+/// with A stored as (kdim x MR, lda): the products P^T dO and dS^T Q of the
+/// backward, where P and dS sit in scratch with queries as rows. Accumulates
+/// into C (beta = 1) unless row_scale is given.
+template <int MR, int NR, int KD, class T>
+KOKKOS_FORCEINLINE_FUNCTION void micro_gemm_at(int kdim, const T* __restrict__ a, int lda,
+                                               const T* __restrict__ b, int ldb, T* __restrict__ c,
+                                               int ldc) {
+  T acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = c[r * ldc + j];
+  const int kend = KD > 0 ? KD : kdim;
+  for (int k = 0; k < kend; ++k) {
+    const T* __restrict__ brow = b + static_cast<std::ptrdiff_t>(k) * ldb;
+    const T* __restrict__ acol = a + static_cast<std::ptrdiff_t>(k) * lda;
+    BLOCKATTN_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      const T ar = acol[r];
       for (int j = 0; j < NR; ++j) acc[r][j] += ar * brow[j];
     }
   }

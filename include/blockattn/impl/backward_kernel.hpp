@@ -1,0 +1,308 @@
+// SPDX-License-Identifier: Apache-2.0
+// Backward tile kernels (FlashAttention-2 structure, no atomics):
+//   KeyKernel    one team per (batch, kv head, key tile): dK, dV of its keys,
+//                looping over the query tiles of every head of its GQA group;
+//   QueryKernel  one team per (batch, head, query tile): dQ of its queries,
+//                looping over the key tiles.
+// Both recompute P = exp(S - LSE) from the saved LSE (forward never re-runs):
+//   D = rowsum(dO o O) (given), dP = dO V^T, dS = P o (dP - D),
+//   dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K.
+// S and dP are computed twice (once per kernel): 7 tile products instead of
+// FlashAttention-2's 5, in exchange for deterministic results without atomics.
+#pragma once
+
+#include <blockattn/config.hpp>
+#include <blockattn/impl/exp2.hpp>
+#include <blockattn/impl/micro_gemm.hpp>
+#include <blockattn/mask.hpp>
+#include <blockattn/tile_shape.hpp>
+
+#include <cstdint>
+
+namespace blockattn::impl {
+
+/// Packed key side of a backward block, zero padded like PackedKV:
+///   kt, vt (batch, kv_head, key_tile, head_dim_padded, block_k)  K^T, V^T panels
+///   k      (batch, kv_head, keys_padded, head_dim_padded)        K rows (for dQ)
+template <class T, class MemorySpace>
+struct PackedKeys {
+  using panel_view = Kokkos::View<T*****, Kokkos::LayoutRight, MemorySpace>;
+  using row_view = Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace>;
+  panel_view kt, vt;
+  row_view k;
+  int keys = 0;
+};
+
+template <class T, class MemorySpace>
+PackedKeys<T, MemorySpace> allocate_packed_keys(int batch, int kv_heads, int keys, int dim_padded,
+                                                int block_k) {
+  using P = PackedKeys<T, MemorySpace>;
+  const int tiles = (keys + block_k - 1) / block_k;
+  auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_keys");
+  P p;
+  p.kt = typename P::panel_view(alloc, batch, kv_heads, tiles, dim_padded, block_k);
+  p.vt = typename P::panel_view(alloc, batch, kv_heads, tiles, dim_padded, block_k);
+  p.k = typename P::row_view(alloc, batch, kv_heads, tiles * block_k, dim_padded);
+  p.keys = keys;
+  return p;
+}
+
+template <class ExecSpace, class T, class MemorySpace, class KView, class VView>
+void pack_keys(const ExecSpace& exec, const KView& k, const VView& v,
+               const PackedKeys<T, MemorySpace>& p) {
+  const int heads = int(p.k.extent(1)), keys_padded = int(p.k.extent(2)),
+            dim_padded = int(p.k.extent(3)), block_k = int(p.kt.extent(4));
+  const int dim = int(k.extent(3)), keys = p.keys;
+  auto kt = p.kt;
+  auto vt = p.vt;
+  auto kr = p.k;
+  const std::int64_t rows = std::int64_t(p.k.extent(0)) * heads * keys_padded;
+  Kokkos::parallel_for(
+      "blockattn::pack_keys",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t row) {
+        const int n = int(row % keys_padded), h = int((row / keys_padded) % heads),
+                  b = int(row / (std::int64_t(keys_padded) * heads));
+        for (int d = 0; d < dim_padded; ++d) {
+          const bool inside = n < keys && d < dim;
+          const T kv = inside ? T(k(b, n, h, d)) : T(0);
+          kt(b, h, n / block_k, d, n % block_k) = kv;
+          kr(b, h, n, d) = kv;
+          vt(b, h, n / block_k, d, n % block_k) = inside ? T(v(b, n, h, d)) : T(0);
+        }
+      });
+}
+
+/// What both backward kernels share: views, extents, and the tile step that
+/// turns S and dP of one (query tile, key tile) into P and dS in scratch.
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct BackwardCommon {
+  using memory_space = typename ExecSpace::memory_space;
+  using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+  using member_type = typename policy_type::member_type;
+  using Unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+  using in4 = Kokkos::View<const T****, Kokkos::LayoutStride, memory_space, Unmanaged>;
+  using out4 = Kokkos::View<T****, Kokkos::LayoutStride, memory_space, Unmanaged>;
+  using in3 = Kokkos::View<const T***, Kokkos::LayoutStride, memory_space, Unmanaged>;
+
+  static constexpr int BQ = Shape::block_q, BK = Shape::block_k, MR = Shape::micro_rows,
+                       NR = Shape::micro_cols;
+  static constexpr int NRO = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
+  static_assert(BK % MR == 0,
+                "BlockAttn: backward tile shape: block_k must be a multiple of micro_rows");
+
+  in4 q, dout;    // (batch, queries, heads, dim)
+  in3 lse, drow;  // (batch, heads, queries): forward LSE (natural log), rowsum(dO o O)
+  typename PackedKeys<T, memory_space>::panel_view kt, vt;
+  typename PackedKeys<T, memory_space>::row_view krows;
+  Mask mask;
+  QPos qpos;
+  KPos kpos;
+  int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0, dim = 0, dim_padded = 0;
+  int group = 1, q_tiles = 0, k_tiles = 0, scratch_level = 0;
+  bool accumulate = false;  // add to dq / dk / dv instead of overwriting
+  T scale = T(1);
+
+  KOKKOS_INLINE_FUNCTION int dp() const { return StaticD > 0 ? StaticD : dim_padded; }
+
+  /// Loads rows [q0, q0 + q_rows) of head h: Q and dO (unscaled) into scratch,
+  /// LSE in base 2 and D. Rows past the end are zero / -inf.
+  KOKKOS_INLINE_FUNCTION void load_query_tile(const member_type& team, int b, int h, int q0,
+                                              int q_rows, T* qs, T* dos, T* lse2, T* dr) const {
+    const int p = dp();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+      const bool in = r < q_rows;
+      for (int d = 0; d < p; ++d) {
+        qs[r * p + d] = (in && d < dim) ? q(b, q0 + r, h, d) : T(0);
+        dos[r * p + d] = (in && d < dim) ? dout(b, q0 + r, h, d) : T(0);
+      }
+      lse2[r] = in ? lse(b, h, q0 + r) * log2e<T> : -infinity<T>();
+      dr[r] = in ? drow(b, h, q0 + r) : T(0);
+    });
+  }
+
+  /// S = Q K^T into ss and dP = dO V^T into dps, then P into ss and dS into dps.
+  KOKKOS_INLINE_FUNCTION void tile_p_ds(const member_type& team, int b, int hk, int kb, int q0,
+                                        int q_rows, int k0, int k_rows, TileKind kind, const T* qs,
+                                        const T* dos, const T* lse2, const T* dr, T* ss,
+                                        T* dps) const {
+    const int p = dp();
+    const T* const kt_tile = &kt(b, hk, kb, 0, 0);
+    const T* const vt_tile = &vt(b, hk, kb, 0, 0);
+    Kokkos::parallel_for(
+        Kokkos::TeamThreadRange(team, 2 * (BQ / MR) * (BK / NR)), [&](const int t) {
+          const int which = t / ((BQ / MR) * (BK / NR)), u = t % ((BQ / MR) * (BK / NR));
+          const int r0 = (u / (BK / NR)) * MR, c0 = (u % (BK / NR)) * NR;
+          if (which == 0)
+            micro_gemm<MR, NR, StaticD>(p, qs + r0 * p, p, kt_tile + c0, BK, ss + r0 * BK + c0, BK,
+                                        static_cast<const T*>(nullptr));
+          else
+            micro_gemm<MR, NR, StaticD>(p, dos + r0 * p, p, vt_tile + c0, BK, dps + r0 * BK + c0,
+                                        BK, static_cast<const T*>(nullptr));
+        });
+    team.team_barrier();
+    const T s2 = scale * log2e<T>;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+      T* const srow = ss + r * BK;
+      T* const drow_ = dps + r * BK;
+      const bool row_live = r < q_rows && lse2[r] != -infinity<T>();
+      const index_type qg = qpos(q0 + (r < q_rows ? r : 0));
+      for (int c = 0; c < BK; ++c) {
+        const bool keep =
+            row_live && c < k_rows && (kind == TileKind::full || mask.allowed(qg, kpos(k0 + c)));
+        const T pv = keep ? exp2_nonpositive(srow[c] * s2 - lse2[r]) : T(0);
+        srow[c] = pv;
+        drow_[c] = pv * (drow_[c] - dr[r]);
+      }
+    });
+    team.team_barrier();
+  }
+
+  KOKKOS_INLINE_FUNCTION TileKind classify(int q0, int q_rows, int k0, int k_rows) const {
+    return mask.classify(qpos(q0), qpos(q0 + q_rows - 1) + 1, kpos(k0), kpos(k0 + k_rows - 1) + 1);
+  }
+
+  static std::size_t tile_scratch_elems(int dim_padded) {
+    // Q and dO tiles, S/P and dP/dS tiles, LSE and D rows, one accumulator.
+    return std::size_t(2) * BQ * dim_padded + std::size_t(2) * BQ * BK + 2 * BQ +
+           std::size_t(BQ > BK ? BQ : BK) * dim_padded;
+  }
+};
+
+/// dK and dV of one key tile (kv head hk) over all query tiles of its group.
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  using Base::BK;
+  using Base::BQ;
+  using Base::MR;
+  using Base::NRO;
+  using typename Base::member_type;
+  using typename Base::out4;
+  out4 dk, dv;  // (batch, keys, kv_heads, dim)
+
+  static std::size_t scratch_bytes(int dim_padded) {
+    return (Base::tile_scratch_elems(dim_padded) + std::size_t(BK) * dim_padded) * sizeof(T);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int p = this->dp();
+    const int league = team.league_rank();
+    const int kb = league % this->k_tiles;
+    const int hk = (league / this->k_tiles) % this->kv_heads;
+    const int b = league / (this->k_tiles * this->kv_heads);
+    const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
+    auto& sp = team.team_scratch(this->scratch_level);
+    T* qs = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
+    T* dos = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
+    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* lse2 = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    T* dr = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    T* dka = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
+    T* dva = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
+      dka[i] = T(0);
+      dva[i] = T(0);
+    });
+    team.team_barrier();
+    for (int g = 0; g < this->group; ++g) {
+      const int h = hk * this->group + g;
+      for (int qt = 0; qt < this->q_tiles; ++qt) {
+        const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
+        const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
+        if (kind == TileKind::empty) continue;
+        this->load_query_tile(team, b, h, q0, q_rows, qs, dos, lse2, dr);
+        team.team_barrier();
+        this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, lse2, dr, ss, dps);
+        // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q   (P, dS stored query-major)
+        const int tiles = (BK / MR) * (p / NRO);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2 * tiles), [&](const int t) {
+          const int which = t / tiles, u = t % tiles;
+          const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
+          if (which == 0)
+            micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0, p);
+          else
+            micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0, p);
+        });
+        team.team_barrier();
+      }
+    }
+    const T sc = this->scale;
+    const bool acc = this->accumulate;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
+      for (int d = 0; d < this->dim; ++d) {
+        const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
+        dk(b, k0 + c, hk, d) = acc ? dk(b, k0 + c, hk, d) + kval : kval;
+        dv(b, k0 + c, hk, d) = acc ? dv(b, k0 + c, hk, d) + vval : vval;
+      }
+    });
+  }
+};
+
+/// dQ of one query tile over all key tiles.
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  using Base::BK;
+  using Base::BQ;
+  using Base::MR;
+  using Base::NRO;
+  using typename Base::member_type;
+  using typename Base::out4;
+  out4 dq;  // (batch, queries, heads, dim)
+
+  static std::size_t scratch_bytes(int dim_padded) {
+    return (Base::tile_scratch_elems(dim_padded) + BQ) * sizeof(T);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int p = this->dp();
+    const int league = team.league_rank();
+    const int qt = this->q_tiles - 1 - league % this->q_tiles;
+    const int h = (league / this->q_tiles) % this->heads;
+    const int b = league / (this->q_tiles * this->heads);
+    const int hk = h / this->group;
+    const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
+    auto& sp = team.team_scratch(this->scratch_level);
+    T* qs = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
+    T* dos = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
+    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* lse2 = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    T* dr = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    T* dqa = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
+    T* ones = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    this->load_query_tile(team, b, h, q0, q_rows, qs, dos, lse2, dr);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+      ones[r] = T(1);
+      for (int d = 0; d < p; ++d) dqa[r * p + d] = T(0);
+    });
+    team.team_barrier();
+    const T* const k_head = &this->krows(b, hk, 0, 0);
+    for (int kb = 0; kb < this->k_tiles; ++kb) {
+      const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
+      const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
+      if (kind == TileKind::empty) continue;
+      this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, lse2, dr, ss, dps);
+      // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
+      const T* const k_tile = k_head + static_cast<std::ptrdiff_t>(k0) * p;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (p / NRO)), [&](const int t) {
+        const int r0 = (t / (p / NRO)) * MR, c0 = (t % (p / NRO)) * NRO;
+        micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p, dqa + r0 * p + c0, p,
+                                ones + r0);
+      });
+      team.team_barrier();
+    }
+    const T sc = this->scale;
+    const bool acc = this->accumulate;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+      for (int d = 0; d < this->dim; ++d) {
+        const T val = sc * dqa[r * p + d];
+        dq(b, q0 + r, h, d) = acc ? dq(b, q0 + r, h, d) + val : val;
+      }
+    });
+  }
+};
+
+}  // namespace blockattn::impl

@@ -1,0 +1,205 @@
+// SPDX-License-Identifier: Apache-2.0
+// Single-device backward against the fp64 reference of the naive formula, a
+// central finite-difference check, and fully masked rows.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+
+#include <random>
+
+#include "backend.hpp"
+#include "forward_check.hpp"
+#include "reference.hpp"
+#include "user_masks.hpp"
+
+using namespace blockattn;
+using namespace blockattn::test;
+
+namespace {
+
+template <class T>
+using V4 = Kokkos::View<T****, MemSpace>;
+template <class T>
+using V3 = Kokkos::View<T***, MemSpace>;
+
+template <class View>
+HostTensor download(const View& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
+  for (int a = 0; a < t.b; ++a)
+    for (int n = 0; n < t.n; ++n)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = double(h(a, n, x, d));
+  return t;
+}
+
+/// max |a - b| / max |b|; false if a has a NaN/inf.
+double rel_err(const HostTensor& a, const HostTensor& b, bool& finite) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.data.size(); ++i) {
+    if (!std::isfinite(a.data[i])) finite = false;
+    num = std::max(num, std::abs(a.data[i] - b.data[i]));
+    den = std::max(den, std::abs(b.data[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+/// Tolerances (relative to the largest gradient entry): the backward re-forms
+/// P from the saved LSE and adds up to Nq or Nk products of D-term dot products;
+/// random-walk rounding gives ~sqrt(D * N) * eps * (logit condition), ~1e-14
+/// (fp64) and ~1e-6..1e-5 (fp32) here; 1e-11 and 1e-4 leave a margin of 100x.
+template <class T>
+constexpr double grad_tol() {
+  return std::is_same<T, double>::value ? 1e-11 : 1e-4;
+}
+
+struct Shape4 {
+  int b, nq, nk, h, hkv, d;
+};
+
+template <class T, class Mask>
+void run_case(const Shape4& s, const Mask& mask, std::uint64_t seed, ForwardOptions opts = {}) {
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng),
+             k = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+             v = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+             dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  V4<T> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
+      vd("v", s.b, s.nk, s.hkv, s.d), od("o", s.b, s.nq, s.h, s.d), dod("do", s.b, s.nq, s.h, s.d),
+      dqd("dq", s.b, s.nq, s.h, s.d), dkd("dk", s.b, s.nk, s.hkv, s.d),
+      dvd("dv", s.b, s.nk, s.hkv, s.d);
+  V3<T> ld("lse", s.b, s.h, s.nq);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  upload(dout, dod);
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+  attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, mask, opts);
+  Kokkos::fence();
+  const double scale = std::isnan(opts.scale) ? 1.0 / std::sqrt(double(s.d)) : opts.scale;
+  const ReferenceGrads ref =
+      reference_backward(q, k, v, dout, mask, scale, opts.q_offset, opts.k_offset);
+  bool finite = true;
+  const double eq = rel_err(download(dqd), ref.dq, finite);
+  const double ek = rel_err(download(dkd), ref.dk, finite);
+  const double ev = rel_err(download(dvd), ref.dv, finite);
+  INFO("B=", s.b, " Nq=", s.nq, " Nk=", s.nk, " H=", s.h, "/", s.hkv, " D=", s.d, " dq ", eq,
+       " dk ", ek, " dv ", ev);
+  CHECK(finite);
+  CHECK(eq <= grad_tol<T>());
+  CHECK(ek <= grad_tol<T>());
+  CHECK(ev <= grad_tol<T>());
+}
+
+const Shape4 shapes[] = {{1, 1, 1, 1, 1, 64},
+                         {1, 70, 45, 2, 1, 40},
+                         {2, 64, 64, 2, 2, 64},
+                         {1, 97, 130, 4, 2, 128},
+                         {1, 50, 80, 1, 1, 200}};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("backward matches the fp64 reference for every mask", T, double, float) {
+  std::uint64_t seed = 500;
+  for (const Shape4& s : shapes) {
+    run_case<T>(s, FullMask{}, ++seed);
+    run_case<T>(s, CausalMask{}, ++seed);
+    run_case<T>(s, SlidingWindowMask{17, 9}, ++seed);
+    run_case<T>(s, PrefixLMMask{30}, ++seed);
+  }
+  ForwardOptions opts;
+  opts.q_offset = 100;
+  opts.k_offset = 60;
+  run_case<T>({1, 66, 90, 2, 1, 64}, CausalMask{}, 77, opts);
+}
+
+TEST_CASE_TEMPLATE("fully masked rows get zero gradients and no NaN", T, double, float) {
+  // Keys start at position 40: causal queries 0..39 see nothing.
+  ForwardOptions opts;
+  opts.k_offset = 40;
+  const int nq = 70, nk = 50, d = 32;
+  std::mt19937_64 rng(9);
+  HostTensor q = random_tensor(1, nq, 1, d, rng), k = random_tensor(1, nk, 1, d, rng),
+             v = random_tensor(1, nk, 1, d, rng), dout = random_tensor(1, nq, 1, d, rng);
+  V4<T> qd("q", 1, nq, 1, d), kd("k", 1, nk, 1, d), vd("v", 1, nk, 1, d), od("o", 1, nq, 1, d),
+      dod("do", 1, nq, 1, d), dqd("dq", 1, nq, 1, d), dkd("dk", 1, nk, 1, d),
+      dvd("dv", 1, nk, 1, d);
+  V3<T> ld("lse", 1, 1, nq);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  upload(dout, dod);
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, CausalMask{}, opts);
+  attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, CausalMask{}, opts);
+  const HostTensor dq = download(dqd), dk = download(dkd), dv = download(dvd);
+  int zero_rows = 0;
+  bool finite = true;
+  for (int i = 0; i < nq; ++i) {
+    bool zero = true;
+    for (int x = 0; x < d; ++x) {
+      finite = finite && std::isfinite(dq(0, i, 0, x));
+      zero = zero && dq(0, i, 0, x) == 0.0;
+    }
+    zero_rows += zero;
+  }
+  for (double x : dk.data) finite = finite && std::isfinite(x);
+  for (double x : dv.data) finite = finite && std::isfinite(x);
+  CHECK(finite);
+  // Rows 0..39 see no key; row 40 sees exactly one (weight 1, so dS = 1 * (dP - dP) = 0).
+  CHECK(zero_rows == 41);
+}
+
+TEST_CASE("central finite differences agree with the backward (fp64, tiny shapes)") {
+  // L = sum(dO o O); dL/dx ~ (L(x + h) - L(x - h)) / 2h with truncation error
+  // ~h^2 |L'''| ~ 1e-10 and rounding ~eps |L| / h ~ 1e-11 at h = 1e-5; the
+  // check allows 1e-6 relative to the largest gradient entry.
+  const int nq = 9, nk = 11, h = 2, hkv = 1, d = 5;
+  std::mt19937_64 rng(21);
+  HostTensor q = random_tensor(1, nq, h, d, rng), k = random_tensor(1, nk, hkv, d, rng),
+             v = random_tensor(1, nk, hkv, d, rng), dout = random_tensor(1, nq, h, d, rng);
+  const CausalMask mask;
+  ForwardOptions opts;
+  opts.q_offset = nk - nq;
+  auto loss = [&](const HostTensor& qq, const HostTensor& kk, const HostTensor& vv) {
+    V4<double> qd("q", 1, nq, h, d), kd("k", 1, nk, hkv, d), vd("v", 1, nk, hkv, d),
+        od("o", 1, nq, h, d);
+    V3<double> ld("lse", 1, h, nq);
+    HostTensor a = qq, b = kk, c = vv;
+    upload(a, qd);
+    upload(b, kd);
+    upload(c, vd);
+    attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+    const HostTensor o = download(od);
+    double l = 0;
+    for (std::size_t i = 0; i < o.data.size(); ++i) l += o.data[i] * dout.data[i];
+    return l;
+  };
+  V4<double> qd("q", 1, nq, h, d), kd("k", 1, nk, hkv, d), vd("v", 1, nk, hkv, d),
+      od("o", 1, nq, h, d), dod("do", 1, nq, h, d), dqd("dq", 1, nq, h, d),
+      dkd("dk", 1, nk, hkv, d), dvd("dv", 1, nk, hkv, d);
+  V3<double> ld("lse", 1, h, nq);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  upload(dout, dod);
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+  attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, mask, opts);
+  const HostTensor grads[3] = {download(dqd), download(dkd), download(dvd)};
+  const double step = 1e-5;
+  for (int which = 0; which < 3; ++which) {
+    const HostTensor& g = grads[which];
+    double worst = 0, scale = 0;
+    for (std::size_t i = 0; i < g.data.size(); ++i) {
+      HostTensor plus[3] = {q, k, v}, minus[3] = {q, k, v};
+      plus[which].data[i] += step;
+      minus[which].data[i] -= step;
+      const double fd =
+          (loss(plus[0], plus[1], plus[2]) - loss(minus[0], minus[1], minus[2])) / (2 * step);
+      worst = std::max(worst, std::abs(fd - g.data[i]));
+      scale = std::max(scale, std::abs(g.data[i]));
+    }
+    INFO("tensor ", which, " worst ", worst, " scale ", scale);
+    CHECK(scale > 0);
+    CHECK(worst <= 1e-6 * scale);
+  }
+}
