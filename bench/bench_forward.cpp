@@ -76,6 +76,50 @@ void bm_attention(benchmark::State& state) {
   state.SetLabel(std::string(mask == causal ? "causal" : "full") + " " + Shape::tile_gemm::name());
 }
 
+/// Backward: dQ, dK, dV from the saved O and LSE. GFLOP/s counts 2.5x the
+/// forward's FLOPs on allowed pairs (FlashAttention's convention: 5 of the
+/// forward's 2 tile products), although our two-kernel backward computes 7.
+void bm_backward(benchmark::State& state) {
+  const int n = int(state.range(0)), d = int(state.range(1));
+  const MaskId mask = MaskId(state.range(2));
+  Kokkos::View<float****> q("q", 1, n, 1, d), k("k", 1, n, 1, d), v("v", 1, n, 1, d),
+      o("o", 1, n, 1, d), dout("do", 1, n, 1, d), dq("dq", 1, n, 1, d), dk("dk", 1, n, 1, d),
+      dv("dv", 1, n, 1, d);
+  Kokkos::View<float***> lse("lse", 1, 1, n);
+  Kokkos::deep_copy(q, 0.01f);
+  Kokkos::deep_copy(k, 0.02f);
+  Kokkos::deep_copy(v, 1.0f);
+  Kokkos::deep_copy(dout, 0.5f);
+  auto run = [&](bool backward) {
+    if (mask == causal) {
+      if (backward)
+        blockattn::attention_backward(Exec{}, q, k, v, o, lse, dout, dq, dk, dv,
+                                      blockattn::CausalMask{});
+      else
+        blockattn::attention_forward(Exec{}, q, k, v, o, lse, blockattn::CausalMask{});
+    } else {
+      if (backward)
+        blockattn::attention_backward(Exec{}, q, k, v, o, lse, dout, dq, dk, dv);
+      else
+        blockattn::attention_forward(Exec{}, q, k, v, o, lse);
+    }
+    Kokkos::fence();
+  };
+  run(false);
+  run(true);
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run(true);
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const std::int64_t pairs = mask == causal ? std::int64_t(n) * (n + 1) / 2 : std::int64_t(n) * n;
+  state.counters["GFLOP/s"] = benchmark::Counter(2.5 * blockattn::forward_flops(pairs, d) * 1e-9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = Exec().concurrency();
+  state.SetLabel(mask == causal ? "causal backward" : "full backward");
+}
+
 void bm_sgemm(benchmark::State& state) {
   const int m = int(state.range(0)), nn = int(state.range(1)), kk = int(state.range(2));
   std::vector<float> a(std::size_t(m) * kk, 0.5f), b(std::size_t(nn) * kk, 0.25f),
@@ -125,6 +169,11 @@ std::string attn_name(const char* variant, int n, int d, int mask) {
          "/D:" + std::to_string(d) + (mask == causal ? "/causal" : "/full");
 }
 
+std::string bwd_name(int n, int d, int mask) {
+  return "backward/N:" + std::to_string(n) + "/D:" + std::to_string(d) +
+         (mask == causal ? "/causal" : "/full");
+}
+
 std::string gemm_name(int n, int d) {
   return "sgemm/M:" + std::to_string(n) + "/N:" + std::to_string(n) + "/K:" + std::to_string(d);
 }
@@ -150,6 +199,13 @@ void register_all(bool quick) {
               ->MinTime(0.3);
 #endif
       }
+      if (n <= 4096)
+        for (int mask : {full, causal})
+          benchmark::RegisterBenchmark(bwd_name(n, d, mask).c_str(), bm_backward)
+              ->Args({n, d, mask})
+              ->UseManualTime()
+              ->Unit(benchmark::kMillisecond)
+              ->MinTime(0.3);
       benchmark::RegisterBenchmark(gemm_name(n, d).c_str(), bm_sgemm)
           ->Args({n, n, d})
           ->UseManualTime()
@@ -201,6 +257,20 @@ int main(int argc, char** argv) {
                         peak > 0 ? it->second / peak : 0.0,
                         mask == causal ? std::to_string(it->second / f).substr(0, 4).c_str() : "");
           }
+    std::printf("\nBackward (dQ, dK, dV; GFLOP/s = 2.5 x forward FLOPs on allowed pairs)\n");
+    std::printf("%5s %5s %7s %10s %14s %14s %12s\n", "N", "D", "mask", "GFLOP/s", "/ sgemm(NxNxD)",
+                "/ sgemm 4096^3", "bwd/fwd time");
+    for (int d : dims)
+      for (int n : lengths)
+        for (int mask : {full, causal}) {
+          auto it = reporter.rate.find(bwd_name(n, d, mask));
+          if (it == reporter.rate.end()) continue;
+          const double g = reporter.rate[gemm_name(n, d)];
+          const double f = reporter.rate[attn_name("register", n, d, mask)];
+          std::printf("%5d %5d %7s %10.1f %14.2f %14.2f %12.2f\n", n, d,
+                      mask == causal ? "causal" : "full", it->second, it->second / g,
+                      peak > 0 ? it->second / peak : 0.0, f > 0 ? 2.5 * f / it->second : 0.0);
+        }
     benchmark::Shutdown();
   }
   Kokkos::finalize();

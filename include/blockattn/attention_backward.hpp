@@ -17,24 +17,6 @@ namespace blockattn {
 
 namespace impl {
 
-/// D = rowsum(dO o O), shape (batch, heads, queries).
-template <class ExecSpace, class T, class DOV, class OV>
-Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space> row_dot(
-    const ExecSpace& exec, const DOV& dout, const OV& o) {
-  const int B = int(o.extent(0)), N = int(o.extent(1)), H = int(o.extent(2)), D = int(o.extent(3));
-  Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space> dr(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::rowsum_dO_O"), B, H, N);
-  Kokkos::parallel_for(
-      "blockattn::row_dot", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * N),
-      KOKKOS_LAMBDA(const int w) {
-        const int i = w % N, h = (w / N) % H, b = w / (N * H);
-        T acc = T(0);
-        for (int d = 0; d < D; ++d) acc += T(dout(b, i, h, d)) * T(o(b, i, h, d));
-        dr(b, h, i) = acc;
-      });
-  return dr;
-}
-
 /// Everything a backward block call needs besides the views.
 struct BackwardBlock {
   bool accumulate_dq = false, accumulate_dkv = false;
@@ -42,22 +24,22 @@ struct BackwardBlock {
 };
 
 /// dQ (queries side) and dK, dV (keys side) contributions of one block pair.
-/// q, dout, lse, drow describe the queries; keys are packed; dq, dk, dv are
+/// The query and key sides are packed; dq, dk, dv are
 /// written or accumulated per `blk`.
 template <class ExecSpace, class T, int SD, class Shape, class Mask, class QPos, class KPos,
-          class QV, class DOV, class LV, class DRV, class DQV, class DKV, class DVV>
-void launch_backward(const ExecSpace& exec, const ForwardExtents& e, const QV& q, const DOV& dout,
-                     const LV& lse, const DRV& drow,
+          class DQV, class DKV, class DVV>
+void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
+                     const PackedQueries<T, typename ExecSpace::memory_space>& queries,
                      const PackedKeys<T, typename ExecSpace::memory_space>& keys, const DQV& dq,
                      const DKV& dk, const DVV& dv, const Mask& mask, const QPos& qpos,
                      const KPos& kpos, T scale, const BackwardBlock& blk) {
   using QK = QueryKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
   using KK = KeyKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
   auto setup = [&](auto& f) {
-    f.q = typename QK::in4(q);
-    f.dout = typename QK::in4(dout);
-    f.lse = typename QK::in3(lse);
-    f.drow = typename QK::in3(drow);
+    f.qrows = queries.q;
+    f.dorows = queries.dout;
+    f.lse2v = queries.lse2;
+    f.drv = queries.drow;
     f.kt = keys.kt;
     f.vt = keys.vt;
     f.krows = keys.k;
@@ -160,17 +142,17 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
     const impl::ForwardExtents e =
         impl::validate_backward<ExecSpace>(fn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
     const T s = std::isnan(opts.scale) ? T(1) / std::sqrt(T(e.dim)) : T(opts.scale);
-    const auto drow = impl::row_dot<ExecSpace, T>(exec, dout, o);
     impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
       constexpr int SD = decltype(static_d)::value;
       using S = decltype(shape);
-      using QK = impl::QueryKernel<ExecSpace, T, SD, S, Mask, OffsetPositions, OffsetPositions>;
-      (void)sizeof(QK);
       const int dp = SD > 0 ? SD : (e.dim + S::dim_granule - 1) / S::dim_granule * S::dim_granule;
       auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, S::block_k);
       impl::pack_keys(exec, k, v, keys);
+      auto queries =
+          impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, S::block_q);
+      impl::pack_queries(exec, q, dout, o, lse, queries);
       impl::launch_backward<ExecSpace, T, SD, S>(
-          exec, e, q, dout, lse, drow, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
+          exec, e, queries, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
           OffsetPositions{opts.k_offset}, s, impl::BackwardBlock{});
     });
   }

@@ -18,6 +18,7 @@
 #include <blockattn/tile_shape.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace blockattn::impl {
 
@@ -73,6 +74,67 @@ void pack_keys(const ExecSpace& exec, const KView& k, const VView& v,
       });
 }
 
+/// Packed query side of a backward block (the Q ring's traveling data), zero padded:
+///   q, dout (batch, head, queries_padded, head_dim_padded)   rows contiguous
+///   lse2, drow (batch, head, queries_padded)                  LSE * log2(e) (-inf on
+///                                                              padding), rowsum(dO o O)
+template <class T, class MemorySpace>
+struct PackedQueries {
+  using row_view = Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace>;
+  using vec_view = Kokkos::View<T***, Kokkos::LayoutRight, MemorySpace>;
+  row_view q, dout;
+  vec_view lse2, drow;
+  int queries = 0;
+};
+
+template <class T, class MemorySpace>
+PackedQueries<T, MemorySpace> allocate_packed_queries(int batch, int heads, int queries,
+                                                      int dim_padded, int block_q) {
+  using P = PackedQueries<T, MemorySpace>;
+  const int padded = (queries + block_q - 1) / block_q * block_q;
+  auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_queries");
+  P p;
+  p.q = typename P::row_view(alloc, batch, heads, padded, dim_padded);
+  p.dout = typename P::row_view(alloc, batch, heads, padded, dim_padded);
+  p.lse2 = typename P::vec_view(alloc, batch, heads, padded);
+  p.drow = typename P::vec_view(alloc, batch, heads, padded);
+  p.queries = queries;
+  return p;
+}
+
+/// Fills `p` from user views q, dout, o (batch, queries, heads, dim) and lse
+/// (batch, heads, queries); computes D = rowsum(dO o O) on the way.
+template <class ExecSpace, class T, class MemorySpace, class QV, class DOV, class OV, class LV>
+void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV& o, const LV& lse,
+                  const PackedQueries<T, MemorySpace>& p) {
+  const int heads = int(p.q.extent(1)), padded = int(p.q.extent(2)),
+            dim_padded = int(p.q.extent(3));
+  const int dim = int(q.extent(3)), queries = p.queries;
+  auto qp = p.q;
+  auto dop = p.dout;
+  auto l2 = p.lse2;
+  auto dr = p.drow;
+  const std::int64_t rows = std::int64_t(p.q.extent(0)) * heads * padded;
+  Kokkos::parallel_for(
+      "blockattn::pack_queries",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t row) {
+        const int i = int(row % padded), h = int((row / padded) % heads),
+                  b = int(row / (std::int64_t(padded) * heads));
+        const bool in = i < queries;
+        T acc = T(0);
+        for (int d = 0; d < dim_padded; ++d) {
+          const bool inside = in && d < dim;
+          const T dov = inside ? T(dout(b, i, h, d)) : T(0);
+          qp(b, h, i, d) = inside ? T(q(b, i, h, d)) : T(0);
+          dop(b, h, i, d) = dov;
+          if (inside) acc += dov * T(o(b, i, h, d));
+        }
+        l2(b, h, i) = in ? T(lse(b, h, i)) * log2e<T> : -infinity<T>();
+        dr(b, h, i) = acc;
+      });
+}
+
 /// What both backward kernels share: views, extents, and the tile step that
 /// turns S and dP of one (query tile, key tile) into P and dS in scratch.
 template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
@@ -91,8 +153,8 @@ struct BackwardCommon {
   static_assert(BK % MR == 0,
                 "BlockAttn: backward tile shape: block_k must be a multiple of micro_rows");
 
-  in4 q, dout;    // (batch, queries, heads, dim)
-  in3 lse, drow;  // (batch, heads, queries): forward LSE (natural log), rowsum(dO o O)
+  typename PackedQueries<T, memory_space>::row_view qrows, dorows;  // packed query side
+  typename PackedQueries<T, memory_space>::vec_view lse2v, drv;
   typename PackedKeys<T, memory_space>::panel_view kt, vt;
   typename PackedKeys<T, memory_space>::row_view krows;
   Mask mask;
@@ -105,20 +167,13 @@ struct BackwardCommon {
 
   KOKKOS_INLINE_FUNCTION int dp() const { return StaticD > 0 ? StaticD : dim_padded; }
 
-  /// Loads rows [q0, q0 + q_rows) of head h: Q and dO (unscaled) into scratch,
-  /// LSE in base 2 and D. Rows past the end are zero / -inf.
-  KOKKOS_INLINE_FUNCTION void load_query_tile(const member_type& team, int b, int h, int q0,
-                                              int q_rows, T* qs, T* dos, T* lse2, T* dr) const {
-    const int p = dp();
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
-      const bool in = r < q_rows;
-      for (int d = 0; d < p; ++d) {
-        qs[r * p + d] = (in && d < dim) ? q(b, q0 + r, h, d) : T(0);
-        dos[r * p + d] = (in && d < dim) ? dout(b, q0 + r, h, d) : T(0);
-      }
-      lse2[r] = in ? lse(b, h, q0 + r) * log2e<T> : -infinity<T>();
-      dr[r] = in ? drow(b, h, q0 + r) : T(0);
-    });
+  /// Pointers to the packed query tile at row q0 of head h: Q, dO (rows of
+  /// dim_padded), LSE in base 2 and D. Rows past the end are zero / -inf.
+  struct QueryTile {
+    const T *q, *dout, *lse2, *drow;
+  };
+  KOKKOS_INLINE_FUNCTION QueryTile query_tile(int b, int h, int q0) const {
+    return QueryTile{&qrows(b, h, q0, 0), &dorows(b, h, q0, 0), &lse2v(b, h, q0), &drv(b, h, q0)};
   }
 
   /// S = Q K^T into ss and dP = dO V^T into dps, then P into ss and dS into dps.
@@ -146,13 +201,26 @@ struct BackwardCommon {
       T* const srow = ss + r * BK;
       T* const drow_ = dps + r * BK;
       const bool row_live = r < q_rows && lse2[r] != -infinity<T>();
+      const T l2 = row_live ? lse2[r] : T(0), d = dr[r];
+      if (row_live && kind == TileKind::full && k_rows == BK) {
+        for (int c = 0; c < BK; ++c) {  // every pair allowed: straight, vectorisable
+          const T pv = exp2_nonpositive(srow[c] * s2 - l2);
+          srow[c] = pv;
+          drow_[c] = pv * (drow_[c] - d);
+        }
+        return;
+      }
+      // Selects as integer masks (see exp2.hpp): a conditional float
+      // computation stays scalar under GCC's default -ftrapping-math.
+      using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
       const index_type qg = qpos(q0 + (r < q_rows ? r : 0));
+      const bool check_mask = kind == TileKind::partial;
       for (int c = 0; c < BK; ++c) {
-        const bool keep =
-            row_live && c < k_rows && (kind == TileKind::full || mask.allowed(qg, kpos(k0 + c)));
-        const T pv = keep ? exp2_nonpositive(srow[c] * s2 - lse2[r]) : T(0);
+        const bool keep = row_live && c < k_rows && (!check_mask || mask.allowed(qg, kpos(k0 + c)));
+        const Bits m = Bits(0) - static_cast<Bits>(keep);
+        const T pv = bit_cast<T>(bit_cast<Bits>(exp2_nonpositive(srow[c] * s2 - l2)) & m);
         srow[c] = pv;
-        drow_[c] = pv * (drow_[c] - dr[r]);
+        drow_[c] = bit_cast<T>(bit_cast<Bits>(pv * (drow_[c] - d)) & m);
       }
     });
     team.team_barrier();
@@ -163,9 +231,8 @@ struct BackwardCommon {
   }
 
   static std::size_t tile_scratch_elems(int dim_padded) {
-    // Q and dO tiles, S/P and dP/dS tiles, LSE and D rows, one accumulator.
-    return std::size_t(2) * BQ * dim_padded + std::size_t(2) * BQ * BK + 2 * BQ +
-           std::size_t(BQ > BK ? BQ : BK) * dim_padded;
+    // S/P and dP/dS tiles, one accumulator.
+    return std::size_t(2) * BQ * BK + std::size_t(BQ > BK ? BQ : BK) * dim_padded;
   }
 };
 
@@ -193,12 +260,8 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
     const int b = league / (this->k_tiles * this->kv_heads);
     const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
     auto& sp = team.team_scratch(this->scratch_level);
-    T* qs = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
-    T* dos = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
     T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
     T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
-    T* lse2 = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
-    T* dr = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
     T* dka = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
     T* dva = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
@@ -212,9 +275,10 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
         const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
         const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
         if (kind == TileKind::empty) continue;
-        this->load_query_tile(team, b, h, q0, q_rows, qs, dos, lse2, dr);
-        team.team_barrier();
-        this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, lse2, dr, ss, dps);
+        const auto qt_ = this->query_tile(b, h, q0);
+        const T *qs = qt_.q, *dos = qt_.dout;
+        this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2, qt_.drow,
+                        ss, dps);
         // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q   (P, dS stored query-major)
         const int tiles = (BK / MR) * (p / NRO);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2 * tiles), [&](const int t) {
@@ -265,15 +329,12 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
     const int hk = h / this->group;
     const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
     auto& sp = team.team_scratch(this->scratch_level);
-    T* qs = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
-    T* dos = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
     T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
     T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
-    T* lse2 = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
-    T* dr = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
     T* dqa = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
     T* ones = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
-    this->load_query_tile(team, b, h, q0, q_rows, qs, dos, lse2, dr);
+    const auto qt_ = this->query_tile(b, h, q0);
+    const T *qs = qt_.q, *dos = qt_.dout, *lse2 = qt_.lse2, *dr = qt_.drow;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
       ones[r] = T(1);
       for (int d = 0; d < p; ++d) dqa[r * p + d] = T(0);
