@@ -12,11 +12,15 @@
 #include <string>
 
 #include "backend.hpp"
+#include "reference.hpp"
 #include "user_masks.hpp"
 
 using namespace blockattn;
 using blockattn::test::ExecSpace;
+using blockattn::test::HostTensor;
 using blockattn::test::MemSpace;
+using blockattn::test::reference_backward;
+using blockattn::test::ReferenceGrads;
 
 namespace {
 
@@ -209,4 +213,145 @@ TEST_CASE("bad arguments on one rank throw on every rank, no hang") {
     msg = e.what();
   }
   CHECK(msg.find("N must be a positive multiple of " + std::to_string(2 * P)) != std::string::npos);
+}
+
+namespace {
+
+HostTensor host_of(const V4<double>& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
+  for (std::size_t i = 0; i < t.data.size(); ++i) t.data[i] = h.data()[i];
+  return t;
+}
+
+/// Distributed backward of one (schedule, partition, mask) against the fp64
+/// naive gradients of the global sequence, on this rank's rows.
+template <class T, class Schedule, class Partition, class Mask>
+void check_backward(MpiCommunicator<>& comm, const Case& c, const Mask& mask, std::uint64_t seed) {
+  const int P = comm.size(), rank = comm.rank(), N = c.n_local * P;
+  // Global inputs (same on all ranks), rounded to T.
+  V4<double> gq("q", c.b, N, c.h, c.d), gk("k", c.b, N, c.hkv, c.d), gv("v", c.b, N, c.hkv, c.d),
+      gdo("do", c.b, N, c.h, c.d);
+  fill_random(gq, seed);
+  fill_random(gk, seed + 1);
+  fill_random(gv, seed + 2);
+  fill_random(gdo, seed + 3);
+  auto to_t = [](const V4<double>& x) {
+    V4<T> y("y", x.extent(0), x.extent(1), x.extent(2), x.extent(3));
+    auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
+    auto yh = Kokkos::create_mirror_view(y);
+    for (std::size_t i = 0; i < xh.size(); ++i) {
+      yh.data()[i] = T(xh.data()[i]);
+      xh.data()[i] = double(yh.data()[i]);
+    }
+    Kokkos::deep_copy(y, yh);
+    Kokkos::deep_copy(x, xh);
+    return y;
+  };
+  V4<T> tq = to_t(gq), tk = to_t(gk), tv = to_t(gv), tdo = to_t(gdo);
+  const ReferenceGrads ref = reference_backward(host_of(gq), host_of(gk), host_of(gv), host_of(gdo),
+                                                mask, 1.0 / std::sqrt(double(c.d)));
+  // This rank's part, forward then backward.
+  const int n = c.n_local;
+  V4<T> q("q", c.b, n, c.h, c.d), k("k", c.b, n, c.hkv, c.d), v("v", c.b, n, c.hkv, c.d),
+      o("o", c.b, n, c.h, c.d), dout("do", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d),
+      dk("dk", c.b, n, c.hkv, c.d), dv("dv", c.b, n, c.hkv, c.d);
+  V3<T> lse("lse", c.b, c.h, n);
+  to_local<Partition>(ExecSpace{}, P, rank, tq, q);
+  to_local<Partition>(ExecSpace{}, P, rank, tk, k);
+  to_local<Partition>(ExecSpace{}, P, rank, tv, v);
+  to_local<Partition>(ExecSpace{}, P, rank, tdo, dout);
+  DistributedAttention<Partition, Mask, Schedule, MpiCommunicator<>, ExecSpace> attn(comm, mask);
+  attn.forward(q, k, v, o, lse);
+  attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
+  Kokkos::fence();
+  // Compare with the reference rows this rank owns.
+  const auto map = Partition::positions(N, P, rank);
+  auto check = [&](const V4<T>& got, const HostTensor& want, const char* name) {
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
+    double num = 0, den = 0;
+    bool finite = true;
+    for (int b = 0; b < want.b; ++b)
+      for (int i = 0; i < n; ++i)
+        for (int x = 0; x < want.h; ++x)
+          for (int d = 0; d < want.d; ++d) {
+            const double g = double(h(b, i, x, d)), w = want(b, int(map(i)), x, d);
+            finite = finite && std::isfinite(g);
+            num = std::max(num, std::abs(g - w));
+          }
+    for (double w : want.data) den = std::max(den, std::abs(w));
+    const double tol = std::is_same<T, double>::value ? 1e-11 : 1e-4;
+    INFO("rank ", rank, "/", P, " ", Schedule::name(), " ", Partition::name(), " ", name,
+         " rel err ", num / den);
+    CHECK(finite);
+    CHECK(num <= tol * den);
+  };
+  check(dq, ref.dq, "dq");
+  check(dk, ref.dk, "dk");
+  check(dv, ref.dv, "dv");
+}
+
+template <class T, class Schedule, class Partition>
+void backward_all_masks(MpiCommunicator<>& comm, const Case& c, std::uint64_t seed) {
+  const index_type N = index_type(c.n_local) * comm.size();
+  check_backward<T, Schedule, Partition>(comm, c, FullMask{}, seed);
+  check_backward<T, Schedule, Partition>(comm, c, CausalMask{}, seed + 1);
+  check_backward<T, Schedule, Partition>(comm, c, SlidingWindowMask{N / 5, N / 7}, seed + 2);
+  check_backward<T, Schedule, Partition>(comm, c, test::PrefixLMMask{N / 3}, seed + 3);
+}
+
+template <class T, class Schedule>
+void backward_all(MpiCommunicator<>& comm) {
+  const Case cases2[] = {{1, 38, 2, 1, 40}, {2, 70, 1, 1, 64}};
+  std::uint64_t seed = 900;
+  for (const Case& c : cases2) {
+    backward_all_masks<T, Schedule, ContiguousPartition>(comm, c, seed += 10);
+    backward_all_masks<T, Schedule, StripedPartition>(comm, c, seed += 10);
+    backward_all_masks<T, Schedule, ZigzagPartition>(comm, c, seed += 10);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("distributed backward (KV ring) matches the fp64 gradients", T, double, float) {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  backward_all<T, RingSchedule>(comm);
+}
+
+TEST_CASE_TEMPLATE("distributed backward (Q ring) matches the fp64 gradients", T, double, float) {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  backward_all<T, BurstSchedule>(comm);
+}
+
+TEST_CASE("backward bytes per rank: BurstAttention Table 1") {
+  // Local length a multiple of the tiles and D = 64: no padding, so the bytes
+  // are exactly the tensors'. B = 1, Z = 2 heads (1 kv head for the GQA case).
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const int P = comm.size(), n = 128, d = 64, Z = 2;
+  const std::int64_t N = std::int64_t(n) * P, f = sizeof(float);
+  auto run = [&](auto schedule, int kv_heads) {
+    using S = decltype(schedule);
+    V4<float> q("q", 1, n, Z, d), k("k", 1, n, kv_heads, d), o("o", 1, n, Z, d),
+        dq("dq", 1, n, Z, d), dk("dk", 1, n, kv_heads, d), dv("dv", 1, n, kv_heads, d);
+    V3<float> lse("lse", 1, Z, n);
+    DistributedAttention<StripedPartition, CausalMask, S, MpiCommunicator<>, ExecSpace> attn(comm);
+    attn.forward(q, k, k, o, lse);
+    return attn.backward(q, k, k, o, lse, o, dq, dk, dv).bytes_sent();
+  };
+  // Q ring: Q, dO, LSE, D hop P - 1 times, dQ P times (the last hop brings it
+  // home) = Table 1's 3 B Z N d + 2 B Z N minus the one hop of Q, dO, LSE, D
+  // the last step does not need.
+  const std::int64_t q_ring = run(BurstSchedule{}, Z);
+  CHECK(q_ring == (3 * Z * N * d + 2 * Z * N) * f - (2 * Z * n * d + 2 * Z * n) * f);
+  // KV ring: K, V hop P - 1 times, dK, dV P times: 4 B Z N d minus one hop of
+  // K and V, below Table 1's 6 B Z N d for RingAttention (which sends K and V
+  // in separate rounds).
+  const std::int64_t kv_ring = run(RingSchedule{}, Z);
+  CHECK(kv_ring == 4 * Z * N * d * f - 2 * Z * n * d * f);
+  CHECK(kv_ring < 6 * Z * N * d * f);
+  // With GQA (1 kv head for 2 query heads) the KV ring moves half as much,
+  // while the Q ring is unchanged: the KV ring wins.
+  const std::int64_t kv_gqa = run(RingSchedule{}, 1);
+  CHECK(kv_gqa == 4 * N * d * f - 2 * n * d * f);
+  CHECK(run(BurstSchedule{}, 1) == q_ring);
 }

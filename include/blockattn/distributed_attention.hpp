@@ -9,6 +9,7 @@
 //   auto stats = attn.forward(q, k, v, o, lse);   // local Views: N / P tokens each
 #pragma once
 
+#include <blockattn/attention_backward.hpp>
 #include <blockattn/attention_forward.hpp>
 #include <blockattn/communicator.hpp>
 #include <blockattn/config.hpp>
@@ -78,7 +79,7 @@ class DistributedAttention {
                 "(FullMask, CausalMask, SlidingWindowMask, or your own; see blockattn/mask.hpp)");
   static_assert(is_schedule_v<Schedule>,
                 "BlockAttn: DistributedAttention: the third parameter must be a schedule "
-                "(RingSchedule; see blockattn/ring_schedule.hpp)");
+                "(RingSchedule, BurstSchedule; see blockattn/ring_schedule.hpp)");
   static_assert(is_communicator_v<Communicator>,
                 "BlockAttn: DistributedAttention: the fourth parameter must be a communicator "
                 "(MpiCommunicator<>, SelfCommunicator; see blockattn/communicator.hpp)");
@@ -122,16 +123,288 @@ class DistributedAttention {
     }
   }
 
+  /// dQ, dK, dV of this rank's local rows, from the local q, k, v, the o and
+  /// lse that forward() returned, and dout = dL/dO. Collective, like forward().
+  /// The schedule's backward_type picks the ring: KV ring (RingSchedule) or
+  /// Q ring (BurstSchedule). RunStats reports the bytes each step sends.
+  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+            class DVV>
+  RunStats backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                    const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
+                    const DistributedOptions& opts = {}) {
+    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+    static_assert(impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
+                  "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
+                  "(batch, seq, heads, head_dim)");
+    RunStats stats;
+    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
+                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
+      const impl::ForwardExtents e = validate(q, k, v, o, lse, opts, [&] {
+        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
+      });
+      using T = typename OV::non_const_value_type;
+      using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
+      impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
+        constexpr int SD = decltype(static_d)::value;
+        using S = decltype(shape);
+        if constexpr (std::is_same<typename Schedule::backward_type, KVRingBackward>::value)
+          run_backward_kv<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+        else
+          run_backward_q<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+      });
+    }
+    return stats;
+  }
+
  private:
+  static constexpr const char* bfn = "DistributedAttention::backward";
+
+  template <class T>
+  using Buffer4 = Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
+
+  /// a += b for two buffers of the same shape.
+  template <class T>
+  void add_into(const Buffer4<T>& a, const Buffer4<T>& b) {
+    const std::int64_t n = std::int64_t(a.span());
+    T* pa = a.data();
+    const T* pb = b.data();
+    Kokkos::parallel_for(
+        "blockattn::add_into",
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(m_exec, 0, n),
+        KOKKOS_LAMBDA(const std::int64_t i) { pa[i] += pb[i]; });
+  }
+
+  template <class V>
+  static std::int64_t bytes_of(const V& v) {
+    return std::int64_t(v.span()) * std::int64_t(sizeof(typename V::value_type));
+  }
+
+  template <class T, class DKV>
+  static Buffer4<T> buffer_like(const DKV& x, const char* label) {
+    return Buffer4<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
+                      x.extent(0), x.extent(1), x.extent(2), x.extent(3));
+  }
+
+  /// KV ring backward. Step s on rank r holds K, V of rank src = r - s and the
+  /// partial dK, dV of src's keys summed by the ranks before it; adds its own
+  /// contribution and passes the partial on. K, V of the next step are posted
+  /// before the compute; the partial from the predecessor arrives during it
+  /// (each step computes into a fresh buffer and adds the incoming partial
+  /// afterwards). After P steps the complete dK, dV travel one hop home.
+  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV, class DOV,
+            class DQV, class DKV, class DVV>
+  void run_backward_kv(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                       const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                       const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+    using T = typename OV::non_const_value_type;
+    using mem = typename ExecSpace::memory_space;
+    const int P = m_comm.size(), rank = m_comm.rank();
+    const index_type N = index_type(e.queries) * P;
+    const T scale = std::isnan(opts.scale) ? T(1) / std::sqrt(T(e.dim)) : T(opts.scale);
+    const int dp =
+        SD > 0 ? SD : (e.dim + Shape::dim_granule - 1) / Shape::dim_granule * Shape::dim_granule;
+    auto queries =
+        impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
+    impl::pack_queries(m_exec, q, dout, o, lse, queries);
+    auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+    Buffer4<T> kv[2][2], acc[2][2], inc[2];
+    for (int i = 0; i < 2; ++i) {
+      kv[i][0] = buffer_like<T>(k, "blockattn::ring_k");
+      kv[i][1] = buffer_like<T>(v, "blockattn::ring_v");
+      acc[i][0] = buffer_like<T>(dk, "blockattn::ring_dk");
+      acc[i][1] = buffer_like<T>(dv, "blockattn::ring_dv");
+      inc[i] = buffer_like<T>(i == 0 ? dk : dv, "blockattn::ring_dkv_in");
+    }
+    Kokkos::deep_copy(m_exec, kv[0][0], k);
+    Kokkos::deep_copy(m_exec, kv[0][1], v);
+    stats.block_q = Shape::block_q;
+    stats.block_k = Shape::block_k;
+    stats.workspace_bytes = 2 * (bytes_of(queries.q) + bytes_of(queries.lse2)) + bytes_of(keys.kt) +
+                            bytes_of(keys.vt) + bytes_of(keys.k) + 4 * bytes_of(kv[0][0]) +
+                            6 * bytes_of(acc[0][0]);
+    const auto qpos = Partition::positions(N, P, rank);
+    std::vector<typename Communicator::request_type> pending_send[2];
+    bool dq_written = false;
+    int cur = 0;
+    for (int s = 0; s < P; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int src = ring_source(rank, s, P);
+      const bool more = s + 1 < P;
+      StepStats st;
+      std::vector<typename Communicator::request_type> kv_reqs, in_reqs;
+      if (more) {
+        for (int t = 0; t < 2; ++t) {
+          kv_reqs.push_back(m_comm.irecv(kv[1 - cur][t], ring_prev(m_comm), 16 * s + t));
+          kv_reqs.push_back(m_comm.isend(kv[cur][t], ring_next(m_comm), 16 * s + t));
+          st.bytes_sent += bytes_of(kv[cur][t]);
+        }
+      }
+      if (s > 0)
+        for (int t = 0; t < 2; ++t)
+          in_reqs.push_back(m_comm.irecv(inc[t], ring_prev(m_comm), 16 * s + 2 + t));
+      auto& a = acc[s % 2];
+      for (auto& r : pending_send[s % 2]) m_comm.wait(r);  // a was sent two steps ago
+      pending_send[s % 2].clear();
+      st.computed = !block_is_empty<Partition>(m_mask, N, P, rank, src);
+      if (st.computed) {
+        impl::pack_keys(m_exec, kv[cur][0], kv[cur][1], keys);
+        impl::BackwardBlock blk;
+        blk.accumulate_dq = dq_written;
+        blk.accumulate_dkv = false;
+        impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, queries, keys, dq, a[0], a[1],
+                                                       m_mask, qpos,
+                                                       Partition::positions(N, P, src), scale, blk);
+        dq_written = true;
+      } else {
+        Kokkos::deep_copy(m_exec, a[0], T(0));
+        Kokkos::deep_copy(m_exec, a[1], T(0));
+      }
+      for (auto& r : kv_reqs) m_comm.test(r);
+      m_exec.fence();
+      for (auto& r : in_reqs) m_comm.wait(r);
+      if (s > 0) {
+        add_into<T>(a[0], inc[0]);
+        add_into<T>(a[1], inc[1]);
+        m_exec.fence();
+      }
+      // Pass the partial on; after the last step it is complete and goes home.
+      for (int t = 0; t < 2; ++t) {
+        pending_send[s % 2].push_back(m_comm.isend(a[t], ring_next(m_comm), 16 * (s + 1) + 2 + t));
+        st.bytes_sent += bytes_of(a[t]);
+      }
+      if (!more) {
+        std::vector<typename Communicator::request_type> home;
+        for (int t = 0; t < 2; ++t)
+          home.push_back(m_comm.irecv(inc[t], ring_prev(m_comm), 16 * P + 2 + t));
+        for (auto& r : home) m_comm.wait(r);
+        Kokkos::deep_copy(m_exec, dk, inc[0]);
+        Kokkos::deep_copy(m_exec, dv, inc[1]);
+      }
+      for (auto& r : kv_reqs) m_comm.wait(r);
+      st.step = s;
+      st.source = src;
+      st.tiles = ring_step_work<Partition>(m_mask, N, P, rank, s, Shape::block_q, Shape::block_k,
+                                           opts.count_pairs);
+      st.bytes_received = st.bytes_sent;
+      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      stats.steps.push_back(st);
+      if (more) cur = 1 - cur;
+    }
+    for (auto& v2 : pending_send)
+      for (auto& r : v2) m_comm.wait(r);
+    if (!dq_written) Kokkos::deep_copy(m_exec, dq, T(0));
+    m_exec.fence();
+  }
+
+  /// Q ring backward (BurstAttention's GAO): step s on rank r holds the packed
+  /// Q, dO, LSE, D of rank src = r - s and the partial dQ of src's queries;
+  /// it accumulates its own dK, dV (they never move) and passes dQ on, which
+  /// after P steps travels one hop home.
+  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV, class DOV,
+            class DQV, class DKV, class DVV>
+  void run_backward_q(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                      const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                      const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+    using T = typename OV::non_const_value_type;
+    using mem = typename ExecSpace::memory_space;
+    const int P = m_comm.size(), rank = m_comm.rank();
+    const index_type N = index_type(e.queries) * P;
+    const T scale = std::isnan(opts.scale) ? T(1) / std::sqrt(T(e.dim)) : T(opts.scale);
+    const int dp =
+        SD > 0 ? SD : (e.dim + Shape::dim_granule - 1) / Shape::dim_granule * Shape::dim_granule;
+    auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+    impl::pack_keys(m_exec, k, v, keys);
+    impl::PackedQueries<T, mem> qb[2] = {
+        impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q),
+        impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q)};
+    impl::pack_queries(m_exec, q, dout, o, lse, qb[0]);
+    Buffer4<T> acc[2] = {buffer_like<T>(dq, "blockattn::ring_dq"),
+                         buffer_like<T>(dq, "blockattn::ring_dq")};
+    Buffer4<T> inc = buffer_like<T>(dq, "blockattn::ring_dq_in");
+    stats.block_q = Shape::block_q;
+    stats.block_k = Shape::block_k;
+    stats.workspace_bytes = bytes_of(keys.kt) + bytes_of(keys.vt) + bytes_of(keys.k) +
+                            4 * (bytes_of(qb[0].q) + bytes_of(qb[0].lse2)) + 3 * bytes_of(inc);
+    const auto kpos = Partition::positions(N, P, rank);
+    std::vector<typename Communicator::request_type> pending_send[2];
+    bool dkv_written = false;
+    int cur = 0;
+    for (int s = 0; s < P; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int src = ring_source(rank, s, P);
+      const bool more = s + 1 < P;
+      StepStats st;
+      std::vector<typename Communicator::request_type> q_reqs, in_reqs;
+      if (more) {
+        auto post = [&](const auto& next_view, const auto& cur_view, int t) {
+          q_reqs.push_back(m_comm.irecv(next_view, ring_prev(m_comm), 16 * s + 4 + t));
+          q_reqs.push_back(m_comm.isend(cur_view, ring_next(m_comm), 16 * s + 4 + t));
+          st.bytes_sent += bytes_of(cur_view);
+        };
+        post(qb[1 - cur].q, qb[cur].q, 0);
+        post(qb[1 - cur].dout, qb[cur].dout, 1);
+        post(qb[1 - cur].lse2, qb[cur].lse2, 2);
+        post(qb[1 - cur].drow, qb[cur].drow, 3);
+      }
+      if (s > 0) in_reqs.push_back(m_comm.irecv(inc, ring_prev(m_comm), 16 * s + 8));
+      auto& a = acc[s % 2];
+      for (auto& r : pending_send[s % 2]) m_comm.wait(r);
+      pending_send[s % 2].clear();
+      st.computed = !block_is_empty<Partition>(m_mask, N, P, src, rank);
+      if (st.computed) {
+        impl::BackwardBlock blk;
+        blk.accumulate_dq = false;
+        blk.accumulate_dkv = dkv_written;
+        impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, qb[cur], keys, a, dk, dv, m_mask,
+                                                       Partition::positions(N, P, src), kpos, scale,
+                                                       blk);
+        dkv_written = true;
+      } else {
+        Kokkos::deep_copy(m_exec, a, T(0));
+      }
+      for (auto& r : q_reqs) m_comm.test(r);
+      m_exec.fence();
+      for (auto& r : in_reqs) m_comm.wait(r);
+      if (s > 0) {
+        add_into<T>(a, inc);
+        m_exec.fence();
+      }
+      pending_send[s % 2].push_back(m_comm.isend(a, ring_next(m_comm), 16 * (s + 1) + 8));
+      st.bytes_sent += bytes_of(a);
+      if (!more) {
+        auto home = m_comm.irecv(inc, ring_prev(m_comm), 16 * P + 8);
+        m_comm.wait(home);
+        Kokkos::deep_copy(m_exec, dq, inc);
+      }
+      for (auto& r : q_reqs) m_comm.wait(r);
+      st.step = s;
+      st.source = src;
+      st.tiles = count_tiles(m_mask, e.queries, e.keys, Shape::block_q, Shape::block_k,
+                             Partition::positions(N, P, src), kpos, opts.count_pairs);
+      st.bytes_received = st.bytes_sent;
+      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      stats.steps.push_back(st);
+      if (more) cur = 1 - cur;
+    }
+    for (auto& v2 : pending_send)
+      for (auto& r : v2) m_comm.wait(r);
+    if (!dkv_written) {
+      Kokkos::deep_copy(m_exec, dk, T(0));
+      Kokkos::deep_copy(m_exec, dv, T(0));
+    }
+    m_exec.fence();
+  }
+
   Communicator m_comm;
   Mask m_mask;
   ExecSpace m_exec;
   static constexpr const char* fn = "DistributedAttention::forward";
   static constexpr int progress_chunks = 8;  // compute launches per step with a transfer in flight
 
-  template <class QV, class KV, class VV, class OV, class LV>
-  impl::ForwardExtents validate(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
-                                const DistributedOptions& opts) {
+  template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
+  impl::ForwardExtents validate(
+      const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+      const DistributedOptions& opts, Extra extra = [] {}) {
     // Each rank checks its own arguments, then all ranks agree, so that a bad
     // argument on one rank never leaves the others waiting in the ring.
     std::string error;
@@ -142,6 +415,7 @@ class DistributedAttention {
         impl::fail(fn, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ",
                    q.extent(1),
                    " (the local length of q: each rank holds N / P tokens of q, k, v)");
+      extra();
     } catch (const invalid_argument& ex) {
       error = ex.what();
     }

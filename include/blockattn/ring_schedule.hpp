@@ -13,18 +13,40 @@
 
 namespace blockattn {
 
-/// The KV ring (Ring Attention, ring-attention.txt Algorithm 1; Striped
-/// Attention uses it with the striped partition): Q stays, K/V blocks travel
-/// to the next rank each step; step s on rank r holds the block of rank
+/// Backward variants of the ring schedules:
+/// KV ring (ring-attention.txt `_ring_attention_bwd`): K, V and their dK, dV
+/// accumulators travel; dQ stays home.
+struct KVRingBackward {
+  static constexpr const char* name() { return "kv-ring"; }
+};
+/// Q ring (burstattention.txt Algorithm 2, GAO backward): Q, dO, LSE, D and the
+/// dQ accumulator travel; K, V, dK, dV stay home.
+struct QRingBackward {
+  static constexpr const char* name() { return "q-ring"; }
+};
+
+/// The KV ring forward (Ring Attention, ring-attention.txt Algorithm 1;
+/// Striped Attention uses it with the striped partition): Q stays, K/V blocks
+/// travel to the next rank each step; step s on rank r holds the block of rank
 /// (r - s) mod P. Communication of the next block is posted before a step's
-/// compute and completed after it (double buffering).
-struct RingSchedule {
-  using schedule_type = RingSchedule;
-  static constexpr const char* name() { return "ring"; }
+/// compute and completed after it (double buffering). `Backward` picks the
+/// backward's ring.
+template <class Backward>
+struct BasicRingSchedule {
+  using schedule_type = BasicRingSchedule;
+  using backward_type = Backward;
+  static constexpr const char* name() {
+    return std::is_same<Backward, KVRingBackward>::value ? "ring" : "burst";
+  }
   /// Every partition and mask work with the ring.
   template <class Partition, class Mask>
   static constexpr bool supports = true;
 };
+
+/// Ring Attention: KV ring forward and backward.
+using RingSchedule = BasicRingSchedule<KVRingBackward>;
+/// BurstAttention: KV ring forward, Q ring backward.
+using BurstSchedule = BasicRingSchedule<QRingBackward>;
 
 template <class S, class = void>
 struct is_schedule : std::false_type {};
