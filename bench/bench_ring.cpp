@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -115,6 +116,52 @@ void memory(Comm& comm, int c) {
         inputs / 1048576.0, inputs / block, peak_rss / 1048576.0);
 }
 
+/// Backward bytes per step of the two rings (max over steps and ranks, per
+/// rank) for a few head shapes, and their backward times on this machine.
+template <class Schedule>
+std::pair<std::int64_t, double> backward_run(Comm& comm, int c, int h, int hkv, int d, int reps) {
+  V4 q("q", 1, c, h, d), k("k", 1, c, hkv, d), o("o", 1, c, h, d), dq("dq", 1, c, h, d),
+      dk("dk", 1, c, hkv, d), dv("dv", 1, c, hkv, d);
+  V3 lse("lse", 1, h, c);
+  Kokkos::deep_copy(q, 0.01f);
+  Kokkos::deep_copy(k, 0.02f);
+  blockattn::DistributedAttention<blockattn::StripedPartition, blockattn::CausalMask, Schedule,
+                                  Comm>
+      attn(comm);
+  attn.forward(q, k, k, o, lse);
+  std::int64_t per_step = 0;
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    comm.barrier();
+    const double t0 = now();
+    const auto stats = attn.backward(q, k, k, o, lse, o, dq, dk, dv);
+    best = std::min(best, comm.allreduce(now() - t0, blockattn::ReduceOp::max));
+    for (const auto& s : stats.steps) per_step = std::max(per_step, s.bytes_sent);
+  }
+  return {comm.allreduce(per_step, blockattn::ReduceOp::max), best};
+}
+
+void bytes(Comm& comm, int reps) {
+  const int c = 1024;
+  if (comm.rank() == 0) {
+    std::printf(
+        "Backward rings, P = %d, striped causal, fp32, %d tokens per rank: bytes per step "
+        "(per rank) and time\n",
+        comm.size(), c);
+    std::printf("%4s %4s %4s %14s %14s %10s %12s %12s\n", "H", "Hkv", "D", "KV ring [B]",
+                "Q ring [B]", "KV/Q", "KV ring[ms]", "Q ring[ms]");
+  }
+  const int shapes[][3] = {{8, 8, 64}, {8, 2, 64}, {8, 1, 64}, {4, 4, 128}, {4, 1, 128}};
+  for (const auto& s : shapes) {
+    const auto kv = backward_run<blockattn::RingSchedule>(comm, c, s[0], s[1], s[2], reps);
+    const auto qr = backward_run<blockattn::BurstSchedule>(comm, c, s[0], s[1], s[2], reps);
+    if (comm.rank() == 0)
+      std::printf("%4d %4d %4d %14lld %14lld %10.2f %12.2f %12.2f\n", s[0], s[1], s[2],
+                  (long long)kv.first, (long long)qr.first, double(kv.first) / double(qr.first),
+                  kv.second * 1e3, qr.second * 1e3);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -122,15 +169,18 @@ int main(int argc, char** argv) {
   Kokkos::initialize(argc, argv);
   {
     Comm comm(MPI_COMM_WORLD);
-    bool mem = false;
+    bool mem = false, byt = false;
     int c = 4096, reps = 5;
     for (int i = 1; i < argc; ++i) {
       if (!std::strcmp(argv[i], "--memory")) mem = true;
+      if (!std::strcmp(argv[i], "--bytes")) byt = true;
       if (!std::strcmp(argv[i], "--c") && i + 1 < argc) c = std::atoi(argv[++i]);
       if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     }
     if (mem)
       memory(comm, c);
+    else if (byt)
+      bytes(comm, reps);
     else
       overlap(comm, reps);
   }
