@@ -136,3 +136,31 @@ TEST_CASE("a memory space the execution space cannot access") {
       {"'k'", "UnreachableSpace", ExecSpace::name(), "cannot access"});
   CHECK_NOTHROW(impl::require_accessible<ExecSpace, MemSpace>("attention_forward", "k"));
 }
+
+TEST_CASE("backward: gradient views name the argument and the expected extent") {
+  Views w;
+  V4 dout("do", 2, 10, 4, 16), dq("dq", 2, 10, 4, 16), dk("dk", 2, 12, 2, 16),
+      dv("dv", 2, 12, 2, 16);
+  auto run = [&] { attention_backward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, dout, dq, dk, dv); };
+  CHECK_NOTHROW(run());
+  auto expect = [&](auto&& f, const char* arg, const char* frag) {
+    std::string msg;
+    try {
+      f();
+    } catch (const blockattn::invalid_argument& e) {
+      msg = e.what();
+    }
+    INFO("message: ", msg);
+    CHECK(msg.find("blockattn::attention_backward") != std::string::npos);
+    CHECK(msg.find(arg) != std::string::npos);
+    CHECK(msg.find(frag) != std::string::npos);
+  };
+  dk = V4("dk", 2, 11, 2, 16);
+  expect(run, "'dk'", "extent(1) (seq) = 11, expected 12");
+  dk = V4("dk", 2, 12, 2, 16);
+  dout = V4("do", 2, 10, 4, 8);
+  expect(run, "'dout'", "extent(3) (head_dim) = 8, expected 16");
+  dout = V4("do", 2, 10, 4, 16);
+  dq = V4("dq", 1, 10, 4, 16);
+  expect(run, "'dq'", "extent(0) (batch) = 1, expected 2");
+}
