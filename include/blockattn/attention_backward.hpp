@@ -141,11 +141,11 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
     const char* fn = "attention_backward";
     const impl::ForwardExtents e =
         impl::validate_backward<ExecSpace>(fn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
-    const T s = std::isnan(opts.scale) ? T(1) / std::sqrt(T(e.dim)) : T(opts.scale);
+    const T s = impl::softmax_scale<T>(opts.scale, e.dim);
     impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
       constexpr int SD = decltype(static_d)::value;
       using S = decltype(shape);
-      const int dp = SD > 0 ? SD : (e.dim + S::dim_granule - 1) / S::dim_granule * S::dim_granule;
+      const int dp = impl::padded_head_dim<S, SD>(e.dim);
       auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, S::block_k);
       impl::pack_keys(exec, k, v, keys);
       auto queries =

@@ -120,6 +120,12 @@ ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const 
   return e;
 }
 
+/// The softmax scale: the caller's, or 1 / sqrt(head_dim) when NaN (the default).
+template <class T>
+T softmax_scale(double requested, int head_dim) {
+  return std::isnan(requested) ? T(1) / std::sqrt(T(head_dim)) : T(requested);
+}
+
 /// How one kernel call relates to the calls before and after it over other
 /// K/V blocks of the same queries (the ring schedules make one call per step).
 template <class T, class MemorySpace>
@@ -190,7 +196,7 @@ void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const K
   using T = typename OV::non_const_value_type;
   using mem = typename ExecSpace::memory_space;
   const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale);
-  const T s = std::isnan(scale) ? T(1) / std::sqrt(T(e.dim)) : T(scale);
+  const T s = softmax_scale<T>(scale, e.dim);
   with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
     constexpr int SD = decltype(static_d)::value;
     using S = decltype(shape);

@@ -200,9 +200,8 @@ class DistributedAttention {
     using mem = typename ExecSpace::memory_space;
     const int P = m_comm.size(), rank = m_comm.rank();
     const index_type N = index_type(e.queries) * P;
-    const T scale = std::isnan(opts.scale) ? T(1) / std::sqrt(T(e.dim)) : T(opts.scale);
-    const int dp =
-        SD > 0 ? SD : (e.dim + Shape::dim_granule - 1) / Shape::dim_granule * Shape::dim_granule;
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     auto queries =
         impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
     impl::pack_queries(m_exec, q, dout, o, lse, queries);
@@ -309,9 +308,8 @@ class DistributedAttention {
     using mem = typename ExecSpace::memory_space;
     const int P = m_comm.size(), rank = m_comm.rank();
     const index_type N = index_type(e.queries) * P;
-    const T scale = std::isnan(opts.scale) ? T(1) / std::sqrt(T(e.dim)) : T(opts.scale);
-    const int dp =
-        SD > 0 ? SD : (e.dim + Shape::dim_granule - 1) / Shape::dim_granule * Shape::dim_granule;
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
     impl::pack_keys(m_exec, k, v, keys);
     impl::PackedQueries<T, mem> qb[2] = {
@@ -453,7 +451,7 @@ class DistributedAttention {
                             typename Partition::position_map>;
     const int P = m_comm.size(), rank = m_comm.rank();
     const index_type N = index_type(e.queries) * P;
-    const T scale = std::isnan(opts.scale) ? T(1) / std::sqrt(T(e.dim)) : T(opts.scale);
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = Kernel::pad_dim(e.dim);
 
     // Two K/V buffers (double buffering) and the softmax state of the local queries.

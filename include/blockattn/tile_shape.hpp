@@ -100,6 +100,14 @@ decltype(auto) with_shape_for(int head_dim, F&& f) {
 
 template <class Shape>
 constexpr void check_tile_shape();
+
+/// The head dim as the kernels store it: the compile-time dim, or the run-time
+/// dim rounded up to the shape's granule.
+template <class Shape, int StaticD>
+constexpr int padded_head_dim(int dim) {
+  return StaticD > 0 ? StaticD
+                     : (dim + Shape::dim_granule - 1) / Shape::dim_granule * Shape::dim_granule;
+}
 }  // namespace impl
 
 /// Query and key tile sizes of a kernel launch (for work accounting).

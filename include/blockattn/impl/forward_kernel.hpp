@@ -55,10 +55,7 @@ struct ForwardKernel {
                 "BlockAttn: a static head dim must be a multiple of micro_cols");
 
   /// The head dim as stored in scratch and in the packed K/V block.
-  static int pad_dim(int dim) {
-    return StaticD > 0 ? StaticD
-                       : (dim + Shape::dim_granule - 1) / Shape::dim_granule * Shape::dim_granule;
-  }
+  static int pad_dim(int dim) { return padded_head_dim<Shape, StaticD>(dim); }
 
   in_view q;   // (batch, queries, heads, dim)
   kt_view kt;  // packed block, see PackedKV
