@@ -69,8 +69,8 @@ constexpr double dist_tol() {
   return std::is_same<T, double>::value ? 1e-12 : 1e-5;
 }
 
-template <class T, class Partition, class Mask, class Comm>
-void check_against_single(Comm comm, const Case& c, const Mask& mask, std::uint64_t seed) {
+template <class T, class Partition, class Schedule = RingSchedule, class Mask, class Comm>
+RunStats check_against_single(Comm comm, const Case& c, const Mask& mask, std::uint64_t seed) {
   const int P = comm.size(), rank = comm.rank();
   const int N = c.n_local * P;
   V4<T> q("q", c.b, N, c.h, c.d), k("k", c.b, N, c.hkv, c.d), v("v", c.b, N, c.hkv, c.d),
@@ -91,18 +91,18 @@ void check_against_single(Comm comm, const Case& c, const Mask& mask, std::uint6
   to_local<Partition>(ExecSpace{}, P, rank, o, oref);
   to_local<Partition>(ExecSpace{}, P, rank, lse, lref);
 
-  DistributedAttention<Partition, Mask, RingSchedule, Comm, ExecSpace> attn(comm, mask);
+  DistributedAttention<Partition, Mask, Schedule, Comm, ExecSpace> attn(comm, mask);
   const RunStats stats = attn.forward(ql, kl, vl, ol, ll);
   Kokkos::fence();
   bool inf_mismatch = false;
   const double eo = rel_error(ol, oref, inf_mismatch);
   const double el = rel_error(ll, lref, inf_mismatch);
-  INFO("rank ", rank, "/", P, " partition=", Partition::name(), " N=", N, " D=", c.d, " o_err=", eo,
-       " lse_err=", el);
+  INFO("rank ", rank, "/", P, " partition=", Partition::name(), " schedule=", Schedule::name(),
+       " N=", N, " D=", c.d, " o_err=", eo, " lse_err=", el);
   CHECK(eo <= dist_tol<T>());
   CHECK(el <= dist_tol<T>());
   CHECK_FALSE(inf_mismatch);
-  CHECK(int(stats.steps.size()) == P);
+  CHECK(int(stats.steps.size()) == schedule_steps<Schedule>(P));
 
   // Gathering the local outputs back into global order gives the global output.
   V4<T> back("back", c.b, N, c.h, c.d);
@@ -114,6 +114,7 @@ void check_against_single(Comm comm, const Case& c, const Mask& mask, std::uint6
   for (int i = 0; i < c.n_local; ++i)
     gerr = std::max(gerr, std::abs(double(bh(0, map(i), 0, 0)) - double(oh(0, map(i), 0, 0))));
   CHECK(gerr <= dist_tol<T>());
+  return stats;
 }
 
 template <class T, class Partition, class Comm>
@@ -163,6 +164,69 @@ TEST_CASE("accounting: bytes and steps match the ring") {
     // K^T and V of the local block (padded to whole tiles), except after the last step.
     const std::int64_t padded = (n + s.block_k - 1) / s.block_k * s.block_k;
     CHECK(s.steps[i].bytes_sent == (i + 1 < P ? 2 * padded * d * 2 * 4 : 0));  // 2 kv heads, fp32
+  }
+}
+
+TEST_CASE_TEMPLATE("balanced schedule equals single-device forward", T, double, float) {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  std::uint64_t seed = 5000;
+  for (const Case& c : cases) {
+    const index_type N = index_type(c.n_local) * comm.size();
+    check_against_single<T, ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{},
+                                                                   seed += 10);
+    check_against_single<T, ContiguousPartition, BalancedSchedule>(comm, c, causal_window(N / 3),
+                                                                   seed += 10);
+    check_against_single<T, ContiguousPartition, BalancedSchedule>(
+        comm, c, test::DocumentCausalMask{N / 3 + 1}, seed += 10);
+  }
+}
+
+TEST_CASE("balanced schedule: steps follow the task model, idle fraction of the paper") {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const int P = comm.size(), rank = comm.rank();
+  const RunStats s = check_against_single<double, ContiguousPartition, BalancedSchedule>(
+      comm, {1, 96, 2, 1, 64}, CausalMask{}, 77);
+  REQUIRE(int(s.steps.size()) == balanced_steps(P));
+  std::int64_t idle = 0, full_blocks = 0;
+  for (int t = 0; t < int(s.steps.size()); ++t) {
+    const BlockTask task = balanced_task(rank, t, P);
+    CHECK(s.steps[t].source == task.k_rank);
+    CHECK(s.steps[t].query_source == task.q_rank);
+    CHECK(s.steps[t].computed == !task.idle());
+    idle += task.idle() ? 1 : 0;
+    if (t > 0 && !task.idle()) {
+      // Every non-diagonal step is one whole block below the diagonal.
+      CHECK(s.steps[t].tiles.partial == 0);
+      CHECK(s.steps[t].tiles.skipped == 0);
+      full_blocks += 1;
+    }
+  }
+  // distflashattn.txt eq. (2): idle rank-steps / P^2 = 0 (odd P), 1 / (2P) (even P);
+  // every off-diagonal block pair computed once: P (P - 1) / 2 of them.
+  CHECK(comm.allreduce(idle, ReduceOp::sum) == (P % 2 == 0 ? P / 2 : 0));
+  CHECK(comm.allreduce(full_blocks, ReduceOp::sum) == std::int64_t(P) * (P - 1) / 2);
+}
+
+TEST_CASE("balanced schedule rejects a mask that attends to later blocks, on every rank") {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const int n = 32, d = 64;
+  V4<double> q("q", 1, n, 1, d), o("o", 1, n, 1, d);
+  V3<double> lse("lse", 1, 1, n);
+  DistributedAttention<ContiguousPartition, test::PrefixLMMask, BalancedSchedule, MpiCommunicator<>,
+                       ExecSpace>
+      attn(comm, test::PrefixLMMask{n + 1});  // the prefix reaches into rank 1's block
+  if (comm.size() == 1) {
+    CHECK_NOTHROW(attn.forward(q, q, q, o, lse));
+  } else {
+    try {
+      attn.forward(q, q, q, o, lse);
+      FAIL("expected blockattn::invalid_argument");
+    } catch (const invalid_argument& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(what.find("argument 'mask'") != std::string::npos);
+      CHECK(what.find("RingSchedule") != std::string::npos);
+    }
   }
 }
 

@@ -123,3 +123,41 @@ TEST_CASE("the ring's steps together compute every allowed pair once") {
     CHECK(total == want);
   }
 }
+
+TEST_CASE("balanced schedule: every block pair once, the paper's idle fractions") {
+  for (int P = 1; P <= 16; ++P) {
+    std::vector<int> seen(std::size_t(P) * P, 0);
+    int idle = 0;
+    for (int t = 0; t < balanced_steps(P); ++t)
+      for (int p = 0; p < P; ++p) {
+        const BlockTask task = balanced_task(p, t, P);
+        if (task.idle()) {
+          ++idle;
+          continue;
+        }
+        // A rank works on its own queries or on its own keys.
+        CHECK((task.q_rank == p || task.k_rank == p));
+        CHECK(task.k_rank <= task.q_rank);
+        ++seen[std::size_t(task.q_rank) * P + task.k_rank];
+        if (task.q_rank != p) {
+          CHECK(balanced_helps(p, t, P) == task.q_rank);
+          CHECK(balanced_helper_of(task.q_rank, t, P) == p);
+        }
+      }
+    for (int i = 0; i < P; ++i)
+      for (int j = 0; j < P; ++j) CHECK(seen[std::size_t(i) * P + j] == (j <= i ? 1 : 0));
+    // distflashattn.txt eq. (2): idle fraction (idle rank-steps over P^2) 0 for
+    // odd P, 1 / (2P) for even P; the plain ring's (P^2 - P) / (2 P^2).
+    const double balanced = double(idle) / (double(P) * P);
+    CHECK(balanced == doctest::Approx(P % 2 ? 0.0 : 1.0 / (2.0 * P)));
+    int ring_idle = 0;
+    for (int s = 0; s < P; ++s)
+      for (int p = 0; p < P; ++p)
+        ring_idle += block_is_empty<ContiguousPartition>(CausalMask{}, index_type(P) * 8, P, p,
+                                                         ring_source(p, s, P))
+                         ? 1
+                         : 0;
+    CHECK(double(ring_idle) / (double(P) * P) ==
+          doctest::Approx((double(P) * P - P) / (2.0 * P * P)));
+  }
+}

@@ -20,4 +20,24 @@ struct PrefixLMMask {
   }
 };
 
+/// Causal attention inside packed documents of `length` tokens each: a
+/// causal-lower mask (no query sees a later key) with whole blocks skipped.
+struct DocumentCausalMask {
+  index_type length = 1;
+  KOKKOS_INLINE_FUNCTION bool allowed(index_type q, index_type k) const {
+    return k <= q && k / length == q / length;
+  }
+  KOKKOS_INLINE_FUNCTION TileKind classify(index_type q_begin, index_type q_end, index_type k_begin,
+                                           index_type k_end) const {
+    const index_type q_last = q_end - 1, k_last = k_end - 1;
+    if (k_begin > q_last || k_last / length < q_begin / length ||
+        k_begin / length > q_last / length)
+      return TileKind::empty;
+    if (k_begin / length == q_last / length && k_last / length == q_begin / length &&
+        k_last <= q_begin)
+      return TileKind::full;
+    return TileKind::partial;
+  }
+};
+
 }  // namespace blockattn::test

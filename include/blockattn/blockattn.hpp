@@ -4,6 +4,7 @@
 
 #include <blockattn/attention_backward.hpp>
 #include <blockattn/attention_forward.hpp>
+#include <blockattn/balanced_schedule.hpp>
 #include <blockattn/communicator.hpp>
 #include <blockattn/config.hpp>
 #include <blockattn/distributed_attention.hpp>

@@ -11,9 +11,11 @@
 
 #include <blockattn/attention_backward.hpp>
 #include <blockattn/attention_forward.hpp>
+#include <blockattn/balanced_schedule.hpp>
 #include <blockattn/communicator.hpp>
 #include <blockattn/config.hpp>
 #include <blockattn/errors.hpp>
+#include <blockattn/impl/merge.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/partition.hpp>
 #include <blockattn/ring_schedule.hpp>
@@ -31,7 +33,8 @@ namespace blockattn {
 /// What one rank did at one step of a schedule.
 struct StepStats {
   int step = 0;
-  int source = 0;         // rank whose K/V block was used
+  int source = 0;         // rank whose K/V block was used (Q ring: whose queries)
+  int query_source = -1;  // rank whose queries were used (-1: idle step)
   bool computed = false;  // false: the whole block was masked out (no kernel)
   TileCounts tiles;       // per (batch, head); pairs only with count_pairs
   std::int64_t bytes_sent = 0;
@@ -79,10 +82,20 @@ class DistributedAttention {
                 "(FullMask, CausalMask, SlidingWindowMask, or your own; see blockattn/mask.hpp)");
   static_assert(is_schedule_v<Schedule>,
                 "BlockAttn: DistributedAttention: the third parameter must be a schedule "
-                "(RingSchedule, BurstSchedule; see blockattn/ring_schedule.hpp)");
+                "(RingSchedule, BurstSchedule, BalancedSchedule; see "
+                "blockattn/ring_schedule.hpp, blockattn/balanced_schedule.hpp)");
   static_assert(is_communicator_v<Communicator>,
                 "BlockAttn: DistributedAttention: the fourth parameter must be a communicator "
                 "(MpiCommunicator<>, SelfCommunicator; see blockattn/communicator.hpp)");
+  static_assert(!std::is_same<Schedule, BalancedSchedule>::value ||
+                    std::is_same<Partition, ContiguousPartition>::value,
+                "BlockAttn: BalancedSchedule (DistFlashAttn) balances the causal work of a "
+                "ContiguousPartition; striped and zigzag partitions are balanced by their layout: "
+                "use RingSchedule or BurstSchedule with them");
+  static_assert(!std::is_same<Schedule, BalancedSchedule>::value ||
+                    !std::is_same<Mask, FullMask>::value,
+                "BlockAttn: BalancedSchedule needs a causal mask (no block attends to a later "
+                "block); with FullMask every rank has the same work: use RingSchedule");
   static_assert(Schedule::template supports<Partition, Mask>,
                 "BlockAttn: DistributedAttention: this schedule does not support this partition "
                 "and mask");
@@ -115,7 +128,10 @@ class DistributedAttention {
       using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
       RunStats stats;
       impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
-        run_ring<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts, stats);
+        if constexpr (std::is_same<Schedule, BalancedSchedule>::value)
+          run_balanced<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts, stats);
+        else
+          run_ring<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts, stats);
       });
       return stats;
     } else {
@@ -162,16 +178,9 @@ class DistributedAttention {
   template <class T>
   using Buffer4 = Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
 
-  /// a += b for two buffers of the same shape.
   template <class T>
   void add_into(const Buffer4<T>& a, const Buffer4<T>& b) {
-    const std::int64_t n = std::int64_t(a.span());
-    T* pa = a.data();
-    const T* pb = b.data();
-    Kokkos::parallel_for(
-        "blockattn::add_into",
-        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(m_exec, 0, n),
-        KOKKOS_LAMBDA(const std::int64_t i) { pa[i] += pb[i]; });
+    impl::add_into(m_exec, a, b);
   }
 
   template <class V>
@@ -282,6 +291,7 @@ class DistributedAttention {
       for (auto& r : kv_reqs) m_comm.wait(r);
       st.step = s;
       st.source = src;
+      st.query_source = rank;
       st.tiles = ring_step_work<Partition>(m_mask, N, P, rank, s, Shape::block_q, Shape::block_k,
                                            opts.count_pairs);
       st.bytes_received = st.bytes_sent;
@@ -377,6 +387,7 @@ class DistributedAttention {
       for (auto& r : q_reqs) m_comm.wait(r);
       st.step = s;
       st.source = src;
+      st.query_source = src;
       st.tiles = count_tiles(m_mask, e.queries, e.keys, Shape::block_q, Shape::block_k,
                              Partition::positions(N, P, src), kpos, opts.count_pairs);
       st.bytes_received = st.bytes_sent;
@@ -413,6 +424,17 @@ class DistributedAttention {
         impl::fail(fn, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ",
                    q.extent(1),
                    " (the local length of q: each rank holds N / P tokens of q, k, v)");
+      if constexpr (std::is_same<Schedule, BalancedSchedule>::value) {
+        const int P = m_comm.size();
+        const index_type N = index_type(q.extent(1)) * P;
+        for (int i = 0; i < P; ++i)
+          for (int j = i + 1; j < P; ++j)
+            if (!block_is_empty<Partition>(m_mask, N, P, i, j))
+              impl::fail(fn, "argument 'mask' lets the queries of rank ", i,
+                         " attend to keys of the later rank ", j,
+                         "; BalancedSchedule expects a causal mask (no query attends to a later "
+                         "block): use RingSchedule for this mask");
+      }
       extra();
     } catch (const invalid_argument& ex) {
       error = ex.what();
@@ -519,6 +541,7 @@ class DistributedAttention {
       StepStats st;
       st.step = s;
       st.source = src_positions;
+      st.query_source = rank;
       st.computed = computed;
       st.tiles = ring_step_work<Partition>(m_mask, N, P, rank, s, Shape::block_q, Shape::block_k,
                                            opts.count_pairs);
@@ -527,6 +550,210 @@ class DistributedAttention {
       st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stats.steps.push_back(st);
       if (more && opts.communicate) cur = 1 - cur;
+    }
+  }
+  template <class T>
+  using LseBuffer = Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
+
+  /// Compute launches of one step in chunks of query tiles, testing the
+  /// transfers in flight between them (see run_ring).
+  template <int SD, class Shape, class QV, class OV, class LV, class QPos, class KPos, class T,
+            class Reqs>
+  void launch_chunked(const impl::ForwardExtents& e, const QV& q,
+                      const impl::PackedKV<T, typename ExecSpace::memory_space>& kv, const OV& o,
+                      const LV& lse, const QPos& qpos, const KPos& kpos, T scale,
+                      impl::BlockStep<T, typename ExecSpace::memory_space> state, Reqs& reqs) {
+    const int league = impl::forward_league_size<Shape>(e);
+    const int chunks = reqs.empty() ? 1 : (league < progress_chunks ? league : progress_chunks);
+    for (int c = 0; c < chunks; ++c) {
+      state.league_begin = int(std::int64_t(league) * c / chunks);
+      state.league_end = int(std::int64_t(league) * (c + 1) / chunks);
+      impl::launch_forward<ExecSpace, T, SD, Shape>(m_exec, e, q, kv, o, lse, m_mask, qpos, kpos,
+                                                    scale, state);
+      if (!reqs.empty()) {
+        m_exec.fence();
+        for (auto* r : reqs) m_comm.test(*r);
+      }
+    }
+  }
+
+  /// DistFlashAttn's balanced forward (see BalancedSchedule). Step t on rank p
+  /// runs balanced_task(p, t, P). The transfers a step needs (K/V from the
+  /// block's owner, Q from the rank being helped) are posted at the start of
+  /// the step before and complete at its end; a helper's partial (O, LSE)
+  /// travels during the next step and is merged into the owner's state at that
+  /// step's end. Buffers: own packed K/V + two received, and only on ranks with
+  /// that role: a contiguous copy of q, two received Q, two helper results,
+  /// two received results.
+  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV>
+  void run_balanced(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                    const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
+    using T = typename OV::non_const_value_type;
+    using mem = typename ExecSpace::memory_space;
+    using request = typename Communicator::request_type;
+    const int P = m_comm.size(), rank = m_comm.rank();
+    const index_type N = index_type(e.queries) * P;
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
+    const int steps = balanced_steps(P);
+    const bool comm = opts.communicate;
+
+    // Roles of this rank over the whole run.
+    bool sends_q = false, helps = false, helped = false;
+    for (int t = 1; t < steps; ++t) {
+      sends_q = sends_q || balanced_helper_of(rank, t, P) >= 0;
+      helped = helped || balanced_helper_of(rank, t, P) >= 0;
+      helps = helps || balanced_helps(rank, t, P) >= 0;
+    }
+    auto kv_buffer = [&] {
+      return impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+    };
+    impl::PackedKV<T, mem> own = kv_buffer(), recv[2];
+    impl::pack_kv(m_exec, k, v, own);
+    if (steps > 1) recv[0] = kv_buffer(), recv[1] = kv_buffer();
+    impl::BlockStep<T, mem> state;
+    state.m_state = LseBuffer<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::m"),
+                                 e.batch, e.heads, e.queries);
+    state.l_state = LseBuffer<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::l"),
+                                 e.batch, e.heads, e.queries);
+    Buffer4<T> qsend, qrecv[2], hout[2], rout[2];
+    LseBuffer<T> hlse[2], rlse[2];
+    auto lse_buffer = [&](const char* label) {
+      return LseBuffer<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
+                          e.batch, e.heads, e.queries);
+    };
+    if (sends_q) {
+      qsend = buffer_like<T>(q, "blockattn::balanced_q");
+      Kokkos::deep_copy(m_exec, qsend, q);
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (helps) {
+        qrecv[i] = buffer_like<T>(q, "blockattn::balanced_q_in");
+        hout[i] = buffer_like<T>(o, "blockattn::balanced_o_out");
+        hlse[i] = lse_buffer("blockattn::balanced_lse_out");
+      }
+      if (helped) {
+        rout[i] = buffer_like<T>(o, "blockattn::balanced_o_in");
+        rlse[i] = lse_buffer("blockattn::balanced_lse_in");
+      }
+    }
+    const std::int64_t kv_bytes =
+        std::int64_t(own.kt.span() + own.v.span()) * std::int64_t(sizeof(T));
+    const std::int64_t q_bytes =
+        std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
+    const std::int64_t res_bytes =
+        q_bytes + std::int64_t(e.batch) * e.heads * e.queries * std::int64_t(sizeof(T));
+    stats.block_q = Shape::block_q;
+    stats.block_k = Shape::block_k;
+    stats.workspace_bytes = (steps > 1 ? 3 : 1) * kv_bytes + 2 * bytes_of(state.m_state) +
+                            (sends_q ? q_bytes : 0) + (helps ? 2 * (q_bytes + res_bytes) : 0) +
+                            (helped ? 2 * res_bytes : 0);
+
+    const auto pos = [&](int r) { return Partition::positions(N, P, r); };
+    std::vector<request> res_send[2], res_recv[2];
+    auto finish_results = [&](int t) {  // results of step t: complete and merge
+      for (auto& r : res_send[t % 2]) m_comm.wait(r);
+      res_send[t % 2].clear();
+      if (res_recv[t % 2].empty()) return;
+      for (auto& r : res_recv[t % 2]) m_comm.wait(r);
+      res_recv[t % 2].clear();
+      impl::merge_partial(m_exec, o, state.m_state, state.l_state, rout[t % 2], rlse[t % 2], e.dim);
+      m_exec.fence();
+    };
+    for (int t = 0; t < steps; ++t) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const BlockTask task = balanced_task(rank, t, P);
+      StepStats st;
+      std::vector<request> reqs;
+      if (t + 1 < steps && comm) {
+        // Inputs of step u = t + 1: our K/V to the owner that needs it, the
+        // K/V we need as owner; our Q to our helper, the Q we help with.
+        const int u = t + 1;
+        if (rank >= u) {
+          reqs.push_back(m_comm.irecv(recv[u % 2].kt, rank - u, 8 * u));
+          reqs.push_back(m_comm.irecv(recv[u % 2].v, rank - u, 8 * u + 1));
+          st.bytes_received += kv_bytes;
+        }
+        if (rank + u < P) {
+          reqs.push_back(m_comm.isend(own.kt, rank + u, 8 * u));
+          reqs.push_back(m_comm.isend(own.v, rank + u, 8 * u + 1));
+          st.bytes_sent += kv_bytes;
+        }
+        if (const int r = balanced_helps(rank, u, P); r >= 0) {
+          reqs.push_back(m_comm.irecv(qrecv[u % 2], r, 8 * u + 2));
+          st.bytes_received += q_bytes;
+        }
+        if (const int h = balanced_helper_of(rank, u, P); h >= 0) {
+          reqs.push_back(m_comm.isend(qsend, h, 8 * u + 2));
+          st.bytes_sent += q_bytes;
+        }
+      }
+      if (const int h = balanced_helper_of(rank, t, P); h >= 0 && comm) {
+        res_recv[t % 2].push_back(m_comm.irecv(rout[t % 2], h, 8 * t + 3));
+        res_recv[t % 2].push_back(m_comm.irecv(rlse[t % 2], h, 8 * t + 4));
+        st.bytes_received += res_bytes;
+      }
+      std::vector<request*> in_flight;  // tested between compute chunks
+      for (auto& r : reqs) in_flight.push_back(&r);
+      for (auto& r : res_recv[(t + 1) % 2]) in_flight.push_back(&r);
+      for (auto& r : res_send[(t + 1) % 2]) in_flight.push_back(&r);
+      st.computed =
+          !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
+      if (task.q_rank == rank) {
+        // Own queries: the diagonal (always launched: it initialises the
+        // state) or, as owner, the K/V block of rank p - t.
+        if (t == 0 || st.computed) {
+          impl::BlockStep<T, mem> s = state;
+          s.resume = t > 0;
+          s.finish = P == 1;
+          s.skip_keys = !st.computed;
+          launch_chunked<SD, Shape>(e, q, (t == 0 || !comm) ? own : recv[t % 2], o, lse, pos(rank),
+                                    pos(task.k_rank), scale, s, in_flight);
+        }
+      } else if (!task.idle()) {
+        // Helper: the queries of rank r against our K/V, fresh state,
+        // normalised result sent back to r.
+        impl::BlockStep<T, mem> s = state;
+        s.resume = false;
+        s.finish = true;
+        s.skip_keys = !st.computed;
+        if (comm)
+          launch_chunked<SD, Shape>(e, qrecv[t % 2], own, hout[t % 2], hlse[t % 2],
+                                    pos(task.q_rank), pos(rank), scale, s, in_flight);
+        else
+          launch_chunked<SD, Shape>(e, q, own, hout[t % 2], hlse[t % 2], pos(task.q_rank),
+                                    pos(rank), scale, s, in_flight);
+        m_exec.fence();
+        if (comm) {
+          res_send[t % 2].push_back(m_comm.isend(hout[t % 2], task.q_rank, 8 * t + 3));
+          res_send[t % 2].push_back(m_comm.isend(hlse[t % 2], task.q_rank, 8 * t + 4));
+          st.bytes_sent += res_bytes;
+        }
+      }
+      m_exec.fence();
+      for (auto& r : reqs) m_comm.wait(r);
+      if (t > 0) finish_results(t - 1);  // the previous step's partial arrived meanwhile
+      st.step = t;
+      st.source = task.k_rank;
+      st.query_source = task.q_rank;
+      st.tiles = task_work<Partition>(m_mask, N, P, task, Shape::block_q, Shape::block_k,
+                                      opts.count_pairs);
+      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      stats.steps.push_back(st);
+    }
+    if (steps > 1) {
+      const auto t0 = std::chrono::steady_clock::now();
+      finish_results(steps - 1);
+      // Normalise the merged state into o and lse.
+      impl::BlockStep<T, mem> s = state;
+      s.resume = true;
+      s.finish = true;
+      s.skip_keys = true;
+      impl::launch_forward<ExecSpace, T, SD, Shape>(m_exec, e, q, own, o, lse, m_mask, pos(rank),
+                                                    pos(rank), scale, s);
+      m_exec.fence();
+      stats.steps.back().seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
   }
 };
