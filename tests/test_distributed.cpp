@@ -387,6 +387,20 @@ TEST_CASE_TEMPLATE("distributed backward (Q ring) matches the fp64 gradients", T
   backward_all<T, BurstSchedule>(comm);
 }
 
+TEST_CASE_TEMPLATE("balanced backward matches the fp64 gradients", T, double, float) {
+  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const Case cases2[] = {{1, 38, 2, 1, 40}, {2, 70, 1, 1, 64}, {1, 130, 2, 2, 128}};
+  std::uint64_t seed = 7000;
+  for (const Case& c : cases2) {
+    const index_type N = index_type(c.n_local) * comm.size();
+    check_backward<T, BalancedSchedule, ContiguousPartition>(comm, c, CausalMask{}, seed += 10);
+    check_backward<T, BalancedSchedule, ContiguousPartition>(comm, c, causal_window(N / 3),
+                                                             seed += 10);
+    check_backward<T, BalancedSchedule, ContiguousPartition>(
+        comm, c, test::DocumentCausalMask{N / 3 + 1}, seed += 10);
+  }
+}
+
 TEST_CASE("backward bytes per rank: BurstAttention Table 1") {
   // Local length a multiple of the tiles and D = 64: no padding, so the bytes
   // are exactly the tensors'. B = 1, Z = 2 heads (1 kv head for the GQA case).

@@ -165,6 +165,8 @@ class DistributedAttention {
         using S = decltype(shape);
         if constexpr (std::is_same<typename Schedule::backward_type, KVRingBackward>::value)
           run_backward_kv<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+        else if constexpr (std::is_same<typename Schedule::backward_type, BalancedBackward>::value)
+          run_backward_balanced<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
         else
           run_backward_q<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       });
@@ -755,6 +757,201 @@ class DistributedAttention {
       stats.steps.back().seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
+  }
+  /// Backward of the balanced schedule: the forward's block pairs, step by
+  /// step. An owner (pair (p, p - t)) receives K, V of rank p - t, adds into
+  /// its own dQ and sends the dK, dV partial of those keys back; a helper
+  /// (pair (r, p)) receives the packed Q, dO, LSE, D of rank r, adds into its
+  /// own dK, dV and sends the dQ partial back. Inputs are posted a step ahead;
+  /// partials travel during the next step and are added at its end.
+  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV, class DOV,
+            class DQV, class DKV, class DVV>
+  void run_backward_balanced(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                             const OV& o, const LV& lse, const DOV& dout, const DQV& dq,
+                             const DKV& dk, const DVV& dv, const DistributedOptions& opts,
+                             RunStats& stats) {
+    using T = typename OV::non_const_value_type;
+    using mem = typename ExecSpace::memory_space;
+    using request = typename Communicator::request_type;
+    const int P = m_comm.size(), rank = m_comm.rank();
+    const index_type N = index_type(e.queries) * P;
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
+    const int steps = balanced_steps(P);
+    bool owns_remote = false, helps = false, helped = false, sends_kv = false;
+    for (int t = 1; t < steps; ++t) {
+      owns_remote = owns_remote || rank >= t;
+      sends_kv = sends_kv || rank + t < P;
+      helps = helps || balanced_helps(rank, t, P) >= 0;
+      helped = helped || balanced_helper_of(rank, t, P) >= 0;
+    }
+    auto queries_buffer = [&] {
+      return impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
+    };
+    auto keys_buffer = [&] {
+      return impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+    };
+    impl::PackedQueries<T, mem> own_q = queries_buffer(), q_in[2];
+    impl::PackedKeys<T, mem> own_k = keys_buffer(), remote_k;
+    impl::pack_queries(m_exec, q, dout, o, lse, own_q);
+    impl::pack_keys(m_exec, k, v, own_k);
+    Buffer4<T> kv_send[2], kv_in[2][2], dkv_out[2][2], dkv_add[2][2], dq_out[2], dq_add[2];
+    if (sends_kv) {
+      kv_send[0] = buffer_like<T>(k, "blockattn::balanced_k");
+      kv_send[1] = buffer_like<T>(v, "blockattn::balanced_v");
+      Kokkos::deep_copy(m_exec, kv_send[0], k);
+      Kokkos::deep_copy(m_exec, kv_send[1], v);
+    }
+    if (owns_remote) remote_k = keys_buffer();
+    for (int i = 0; i < 2; ++i) {
+      if (owns_remote)
+        for (int j = 0; j < 2; ++j) {
+          kv_in[i][j] = buffer_like<T>(j == 0 ? k : v, "blockattn::balanced_kv_in");
+          dkv_out[i][j] = buffer_like<T>(j == 0 ? dk : dv, "blockattn::balanced_dkv_out");
+        }
+      if (sends_kv)
+        for (int j = 0; j < 2; ++j)
+          dkv_add[i][j] = buffer_like<T>(j == 0 ? dk : dv, "blockattn::balanced_dkv_in");
+      if (helps) {
+        q_in[i] = queries_buffer();
+        dq_out[i] = buffer_like<T>(dq, "blockattn::balanced_dq_out");
+      }
+      if (helped) dq_add[i] = buffer_like<T>(dq, "blockattn::balanced_dq_in");
+    }
+    const std::int64_t kv_bytes = bytes_of(k) + bytes_of(v);
+    const std::int64_t dkv_bytes = bytes_of(dk) + bytes_of(dv);
+    const std::int64_t q_bytes =
+        bytes_of(own_q.q) + bytes_of(own_q.dout) + bytes_of(own_q.lse2) + bytes_of(own_q.drow);
+    const std::int64_t dq_bytes = bytes_of(dq);
+    const std::int64_t keys_bytes = bytes_of(own_k.kt) + bytes_of(own_k.vt) + bytes_of(own_k.k);
+    stats.block_q = Shape::block_q;
+    stats.block_k = Shape::block_k;
+    stats.workspace_bytes = q_bytes + keys_bytes + (sends_kv ? kv_bytes + 2 * dkv_bytes : 0) +
+                            (owns_remote ? keys_bytes + 2 * (kv_bytes + dkv_bytes) : 0) +
+                            (helps ? 2 * (q_bytes + dq_bytes) : 0) + (helped ? 2 * dq_bytes : 0);
+
+    const auto pos = [&](int r) { return Partition::positions(N, P, r); };
+    std::vector<request> out_send[2], in_recv[2];
+    bool in_dkv[2] = {false, false}, in_dq[2] = {false, false};
+    auto finish_partials = [&](int t) {  // partials of step t: complete and add
+      const int i = t % 2;
+      for (auto& r : out_send[i]) m_comm.wait(r);
+      for (auto& r : in_recv[i]) m_comm.wait(r);
+      out_send[i].clear();
+      in_recv[i].clear();
+      if (in_dkv[i]) {
+        impl::add_into(m_exec, dk, dkv_add[i][0]);
+        impl::add_into(m_exec, dv, dkv_add[i][1]);
+      }
+      if (in_dq[i]) impl::add_into(m_exec, dq, dq_add[i]);
+      in_dkv[i] = in_dq[i] = false;
+      m_exec.fence();
+    };
+    auto post_queries = [&](auto&& op, const impl::PackedQueries<T, mem>& b, int peer, int tag) {
+      std::vector<request> r;
+      r.push_back(op(b.q, peer, tag));
+      r.push_back(op(b.dout, peer, tag + 1));
+      r.push_back(op(b.lse2, peer, tag + 2));
+      r.push_back(op(b.drow, peer, tag + 3));
+      return r;
+    };
+    auto isend = [&](const auto& view, int peer, int tag) { return m_comm.isend(view, peer, tag); };
+    auto irecv = [&](const auto& view, int peer, int tag) { return m_comm.irecv(view, peer, tag); };
+    for (int t = 0; t < steps; ++t) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const BlockTask task = balanced_task(rank, t, P);
+      const int i = t % 2;
+      StepStats st;
+      std::vector<request> reqs;
+      if (t + 1 < steps) {
+        const int u = t + 1, tag = 16 * u;
+        if (rank >= u) {
+          reqs.push_back(irecv(kv_in[u % 2][0], rank - u, tag));
+          reqs.push_back(irecv(kv_in[u % 2][1], rank - u, tag + 1));
+          st.bytes_received += kv_bytes;
+        }
+        if (rank + u < P) {
+          reqs.push_back(isend(kv_send[0], rank + u, tag));
+          reqs.push_back(isend(kv_send[1], rank + u, tag + 1));
+          st.bytes_sent += kv_bytes;
+        }
+        if (const int r = balanced_helps(rank, u, P); r >= 0) {
+          for (auto& x : post_queries(irecv, q_in[u % 2], r, tag + 2)) reqs.push_back(x);
+          st.bytes_received += q_bytes;
+        }
+        if (const int h = balanced_helper_of(rank, u, P); h >= 0) {
+          for (auto& x : post_queries(isend, own_q, h, tag + 2)) reqs.push_back(x);
+          st.bytes_sent += q_bytes;
+        }
+      }
+      // Partials of this step's pairs that other ranks compute for us.
+      if (t > 0 && rank + t < P) {
+        in_recv[i].push_back(irecv(dkv_add[i][0], rank + t, 16 * t + 8));
+        in_recv[i].push_back(irecv(dkv_add[i][1], rank + t, 16 * t + 9));
+        in_dkv[i] = true;
+        st.bytes_received += dkv_bytes;
+      }
+      if (const int h = balanced_helper_of(rank, t, P); h >= 0) {
+        in_recv[i].push_back(irecv(dq_add[i], h, 16 * t + 10));
+        in_dq[i] = true;
+        st.bytes_received += dq_bytes;
+      }
+      st.computed =
+          !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
+      impl::BackwardBlock blk;
+      if (t == 0) {
+        if (st.computed) {
+          impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, own_q, own_k, dq, dk, dv,
+                                                         m_mask, pos(rank), pos(rank), scale, blk);
+        } else {
+          Kokkos::deep_copy(m_exec, dq, T(0));
+          Kokkos::deep_copy(m_exec, dk, T(0));
+          Kokkos::deep_copy(m_exec, dv, T(0));
+        }
+      } else if (task.q_rank == rank) {
+        // Owner: our queries against the keys of rank p - t; their dK, dV go back.
+        if (st.computed) {
+          impl::pack_keys(m_exec, kv_in[i][0], kv_in[i][1], remote_k);
+          blk.accumulate_dq = true;
+          impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, own_q, remote_k, dq,
+                                                         dkv_out[i][0], dkv_out[i][1], m_mask,
+                                                         pos(rank), pos(task.k_rank), scale, blk);
+        } else {
+          Kokkos::deep_copy(m_exec, dkv_out[i][0], T(0));
+          Kokkos::deep_copy(m_exec, dkv_out[i][1], T(0));
+        }
+        m_exec.fence();
+        out_send[i].push_back(isend(dkv_out[i][0], task.k_rank, 16 * t + 8));
+        out_send[i].push_back(isend(dkv_out[i][1], task.k_rank, 16 * t + 9));
+        st.bytes_sent += dkv_bytes;
+      } else if (!task.idle()) {
+        // Helper: the queries of rank r against our keys; their dQ goes back.
+        if (st.computed) {
+          blk.accumulate_dkv = true;
+          impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, q_in[i], own_k, dq_out[i], dk,
+                                                         dv, m_mask, pos(task.q_rank), pos(rank),
+                                                         scale, blk);
+        } else {
+          Kokkos::deep_copy(m_exec, dq_out[i], T(0));
+        }
+        m_exec.fence();
+        out_send[i].push_back(isend(dq_out[i], task.q_rank, 16 * t + 10));
+        st.bytes_sent += dq_bytes;
+      }
+      for (auto& r : reqs) m_comm.test(r);
+      m_exec.fence();
+      for (auto& r : reqs) m_comm.wait(r);
+      if (t > 0) finish_partials(t - 1);
+      st.step = t;
+      st.source = task.k_rank;
+      st.query_source = task.q_rank;
+      st.tiles = task_work<Partition>(m_mask, N, P, task, Shape::block_q, Shape::block_k,
+                                      opts.count_pairs);
+      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      stats.steps.push_back(st);
+    }
+    if (steps > 1) finish_partials(steps - 1);
+    m_exec.fence();
   }
 };
 
