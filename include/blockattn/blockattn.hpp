@@ -11,6 +11,7 @@
 #include <blockattn/errors.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/partition.hpp>
+#include <blockattn/planner.hpp>
 #include <blockattn/positions.hpp>
 #include <blockattn/ring_schedule.hpp>
 #include <blockattn/tile_shape.hpp>

@@ -1,0 +1,278 @@
+// SPDX-License-Identifier: Apache-2.0
+// BlockAttn planner CLI: predicts every partition x schedule for a problem on
+// given hardware and recommends the fastest one that fits in memory.
+//
+//   blockattn_plan --n 262144 --p 8 --heads 32 --dim 128 --mask causal --hw a100-nvlink
+//   blockattn_plan --n 65536 --p 4 --mask window:8192          (calibrates this machine)
+//
+// Options (defaults in brackets):
+//   --n N  --p P  --batch B [1]  --heads H [8]  --kv-heads Hkv [H]  --dim D [128]
+//   --dtype fp32|fp64|bf16|fp16 [fp32]   element size of the transferred blocks
+//   --mask full|causal|window:W [causal] (window: causal sliding window of W keys)
+//   --tile BQxBK          tile sizes [the kernels' own: GPU shape for GPU/TPU
+//                         presets, host shape when calibrating]
+//   --hw a100-nvlink|a100-ib|tpu-v3|tpu-v4|tpu-v5e|calibrate [calibrate]
+//   --flops F  --bandwidth B (bytes/s)  --latency s  --memory bytes
+//                         override the preset / calibration
+//   --steps               per-rank per-step table of every candidate
+//   --data FILE           per-rank per-step work (blocks of N/P x N/P pairs) for plots
+//   --json                one JSON line per candidate
+#include <blockattn/blockattn.hpp>
+#include <blockattn/calibrate.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace blockattn;
+
+struct Args {
+  index_type n = 65536;
+  int p = 4, batch = 1, heads = 8, kv_heads = 0, dim = 128, dtype = 4;
+  std::string dtype_name = "fp32", mask = "causal", hw = "calibrate", data;
+  int block_q = 0, block_k = 0;
+  double flops = 0, bandwidth = -1, latency = -1, memory = -1;
+  bool steps = false, json = false;
+};
+
+[[noreturn]] void usage(const char* what) {
+  std::fprintf(stderr, "blockattn_plan: %s (see the header of examples/plan.cpp)\n", what);
+  std::exit(2);
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto val = [&]() -> std::string {
+      if (i + 1 >= argc) usage(("missing value after " + f).c_str());
+      return argv[++i];
+    };
+    if (f == "--n")
+      a.n = std::atoll(val().c_str());
+    else if (f == "--p")
+      a.p = std::atoi(val().c_str());
+    else if (f == "--batch")
+      a.batch = std::atoi(val().c_str());
+    else if (f == "--heads")
+      a.heads = std::atoi(val().c_str());
+    else if (f == "--kv-heads")
+      a.kv_heads = std::atoi(val().c_str());
+    else if (f == "--dim")
+      a.dim = std::atoi(val().c_str());
+    else if (f == "--dtype") {
+      a.dtype_name = val();
+      if (a.dtype_name == "fp32")
+        a.dtype = 4;
+      else if (a.dtype_name == "fp64")
+        a.dtype = 8;
+      else if (a.dtype_name == "bf16" || a.dtype_name == "fp16")
+        a.dtype = 2;
+      else
+        usage("--dtype must be fp32, fp64, bf16 or fp16");
+    } else if (f == "--mask")
+      a.mask = val();
+    else if (f == "--tile") {
+      const std::string t = val();
+      if (std::sscanf(t.c_str(), "%dx%d", &a.block_q, &a.block_k) != 2)
+        usage("--tile expects BQxBK, e.g. 64x64");
+    } else if (f == "--hw")
+      a.hw = val();
+    else if (f == "--flops")
+      a.flops = std::atof(val().c_str());
+    else if (f == "--bandwidth")
+      a.bandwidth = std::atof(val().c_str());
+    else if (f == "--latency")
+      a.latency = std::atof(val().c_str());
+    else if (f == "--memory")
+      a.memory = std::atof(val().c_str());
+    else if (f == "--data")
+      a.data = val();
+    else if (f == "--steps")
+      a.steps = true;
+    else if (f == "--json")
+      a.json = true;
+    else if (f.rfind("--kokkos", 0) != 0)
+      usage(("unknown option " + f).c_str());
+  }
+  if (a.kv_heads == 0) a.kv_heads = a.heads;
+  if (a.n <= 0 || a.p <= 0 || a.batch <= 0 || a.heads <= 0 || a.dim <= 0 ||
+      a.heads % a.kv_heads != 0)
+    usage("--n, --p, --batch, --heads, --dim must be positive and --kv-heads divide --heads");
+  return a;
+}
+
+/// Host memcpy bandwidth: what MPI's shared-memory transport moves on one node.
+double memcpy_bandwidth(std::size_t bytes) {
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  double best = 1e300;
+  for (int r = 0; r < 4; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    a[std::size_t(r)] = b[bytes - 1 - std::size_t(r)];
+  }
+  return double(bytes) / best;
+}
+
+std::string human(double bytes) {
+  char buf[32];
+  if (bytes >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
+  return buf;
+}
+
+template <class Mask>
+int run(const Args& a, const Mask& mask) {
+  plan::Hardware hw;
+  bool gpu_like = true;
+  if (a.hw == "a100-nvlink")
+    hw = plan::a100_nvlink();
+  else if (a.hw == "a100-ib")
+    hw = plan::a100_infiniband();
+  else if (a.hw == "tpu-v3")
+    hw = plan::tpu_v3();
+  else if (a.hw == "tpu-v4")
+    hw = plan::tpu_v4();
+  else if (a.hw == "tpu-v5e")
+    hw = plan::tpu_v5e();
+  else if (a.hw == "calibrate") {
+    gpu_like = false;
+    const int n = int(std::min<index_type>(a.n / a.p, 4096));
+    const auto c =
+        a.dtype == 8 ? plan::calibrate<double>(n, 1, a.dim) : plan::calibrate<float>(n, 1, a.dim);
+    hw = plan::calibrated_hardware(c, memcpy_bandwidth(std::size_t(64) << 20), 0.0);
+    std::printf(
+        "calibration: tile kernel %.1f GFLOP/s on full tiles, partial tile %.2f x a full "
+        "one (n = %d, D = %d, %s, %d thread(s)); memcpy %.1f GB/s\n",
+        c.flops / 1e9, c.partial_tile_cost, n, a.dim, a.dtype == 8 ? "fp64" : "fp32",
+        Kokkos::DefaultExecutionSpace().concurrency(), hw.bandwidth / 1e9);
+  } else
+    usage("--hw must be a100-nvlink, a100-ib, tpu-v3, tpu-v4, tpu-v5e or calibrate");
+  if (a.flops > 0) hw.flops = a.flops;
+  if (a.bandwidth >= 0) hw.bandwidth = a.bandwidth;
+  if (a.latency >= 0) hw.latency = a.latency;
+  if (a.memory >= 0) hw.memory_bytes = a.memory;
+
+  plan::Problem pb =
+      gpu_like
+          ? plan::problem_for<float, Kokkos::DefaultExecutionSpace, DefaultTileShape<float, false>>(
+                a.n, a.p, a.batch, a.heads, a.kv_heads, a.dim)
+          : plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(a.n, a.p, a.batch, a.heads,
+                                                                        a.kv_heads, a.dim);
+  pb.dtype_bytes = a.dtype;
+  if (a.block_q > 0) {
+    pb.block_q = a.block_q;
+    pb.block_k = a.block_k;
+  }
+  const bool pairs = !a.data.empty();
+  const auto all = plan::compare(pb, mask, hw, pairs);
+  const int best = plan::recommend(all);
+
+  std::printf(
+      "problem: N = %lld, P = %d, batch %d, heads %d (kv %d), D = %d, %s, mask %s, "
+      "tiles %dx%d\n",
+      (long long)a.n, a.p, a.batch, a.heads, a.kv_heads, a.dim, a.dtype_name.c_str(),
+      a.mask.c_str(), pb.block_q, pb.block_k);
+  std::printf(
+      "hardware: %s, F = %.3g FLOP/s, partial tile %.2f, B = %.3g B/s, latency %.3g s, "
+      "memory %s per rank\n",
+      hw.name.c_str(), hw.flops, hw.partial_tile_cost, hw.bandwidth, hw.latency,
+      hw.memory_bytes > 0 ? human(hw.memory_bytes).c_str() : "unlimited");
+  std::printf("ring-attention.txt: overlap needs c >= %.0f tokens per rank (c = N/P = %lld)\n\n",
+              plan::overlap_block_size(hw, a.dtype, a.heads, a.kv_heads), (long long)(a.n / a.p));
+  std::printf("%-11s %-9s %12s %8s %8s %6s %9s %12s %12s %5s\n", "partition", "schedule",
+              "makespan", "vs ring", "vs 1 dev", "idle", "idle(t)", "sent/rank", "peak/rank",
+              "fits");
+  for (const auto& x : all) {
+    if (!x.valid) {
+      std::printf("%-11s %-9s   not possible: %s\n", x.partition.c_str(), x.schedule.c_str(),
+                  x.why_not.c_str());
+      continue;
+    }
+    std::printf("%-11s %-9s %10.3f ms %7.2fx %7.2fx %6.3f %9.3f %12s %12s %5s\n",
+                x.partition.c_str(), x.schedule.c_str(), x.makespan_s * 1e3, x.speedup_over_ring(),
+                x.speedup_over_single(), x.idle_step_fraction(), x.idle_time_fraction(),
+                human(double(x.max_bytes_sent())).c_str(), human(double(x.peak_bytes())).c_str(),
+                x.fits ? "yes" : "no");
+  }
+  if (best >= 0)
+    std::printf("\nrecommended: %s partition + %s schedule (%.2fx the contiguous ring)\n",
+                all[std::size_t(best)].partition.c_str(), all[std::size_t(best)].schedule.c_str(),
+                all[std::size_t(best)].speedup_over_ring());
+  else
+    std::printf("\nrecommended: none fits in %s per rank\n", human(hw.memory_bytes).c_str());
+
+  if (a.steps)
+    for (const auto& x : all) {
+      if (!x.valid) continue;
+      std::printf("\n%s + %s: per rank, per step: compute ms / link ms [q block, k block]\n",
+                  x.partition.c_str(), x.schedule.c_str());
+      for (std::size_t r = 0; r < x.ranks.size(); ++r) {
+        std::printf("  rank %2zu:", r);
+        for (const auto& s : x.ranks[r].steps)
+          std::printf(" %7.3f/%6.3f [%d,%d]", s.compute_s * 1e3, s.comm_s * 1e3, s.task.q_rank,
+                      s.task.k_rank);
+        std::printf("\n");
+      }
+    }
+  if (a.json)
+    for (const auto& x : all)
+      if (x.valid)
+        std::printf(
+            "{\"partition\":\"%s\",\"schedule\":\"%s\",\"makespan_s\":%.6g,"
+            "\"speedup_over_ring\":%.4f,\"speedup_over_single\":%.4f,"
+            "\"idle_step_fraction\":%.4f,\"bytes_sent_per_rank\":%lld,"
+            "\"peak_bytes_per_rank\":%lld,\"fits\":%s}\n",
+            x.partition.c_str(), x.schedule.c_str(), x.makespan_s, x.speedup_over_ring(),
+            x.speedup_over_single(), x.idle_step_fraction(), (long long)x.max_bytes_sent(),
+            (long long)x.peak_bytes(), x.fits ? "true" : "false");
+  if (!a.data.empty()) {
+    // gnuplot data: one block per candidate (index i), rows "step rank work",
+    // work in units of a full block of (N/P)^2 allowed pairs per (batch, head).
+    FILE* f = std::fopen(a.data.c_str(), "w");
+    if (!f) usage(("cannot write " + a.data).c_str());
+    const double block = double(pb.local()) * double(pb.local());
+    for (const auto& x : all) {
+      if (!x.valid) continue;
+      std::fprintf(f, "# %s + %s (makespan %.6g s)\n", x.partition.c_str(), x.schedule.c_str(),
+                   x.makespan_s);
+      for (std::size_t r = 0; r < x.ranks.size(); ++r)
+        for (std::size_t s = 0; s < x.ranks[r].steps.size(); ++s)
+          std::fprintf(f, "%zu %zu %.6f\n", s, r,
+                       double(x.ranks[r].steps[s].tiles.allowed_pairs) / block);
+      std::fprintf(f, "\n\n");
+    }
+    std::fclose(f);
+    std::printf("\nwrote %s\n", a.data.c_str());
+  }
+  return best >= 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  Kokkos::initialize(argc, argv);
+  int rc = 0;
+  {
+    if (a.mask == "full")
+      rc = run(a, FullMask{});
+    else if (a.mask == "causal")
+      rc = run(a, CausalMask{});
+    else if (a.mask.rfind("window:", 0) == 0)
+      rc = run(a, causal_window(std::atoll(a.mask.c_str() + 7)));
+    else
+      usage("--mask must be full, causal or window:W");
+  }
+  Kokkos::finalize();
+  return rc;
+}
