@@ -7,6 +7,11 @@
 #   cmake/blockattn.sh demo-single [args]  the single-device demo (4 masks, one process)
 #   cmake/blockattn.sh test                build and run the whole test suite (ctest)
 #   cmake/blockattn.sh bench [bench args]  build and run the forward benchmark
+#   cmake/blockattn.sh bench-ring          KV-ring overlap, bytes and memory benchmarks
+#   cmake/blockattn.sh bench-plan          planner prediction vs measurement (P = 2)
+#   cmake/blockattn.sh plan [plan args]    the planner CLI (examples/plan.cpp)
+#   cmake/blockattn.sh plot [out.png]      per-rank per-step work at P = 8, four schedules
+#                                          (gnuplot; default docs/schedules_p8.png)
 #   cmake/blockattn.sh deps                only install / build the dependencies
 #
 # Every command first makes sure the dependencies are there (idempotent: when
@@ -162,8 +167,32 @@ case "$cmd" in
     cmake --build "$build" -j "$jobs" --target blockattn_bench_ring
     "$repo/bench/run_ring.sh" "$build/bench/blockattn_bench_ring" "$@"
     ;;
+  bench-plan)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_bench_plan
+    "$repo/bench/run_plan.sh" "$build/bench/blockattn_bench_plan" "$@"
+    ;;
+  plan)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_plan
+    OMP_PROC_BIND=false "$build/examples/blockattn_plan" "$@"
+    ;;
+  plot)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_plan
+    if ! command -v gnuplot >/dev/null; then
+      log "installing gnuplot-nox"
+      as_root apt-get update -qq
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        gnuplot-nox >/dev/null
+    fi
+    "$repo/bench/plot_schedules.sh" "$build/examples/blockattn_plan" "${1:-$repo/docs/schedules_p8.png}"
+    ;;
   *)
-    sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

@@ -265,7 +265,7 @@ void check_plan_matches_run(MpiCommunicator<>& comm, const Case& c, const Mask& 
 }
 }  // namespace
 
-TEST_CASE("planner: workspace, bytes and tiles per step equal the run's") {
+TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (ring and balanced)") {
   MpiCommunicator<> comm(MPI_COMM_WORLD);
   for (const Case& c : cases) {
     check_plan_matches_run<ContiguousPartition, RingSchedule>(comm, c, CausalMask{});

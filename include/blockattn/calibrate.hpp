@@ -25,8 +25,26 @@ struct Calibration {
   int n = 0, heads = 0, dim = 0;
 };
 
+/// Fits F and the partial-tile cost to c.full_seconds and c.causal_seconds
+/// (forward on one (1, c.n, c.heads, c.dim) block, tile sizes of T on ExecSpace).
+template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace>
+Calibration fit_calibration(Calibration c) {
+  const TileSizes ts = forward_tile_sizes<T, ExecSpace>(c.dim);
+  const double per_tile = 4.0 * ts.block_q * ts.block_k * c.dim * double(c.heads);
+  const TileCounts full = count_tiles(FullMask{}, c.n, c.n, ts.block_q, ts.block_k, {}, {}, false);
+  const TileCounts causal =
+      count_tiles(CausalMask{}, c.n, c.n, ts.block_q, ts.block_k, {}, {}, false);
+  c.flops = double(full.computed()) * per_tile / c.full_seconds;
+  c.partial_tile_cost = 1;
+  if (causal.partial > 0) {
+    const double tiles = c.causal_seconds * c.flops / per_tile;  // in full-tile units
+    c.partial_tile_cost = std::max(0.05, (tiles - double(causal.full)) / double(causal.partial));
+  }
+  return c;
+}
+
 /// Times attention_forward on (1, n, heads, dim) Views of T with a full and a
-/// causal mask (best of `reps` after one warm-up each) and fits
+/// causal mask (alternating, best of `reps` after one warm-up each) and fits
 ///   t = (full tiles + c * partial tiles) * 4 * block_q * block_k * dim * heads / F.
 /// Collective only in the sense that every rank calling it at once measures
 /// the rate under the same load as a distributed run.
@@ -48,34 +66,27 @@ Calibration calibrate(int n, int heads, int dim, int reps = 3, const ExecSpace& 
     Kokkos::deep_copy(k, h);
     Kokkos::deep_copy(v, h);
   }
-  auto best_of = [&](const auto& mask) {
-    double best = 1e300;
-    for (int r = 0; r <= reps; ++r) {
-      exec.fence();
-      const auto t0 = std::chrono::steady_clock::now();
-      attention_forward(exec, q, k, v, o, lse, mask);
-      exec.fence();
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (r > 0) best = std::min(best, s);  // r = 0 warms up
-    }
-    return best;
+  auto time_one = [&](const auto& mask) {
+    exec.fence();
+    const auto t0 = std::chrono::steady_clock::now();
+    attention_forward(exec, q, k, v, o, lse, mask);
+    exec.fence();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   Calibration c;
   c.n = n;
   c.heads = heads;
   c.dim = dim;
-  c.full_seconds = best_of(FullMask{});
-  c.causal_seconds = best_of(CausalMask{});
-  const TileSizes ts = forward_tile_sizes<T, ExecSpace>(dim);
-  const double per_tile = 4.0 * ts.block_q * ts.block_k * dim * double(heads);
-  const TileCounts full = count_tiles(FullMask{}, n, n, ts.block_q, ts.block_k, {}, {}, false);
-  const TileCounts causal = count_tiles(CausalMask{}, n, n, ts.block_q, ts.block_k, {}, {}, false);
-  c.flops = double(full.computed()) * per_tile / c.full_seconds;
-  if (causal.partial > 0) {
-    const double tiles = c.causal_seconds * c.flops / per_tile;  // in full-tile units
-    c.partial_tile_cost = std::max(0.05, (tiles - double(causal.full)) / double(causal.partial));
+  c.full_seconds = c.causal_seconds = 1e300;
+  // Alternating, best of `reps` each after one warm-up: both see the same load.
+  for (int r = 0; r <= reps; ++r) {
+    const double tf = time_one(FullMask{});
+    const double tc = time_one(CausalMask{});
+    if (r == 0) continue;
+    c.full_seconds = std::min(c.full_seconds, tf);
+    c.causal_seconds = std::min(c.causal_seconds, tc);
   }
-  return c;
+  return fit_calibration<T, ExecSpace>(c);
 }
 
 /// Hardware from a calibration and the link figures.

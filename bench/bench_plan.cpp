@@ -1,0 +1,231 @@
+// SPDX-License-Identifier: Apache-2.0
+// Prediction vs measurement (run under mpiexec; see bench/run_plan.sh).
+//
+// 1. Calibrates the planner on this machine, all ranks at once: the tile
+//    kernel's rate on full tiles and the cost of a partial tile (forward on one
+//    local block, full and causal mask), the bandwidth of a ring exchange of
+//    one K/V block and the latency of a small message.
+// 2. Runs the distributed forward for every partition x schedule (causal mask
+//    by default): best of R of the slowest rank's time.
+// 3. Prints measured and predicted time and their ratio, and the measured and
+//    predicted speedups over the contiguous ring, all from this one run.
+//
+//   blockattn_bench_plan [--n-local n] [--heads H] [--dim D] [--reps R] [--mask causal|window:W]
+#include <blockattn/blockattn.hpp>
+#include <blockattn/calibrate.hpp>
+#include <blockattn/mpi_communicator.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace blockattn;
+using T = float;
+using V4 = Kokkos::View<T****>;
+using V3 = Kokkos::View<T***>;
+using Comm = MpiCommunicator<>;
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Args {
+  int n_local = 4096, heads = 1, dim = 128, reps = 10;
+  std::string mask = "causal";
+};
+
+/// One forward of a partition x schedule on its own local Views; returns the
+/// slowest rank's time.
+struct Runner {
+  std::function<double()> once;
+  const char *partition, *schedule;
+};
+
+template <class Partition, class Schedule, class Mask>
+Runner make_runner(Comm& comm, const Args& a, const Mask& mask) {
+  V4 q("q", 1, a.n_local, a.heads, a.dim), k("k", 1, a.n_local, a.heads, a.dim),
+      v("v", 1, a.n_local, a.heads, a.dim), o("o", 1, a.n_local, a.heads, a.dim);
+  V3 lse("lse", 1, a.heads, a.n_local);
+  Kokkos::deep_copy(q, T(0.01) * T(comm.rank() + 1));
+  Kokkos::deep_copy(k, T(0.02));
+  Kokkos::deep_copy(v, T(1));
+  using Attn = DistributedAttention<Partition, Mask, Schedule, Comm>;
+  auto attn = std::make_shared<Attn>(comm, mask);
+  Comm* c = &comm;
+  return {[=]() {
+            c->barrier();
+            const double t0 = now();
+            attn->forward(q, k, v, o, lse);
+            Kokkos::fence();
+            return c->allreduce(now() - t0, ReduceOp::max);
+          },
+          Partition::name(), Schedule::name()};
+}
+
+/// Ring exchange of `bytes` with both neighbours at once (what a ring step
+/// does): bytes / best time.
+double exchange_bandwidth(Comm& comm, std::size_t bytes, int reps) {
+  Kokkos::View<char*> s("s", bytes), r("r", bytes);
+  double best = 1e300;
+  for (int i = 0; i <= reps; ++i) {
+    comm.barrier();
+    const double t0 = now();
+    auto rr = comm.irecv(r, ring_prev(comm), 7);
+    auto sr = comm.isend(s, ring_next(comm), 7);
+    comm.wait(rr);
+    comm.wait(sr);
+    const double t = comm.allreduce(now() - t0, ReduceOp::max);
+    if (i > 0) best = std::min(best, t);
+  }
+  return double(bytes) / best;
+}
+
+/// Half the round trip of a one-float message between ranks 0 and 1.
+double small_message_latency(Comm& comm) {
+  if (comm.size() < 2) return 0;
+  Kokkos::View<float*> b("b", 1);
+  const int reps = 200;
+  comm.barrier();
+  const double t0 = now();
+  for (int i = 0; i < reps; ++i) {
+    if (comm.rank() == 0) {
+      auto s = comm.isend(b, 1, 9);
+      comm.wait(s);
+      auto r = comm.irecv(b, 1, 9);
+      comm.wait(r);
+    } else if (comm.rank() == 1) {
+      auto r = comm.irecv(b, 0, 9);
+      comm.wait(r);
+      auto s = comm.isend(b, 0, 9);
+      comm.wait(s);
+    }
+  }
+  return comm.allreduce((now() - t0) / (2.0 * reps), ReduceOp::max);
+}
+
+template <class Mask>
+void run(Comm& comm, const Args& a, const Mask& mask) {
+  const int P = comm.size();
+  const index_type N = index_type(a.n_local) * P;
+  plan::Problem pb = plan::problem_for<T>(N, P, 1, a.heads, a.heads, a.dim);
+  const double B = exchange_bandwidth(comm, std::size_t(plan::detail::packed_kv_bytes(pb)), a.reps);
+  const double lat = small_message_latency(comm);
+  // Round robin over the calibration and the combinations, best of R each:
+  // this shared machine's load changes over seconds, and so every measurement
+  // sees the same changes. Calibration runs on every rank at once (the load of
+  // the distributed run).
+  std::vector<Runner> runners;
+  runners.push_back(make_runner<ContiguousPartition, RingSchedule>(comm, a, mask));
+  runners.push_back(make_runner<StripedPartition, RingSchedule>(comm, a, mask));
+  runners.push_back(make_runner<ZigzagPartition, RingSchedule>(comm, a, mask));
+  if constexpr (!std::is_same<Mask, FullMask>::value)
+    runners.push_back(make_runner<ContiguousPartition, BalancedSchedule>(comm, a, mask));
+  std::vector<double> best(runners.size(), 1e300);
+  plan::Calibration cal;
+  cal.full_seconds = cal.causal_seconds = 1e300;
+  for (int r = 0; r <= a.reps; ++r) {
+    const plan::Calibration one = plan::calibrate<T>(a.n_local, a.heads, a.dim, 1);
+    cal.n = one.n;
+    cal.heads = one.heads;
+    cal.dim = one.dim;
+    cal.full_seconds = std::min(cal.full_seconds, one.full_seconds);
+    cal.causal_seconds = std::min(cal.causal_seconds, one.causal_seconds);
+    for (std::size_t i = 0; i < runners.size(); ++i) {
+      const double t = runners[i].once();
+      if (r > 0) best[i] = std::min(best[i], t);  // r = 0 warms up
+    }
+  }
+  cal = plan::fit_calibration<T>(cal);
+  const double F = comm.allreduce(cal.flops, ReduceOp::sum) / P;
+  const double kappa = comm.allreduce(cal.partial_tile_cost, ReduceOp::sum) / P;
+  plan::Hardware hw;
+  hw.name = "this machine (calibrated)";
+  hw.flops = F;
+  hw.partial_tile_cost = kappa;
+  hw.bandwidth = B;
+  hw.latency = lat;
+
+  struct Row {
+    const char *partition, *schedule;
+    double measured, predicted;
+  };
+  std::vector<Row> rows;
+  auto predicted = [&](std::size_t i) {
+    switch (i) {
+      case 0:
+        return plan::predict<ContiguousPartition, RingSchedule>(pb, mask, hw).makespan_s;
+      case 1:
+        return plan::predict<StripedPartition, RingSchedule>(pb, mask, hw).makespan_s;
+      case 2:
+        return plan::predict<ZigzagPartition, RingSchedule>(pb, mask, hw).makespan_s;
+      default:
+        return plan::predict<ContiguousPartition, BalancedSchedule>(pb, mask, hw).makespan_s;
+    }
+  };
+  for (std::size_t i = 0; i < runners.size(); ++i)
+    rows.push_back({runners[i].partition, runners[i].schedule, best[i], predicted(i)});
+
+  if (comm.rank() != 0) return;
+  std::printf(
+      "P = %d ranks x %d thread(s), N = %lld (%d per rank), heads %d, D = %d, fp32, "
+      "mask %s, tiles %dx%d\n",
+      P, Kokkos::DefaultExecutionSpace().concurrency(), (long long)N, a.n_local, a.heads, a.dim,
+      a.mask.c_str(), pb.block_q, pb.block_k);
+  std::printf(
+      "calibrated: F = %.1f GFLOP/s on full tiles, partial tile = %.2f full tiles, "
+      "B = %.2f GB/s (ring exchange of one K/V block), latency %.1f us\n",
+      F / 1e9, kappa, B / 1e9, lat * 1e6);
+  std::printf("%-11s %-9s %12s %12s %10s %14s %14s\n", "partition", "schedule", "measured",
+              "predicted", "pred/meas", "meas vs ring", "pred vs ring");
+  for (const Row& r : rows)
+    std::printf("%-11s %-9s %9.2f ms %9.2f ms %10.3f %13.2fx %13.2fx\n", r.partition, r.schedule,
+                r.measured * 1e3, r.predicted * 1e3, r.predicted / r.measured,
+                rows[0].measured / r.measured, rows[0].predicted / r.predicted);
+  for (const Row& r : rows)
+    std::printf(
+        "{\"bench\":\"plan\",\"P\":%d,\"n_local\":%d,\"partition\":\"%s\",\"schedule\":"
+        "\"%s\",\"measured_s\":%.6g,\"predicted_s\":%.6g,\"ratio\":%.4f}\n",
+        P, a.n_local, r.partition, r.schedule, r.measured, r.predicted, r.predicted / r.measured);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  Kokkos::initialize(argc, argv);
+  {
+    Args a;
+    for (int i = 1; i < argc; ++i) {
+      const std::string f = argv[i];
+      const char* val = i + 1 < argc ? argv[i + 1] : "";
+      if (f == "--n-local")
+        a.n_local = std::atoi(val), ++i;
+      else if (f == "--heads")
+        a.heads = std::atoi(val), ++i;
+      else if (f == "--dim")
+        a.dim = std::atoi(val), ++i;
+      else if (f == "--reps")
+        a.reps = std::atoi(val), ++i;
+      else if (f == "--mask")
+        a.mask = val, ++i;
+    }
+    Comm comm(MPI_COMM_WORLD);
+    if (a.mask == "causal")
+      run(comm, a, CausalMask{});
+    else if (a.mask.rfind("window:", 0) == 0)
+      run(comm, a, causal_window(std::atoll(a.mask.c_str() + 7)));
+    else if (comm.rank() == 0)
+      std::fprintf(stderr, "--mask must be causal or window:W\n");
+  }
+  Kokkos::finalize();
+  MPI_Finalize();
+  return 0;
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Planner prediction vs measurement at P = 2 (one rank per core of this
+# machine), causal mask, for two local block sizes and a causal window.
+#   bench/run_plan.sh <path to blockattn_bench_plan> [--reps R]
+set -euo pipefail
+bin=$1
+shift
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_PROC_BIND=false OMP_NUM_THREADS=1
+for n in 2048 4096; do
+  mpiexec -n 2 --oversubscribe "$bin" --n-local $n "$@"
+  echo
+done
+mpiexec -n 2 --oversubscribe "$bin" --n-local 4096 --mask window:3000 "$@"
