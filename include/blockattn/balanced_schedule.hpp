@@ -79,6 +79,24 @@ inline int balanced_helper_of(int rank, int step, int P) {
   return rank + step - P;
 }
 
+/// What `rank` does over a whole balanced run (decides which buffers it needs).
+struct BalancedRoles {
+  bool owns_remote = false;  // computes its queries against another rank's keys
+  bool sends_kv = false;     // sends its K/V to an owner
+  bool helps = false;        // computes for another rank's queries
+  bool helped = false;       // another rank computes for its queries (it sends Q)
+};
+inline BalancedRoles balanced_roles(int rank, int P) {
+  BalancedRoles r;
+  for (int t = 1; t < balanced_steps(P); ++t) {
+    r.owns_remote = r.owns_remote || rank >= t;
+    r.sends_kv = r.sends_kv || rank + t < P;
+    r.helps = r.helps || balanced_helps(rank, t, P) >= 0;
+    r.helped = r.helped || balanced_helper_of(rank, t, P) >= 0;
+  }
+  return r;
+}
+
 /// The task of `rank` at `step` of a schedule (ring or balanced), as a block pair.
 template <class Schedule>
 BlockTask schedule_task(int rank, int step, int P) {

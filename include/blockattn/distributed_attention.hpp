@@ -600,13 +600,8 @@ class DistributedAttention {
     const int steps = balanced_steps(P);
     const bool comm = opts.communicate;
 
-    // Roles of this rank over the whole run.
-    bool sends_q = false, helps = false, helped = false;
-    for (int t = 1; t < steps; ++t) {
-      sends_q = sends_q || balanced_helper_of(rank, t, P) >= 0;
-      helped = helped || balanced_helper_of(rank, t, P) >= 0;
-      helps = helps || balanced_helps(rank, t, P) >= 0;
-    }
+    const BalancedRoles roles = balanced_roles(rank, P);
+    const bool sends_q = roles.helped, helps = roles.helps, helped = roles.helped;
     auto kv_buffer = [&] {
       return impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
     };
@@ -778,13 +773,9 @@ class DistributedAttention {
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const int steps = balanced_steps(P);
-    bool owns_remote = false, helps = false, helped = false, sends_kv = false;
-    for (int t = 1; t < steps; ++t) {
-      owns_remote = owns_remote || rank >= t;
-      sends_kv = sends_kv || rank + t < P;
-      helps = helps || balanced_helps(rank, t, P) >= 0;
-      helped = helped || balanced_helper_of(rank, t, P) >= 0;
-    }
+    const BalancedRoles roles = balanced_roles(rank, P);
+    const bool owns_remote = roles.owns_remote, sends_kv = roles.sends_kv, helps = roles.helps,
+               helped = roles.helped;
     auto queries_buffer = [&] {
       return impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
     };

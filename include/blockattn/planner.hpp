@@ -232,13 +232,9 @@ void schedule_plan(const Problem& p, std::vector<Message>& msgs, std::vector<std
         }
       }
     for (int r = 0; r < P; ++r) {
-      bool sends_q = false, helps = false;
-      for (int t = 1; t < S; ++t) {
-        sends_q = sends_q || balanced_helper_of(r, t, P) >= 0;
-        helps = helps || balanced_helps(r, t, P) >= 0;
-      }
-      ws[std::size_t(r)] = (S > 1 ? 3 : 1) * kv + 2 * state + (sends_q ? q : 0) +
-                           (helps ? 2 * (q + res) : 0) + (sends_q ? 2 * res : 0);
+      const BalancedRoles role = balanced_roles(r, P);
+      ws[std::size_t(r)] = (S > 1 ? 3 : 1) * kv + 2 * state + (role.helped ? q + 2 * res : 0) +
+                           (role.helps ? 2 * (q + res) : 0);
     }
   } else {
     for (int s = 0; s + 1 < P; ++s)
