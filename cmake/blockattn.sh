@@ -53,6 +53,40 @@ install_packages() {
     "${missing[@]}" >/dev/null
 }
 
+# Adds deb-src entries mirroring the machine's own enabled `deb` entries (same
+# URIs, suites, components and keys), so `apt-get source` works; no host name
+# is written here.
+add_deb_src() {
+  local out=/etc/apt/sources.list.d/blockattn-deb-src.sources entries=""
+  local f
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] && [ "$f" != "$out" ] || continue
+    # deb822 stanzas: copy those whose Types include `deb`, as Types: deb-src.
+    entries+=$(awk 'BEGIN { RS = ""; ORS = "\n\n" }
+      { n = split($0, L, "\n"); deb = 0; body = ""
+        for (i = 1; i <= n; i++) {
+          if (L[i] ~ /^#/) continue
+          if (L[i] ~ /^Types:/) { if (L[i] ~ /[ \t]deb([ \t]|$)/) deb = 1; continue }
+          if (L[i] ~ /^Enabled:[ \t]*no/) { deb = 0; break }
+          body = body L[i] "\n"
+        }
+        if (deb) printf "Types: deb-src\n%s\n", body }' "$f")$'\n\n'
+  done
+  entries=${entries%%$'\n\n'}
+  # One-line sources (sources.list and *.list): `deb [opts] URI suite comps`.
+  local lines
+  lines=$({ cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null || true; } |
+          sed -n 's/^[[:space:]]*deb[[:space:]]/deb-src /p')
+  if [ -z "$entries" ] && [ -z "$lines" ]; then
+    log "no apt 'deb' entry found to derive a deb-src entry from"; exit 1
+  fi
+  log "adding deb-src entries derived from the machine's apt sources ($out)"
+  [ -z "$entries" ] || printf '%s\n' "$entries" | as_root tee "$out" >/dev/null
+  if [ -n "$lines" ]; then
+    printf '%s\n' "$lines" | as_root tee /etc/apt/sources.list.d/blockattn-deb-src.list >/dev/null
+  fi
+}
+
 # Kokkos 3.4.1 (OpenMP + Serial) and Kokkos Kernels 3.4.1 from Debian's trilinos source.
 build_kokkos() {
   [ -f "$kokkos_prefix/.complete" ] && return 0
@@ -60,14 +94,7 @@ build_kokkos() {
   mkdir -p "$src"
   if ! ls "$src"/trilinos_*.orig.tar.* >/dev/null 2>&1; then
     if ! apt-get source --print-uris trilinos >/dev/null 2>&1; then
-      log "adding a deb-src entry for Debian bookworm"
-      as_root tee /etc/apt/sources.list.d/blockattn-deb-src.sources >/dev/null <<'SRC'
-Types: deb-src
-URIs: http://deb.debian.org/debian
-Suites: bookworm
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SRC
+      add_deb_src
       as_root apt-get update -qq
     fi
     log "downloading Debian's trilinos source package"
