@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// Forward throughput of the tile kernel vs an fp32 GEMM of the same size, in one run.
+// Forward and backward throughput of the tile kernels vs an fp32 GEMM of the
+// same size and vs PyTorch's CPU scaled_dot_product_attention, in one run.
 //
 // GFLOP/s counts 4 * D per *allowed* query-key pair (masked pairs are not
 // work). The reference GEMM is cblas_sgemm of the Q K^T shape (N x N x D) and
 // a 4096^3 sgemm (the machine's GEMM peak), with as many BLAS threads as
 // Kokkos has. After Google Benchmark's table the binary prints, per case,
-// attention GFLOP/s / GEMM GFLOP/s and causal / full.
+// attention GFLOP/s / GEMM GFLOP/s and causal / full, and with --torch=FILE
+// (written by bench/torch_sdpa.py just before, same thread count) PyTorch's
+// rate on the same case and our ratio to it.
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
@@ -16,6 +19,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <random>
 #include <string>
@@ -161,7 +165,7 @@ using RegisterShape = blockattn::DefaultTileShape<float, host>;
 using BatchedShape = blockattn::KokkosBatchedTileShape<float, host>;
 #endif
 
-const std::vector<int> lengths = {1024, 2048, 4096, 8192};
+const std::vector<int> lengths = {512, 1024, 2048, 4096, 16384};
 const std::vector<int> dims = {64, 128};
 
 std::string attn_name(const char* variant, int n, int d, int mask) {
@@ -190,7 +194,7 @@ void register_all(bool quick) {
             ->Unit(benchmark::kMillisecond)
             ->MinTime(0.3);
 #ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
-        if (n <= 2048)  // the slower variant: two sizes are enough to compare
+        if (n <= 1024)  // the slower variant: one size is enough to compare
           benchmark::RegisterBenchmark(attn_name("kokkos_batched", n, d, mask).c_str(),
                                        bm_attention<BatchedShape>)
               ->Args({n, d, mask})
@@ -199,13 +203,12 @@ void register_all(bool quick) {
               ->MinTime(0.3);
 #endif
       }
-      if (n <= 4096)
-        for (int mask : {full, causal})
-          benchmark::RegisterBenchmark(bwd_name(n, d, mask).c_str(), bm_backward)
-              ->Args({n, d, mask})
-              ->UseManualTime()
-              ->Unit(benchmark::kMillisecond)
-              ->MinTime(0.3);
+      for (int mask : {full, causal})
+        benchmark::RegisterBenchmark(bwd_name(n, d, mask).c_str(), bm_backward)
+            ->Args({n, d, mask})
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(0.3);
       benchmark::RegisterBenchmark(gemm_name(n, d).c_str(), bm_sgemm)
           ->Args({n, n, d})
           ->UseManualTime()
@@ -219,16 +222,37 @@ void register_all(bool quick) {
       ->MinTime(0.5);
 }
 
+/// PyTorch's rates from bench/torch_sdpa.py: "<fwd|bwd> N D mask dtype GFLOP/s" per line.
+std::map<std::string, double> read_torch(const std::string& path) {
+  std::map<std::string, double> r;
+  std::ifstream in(path);
+  std::string op, mask, dtype;
+  int n = 0, d = 0;
+  double g = 0;
+  while (in >> op >> n >> d >> mask >> dtype >> g)
+    if (dtype == "fp32") r[op + "/" + std::to_string(n) + "/" + std::to_string(d) + "/" + mask] = g;
+  return r;
+}
+
+std::string torch_key(const char* op, int n, int d, int mask) {
+  return std::string(op) + "/" + std::to_string(n) + "/" + std::to_string(d) +
+         (mask == causal ? "/causal" : "/full");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Kokkos::initialize(argc, argv);
   {
     bool quick = false;
+    std::map<std::string, double> torch;
     std::vector<char*> args;
     for (int i = 0; i < argc; ++i) {
-      if (std::string(argv[i]) == "--quick")
+      const std::string a = argv[i];
+      if (a == "--quick")
         quick = true;
+      else if (a.rfind("--torch=", 0) == 0)
+        torch = read_torch(a.substr(8));
       else
         args.push_back(argv[i]);
     }
@@ -240,10 +264,13 @@ int main(int argc, char** argv) {
 
     const int threads = Exec().concurrency();
     const double peak = reporter.rate["sgemm/4096^3"];
-    std::printf("\nRatios measured in this run (%s, %d thread%s; sgemm 4096^3 = %.1f GFLOP/s)\n",
-                Exec::name(), threads, threads == 1 ? "" : "s", peak);
-    std::printf("%-16s %5s %5s %7s %10s %14s %14s %14s\n", "variant", "N", "D", "mask", "GFLOP/s",
-                "/ sgemm(NxNxD)", "/ sgemm 4096^3", "causal / full");
+    std::printf(
+        "\nRatios measured in this run (%s, %d thread%s; host ISA %s; sgemm 4096^3 = %.1f "
+        "GFLOP/s; PyTorch: %s)\n",
+        Exec::name(), threads, threads == 1 ? "" : "s", blockattn::host_isa_name(), peak,
+        torch.empty() ? "not run" : "same run, same threads");
+    std::printf("%-16s %5s %5s %7s %10s %14s %14s %14s %10s %9s\n", "variant", "N", "D", "mask",
+                "GFLOP/s", "/ sgemm(NxNxD)", "/ sgemm 4096^3", "causal / full", "torch", "/ torch");
     for (const char* variant : {"register", "kokkos_batched"})
       for (int d : dims)
         for (int n : lengths)
@@ -252,14 +279,17 @@ int main(int argc, char** argv) {
             if (it == reporter.rate.end()) continue;
             const double g = reporter.rate[gemm_name(n, d)];
             const double f = reporter.rate[attn_name(variant, n, d, full)];
-            std::printf("%-16s %5d %5d %7s %10.1f %14.2f %14.2f %14s\n", variant, n, d,
+            const auto t = torch.find(torch_key("fwd", n, d, mask));
+            const double tr = t == torch.end() ? 0.0 : t->second;
+            std::printf("%-16s %5d %5d %7s %10.1f %14.2f %14.2f %14s %10.1f %9.2f\n", variant, n, d,
                         mask == causal ? "causal" : "full", it->second, it->second / g,
                         peak > 0 ? it->second / peak : 0.0,
-                        mask == causal ? std::to_string(it->second / f).substr(0, 4).c_str() : "");
+                        mask == causal ? std::to_string(it->second / f).substr(0, 4).c_str() : "",
+                        tr, tr > 0 ? it->second / tr : 0.0);
           }
     std::printf("\nBackward (dQ, dK, dV; GFLOP/s = 2.5 x forward FLOPs on allowed pairs)\n");
-    std::printf("%5s %5s %7s %10s %14s %14s %12s\n", "N", "D", "mask", "GFLOP/s", "/ sgemm(NxNxD)",
-                "/ sgemm 4096^3", "bwd/fwd time");
+    std::printf("%5s %5s %7s %10s %14s %14s %12s %10s %9s\n", "N", "D", "mask", "GFLOP/s",
+                "/ sgemm(NxNxD)", "/ sgemm 4096^3", "bwd/fwd time", "torch", "/ torch");
     for (int d : dims)
       for (int n : lengths)
         for (int mask : {full, causal}) {
@@ -267,9 +297,12 @@ int main(int argc, char** argv) {
           if (it == reporter.rate.end()) continue;
           const double g = reporter.rate[gemm_name(n, d)];
           const double f = reporter.rate[attn_name("register", n, d, mask)];
-          std::printf("%5d %5d %7s %10.1f %14.2f %14.2f %12.2f\n", n, d,
+          const auto t = torch.find(torch_key("bwd", n, d, mask));
+          const double tr = t == torch.end() ? 0.0 : t->second;
+          std::printf("%5d %5d %7s %10.1f %14.2f %14.2f %12.2f %10.1f %9.2f\n", n, d,
                       mask == causal ? "causal" : "full", it->second, it->second / g,
-                      peak > 0 ? it->second / peak : 0.0, f > 0 ? 2.5 * f / it->second : 0.0);
+                      peak > 0 ? it->second / peak : 0.0, f > 0 ? 2.5 * f / it->second : 0.0, tr,
+                      tr > 0 ? it->second / tr : 0.0);
         }
     benchmark::Shutdown();
   }

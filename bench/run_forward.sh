@@ -1,16 +1,47 @@
 #!/usr/bin/env bash
-# Runs the forward benchmark with 1 and with 2 threads (Kokkos OpenMP threads =
-# OpenBLAS threads), each run printing its own ratios.
+# Runs the forward/backward benchmark with 1 and with all threads (Kokkos
+# OpenMP threads = OpenBLAS threads = PyTorch threads), each run printing its
+# own ratios: vs OpenBLAS sgemm and, when torch imports, vs PyTorch's CPU
+# scaled_dot_product_attention measured just before with the same threads.
 #   bench/run_forward.sh <path to blockattn_bench_forward> [--quick] [google-benchmark flags]
+# Environment: BLOCKATTN_PYTHON  a python with torch (default: .deps/torch-venv's
+#              python if present, else python3); THREADS  thread counts (default "1 nproc").
 set -euo pipefail
 bin=$1
 shift
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/.." && pwd)
 # OpenBLAS 0.3.21 (Debian 12) does not know recent Xeons and falls back to its
-# SSE3 "Prescott" kernels (5x slower); name the AVX-512 kernels it does have.
-if grep -qw avx512f /proc/cpuinfo && [ -z "${OPENBLAS_CORETYPE:-}" ]; then
-  export OPENBLAS_CORETYPE=SkylakeX
+# SSE3 "Prescott" kernels (5x slower); name the kernels it does have. Zen 3 is
+# detected as Zen (AVX2) correctly.
+if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
+  if grep -qw avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=SkylakeX
+  elif grep -qw avx2 /proc/cpuinfo && ! grep -q AuthenticAMD /proc/cpuinfo; then export OPENBLAS_CORETYPE=Haswell
+  fi
 fi
-for t in 1 2; do
+echo "CPU: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n1)," \
+     "vector flags: $(grep -m1 -ow -E 'avx512f|avx512_bf16|amx_tile|avx2|fma|sse2|asimd|sve' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+
+py=${BLOCKATTN_PYTHON:-}
+if [ -z "$py" ]; then
+  if [ -x "$repo/.deps/torch-venv/bin/python" ]; then py=$repo/.deps/torch-venv/bin/python; else py=python3; fi
+fi
+have_torch=0
+if "$py" -c 'import torch' 2>/dev/null; then have_torch=1; else
+  echo "PyTorch: not importable by $py; no PyTorch column (cmake/blockattn.sh torch installs it into .deps/torch-venv)"
+fi
+quick=0
+for a in "$@"; do [ "$a" = --quick ] && quick=1; done
+lengths=512,1024,2048,4096,16384
+[ $quick = 1 ] && lengths=512,1024,2048,4096
+
+for t in ${THREADS:-1 $(nproc)}; do
   echo "=== ${t} thread(s) ==="
-  OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "$@"
+  torch_arg=()
+  if [ $have_torch = 1 ]; then
+    out=$(mktemp)
+    OMP_NUM_THREADS=$t "$py" "$here/torch_sdpa.py" --threads "$t" --lengths "$lengths" --out "$out"
+    torch_arg=(--torch="$out")
+  fi
+  OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "$@" "${torch_arg[@]}"
 done

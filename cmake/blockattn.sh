@@ -6,7 +6,11 @@
 #                                          (P=2 by default; set P=4 to change)
 #   cmake/blockattn.sh demo-single [args]  the single-device demo (4 masks, one process)
 #   cmake/blockattn.sh test                build and run the whole test suite (ctest)
-#   cmake/blockattn.sh bench [bench args]  build and run the forward benchmark
+#   cmake/blockattn.sh bench [bench args]  build and run the forward/backward benchmark
+#                                          (vs sgemm, and vs PyTorch when torch imports)
+#   cmake/blockattn.sh bench-isa [args]    the same for -march=native and -march=x86-64-v3
+#   cmake/blockattn.sh torch               install PyTorch (CPU peer of the bench) into
+#                                          .deps/torch-venv; never needed to build or test
 #   cmake/blockattn.sh bench-ring          KV-ring overlap, bytes and memory benchmarks
 #   cmake/blockattn.sh bench-plan          planner prediction vs measurement (P = 2)
 #   cmake/blockattn.sh plan [plan args]    the planner CLI (examples/plan.cpp)
@@ -22,13 +26,16 @@
 # Environment:
 #   KOKKOS_ROOT   use this Kokkos (any version >= 3.4, any backend) instead of .deps/
 #   BLOCKATTN_DEPS  where to build Kokkos (default: <repo>/.deps)
-#   BUILD_DIR     build tree (default: <repo>/build)
+#   BUILD_DIR     build tree (default: <repo>/build; build-<ARCH> when ARCH is set)
+#   ARCH          -march= value for our targets (default: native), e.g. x86-64-v3
 #   JOBS          parallel build jobs (default: nproc)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 deps=${BLOCKATTN_DEPS:-$repo/.deps}
-build=${BUILD_DIR:-$repo/build}
+arch=${ARCH:-}
+if [ -n "$arch" ] && [ "$arch" != native ]; then build=${BUILD_DIR:-$repo/build-$arch}
+else build=${BUILD_DIR:-$repo/build}; fi
 jobs=${JOBS:-$(nproc)}
 kokkos_prefix=$deps/kokkos-3.4.1-openmp
 log() { printf '[blockattn] %s\n' "$*" >&2; }
@@ -140,7 +147,7 @@ configure() {
     extra=-DBLOCKATTN_CONSUMER_EXTRA_KOKKOS_DIR=/usr/lib/x86_64-linux-gnu/cmake/Kokkos
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
     -DKokkosKernels_ROOT="$kokkos" \
-    -DBLOCKATTN_BUILD_BENCH=ON $extra "$@" >/dev/null
+    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" $extra "$@" >/dev/null
 }
 
 # Open MPI: allow running as root (CI containers) and avoid the single-copy
@@ -188,6 +195,20 @@ case "$cmd" in
     cmake --build "$build" -j "$jobs" --target blockattn_bench_forward
     "$repo/bench/run_forward.sh" "$build/bench/blockattn_bench_forward" "$@"
     ;;
+  bench-isa)
+    for a in native x86-64-v3; do
+      echo "##### -march=$a"
+      ARCH=$a BUILD_DIR= "${BASH_SOURCE[0]}" bench "$@"
+    done
+    ;;
+  torch)
+    if [ ! -x "$deps/torch-venv/bin/python" ]; then
+      python3 -m venv "$deps/torch-venv"
+    fi
+    log "installing torch and numpy from PyPI into $deps/torch-venv (a few minutes, ~5 GB)"
+    "$deps/torch-venv/bin/pip" install -q torch numpy
+    "$deps/torch-venv/bin/python" -c 'import torch; print("torch", torch.__version__)'
+    ;;
   bench-ring)
     ensure_deps
     configure
@@ -219,7 +240,7 @@ case "$cmd" in
     "$repo/bench/plot_schedules.sh" "$build/examples/blockattn_plan" "${1:-$repo/docs/schedules_p8.png}"
     ;;
   *)
-    sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

@@ -8,6 +8,7 @@
 #include <blockattn/mpi_communicator.hpp>
 
 #include <cmath>
+#include <numeric>
 #include <random>
 #include <string>
 
@@ -448,10 +449,12 @@ TEST_CASE_TEMPLATE("balanced backward matches the fp64 gradients", T, double, fl
 }
 
 TEST_CASE("backward bytes per rank: BurstAttention Table 1") {
-  // Local length a multiple of the tiles and D = 64: no padding, so the bytes
-  // are exactly the tensors'. B = 1, Z = 2 heads (1 kv head for the GQA case).
+  // Local length a multiple of the backward tiles (they depend on the host
+  // ISA) and D = 64: no padding, so the bytes are exactly the tensors'. B = 1,
+  // Z = 2 heads (1 kv head for the GQA case).
   MpiCommunicator<> comm(MPI_COMM_WORLD);
-  const int P = comm.size(), n = 128, d = 64, Z = 2;
+  using Tiles = BackwardTileShape<float, impl::is_host_space_v<ExecSpace>>;
+  const int P = comm.size(), n = std::lcm(Tiles::block_q, Tiles::block_k), d = 64, Z = 2;
   const std::int64_t N = std::int64_t(n) * P, f = sizeof(float);
   auto run = [&](auto schedule, int kv_heads) {
     using S = decltype(schedule);

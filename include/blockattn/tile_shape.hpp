@@ -4,47 +4,101 @@
 
 #include <blockattn/config.hpp>
 #include <blockattn/impl/micro_gemm.hpp>
+#include <blockattn/isa.hpp>
 
 #include <type_traits>
 
 namespace blockattn {
 
-/// Block sizes of the forward tile kernel, chosen per value type and per kind
-/// of execution space. A team owns one (batch, head, query tile); inside it one
-/// thread computes one `micro_rows x micro_cols` register tile at a time.
+namespace impl {
+
+/// Host tile constants per vector ISA (isa.hpp), value type and compile-time
+/// head dim (0: any other). See DefaultTileShape for what each one means.
+///
+/// The default, written for 32 AVX-512 registers: 64x64 tiles keep the Q tile,
+/// S tile and O accumulator of one team in L2, and the 4x64 fp32 micro tile is
+/// 16 AVX-512 accumulators (4x32 for fp64: also 16). SSE2, NEON and generic
+/// builds keep it too: the portable micro kernel compiled by GCC 12 ran other
+/// shapes slower on SSE2 (bench/, x86-64 baseline build).
+template <HostIsa Isa, class T, int HeadDim>
+struct HostTiles {
+  static constexpr int block_q = 64;
+  static constexpr int block_k = 64;
+  static constexpr int micro_rows = 4;
+  static constexpr int micro_cols = std::is_same<T, float>::value ? 64 : 32;
+  static constexpr int dim_granule = std::is_same<T, float>::value ? 16 : 8;
+};
+
+/// AVX-512, fp32, D = 128: 6x64 micro tiles (24 of 32 registers) and 128-key
+/// tiles halve the O-accumulator traffic per FMA; measured ~10 % faster than
+/// 64x64x4 on a Sapphire Rapids Xeon, while at D = 64 the smaller shape wins.
+template <>
+struct HostTiles<HostIsa::avx512, float, 128> : HostTiles<HostIsa::avx512, float, 0> {
+  static constexpr int block_q = 96;
+  static constexpr int block_k = 128;
+  static constexpr int micro_rows = 6;
+};
+
+/// AVX2 + FMA (16 registers of 8 floats): the BLIS-style 6x16 fp32 micro tile
+/// (12 accumulators, 2 B vectors, 1 broadcast) run by the explicit kernels of
+/// impl/micro_gemm_avx2.hpp, in 48x128 tiles for every head dim (on a Zen 3
+/// EPYC, 48 and 96 query rows x 64, 128 and 256 keys were within noise of
+/// each other at D = 64 and 128; 48 rows give twice the teams, which balances
+/// short sequences over threads).
+template <int HeadDim>
+struct HostTiles<HostIsa::avx2, float, HeadDim> {
+  static constexpr int block_q = 48;
+  static constexpr int block_k = 128;
+  static constexpr int micro_rows = 6;
+  static constexpr int micro_cols = 16;
+  static constexpr int dim_granule = 16;
+};
+
+// AVX2, fp64: the default shape and the portable kernel, unchanged, so that
+// fp64 results stay bitwise those of earlier releases (a 4x8 fp64 AVX2 tile
+// changed the last bits for head dims other than 64 and 128); fp64 is the
+// accuracy path, not the speed path.
+
+/// Backward tiles (one shape for every head dim; the key tile is also cut into
+/// micro_rows-row micro tiles there, so block_k % micro_rows == 0).
+template <HostIsa Isa, class T>
+struct HostBackwardTiles : HostTiles<Isa, T, 0> {};
+
+/// AVX2, fp32: 96x96 with 6x16 micro tiles (best of 48/96 x 48/96 on Zen 3).
+template <>
+struct HostBackwardTiles<HostIsa::avx2, float> : HostTiles<HostIsa::avx2, float, 0> {
+  static constexpr int block_q = 96;
+  static constexpr int block_k = 96;
+};
+
+}  // namespace impl
+
+/// Block sizes of the forward tile kernel, chosen per value type, per kind of
+/// execution space and, on the host, per vector instruction set (host_isa(),
+/// from the compiler's target flags). A team owns one (batch, head, query
+/// tile); inside it one thread computes one `micro_rows x micro_cols` register
+/// tile at a time.
 ///
 ///   block_q     rows of a query tile              (divisible by micro_rows)
 ///   block_k     rows of a key/value tile          (divisible by micro_cols)
 ///   micro_rows  rows of a register micro tile
 ///   micro_cols  columns of a register micro tile  (a multiple of the SIMD width
 ///               on CPUs); the fast head dims 64 and 128 are multiples of it
-///   dim_granule other head dims are padded to a multiple of this (one SIMD
-///               vector on CPUs) and use micro tiles this wide for P*V
+///   dim_granule other head dims are padded to a multiple of this and use
+///               micro tiles this wide for P*V
 ///   tile_gemm   the policy that computes one micro tile (impl::RegisterTileGemm)
 template <class T, bool HostSpace, int HeadDim = 0>
 struct DefaultTileShape {
-  // CPU: 64x64 tiles keep the Q tile, S tile and O accumulator of one team
-  // in L2, and the 4x64 fp32 micro tile is 16 AVX-512 accumulators (4x32 for
-  // fp64: also 16).
-  static constexpr int block_q = 64;
-  static constexpr int block_k = 64;
-  static constexpr int micro_rows = 4;
-  static constexpr int micro_cols = std::is_same<T, float>::value ? 64 : 32;
-  static constexpr int dim_granule = std::is_same<T, float>::value ? 16 : 8;
+  using tiles = impl::HostTiles<impl::host_isa, T, HeadDim>;
+  static constexpr int block_q = tiles::block_q;
+  static constexpr int block_k = tiles::block_k;
+  static constexpr int micro_rows = tiles::micro_rows;
+  static constexpr int micro_cols = tiles::micro_cols;
+  static constexpr int dim_granule = tiles::dim_granule;
   using tile_gemm = impl::RegisterTileGemm;
   /// The shape used for a given compile-time head dim (0: any other).
   template <int D>
   using for_head_dim = DefaultTileShape<T, HostSpace, D>;
-};
-
-template <>
-struct DefaultTileShape<float, true, 128> : DefaultTileShape<float, true, 0> {
-  // fp32, D = 128 on CPUs: 6x64 micro tiles (24 of 32 AVX-512 registers) and
-  // 128-key tiles halve the O-accumulator traffic per FMA; measured ~10 %
-  // faster than 64x64x4 here (bench/), while at D = 64 the smaller shape wins.
-  static constexpr int block_q = 96;
-  static constexpr int block_k = 128;
-  static constexpr int micro_rows = 6;
 };
 
 template <class T, int HeadDim>
@@ -61,10 +115,20 @@ struct DefaultTileShape<T, false, HeadDim> {
   using for_head_dim = DefaultTileShape<T, false, D>;
 };
 
-/// Backward tiles: the generic shape for every head dim (the key tile is also
-/// cut into micro_rows-row micro tiles there, so block_k % micro_rows == 0).
+/// Backward tiles: one shape for every head dim.
 template <class T, bool HostSpace>
 struct BackwardTileShape : DefaultTileShape<T, HostSpace, 0> {
+  using tiles = impl::HostBackwardTiles<impl::host_isa, T>;
+  static constexpr int block_q = tiles::block_q;
+  static constexpr int block_k = tiles::block_k;
+  static constexpr int micro_rows = tiles::micro_rows;
+  static constexpr int micro_cols = tiles::micro_cols;
+  static constexpr int dim_granule = tiles::dim_granule;
+  template <int D>
+  using for_head_dim = BackwardTileShape;
+};
+template <class T>
+struct BackwardTileShape<T, false> : DefaultTileShape<T, false, 0> {
   template <int D>
   using for_head_dim = BackwardTileShape;
 };

@@ -252,10 +252,15 @@ struct ForwardKernel {
       alpha = T(1);
       return;
     }
-    for (int c = 0; c < BK; ++c) s[c] = exp2_nonpositive(s[c] - m_new);
-    for (int j = 0; j < lanes; ++j) part[j] = s[j];
-    for (int c = lanes; c < BK; c += lanes)
-      for (int j = 0; j < lanes; ++j) part[j] += s[c + j];
+    // P and its row sum in one pass (0 + p is exactly p: the same sums as
+    // summing after the exp pass).
+    for (int j = 0; j < lanes; ++j) part[j] = T(0);
+    for (int c = 0; c < BK; c += lanes)
+      for (int j = 0; j < lanes; ++j) {
+        const T p = exp2_nonpositive(s[c + j] - m_new);
+        s[c + j] = p;
+        part[j] += p;
+      }
     T sum = T(0);
     for (int j = 0; j < lanes; ++j) sum += part[j];
     alpha = exp2_nonpositive(m - m_new);

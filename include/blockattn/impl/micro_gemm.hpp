@@ -4,6 +4,7 @@
 #pragma once
 
 #include <blockattn/config.hpp>
+#include <blockattn/impl/micro_gemm_avx2.hpp>
 
 #include <cstddef>
 
@@ -19,6 +20,12 @@ template <int MR, int NR, int KD, class T>
 KOKKOS_FORCEINLINE_FUNCTION void micro_gemm(int kdim, const T* __restrict__ a, int lda,
                                             const T* __restrict__ b, int ldb, T* __restrict__ c,
                                             int ldc, const T* __restrict__ row_scale) {
+#if BLOCKATTN_AVX2_KERNELS
+  if constexpr (avx2_tile<T, MR, NR>) {
+    avx2_micro_gemm<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc, row_scale);
+    return;
+  }
+#endif
   T acc[MR][NR];
   if (row_scale != nullptr) {
     for (int r = 0; r < MR; ++r)
@@ -48,6 +55,12 @@ template <int MR, int NR, int KD, class T>
 KOKKOS_FORCEINLINE_FUNCTION void micro_gemm_at(int kdim, const T* __restrict__ a, int lda,
                                                const T* __restrict__ b, int ldb, T* __restrict__ c,
                                                int ldc) {
+#if BLOCKATTN_AVX2_KERNELS
+  if constexpr (avx2_tile<T, MR, NR>) {
+    avx2_micro_gemm_at<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc);
+    return;
+  }
+#endif
   T acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = c[r * ldc + j];

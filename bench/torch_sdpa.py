@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""PyTorch's CPU scaled_dot_product_attention on the shapes of bench_forward.cpp.
+
+The CPU peer of the forward/backward benchmark: run by bench/run_forward.sh
+right before our binary, with the same thread count, and its rates printed
+next to ours in the same run. Writes one line per case to --out:
+
+    <fwd|bwd> <N> <D> <full|causal> <dtype> <GFLOP/s>
+
+with the FLOP conventions of bench_forward.cpp: 4*D per allowed query-key pair
+forward, 2.5x that backward. B = H = 1, layout (B, H, N, D). PyTorch picks its
+backend itself (on CPU: its flash-attention kernel for these shapes). Never a
+build or test dependency: bench/run_forward.sh skips it when torch does not import.
+"""
+import argparse
+import sys
+import time
+
+
+def best_time(fn, min_time, max_reps=50):
+    fn()  # warm-up
+    best, total, reps = float("inf"), 0.0, 0
+    while (total < min_time or reps < 2) and reps < max_reps:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, total, reps = min(best, dt), total + dt, reps + 1
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--lengths", default="1024,4096,16384")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="fp32")
+    ap.add_argument("--min-time", type=float, default=0.3)
+    ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(a.threads)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
+    with open(a.out, "w") as out:
+        for name in a.dtypes.split(","):
+            dt = dtypes[name]
+            for d in map(int, a.dims.split(",")):
+                for n in map(int, a.lengths.split(",")):
+                    for causal in (False, True):
+                        g = torch.Generator().manual_seed(1)
+                        q, k, v, do = (torch.rand(1, 1, n, d, generator=g).mul_(2).sub_(1).to(dt)
+                                       for _ in range(4))
+                        pairs = n * (n + 1) / 2 if causal else float(n) * n
+                        mask = "causal" if causal else "full"
+                        with torch.no_grad():
+                            t = best_time(lambda: F.scaled_dot_product_attention(
+                                q, k, v, is_causal=causal), a.min_time)
+                        out.write(f"fwd {n} {d} {mask} {name} {4 * d * pairs / t * 1e-9:.3f}\n")
+                        if a.no_backward:
+                            continue
+                        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+                        def bwd():
+                            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                            t0 = time.perf_counter()
+                            o.backward(do)
+                            return time.perf_counter() - t0
+
+                        bwd()
+                        times = [bwd() for _ in range(2 if n >= 16384 else 3)]
+                        out.write(f"bwd {n} {d} {mask} {name} "
+                                  f"{2.5 * 4 * d * pairs / min(times) * 1e-9:.3f}\n")
+                        out.flush()
+
+
+if __name__ == "__main__":
+    main()

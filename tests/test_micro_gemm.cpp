@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: Apache-2.0
+// The register micro kernels this build selected (portable loops, or the AVX2
+// kernels on x86-64-v3 builds) for every micro tile the default tile shapes
+// use, against an fp64 reference; and the host ISA the build was compiled for.
+#include <doctest/doctest.h>
+
+#include <blockattn/tile_shape.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace blockattn;
+
+/// Checks C = [diag(s) C0 | 0] + A B (transposed_a: C = C0 + A^T B) for one
+/// MR x NR micro tile with reduction length KD (0: run-time kdim).
+/// Tolerance: each element is a sum of kdim (+1) fp32 products, accumulated
+/// in order with FMA: |error| <= (kdim + 2) * eps * sum |terms| (the standard
+/// bound for recursive summation).
+template <int MR, int NR, int KD>
+void check_tile(int kdim, bool transposed_a, bool scaled, std::uint64_t seed) {
+  constexpr int lda_pad = 3, ldb_pad = 5, ldc_pad = 7;  // leading dims wider than the tile
+  const int lda = transposed_a ? MR + lda_pad : kdim + lda_pad;
+  const int ldb = NR + ldb_pad, ldc = NR + ldc_pad;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  const std::size_t a_rows = transposed_a ? std::size_t(kdim) : std::size_t(MR);
+  std::vector<float> a(a_rows * lda), b(static_cast<std::size_t>(kdim) * ldb);
+  std::vector<float> c(static_cast<std::size_t>(MR) * ldc), s(static_cast<std::size_t>(MR));
+  for (float& x : a) x = u(rng);
+  for (float& x : b) x = u(rng);
+  for (float& x : c) x = u(rng);
+  for (float& x : s) x = u(rng);
+  const std::vector<float> c0 = c;
+  if (transposed_a)
+    impl::micro_gemm_at<MR, NR, KD>(kdim, a.data(), lda, b.data(), ldb, c.data(), ldc);
+  else
+    impl::micro_gemm<MR, NR, KD>(kdim, a.data(), lda, b.data(), ldb, c.data(), ldc,
+                                 scaled ? s.data() : static_cast<const float*>(nullptr));
+  const double eps = std::ldexp(1.0, -24);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      double ref = 0, mag = 0;
+      if (transposed_a) {
+        ref = c0[r * ldc + j];
+      } else if (scaled) {
+        ref = double(s[r]) * c0[r * ldc + j];
+      }
+      mag = std::fabs(ref);
+      for (int k = 0; k < kdim; ++k) {
+        const double av = transposed_a ? a[std::size_t(k) * lda + r] : a[std::size_t(r) * lda + k];
+        const double t = av * b[std::size_t(k) * ldb + j];
+        ref += t;
+        mag += std::fabs(t);
+      }
+      const double err = std::fabs(c[r * ldc + j] - ref);
+      CHECK_MESSAGE(err <= (kdim + 2) * eps * mag, "tile ", MR, "x", NR, " KD=", KD, " kdim=", kdim,
+                    " at (", r, ",", j, "): ", c[r * ldc + j], " vs ", ref);
+    }
+  // Nothing outside the tile is written.
+  for (int r = 0; r < MR; ++r)
+    for (int j = NR; j < ldc; ++j) CHECK(std::memcmp(&c[r * ldc + j], &c0[r * ldc + j], 4) == 0);
+}
+
+/// Every micro tile the forward and backward kernels instantiate for shape S.
+template <class S, int D>
+void check_shape() {
+  constexpr int MR = S::micro_rows, NR = S::micro_cols, BK = S::block_k, BQ = S::block_q;
+  constexpr int NRO = D > 0 ? NR : S::dim_granule;
+  for (bool scaled : {false, true}) {
+    check_tile<MR, NR, D>(D > 0 ? D : 40, false, scaled, 1);        // S = Q K^T
+    check_tile<MR, NRO, BK>(BK, false, scaled, 2);                  // O = diag(a) O + P V
+    check_tile<MR, NRO, 0>(BK - S::dim_granule, false, scaled, 3);  // partial tile
+  }
+  check_tile<MR, NRO, BQ>(BQ, true, false, 4);  // backward dV, dK
+}
+
+}  // namespace
+
+TEST_CASE("host ISA: the one the compiler targets") {
+#ifdef BLOCKATTN_EXPECT_ISA
+  CHECK(std::string(host_isa_name()) == BLOCKATTN_EXPECT_ISA);
+#endif
+#if defined(__AVX512F__)
+  CHECK(host_isa() == HostIsa::avx512);
+#elif defined(__AVX2__) && defined(__FMA__)
+  CHECK(host_isa() == HostIsa::avx2);
+  CHECK(BLOCKATTN_AVX2_KERNELS == 1);
+  CHECK(DefaultTileShape<float, true>::micro_cols == 16);
+#endif
+  MESSAGE("host ISA: ", host_isa_name());
+}
+
+TEST_CASE("micro kernels of the default fp32 host tile shapes vs fp64") {
+  using F = DefaultTileShape<float, true>;
+  check_shape<impl::shape_for_head_dim_t<F, 0>, 0>();
+  check_shape<impl::shape_for_head_dim_t<F, 64>, 64>();
+  check_shape<impl::shape_for_head_dim_t<F, 128>, 128>();
+  using B = BackwardTileShape<float, true>;
+  check_shape<B, 0>();
+  check_shape<B, 64>();
+  check_shape<B, 128>();
+}
