@@ -5,6 +5,7 @@
 
 #include <blockattn/blockattn.hpp>
 
+#include <cstring>
 #include <random>
 
 #include "backend.hpp"
@@ -201,5 +202,65 @@ TEST_CASE("central finite differences agree with the backward (fp64, tiny shapes
     INFO("tensor ", which, " worst ", worst, " scale ", scale);
     CHECK(scale > 0);
     CHECK(worst <= 1e-6 * scale);
+  }
+}
+
+TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradients", T, double,
+                   float) {
+  // impl::launch_backward picks the one-pass FusedKernel on host spaces when
+  // there are enough (batch, kv head) pairs for the threads; both must sum in
+  // the same order. Forced both ways here, every mask kind, GQA, padding.
+  using V4 = Kokkos::View<T****, MemSpace>;
+  using V3 = Kokkos::View<T***, MemSpace>;
+  for (const Shape4& s : {Shape4{2, 70, 45, 4, 2, 40}, Shape4{1, 130, 97, 2, 1, 64},
+                          Shape4{1, 100, 100, 1, 1, 128}}) {
+    std::mt19937_64 rng(11);
+    V4 q("q", s.b, s.nq, s.h, s.d), k("k", s.b, s.nk, s.hkv, s.d), v("v", s.b, s.nk, s.hkv, s.d),
+        o("o", s.b, s.nq, s.h, s.d), dout("do", s.b, s.nq, s.h, s.d);
+    V3 lse("lse", s.b, s.h, s.nq);
+    HostTensor h_q = random_tensor(s.b, s.nq, s.h, s.d, rng);
+    upload(h_q, q);
+    HostTensor h_k = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+    upload(h_k, k);
+    HostTensor h_v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+    upload(h_v, v);
+    HostTensor h_dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+    upload(h_dout, dout);
+    auto both = [&](const auto& mask) {
+      attention_forward(ExecSpace{}, q, k, v, o, lse, mask);
+      V4 dq[2], dk[2], dv[2];
+      for (int f = 0; f < 2; ++f) {
+        dq[f] = V4("dq", s.b, s.nq, s.h, s.d);
+        dk[f] = V4("dk", s.b, s.nk, s.hkv, s.d);
+        dv[f] = V4("dv", s.b, s.nk, s.hkv, s.d);
+        using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
+        impl::with_shape_for<Shape>(s.d, [&](auto static_d, auto shape) {
+          constexpr int SD = decltype(static_d)::value;
+          using S = decltype(shape);
+          const int dp = impl::padded_head_dim<S, SD>(s.d);
+          auto keys = impl::allocate_packed_keys<T, MemSpace>(s.b, s.hkv, s.nk, dp, S::block_k);
+          impl::pack_keys(ExecSpace{}, k, v, keys);
+          auto queries = impl::allocate_packed_queries<T, MemSpace>(s.b, s.h, s.nq, dp, S::block_q);
+          impl::pack_queries(ExecSpace{}, q, dout, o, lse, queries);
+          impl::ForwardExtents e{s.b, s.h, s.hkv, s.nq, s.nk, s.d};
+          impl::BackwardBlock blk;
+          blk.kernels =
+              f == 0 ? impl::BackwardBlock::Kernels::split : impl::BackwardBlock::Kernels::fused;
+          impl::launch_backward<ExecSpace, T, SD, S>(
+              ExecSpace{}, e, queries, keys, dq[f], dk[f], dv[f], mask, OffsetPositions{0},
+              OffsetPositions{0}, T(1 / std::sqrt(double(s.d))), blk);
+        });
+        Kokkos::fence();
+      }
+      for (auto pair : {std::make_pair(dq[0], dq[1]), std::make_pair(dk[0], dk[1]),
+                        std::make_pair(dv[0], dv[1])}) {
+        auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, pair.first);
+        auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, pair.second);
+        CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+      }
+    };
+    both(FullMask{});
+    both(CausalMask{});
+    both(causal_window(30));
   }
 }

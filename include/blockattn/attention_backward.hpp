@@ -21,6 +21,9 @@ namespace impl {
 struct BackwardBlock {
   bool accumulate_dq = false, accumulate_dkv = false;
   bool run_dq = true, run_dkv = true;
+  /// Which kernels: chosen from the sizes and the threads (automatic), or
+  /// forced (tests compare both; the fused one only runs on host spaces).
+  enum class Kernels { automatic, split, fused } kernels = Kernels::automatic;
 };
 
 /// dQ (queries side) and dK, dV (keys side) contributions of one block pair.
@@ -67,6 +70,27 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
     policy.set_scratch_size(f.scratch_level, Kokkos::PerTeam(bytes));
     Kokkos::parallel_for(label, policy, f);
   };
+  // One pass with 5 tile products (FusedKernel) when a team per (batch, kv
+  // head) keeps every thread busy: on host spaces, at least as many pairs as
+  // threads and either a multiple of them or at least 4 per thread. Bitwise
+  // the same results as the two kernels below.
+  const int pairs = e.batch * e.kv_heads, threads = exec.concurrency();
+  const bool busy = pairs >= threads && (pairs % threads == 0 || pairs >= 4 * threads);
+  using K = BackwardBlock::Kernels;
+  if (is_host_space_v<ExecSpace> && blk.run_dq && blk.run_dkv && blk.kernels != K::split &&
+      (busy || blk.kernels == K::fused)) {
+    using FK = FusedKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
+    FK f;
+    setup(f);
+    f.dk = typename FK::out4(dk);
+    f.dv = typename FK::out4(dv);
+    f.accumulate = blk.accumulate_dkv;
+    f.dqacc = typename PackedQueries<T, typename ExecSpace::memory_space>::row_view(
+        "blockattn::dq_accumulator", e.batch, e.heads, f.q_tiles * Shape::block_q, f.dim_padded);
+    launch(f, pairs, FK::scratch_bytes(f.dim_padded), "blockattn::backward_fused");
+    finish_dq(exec, f.dqacc, dq, scale, blk.accumulate_dq);
+    return;
+  }
   if (blk.run_dq) {
     QK f;
     setup(f);

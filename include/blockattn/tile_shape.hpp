@@ -41,13 +41,14 @@ struct HostTiles<HostIsa::avx512, float, 128> : HostTiles<HostIsa::avx512, float
 
 /// AVX2 + FMA (16 registers of 8 floats): the BLIS-style 6x16 fp32 micro tile
 /// (12 accumulators, 2 B vectors, 1 broadcast) run by the explicit kernels of
-/// impl/micro_gemm_avx2.hpp, in 48x128 tiles for every head dim (on a Zen 3
-/// EPYC, 48 and 96 query rows x 64, 128 and 256 keys were within noise of
-/// each other at D = 64 and 128; 48 rows give twice the teams, which balances
-/// short sequences over threads).
+/// impl/micro_gemm_avx2.hpp, in 96x128 tiles for every head dim. On a Zen 3
+/// EPYC (1 thread, full mask): 96 query rows match 48 at N = 1024 and beat
+/// them by ~15 % at N = 16384 (each K/V tile is streamed from L3 half as
+/// often), 192 rows lose ~8 % at N = 1024 (a partial last tile) and gain
+/// ~8 % at N = 16384; 128 vs 256 keys made no difference.
 template <int HeadDim>
 struct HostTiles<HostIsa::avx2, float, HeadDim> {
-  static constexpr int block_q = 48;
+  static constexpr int block_q = 96;
   static constexpr int block_k = 128;
   static constexpr int micro_rows = 6;
   static constexpr int micro_cols = 16;
@@ -64,10 +65,12 @@ struct HostTiles<HostIsa::avx2, float, HeadDim> {
 template <HostIsa Isa, class T>
 struct HostBackwardTiles : HostTiles<Isa, T, 0> {};
 
-/// AVX2, fp32: 96x96 with 6x16 micro tiles (best of 48/96 x 48/96 on Zen 3).
+/// AVX2, fp32: 48x96 with 6x16 micro tiles (of 48/96 query rows x 48/96/192
+/// keys on Zen 3, the one within noise of the best at N = 1024 and 16384,
+/// D = 64 and 128).
 template <>
 struct HostBackwardTiles<HostIsa::avx2, float> : HostTiles<HostIsa::avx2, float, 0> {
-  static constexpr int block_q = 96;
+  static constexpr int block_q = 48;
   static constexpr int block_k = 96;
 };
 

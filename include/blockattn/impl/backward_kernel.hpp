@@ -9,6 +9,11 @@
 //   dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K.
 // S and dP are computed twice (once per kernel): 7 tile products instead of
 // FlashAttention-2's 5, in exchange for deterministic results without atomics.
+//   FusedKernel  one team per (batch, kv head): all three gradients with 5 tile
+//                products, the team owning every query row of its GQA group so
+//                that it adds dS K into their dQ accumulators without atomics.
+//                Used on host spaces when there are enough (batch, kv head)
+//                pairs for the threads; bitwise the same results.
 #pragma once
 
 #include <blockattn/config.hpp>
@@ -365,5 +370,115 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
     });
   }
 };
+
+/// dQ, dK and dV of every key tile of one (batch, kv head) with 5 tile
+/// products per tile pair (S, dP, dV += P^T dO, dK += dS^T Q, dQ += dS K).
+/// dQ accumulates in `dqacc` (batch, head, queries_padded, dim_padded; zero on
+/// entry, unscaled), which finish_dq() scales into dq. Every sum runs in the
+/// order of QueryKernel (dQ: key tiles ascending) and KeyKernel (dK, dV: heads,
+/// then query tiles ascending) with the same micro tiles, so the results are
+/// bitwise those of the two-kernel path.
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  using Base::BK;
+  using Base::BQ;
+  using Base::MR;
+  using Base::NRO;
+  using typename Base::member_type;
+  using typename Base::out4;
+  out4 dk, dv;  // (batch, keys, kv_heads, dim)
+  typename PackedQueries<T, typename Base::memory_space>::row_view dqacc;
+
+  static std::size_t scratch_bytes(int dim_padded) {
+    return (Base::tile_scratch_elems(dim_padded) + std::size_t(BK) * dim_padded + BQ) * sizeof(T);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int p = this->dp();
+    const int league = team.league_rank();
+    const int hk = league % this->kv_heads;
+    const int b = league / this->kv_heads;
+    auto& sp = team.team_scratch(this->scratch_level);
+    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dka = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
+    T* dva = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
+    T* ones = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) { ones[r] = T(1); });
+    const T* const k_head = &this->krows(b, hk, 0, 0);
+    const T sc = this->scale;
+    const bool acc = this->accumulate;
+    for (int kb = 0; kb < this->k_tiles; ++kb) {
+      const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
+        dka[i] = T(0);
+        dva[i] = T(0);
+      });
+      team.team_barrier();
+      const T* const k_tile = k_head + static_cast<std::ptrdiff_t>(k0) * p;
+      for (int g = 0; g < this->group; ++g) {
+        const int h = hk * this->group + g;
+        for (int qt = 0; qt < this->q_tiles; ++qt) {
+          const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
+          const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
+          if (kind == TileKind::empty) continue;
+          const auto qt_ = this->query_tile(b, h, q0);
+          const T *qs = qt_.q, *dos = qt_.dout;
+          this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
+                          qt_.drow, ss, dps);
+          T* const dq_tile = &dqacc(b, h, q0, 0);
+          const int kv_tiles = (BK / MR) * (p / NRO), q_tiles_ = (BQ / MR) * (p / NRO);
+          Kokkos::parallel_for(
+              Kokkos::TeamThreadRange(team, 2 * kv_tiles + q_tiles_), [&](const int t) {
+                if (t < 2 * kv_tiles) {
+                  // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q
+                  const int which = t / kv_tiles, u = t % kv_tiles;
+                  const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
+                  if (which == 0)
+                    micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0, p);
+                  else
+                    micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0, p);
+                } else {
+                  // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
+                  const int u = t - 2 * kv_tiles;
+                  const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
+                  micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p,
+                                          dq_tile + r0 * p + c0, p, ones + r0);
+                }
+              });
+          team.team_barrier();
+        }
+      }
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
+        for (int d = 0; d < this->dim; ++d) {
+          const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
+          dk(b, k0 + c, hk, d) = acc ? dk(b, k0 + c, hk, d) + kval : kval;
+          dv(b, k0 + c, hk, d) = acc ? dv(b, k0 + c, hk, d) + vval : vval;
+        }
+      });
+      team.team_barrier();
+    }
+  }
+};
+
+/// dq = [dq +] scale * dqacc on the valid rows and columns (FusedKernel's dQ).
+template <class ExecSpace, class T, class AccView, class DQV>
+void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, T scale,
+               bool accumulate) {
+  const int heads = int(dq.extent(2)), queries = int(dq.extent(1)), dim = int(dq.extent(3));
+  const std::int64_t rows = std::int64_t(dq.extent(0)) * heads * queries;
+  Kokkos::parallel_for(
+      "blockattn::backward_finish_dq",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t row) {
+        const int i = int(row % queries), h = int((row / queries) % heads),
+                  b = int(row / (std::int64_t(queries) * heads));
+        for (int d = 0; d < dim; ++d) {
+          const T val = scale * dqacc(b, h, i, d);
+          dq(b, i, h, d) = accumulate ? dq(b, i, h, d) + val : val;
+        }
+      });
+}
 
 }  // namespace blockattn::impl
