@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The register micro kernels this build selected (portable loops, or the AVX2
-// kernels on x86-64-v3 builds) for every micro tile the default tile shapes
+// The register micro kernels this build selected (portable loops, or the
+// explicit AVX2 / 128-bit kernels) for every micro tile the default tile shapes
 // use, against an fp64 reference; and the host ISA the build was compiled for.
 #include <doctest/doctest.h>
 
@@ -87,10 +87,28 @@ TEST_CASE("host ISA: the one the compiler targets") {
 #endif
 #if defined(__AVX512F__)
   CHECK(host_isa() == HostIsa::avx512);
+  CHECK(BLOCKATTN_SIMD_KERNELS == 0);
 #elif defined(__AVX2__) && defined(__FMA__)
   CHECK(host_isa() == HostIsa::avx2);
-  CHECK(BLOCKATTN_AVX2_KERNELS == 1);
+  CHECK(BLOCKATTN_SIMD_KERNELS == 1);
   CHECK(DefaultTileShape<float, true>::micro_cols == 16);
+#elif defined(__aarch64__)
+  CHECK(host_isa() == HostIsa::neon);
+  CHECK(BLOCKATTN_SIMD_KERNELS == 1);
+  CHECK(DefaultTileShape<float, true>::micro_cols == 16);
+#elif defined(__SSE2__)
+  CHECK(host_isa() == HostIsa::sse2);
+  CHECK(BLOCKATTN_SIMD_KERNELS == 1);
+  CHECK(DefaultTileShape<float, true>::micro_cols == 8);
+#endif
+  // Every fp32 micro tile of the default shapes has an explicit kernel where
+  // the build has one.
+#if BLOCKATTN_SIMD_KERNELS
+  using F = DefaultTileShape<float, true>;
+  using B = BackwardTileShape<float, true>;
+  CHECK(impl::simd_tile<float, F::micro_rows, F::micro_cols>);
+  CHECK(impl::simd_tile<float, F::micro_rows, F::dim_granule>);
+  CHECK(impl::simd_tile<float, B::micro_rows, B::micro_cols>);
 #endif
   MESSAGE("host ISA: ", host_isa_name());
 }

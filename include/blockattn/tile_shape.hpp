@@ -17,9 +17,7 @@ namespace impl {
 ///
 /// The default, written for 32 AVX-512 registers: 64x64 tiles keep the Q tile,
 /// S tile and O accumulator of one team in L2, and the 4x64 fp32 micro tile is
-/// 16 AVX-512 accumulators (4x32 for fp64: also 16). SSE2, NEON and generic
-/// builds keep it too: the portable micro kernel compiled by GCC 12 ran other
-/// shapes slower on SSE2 (bench/, x86-64 baseline build).
+/// 16 AVX-512 accumulators (4x32 for fp64: also 16). fp64 uses it on every ISA.
 template <HostIsa Isa, class T, int HeadDim>
 struct HostTiles {
   static constexpr int block_q = 64;
@@ -41,7 +39,7 @@ struct HostTiles<HostIsa::avx512, float, 128> : HostTiles<HostIsa::avx512, float
 
 /// AVX2 + FMA (16 registers of 8 floats): the BLIS-style 6x16 fp32 micro tile
 /// (12 accumulators, 2 B vectors, 1 broadcast) run by the explicit kernels of
-/// impl/micro_gemm_avx2.hpp, in 96x128 tiles for every head dim. On a Zen 3
+/// impl/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a Zen 3
 /// EPYC (1 thread, full mask): 96 query rows match 48 at N = 1024 and beat
 /// them by ~15 % at N = 16384 (each K/V tile is streamed from L3 half as
 /// often), 192 rows lose ~8 % at N = 1024 (a partial last tile) and gain
@@ -60,6 +58,21 @@ struct HostTiles<HostIsa::avx2, float, HeadDim> {
 // changed the last bits for head dims other than 64 and 128); fp64 is the
 // accuracy path, not the speed path.
 
+/// SSE2 (x86-64 baseline, 16 x 128-bit registers): 6x8 fp32 micro tiles
+/// (12 accumulators), the 128-bit kernel of impl/micro_gemm_simd.hpp, the
+/// AVX2 block sizes.
+template <int HeadDim>
+struct HostTiles<HostIsa::sse2, float, HeadDim> : HostTiles<HostIsa::avx2, float, 0> {
+  static constexpr int micro_cols = 8;
+  static constexpr int dim_granule = 8;
+};
+
+/// AArch64 NEON (32 x 128-bit registers): 6x16 fp32 micro tiles (24
+/// accumulators, as AVX-512's 6x64 uses 24 of 32), the 128-bit kernel, the
+/// AVX2 block sizes. Not measured: no Arm machine was available.
+template <int HeadDim>
+struct HostTiles<HostIsa::neon, float, HeadDim> : HostTiles<HostIsa::avx2, float, 0> {};
+
 /// Backward tiles (one shape for every head dim; the key tile is also cut into
 /// micro_rows-row micro tiles there, so block_k % micro_rows == 0).
 template <HostIsa Isa, class T>
@@ -70,6 +83,16 @@ struct HostBackwardTiles : HostTiles<Isa, T, 0> {};
 /// D = 64 and 128).
 template <>
 struct HostBackwardTiles<HostIsa::avx2, float> : HostTiles<HostIsa::avx2, float, 0> {
+  static constexpr int block_q = 48;
+  static constexpr int block_k = 96;
+};
+template <>
+struct HostBackwardTiles<HostIsa::sse2, float> : HostTiles<HostIsa::sse2, float, 0> {
+  static constexpr int block_q = 48;
+  static constexpr int block_k = 96;
+};
+template <>
+struct HostBackwardTiles<HostIsa::neon, float> : HostTiles<HostIsa::neon, float, 0> {
   static constexpr int block_q = 48;
   static constexpr int block_k = 96;
 };

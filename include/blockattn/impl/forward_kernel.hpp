@@ -120,6 +120,9 @@ struct ForwardKernel {
     team.team_barrier();
 
     const index_type q_begin = qpos(q0), q_end = qpos(q0 + q_rows - 1) + 1;
+    // Rows of micro tiles that hold a query (the last tile of a sequence is
+    // partial): the rest of the tile is never computed.
+    const int q_live = (q_rows + MR - 1) / MR * MR;
     const T* const v_head = &v(b, hk, 0, 0);
     for (int kb = 0; kb < k_tiles; ++kb) {
       const int k0 = kb * BK;
@@ -129,25 +132,26 @@ struct ForwardKernel {
 
       // S (BQ, BK) = Q (BQ, dp) * K^T (dp, BK)
       const T* const kt_tile = &kt(b, hk, kb, 0, 0);
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (BK / NR)), [&](const int t) {
-        const int r0 = (t / (BK / NR)) * MR, c0 = (t % (BK / NR)) * NR;
-        // In a partial tile, a micro tile the mask rules out entirely is not
-        // computed: the mask pass below overwrites all of it with -inf.
-        if (kind == TileKind::partial && r0 < q_rows && c0 < k_rows) {
-          const int r1 = (r0 + MR < q_rows ? r0 + MR : q_rows) - 1;
-          const int c1 = (c0 + NR < k_rows ? c0 + NR : k_rows) - 1;
-          if (mask.classify(qpos(q0 + r0), qpos(q0 + r1) + 1, kpos(k0 + c0), kpos(k0 + c1) + 1) ==
-              TileKind::empty)
-            return;
-        }
-        Gemm::template apply<MR, NR, StaticD>(dp, qs + r0 * dp, dp, kt_tile + c0, BK,
-                                              ss + r0 * BK + c0, BK,
-                                              static_cast<const T*>(nullptr));
-      });
+      Kokkos::parallel_for(
+          Kokkos::TeamThreadRange(team, (q_live / MR) * (BK / NR)), [&](const int t) {
+            const int r0 = (t / (BK / NR)) * MR, c0 = (t % (BK / NR)) * NR;
+            // In a partial tile, a micro tile the mask rules out entirely is not
+            // computed: the mask pass below overwrites all of it with -inf.
+            if (kind == TileKind::partial && r0 < q_rows && c0 < k_rows) {
+              const int r1 = (r0 + MR < q_rows ? r0 + MR : q_rows) - 1;
+              const int c1 = (c0 + NR < k_rows ? c0 + NR : k_rows) - 1;
+              if (mask.classify(qpos(q0 + r0), qpos(q0 + r1) + 1, kpos(k0 + c0),
+                                kpos(k0 + c1) + 1) == TileKind::empty)
+                return;
+            }
+            Gemm::template apply<MR, NR, StaticD>(dp, qs + r0 * dp, dp, kt_tile + c0, BK,
+                                                  ss + r0 * BK + c0, BK,
+                                                  static_cast<const T*>(nullptr));
+          });
       team.team_barrier();
 
       const bool per_element = kind == TileKind::partial || k_rows < BK;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live), [&](const int r) {
         T* const srow = ss + r * BK;
         if (per_element) {
           const index_type qg = qpos(q0 + r);
@@ -163,7 +167,7 @@ struct ForwardKernel {
 
       // O (BQ, dp) = diag(alpha) O + P (BQ, BK) * V (BK, dp)
       const T* const v_tile = v_head + static_cast<std::ptrdiff_t>(k0) * dp;
-      const int o_tiles = (BQ / MR) * (dp / NRO);
+      const int o_tiles = (q_live / MR) * (dp / NRO);
       if (kind == TileKind::full) {
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
           const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;

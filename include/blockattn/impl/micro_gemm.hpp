@@ -4,7 +4,7 @@
 #pragma once
 
 #include <blockattn/config.hpp>
-#include <blockattn/impl/micro_gemm_avx2.hpp>
+#include <blockattn/impl/micro_gemm_simd.hpp>
 
 #include <cstddef>
 
@@ -20,9 +20,9 @@ template <int MR, int NR, int KD, class T>
 KOKKOS_FORCEINLINE_FUNCTION void micro_gemm(int kdim, const T* __restrict__ a, int lda,
                                             const T* __restrict__ b, int ldb, T* __restrict__ c,
                                             int ldc, const T* __restrict__ row_scale) {
-#if BLOCKATTN_AVX2_KERNELS
-  if constexpr (avx2_tile<T, MR, NR>) {
-    avx2_micro_gemm<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc, row_scale);
+#if BLOCKATTN_SIMD_KERNELS
+  if constexpr (simd_tile<T, MR, NR>) {
+    simd_micro_gemm<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc, row_scale);
     return;
   }
 #endif
@@ -55,9 +55,9 @@ template <int MR, int NR, int KD, class T>
 KOKKOS_FORCEINLINE_FUNCTION void micro_gemm_at(int kdim, const T* __restrict__ a, int lda,
                                                const T* __restrict__ b, int ldb, T* __restrict__ c,
                                                int ldc) {
-#if BLOCKATTN_AVX2_KERNELS
-  if constexpr (avx2_tile<T, MR, NR>) {
-    avx2_micro_gemm_at<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc);
+#if BLOCKATTN_SIMD_KERNELS
+  if constexpr (simd_tile<T, MR, NR>) {
+    simd_micro_gemm_at<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc);
     return;
   }
 #endif

@@ -1,29 +1,40 @@
 // SPDX-License-Identifier: Apache-2.0
-// AVX2 + FMA register micro kernels (x86-64-v3): the host tile products of
-// micro_gemm.hpp with explicit 256-bit intrinsics, fp32, for CPUs with 16 vector
-// registers (Haswell .. Zen 4 without AVX-512, or any x86-64-v3 build).
+// Explicit-register host micro kernels, fp32: the tile products of
+// micro_gemm.hpp with the accumulators held as vector values in fully
+// unrolled loops, so that they stay in registers.
+//   AVX2 + FMA (x86-64-v3, no AVX-512): 256-bit intrinsics, 16 registers;
+//   SSE2 (x86-64 baseline, AVX without AVX2) and AArch64 NEON: 128-bit GNU
+//   vectors (GCC, Clang), 16 / 32 registers.
+// AVX-512 builds keep the portable loops, which GCC vectorises well there.
 //
 // The portable loops of micro_gemm.hpp leave register allocation to the
-// compiler; on AVX2 GCC 12 spills the BLIS-style 6x16 fp32 tile (12
-// accumulators) and runs 10-20x slower. Here the accumulators are explicit
-// __m256 values in fully unrolled loops, so they stay in registers.
-// Same operation order as the portable loops (acc = fma(a, b, acc) over k),
-// so results are those of the portable kernel compiled with FMA contraction.
+// compiler; GCC 12 spills the BLIS-style 6x16 fp32 tile on AVX2 (12
+// accumulators) and runs it 10-20x slower, and the default 4x64 tile is 64
+// 128-bit accumulators. Same operation order as the portable loops
+// (acc = a * b + acc over k, fused where the target has FMA).
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <type_traits>
 
-#if !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__) &&             \
-    !defined(__SYCL_DEVICE_ONLY__) && defined(__AVX2__) && defined(__FMA__) && \
-    !defined(__AVX512F__)
-#define BLOCKATTN_AVX2_KERNELS 1
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__) || \
+    defined(__AVX512F__)
+#define BLOCKATTN_SIMD_KERNELS 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BLOCKATTN_SIMD_KERNELS 1  // AVX2 intrinsics
+#elif (defined(__GNUC__) || defined(__clang__)) && \
+    (defined(__SSE2__) || (defined(__aarch64__) && defined(__ARM_NEON)))
+#define BLOCKATTN_SIMD_KERNELS 1  // 128-bit GNU vectors
+#define BLOCKATTN_SIMD_128 1
 #else
-#define BLOCKATTN_AVX2_KERNELS 0
+#define BLOCKATTN_SIMD_KERNELS 0
 #endif
 
-#if BLOCKATTN_AVX2_KERNELS
+#if BLOCKATTN_SIMD_KERNELS
+#if !defined(BLOCKATTN_SIMD_128)
 #include <immintrin.h>
+#endif
 
 #if defined(__clang__)
 #define BLOCKATTN_HOST_UNROLL _Pragma("unroll")
@@ -33,13 +44,11 @@
 
 namespace blockattn::impl {
 
-/// One 256-bit vector of T and its operations.
-template <class T>
-struct Avx2Vec;
-template <>
-struct Avx2Vec<float> {
+#if !defined(BLOCKATTN_SIMD_128)
+/// One 256-bit AVX2 vector of floats and its operations.
+struct SimdVec {
   using type = __m256;
-  static constexpr int width = 8;
+  static constexpr int width = 8, registers = 16;
   static type zero() { return _mm256_setzero_ps(); }
   static type load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, type x) { _mm256_storeu_ps(p, x); }
@@ -47,20 +56,44 @@ struct Avx2Vec<float> {
   static type mul(type a, type b) { return _mm256_mul_ps(a, b); }
   static type fma(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
 };
+#else
+/// One 128-bit vector of floats (SSE2 or NEON register) as a GNU vector.
+struct SimdVec {
+  typedef float type __attribute__((vector_size(16)));
+#if defined(__aarch64__)
+  static constexpr int width = 4, registers = 32;
+#else
+  static constexpr int width = 4, registers = 16;
+#endif
+  static type zero() { return type{0.f, 0.f, 0.f, 0.f}; }
+  static type load(const float* p) {
+    type x;
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+  }
+  static void store(float* p, type x) { std::memcpy(p, &x, sizeof(x)); }
+  static type broadcast(const float* p) {
+    const float v = *p;
+    return type{v, v, v, v};
+  }
+  static type mul(type a, type b) { return a * b; }
+  static type fma(type a, type b, type c) { return a * b + c; }
+};
+#endif
 
-/// Whether an MR x NR tile of T has an AVX2 kernel: fp32 (fp64 keeps the
-/// portable kernel, see tile_shape.hpp), NR whole vectors and at most 14
-/// accumulators, so that the B row and the broadcast A value fit in the 16
-/// registers too.
+/// Whether an MR x NR tile of T has an explicit kernel: fp32 (fp64 keeps the
+/// portable kernel, see tile_shape.hpp), NR whole vectors, and the
+/// accumulators, one B row and the broadcast A value fit in the registers.
 template <class T, int MR, int NR>
-inline constexpr bool avx2_tile = std::is_same<T, float>::value && (NR % 8 == 0) &&
-                                  (MR * (NR / 8) <= 14);
+inline constexpr bool simd_tile =
+    std::is_same<T, float>::value && (NR % SimdVec::width == 0) &&
+    (MR * (NR / SimdVec::width) + NR / SimdVec::width + 1 <= SimdVec::registers);
 
 /// C (MR x NR) <- [row_scale ? diag(row_scale) C : 0] + A (MR x kdim, lda) B (kdim x NR, ldb).
 template <int MR, int NR, int KD, class T>
-inline void avx2_micro_gemm(int kdim, const T* __restrict__ a, int lda, const T* __restrict__ b,
+inline void simd_micro_gemm(int kdim, const T* __restrict__ a, int lda, const T* __restrict__ b,
                             int ldb, T* __restrict__ c, int ldc, const T* __restrict__ row_scale) {
-  using V = Avx2Vec<T>;
+  using V = SimdVec;
   constexpr int NV = NR / V::width;
   typename V::type acc[MR][NV];
   if (row_scale != nullptr) {
@@ -99,9 +132,9 @@ inline void avx2_micro_gemm(int kdim, const T* __restrict__ a, int lda, const T*
 
 /// C (MR x NR) += A^T B with A stored (kdim x MR, lda): see micro_gemm_at.
 template <int MR, int NR, int KD, class T>
-inline void avx2_micro_gemm_at(int kdim, const T* __restrict__ a, int lda, const T* __restrict__ b,
+inline void simd_micro_gemm_at(int kdim, const T* __restrict__ a, int lda, const T* __restrict__ b,
                                int ldb, T* __restrict__ c, int ldc) {
-  using V = Avx2Vec<T>;
+  using V = SimdVec;
   constexpr int NV = NR / V::width;
   typename V::type acc[MR][NV];
   BLOCKATTN_HOST_UNROLL
@@ -133,4 +166,5 @@ inline void avx2_micro_gemm_at(int kdim, const T* __restrict__ a, int lda, const
 }  // namespace blockattn::impl
 
 #undef BLOCKATTN_HOST_UNROLL
-#endif  // BLOCKATTN_AVX2_KERNELS
+#undef BLOCKATTN_SIMD_128
+#endif  // BLOCKATTN_SIMD_KERNELS
