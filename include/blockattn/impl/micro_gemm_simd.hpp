@@ -65,19 +65,27 @@ struct SimdVec {
 #else
   static constexpr int width = 4, registers = 16;
 #endif
-  static type zero() { return type{0.f, 0.f, 0.f, 0.f}; }
+  static type zero() {
+    return type{0.f, 0.f, 0.f, 0.f};
+  }
   static type load(const float* p) {
     type x;
     std::memcpy(&x, p, sizeof(x));
     return x;
   }
-  static void store(float* p, type x) { std::memcpy(p, &x, sizeof(x)); }
+  static void store(float* p, type x) {
+    std::memcpy(p, &x, sizeof(x));
+  }
   static type broadcast(const float* p) {
     const float v = *p;
     return type{v, v, v, v};
   }
-  static type mul(type a, type b) { return a * b; }
-  static type fma(type a, type b, type c) { return a * b + c; }
+  static type mul(type a, type b) {
+    return a * b;
+  }
+  static type fma(type a, type b, type c) {
+    return a * b + c;
+  }
 };
 #endif
 
@@ -85,23 +93,28 @@ struct SimdVec {
 /// portable kernel, see tile_shape.hpp), NR whole vectors, and the
 /// accumulators, one B row and the broadcast A value fit in the registers.
 template <class T, int MR, int NR>
-inline constexpr bool simd_tile =
-    std::is_same<T, float>::value && (NR % SimdVec::width == 0) &&
-    (MR * (NR / SimdVec::width) + NR / SimdVec::width + 1 <= SimdVec::registers);
+inline constexpr bool simd_tile = std::is_same<T, float>::value && (NR % SimdVec::width == 0) &&
+                                  (MR * (NR / SimdVec::width) + NR / SimdVec::width + 1 <=
+                                   SimdVec::registers);
 
-/// C (MR x NR) <- [row_scale ? diag(row_scale) C : 0] + A (MR x kdim, lda) B (kdim x NR, ldb).
-template <int MR, int NR, int KD, class T>
-inline void simd_micro_gemm(int kdim, const T* __restrict__ a, int lda, const T* __restrict__ b,
-                            int ldb, T* __restrict__ c, int ldc, const T* __restrict__ row_scale) {
+/// The one kernel: C (MR x NR) <- init + A B with A(r, k) = a[r * a_row + k * a_k],
+/// init = C (LoadC), diag(row_scale) C (row_scale), or 0.
+template <int MR, int NR, int KD, bool LoadC>
+inline void simd_tile_product(int kdim, const float* __restrict__ a, int a_row, int a_k,
+                              const float* __restrict__ b, int ldb, float* __restrict__ c, int ldc,
+                              const float* __restrict__ row_scale) {
   using V = SimdVec;
   constexpr int NV = NR / V::width;
   typename V::type acc[MR][NV];
-  if (row_scale != nullptr) {
+  if (LoadC || row_scale != nullptr) {
     BLOCKATTN_HOST_UNROLL
     for (int r = 0; r < MR; ++r) {
-      const typename V::type s = V::broadcast(row_scale + r);
+      const typename V::type sr = LoadC ? V::zero() : V::broadcast(row_scale + r);
       BLOCKATTN_HOST_UNROLL
-      for (int j = 0; j < NV; ++j) acc[r][j] = V::mul(s, V::load(c + r * ldc + j * V::width));
+      for (int j = 0; j < NV; ++j) {
+        const typename V::type cv = V::load(c + r * ldc + j * V::width);
+        acc[r][j] = LoadC ? cv : V::mul(sr, cv);
+      }
     }
   } else {
     BLOCKATTN_HOST_UNROLL
@@ -112,13 +125,14 @@ inline void simd_micro_gemm(int kdim, const T* __restrict__ a, int lda, const T*
   }
   const int kend = KD > 0 ? KD : kdim;
   for (int k = 0; k < kend; ++k) {
-    const T* __restrict__ brow = b + static_cast<std::ptrdiff_t>(k) * ldb;
+    const float* __restrict__ brow = b + static_cast<std::ptrdiff_t>(k) * ldb;
+    const float* __restrict__ ak = a + static_cast<std::ptrdiff_t>(k) * a_k;
     typename V::type bv[NV];
     BLOCKATTN_HOST_UNROLL
     for (int j = 0; j < NV; ++j) bv[j] = V::load(brow + j * V::width);
     BLOCKATTN_HOST_UNROLL
     for (int r = 0; r < MR; ++r) {
-      const typename V::type ar = V::broadcast(a + r * lda + k);
+      const typename V::type ar = V::broadcast(ak + r * a_row);
       BLOCKATTN_HOST_UNROLL
       for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(ar, bv[j], acc[r][j]);
     }
@@ -130,37 +144,18 @@ inline void simd_micro_gemm(int kdim, const T* __restrict__ a, int lda, const T*
   }
 }
 
+/// C (MR x NR) <- [row_scale ? diag(row_scale) C : 0] + A (MR x kdim, lda) B (kdim x NR, ldb).
+template <int MR, int NR, int KD>
+inline void simd_micro_gemm(int kdim, const float* a, int lda, const float* b, int ldb, float* c,
+                            int ldc, const float* row_scale) {
+  simd_tile_product<MR, NR, KD, false>(kdim, a, lda, 1, b, ldb, c, ldc, row_scale);
+}
+
 /// C (MR x NR) += A^T B with A stored (kdim x MR, lda): see micro_gemm_at.
-template <int MR, int NR, int KD, class T>
-inline void simd_micro_gemm_at(int kdim, const T* __restrict__ a, int lda, const T* __restrict__ b,
-                               int ldb, T* __restrict__ c, int ldc) {
-  using V = SimdVec;
-  constexpr int NV = NR / V::width;
-  typename V::type acc[MR][NV];
-  BLOCKATTN_HOST_UNROLL
-  for (int r = 0; r < MR; ++r) {
-    BLOCKATTN_HOST_UNROLL
-    for (int j = 0; j < NV; ++j) acc[r][j] = V::load(c + r * ldc + j * V::width);
-  }
-  const int kend = KD > 0 ? KD : kdim;
-  for (int k = 0; k < kend; ++k) {
-    const T* __restrict__ brow = b + static_cast<std::ptrdiff_t>(k) * ldb;
-    const T* __restrict__ acol = a + static_cast<std::ptrdiff_t>(k) * lda;
-    typename V::type bv[NV];
-    BLOCKATTN_HOST_UNROLL
-    for (int j = 0; j < NV; ++j) bv[j] = V::load(brow + j * V::width);
-    BLOCKATTN_HOST_UNROLL
-    for (int r = 0; r < MR; ++r) {
-      const typename V::type ar = V::broadcast(acol + r);
-      BLOCKATTN_HOST_UNROLL
-      for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(ar, bv[j], acc[r][j]);
-    }
-  }
-  BLOCKATTN_HOST_UNROLL
-  for (int r = 0; r < MR; ++r) {
-    BLOCKATTN_HOST_UNROLL
-    for (int j = 0; j < NV; ++j) V::store(c + r * ldc + j * V::width, acc[r][j]);
-  }
+template <int MR, int NR, int KD>
+inline void simd_micro_gemm_at(int kdim, const float* a, int lda, const float* b, int ldb, float* c,
+                               int ldc) {
+  simd_tile_product<MR, NR, KD, true>(kdim, a, 1, lda, b, ldb, c, ldc, nullptr);
 }
 
 }  // namespace blockattn::impl
