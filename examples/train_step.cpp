@@ -56,6 +56,14 @@ V4 copy_of(const V4& x) {
   return y;
 }
 
+/// dL/dO of L = |O - target|^2 / 2. (A plain function: nvcc's extended
+/// lambdas may not sit in a template instantiated with main's local lambdas.)
+void loss_grad(const V4& o, const V4& target, const V4& dout) {
+  Kokkos::parallel_for(
+      "dloss", Kokkos::RangePolicy<>(0, int(o.span())),
+      KOKKOS_LAMBDA(const int i) { dout.data()[i] = o.data()[i] - target.data()[i]; });
+}
+
 /// The step on one set of Views: returns dL/dq, dL/dk, dL/dv before RoPE.
 template <class Forward, class Backward>
 void step(const V4& q_in, const V4& k_in, const V4& v, const V4& target, const Ids& pos, V4& dq,
@@ -67,9 +75,7 @@ void step(const V4& q_in, const V4& k_in, const V4& v, const V4& target, const I
   V3 lse("lse", q.extent(0), q.extent(2), q.extent(1));
   forward(q, k, v, o, lse);
   V4 dout("dout", o.extent(0), o.extent(1), o.extent(2), o.extent(3));
-  Kokkos::parallel_for(
-      "dloss", Kokkos::RangePolicy<>(0, int(o.span())),
-      KOKKOS_LAMBDA(const int i) { dout.data()[i] = o.data()[i] - target.data()[i]; });
+  loss_grad(o, target, dout);
   backward(q, k, v, o, lse, dout, dq, dk, dv);
   rope(dq, pos, -1.0);  // d/dq_in of q = R(pos) q_in is R(pos)^T dq = R(-pos) dq
   rope(dk, pos, -1.0);

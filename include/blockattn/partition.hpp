@@ -151,6 +151,47 @@ constexpr int seq_dim() {
   return View::rank == 3 ? 2 : (View::rank == 1 ? 0 : 1);
 }
 
+/// One work item per (outer index, local row); inner dimensions looped. A
+/// functor rather than a lambda: nvcc's extended lambdas cannot first-capture
+/// inside `if constexpr`.
+template <bool ToLocal, class GV, class LV, class Map>
+struct PermuteFunctor {
+  GV global;
+  LV local;
+  Map map;
+  index_type n_local;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const index_type w) const {
+    const index_type i = w % n_local, a = w / n_local, g = map(i);
+    if constexpr (GV::rank == 1) {
+      if constexpr (ToLocal)
+        local(i) = global(g);
+      else
+        global(g) = local(i);
+    } else if constexpr (GV::rank == 2) {
+      if constexpr (ToLocal)
+        local(a, i) = global(a, g);
+      else
+        global(a, g) = local(a, i);
+    } else if constexpr (GV::rank == 3) {
+      for (std::size_t h = 0; h < global.extent(1); ++h) {
+        if constexpr (ToLocal)
+          local(a, h, i) = global(a, h, g);
+        else
+          global(a, h, g) = local(a, h, i);
+      }
+    } else {
+      for (std::size_t h = 0; h < global.extent(2); ++h)
+        for (std::size_t d = 0; d < global.extent(3); ++d) {
+          if constexpr (ToLocal)
+            local(a, i, h, d) = global(a, g, h, d);
+          else
+            global(a, g, h, d) = local(a, i, h, d);
+        }
+    }
+  }
+};
+
 template <bool ToLocal, class Partition, class ExecSpace, class GV, class LV>
 void permute(const char* fn, const ExecSpace& exec, int P, int rank, const GV& global,
              const LV& local) {
@@ -168,40 +209,11 @@ void permute(const char* fn, const ExecSpace& exec, int P, int rank, const GV& g
   }
   const auto map = Partition::positions(N, P, rank);
   const index_type n_local = N / P;
-  // One work item per (outer index, local row); inner dimensions looped.
   const index_type outer = sd == 0 ? 1 : index_type(global.extent(0));
   Kokkos::parallel_for(
       "blockattn::permute",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<index_type>>(exec, 0, outer * n_local),
-      KOKKOS_LAMBDA(const index_type w) {
-        const index_type i = w % n_local, a = w / n_local, g = map(i);
-        if constexpr (GV::rank == 1) {
-          if constexpr (ToLocal)
-            local(i) = global(g);
-          else
-            global(g) = local(i);
-        } else if constexpr (GV::rank == 2) {
-          if constexpr (ToLocal)
-            local(a, i) = global(a, g);
-          else
-            global(a, g) = local(a, i);
-        } else if constexpr (GV::rank == 3) {
-          for (std::size_t h = 0; h < global.extent(1); ++h) {
-            if constexpr (ToLocal)
-              local(a, h, i) = global(a, h, g);
-            else
-              global(a, h, g) = local(a, h, i);
-          }
-        } else {
-          for (std::size_t h = 0; h < global.extent(2); ++h)
-            for (std::size_t d = 0; d < global.extent(3); ++d) {
-              if constexpr (ToLocal)
-                local(a, i, h, d) = global(a, g, h, d);
-              else
-                global(a, g, h, d) = local(a, i, h, d);
-            }
-        }
-      });
+      PermuteFunctor<ToLocal, GV, LV, std::decay_t<decltype(map)>>{global, local, map, n_local});
 }
 }  // namespace impl
 

@@ -3,6 +3,13 @@
 // raw pointers and leading dimensions, templated only on sizes and value type.
 #pragma once
 
+// nvcc warns on GCC's unroll pragma (its host pass hands it to GCC, which
+// honours it): silenced for this header only.
+#if defined(__NVCC__)
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 1675
+#endif
+
 #include <blockattn/config.hpp>
 #include <blockattn/impl/micro_gemm_simd.hpp>
 
@@ -91,3 +98,7 @@ struct RegisterTileGemm {
 };
 
 }  // namespace blockattn::impl
+
+#if defined(__NVCC__)
+#pragma nv_diagnostic pop
+#endif

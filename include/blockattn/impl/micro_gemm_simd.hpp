@@ -14,6 +14,13 @@
 // (acc = a * b + acc over k, fused where the target has FMA).
 #pragma once
 
+// nvcc warns on GCC's unroll pragma (its host pass hands it to GCC, which
+// honours it): silenced for this header only.
+#if defined(__NVCC__)
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 1675
+#endif
+
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
@@ -163,3 +170,7 @@ inline void simd_micro_gemm_at(int kdim, const float* a, int lda, const float* b
 #undef BLOCKATTN_HOST_UNROLL
 #undef BLOCKATTN_SIMD_128
 #endif  // BLOCKATTN_SIMD_KERNELS
+
+#if defined(__NVCC__)
+#pragma nv_diagnostic pop
+#endif
