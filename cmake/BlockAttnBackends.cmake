@@ -1,7 +1,9 @@
-# Which Kokkos host backends this Kokkos has, read from its KokkosCore_config.h
+# Which Kokkos backends this Kokkos has, read from its KokkosCore_config.h
 # (works for Kokkos 3.4 .. 4.x, CMake- and TriBITS-built alike).
-#   BLOCKATTN_BACKENDS  list of backend names, e.g. "Serial;OpenMP"
+#   BLOCKATTN_BACKENDS         host backends, e.g. "Serial;OpenMP"
+#   BLOCKATTN_DEVICE_BACKENDS  device backends: "Cuda" and/or "HIP" (empty on a host-only Kokkos)
 set(BLOCKATTN_BACKENDS "")
+set(BLOCKATTN_DEVICE_BACKENDS "")
 get_target_property(_ba_kokkos_inc Kokkos::kokkos INTERFACE_INCLUDE_DIRECTORIES)
 set(_ba_config "")
 foreach(_dir IN LISTS _ba_kokkos_inc)
@@ -16,7 +18,7 @@ if(NOT _ba_config)
   message(FATAL_ERROR "BlockAttn: cannot find KokkosCore_config.h in the include "
                       "directories of Kokkos::kokkos (${_ba_kokkos_inc})")
 endif()
-file(STRINGS "${_ba_config}" _ba_defines REGEX "^#define KOKKOS_ENABLE_(SERIAL|OPENMP)")
+file(STRINGS "${_ba_config}" _ba_defines REGEX "^#define KOKKOS_ENABLE_(SERIAL|OPENMP|CUDA|HIP)( |$)")
 foreach(_b SERIAL OPENMP)
   if("${_ba_defines}" MATCHES "KOKKOS_ENABLE_${_b}")
     if(_b STREQUAL "SERIAL")
@@ -26,4 +28,11 @@ foreach(_b SERIAL OPENMP)
     endif()
   endif()
 endforeach()
-message(STATUS "BlockAttn: Kokkos ${Kokkos_VERSION} host backends to test: ${BLOCKATTN_BACKENDS}")
+if("${_ba_defines}" MATCHES "KOKKOS_ENABLE_CUDA( |;|$)")
+  list(APPEND BLOCKATTN_DEVICE_BACKENDS Cuda)
+endif()
+if("${_ba_defines}" MATCHES "KOKKOS_ENABLE_HIP( |;|$)")
+  list(APPEND BLOCKATTN_DEVICE_BACKENDS HIP)
+endif()
+message(STATUS "BlockAttn: Kokkos ${Kokkos_VERSION} host backends to test: ${BLOCKATTN_BACKENDS}; "
+               "device backends: ${BLOCKATTN_DEVICE_BACKENDS}")

@@ -23,6 +23,14 @@ using blockattn::test::MemSpace;
 using blockattn::test::reference_backward;
 using blockattn::test::ReferenceGrads;
 
+// The transfer mode of the communicator under test: HostStaged by default;
+// GpuAware for the device builds' CUDA-aware MPI variant (CMake option
+// BLOCKATTN_TEST_GPU_AWARE_MPI).
+#ifndef BLOCKATTN_TEST_TRANSFER
+#define BLOCKATTN_TEST_TRANSFER HostStaged
+#endif
+using Mpi = MpiCommunicator<BLOCKATTN_TEST_TRANSFER>;
+
 namespace {
 
 template <class T>
@@ -133,7 +141,7 @@ const Case cases[] = {{1, 74, 1, 1, 64}, {2, 38, 2, 1, 40}, {1, 130, 2, 2, 128}}
 }  // namespace
 
 TEST_CASE_TEMPLATE("distributed forward equals single-device forward", T, double, float) {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   std::uint64_t seed = 100;
   for (const Case& c : cases) {
     all_masks<T, ContiguousPartition>(comm, c, seed += 100);
@@ -150,12 +158,11 @@ TEST_CASE("the size-1 communicator runs the same code without MPI") {
 }
 
 TEST_CASE("accounting: bytes and steps match the ring") {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   const int P = comm.size(), n = 64, d = 64;
   V4<float> q("q", 1, n, 2, d), o("o", 1, n, 2, d);
   V3<float> lse("lse", 1, 2, n);
-  DistributedAttention<ContiguousPartition, CausalMask, RingSchedule, MpiCommunicator<>, ExecSpace>
-      attn(comm);
+  DistributedAttention<ContiguousPartition, CausalMask, RingSchedule, Mpi, ExecSpace> attn(comm);
   const RunStats s = attn.forward(q, q, q, o, lse);
   REQUIRE(int(s.steps.size()) == P);
   for (int i = 0; i < P; ++i) {
@@ -169,7 +176,7 @@ TEST_CASE("accounting: bytes and steps match the ring") {
 }
 
 TEST_CASE_TEMPLATE("balanced schedule equals single-device forward", T, double, float) {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   std::uint64_t seed = 5000;
   for (const Case& c : cases) {
     const index_type N = index_type(c.n_local) * comm.size();
@@ -183,7 +190,7 @@ TEST_CASE_TEMPLATE("balanced schedule equals single-device forward", T, double, 
 }
 
 TEST_CASE("balanced schedule: steps follow the task model, idle fraction of the paper") {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   const int P = comm.size(), rank = comm.rank();
   const RunStats s = check_against_single<double, ContiguousPartition, BalancedSchedule>(
       comm, {1, 96, 2, 1, 64}, CausalMask{}, 77);
@@ -209,12 +216,11 @@ TEST_CASE("balanced schedule: steps follow the task model, idle fraction of the 
 }
 
 TEST_CASE("balanced schedule rejects a mask that attends to later blocks, on every rank") {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   const int n = 32, d = 64;
   V4<double> q("q", 1, n, 1, d), o("o", 1, n, 1, d);
   V3<double> lse("lse", 1, 1, n);
-  DistributedAttention<ContiguousPartition, test::PrefixLMMask, BalancedSchedule, MpiCommunicator<>,
-                       ExecSpace>
+  DistributedAttention<ContiguousPartition, test::PrefixLMMask, BalancedSchedule, Mpi, ExecSpace>
       attn(comm, test::PrefixLMMask{n + 1});  // the prefix reaches into rank 1's block
   if (comm.size() == 1) {
     CHECK_NOTHROW(attn.forward(q, q, q, o, lse));
@@ -234,13 +240,13 @@ TEST_CASE("balanced schedule rejects a mask that attends to later blocks, on eve
 namespace {
 /// The planner's per-rank, per-step model against what the run did.
 template <class Partition, class Schedule, class Mask>
-void check_plan_matches_run(MpiCommunicator<>& comm, const Case& c, const Mask& mask) {
+void check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask) {
   const int P = comm.size(), rank = comm.rank();
   const index_type N = index_type(c.n_local) * P;
   V4<float> q("q", c.b, c.n_local, c.h, c.d), k("k", c.b, c.n_local, c.hkv, c.d),
       o("o", c.b, c.n_local, c.h, c.d);
   V3<float> lse("lse", c.b, c.h, c.n_local);
-  DistributedAttention<Partition, Mask, Schedule, MpiCommunicator<>, ExecSpace> attn(comm, mask);
+  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
   DistributedOptions opts;
   opts.count_pairs = true;
   const RunStats run = attn.forward(q, k, k, o, lse, opts);
@@ -267,7 +273,7 @@ void check_plan_matches_run(MpiCommunicator<>& comm, const Case& c, const Mask& 
 }  // namespace
 
 TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (ring and balanced)") {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   for (const Case& c : cases) {
     check_plan_matches_run<ContiguousPartition, RingSchedule>(comm, c, CausalMask{});
     check_plan_matches_run<StripedPartition, RingSchedule>(comm, c, CausalMask{});
@@ -278,14 +284,13 @@ TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (ring an
 }
 
 TEST_CASE("bad arguments on one rank throw on every rank, no hang") {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   const int P = comm.size();
   // Rank P-1 passes a k of the wrong head_dim; everyone must throw.
   const int d_k = comm.rank() == P - 1 ? 32 : 64;
   V4<double> q("q", 1, 16, 1, 64), k("k", 1, 16, 1, d_k), o("o", 1, 16, 1, 64);
   V3<double> lse("lse", 1, 1, 16);
-  DistributedAttention<StripedPartition, CausalMask, RingSchedule, MpiCommunicator<>, ExecSpace>
-      attn(comm);
+  DistributedAttention<StripedPartition, CausalMask, RingSchedule, Mpi, ExecSpace> attn(comm);
   std::string msg;
   try {
     attn.forward(q, k, k, o, lse);
@@ -313,8 +318,7 @@ TEST_CASE("bad arguments on one rank throw on every rank, no hang") {
     CHECK(msg.find("local length (q.extent(1)) differs between ranks") != std::string::npos);
 
   // Zigzag needs N to be a multiple of 2P: an odd local length cannot work.
-  DistributedAttention<ZigzagPartition, CausalMask, RingSchedule, MpiCommunicator<>, ExecSpace> zz(
-      comm);
+  DistributedAttention<ZigzagPartition, CausalMask, RingSchedule, Mpi, ExecSpace> zz(comm);
   V4<double> q3("q", 1, 15, 1, 8), o3("o", 1, 15, 1, 8);
   V3<double> l3("l", 1, 1, 15);
   msg.clear();
@@ -338,7 +342,7 @@ HostTensor host_of(const V4<double>& v) {
 /// Distributed backward of one (schedule, partition, mask) against the fp64
 /// naive gradients of the global sequence, on this rank's rows.
 template <class T, class Schedule, class Partition, class Mask>
-void check_backward(MpiCommunicator<>& comm, const Case& c, const Mask& mask, std::uint64_t seed) {
+void check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_t seed) {
   const int P = comm.size(), rank = comm.rank(), N = c.n_local * P;
   // Global inputs (same on all ranks), rounded to T.
   V4<double> gq("q", c.b, N, c.h, c.d), gk("k", c.b, N, c.hkv, c.d), gv("v", c.b, N, c.hkv, c.d),
@@ -372,7 +376,7 @@ void check_backward(MpiCommunicator<>& comm, const Case& c, const Mask& mask, st
   to_local<Partition>(ExecSpace{}, P, rank, tk, k);
   to_local<Partition>(ExecSpace{}, P, rank, tv, v);
   to_local<Partition>(ExecSpace{}, P, rank, tdo, dout);
-  DistributedAttention<Partition, Mask, Schedule, MpiCommunicator<>, ExecSpace> attn(comm, mask);
+  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
   attn.forward(q, k, v, o, lse);
   attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
   Kokkos::fence();
@@ -403,7 +407,7 @@ void check_backward(MpiCommunicator<>& comm, const Case& c, const Mask& mask, st
 }
 
 template <class T, class Schedule, class Partition>
-void backward_all_masks(MpiCommunicator<>& comm, const Case& c, std::uint64_t seed) {
+void backward_all_masks(Mpi& comm, const Case& c, std::uint64_t seed) {
   const index_type N = index_type(c.n_local) * comm.size();
   check_backward<T, Schedule, Partition>(comm, c, FullMask{}, seed);
   check_backward<T, Schedule, Partition>(comm, c, CausalMask{}, seed + 1);
@@ -412,7 +416,7 @@ void backward_all_masks(MpiCommunicator<>& comm, const Case& c, std::uint64_t se
 }
 
 template <class T, class Schedule>
-void backward_all(MpiCommunicator<>& comm) {
+void backward_all(Mpi& comm) {
   const Case cases2[] = {{1, 38, 2, 1, 40}, {2, 70, 1, 1, 64}};
   std::uint64_t seed = 900;
   for (const Case& c : cases2) {
@@ -425,17 +429,17 @@ void backward_all(MpiCommunicator<>& comm) {
 }  // namespace
 
 TEST_CASE_TEMPLATE("distributed backward (KV ring) matches the fp64 gradients", T, double, float) {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   backward_all<T, RingSchedule>(comm);
 }
 
 TEST_CASE_TEMPLATE("distributed backward (Q ring) matches the fp64 gradients", T, double, float) {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   backward_all<T, BurstSchedule>(comm);
 }
 
 TEST_CASE_TEMPLATE("balanced backward matches the fp64 gradients", T, double, float) {
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   const Case cases2[] = {{1, 38, 2, 1, 40}, {2, 70, 1, 1, 64}, {1, 130, 2, 2, 128}};
   std::uint64_t seed = 7000;
   for (const Case& c : cases2) {
@@ -452,7 +456,7 @@ TEST_CASE("backward bytes per rank: BurstAttention Table 1") {
   // Local length a multiple of the backward tiles (they depend on the host
   // ISA) and D = 64: no padding, so the bytes are exactly the tensors'. B = 1,
   // Z = 2 heads (1 kv head for the GQA case).
-  MpiCommunicator<> comm(MPI_COMM_WORLD);
+  Mpi comm(MPI_COMM_WORLD);
   using Tiles = BackwardTileShape<float, impl::is_host_space_v<ExecSpace>>;
   const int P = comm.size(), n = std::lcm(Tiles::block_q, Tiles::block_k), d = 64, Z = 2;
   const std::int64_t N = std::int64_t(n) * P, f = sizeof(float);
@@ -461,7 +465,7 @@ TEST_CASE("backward bytes per rank: BurstAttention Table 1") {
     V4<float> q("q", 1, n, Z, d), k("k", 1, n, kv_heads, d), o("o", 1, n, Z, d),
         dq("dq", 1, n, Z, d), dk("dk", 1, n, kv_heads, d), dv("dv", 1, n, kv_heads, d);
     V3<float> lse("lse", 1, Z, n);
-    DistributedAttention<StripedPartition, CausalMask, S, MpiCommunicator<>, ExecSpace> attn(comm);
+    DistributedAttention<StripedPartition, CausalMask, S, Mpi, ExecSpace> attn(comm);
     attn.forward(q, k, k, o, lse);
     return attn.backward(q, k, k, o, lse, o, dq, dk, dv).bytes_sent();
   };

@@ -5,7 +5,10 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "device_gate.hpp"
+
 int main(int argc, char** argv) {
+  if (blockattn::test::device_missing()) return blockattn::test::skip_return_code;
   Kokkos::initialize(argc, argv);
   int result = 0;
   {
