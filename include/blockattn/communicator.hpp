@@ -10,6 +10,13 @@
 //   void wait(request_type& r);  bool test(request_type& r);
 //   void barrier();
 //   template <class T> T allreduce(T value, ReduceOp op);  // int, int64, float, double
+// Optional (detected at compile time, used by the schedules when present):
+//   request_type isend(const ExecSpace& exec, const View& v, int dest, int tag);
+//   request_type irecv(const ExecSpace& exec, const View& v, int source, int tag);
+// where `v` was written (or will be read) by work enqueued on `exec`: the
+// communicator orders the transfer after that instance only (exec.fence(),
+// staging copies on exec), not after all of Kokkos. Without them the schedules
+// fence their instance before isend and after a receive completes.
 // Ring neighbours come from ring_next() / ring_prev(). MpiCommunicator lives in
 // blockattn/mpi_communicator.hpp, the only header that includes <mpi.h>.
 #pragma once
@@ -165,6 +172,37 @@ struct has_comm_allreduce<
     C, std::void_t<decltype(std::declval<C&>().allreduce(1.0, ReduceOp::sum)),
                    decltype(std::declval<C&>().allreduce(std::int64_t(1), ReduceOp::max))>>
     : std::true_type {};
+
+/// The communicator takes the execution-space instance with a transfer.
+template <class C, class ExecSpace, class = void>
+struct has_comm_exec_p2p : std::false_type {};
+template <class C, class ExecSpace>
+struct has_comm_exec_p2p<
+    C, ExecSpace,
+    std::void_t<decltype(std::declval<C&>().isend(std::declval<const ExecSpace&>(),
+                                                  std::declval<const probe_view&>(), 0, 0)),
+                decltype(std::declval<C&>().irecv(std::declval<const ExecSpace&>(),
+                                                  std::declval<const probe_view&>(), 0, 0))>>
+    : std::true_type {};
+
+/// isend / irecv of a View written / read by work on `exec`, through the
+/// communicator's instance-aware overloads when it has them.
+template <class C, class ExecSpace, class View>
+typename C::request_type comm_isend(C& comm, const ExecSpace& exec, const View& v, int dest,
+                                    int tag) {
+  if constexpr (has_comm_exec_p2p<C, ExecSpace>::value)
+    return comm.isend(exec, v, dest, tag);
+  else
+    return comm.isend(v, dest, tag);
+}
+template <class C, class ExecSpace, class View>
+typename C::request_type comm_irecv(C& comm, const ExecSpace& exec, const View& v, int source,
+                                    int tag) {
+  if constexpr (has_comm_exec_p2p<C, ExecSpace>::value)
+    return comm.irecv(exec, v, source, tag);
+  else
+    return comm.irecv(v, source, tag);
+}
 }  // namespace impl
 
 template <class C>

@@ -244,14 +244,17 @@ class DistributedAttention {
       std::vector<typename Communicator::request_type> kv_reqs, in_reqs;
       if (more) {
         for (int t = 0; t < 2; ++t) {
-          kv_reqs.push_back(m_comm.irecv(kv[1 - cur][t], ring_prev(m_comm), 16 * s + t));
-          kv_reqs.push_back(m_comm.isend(kv[cur][t], ring_next(m_comm), 16 * s + t));
+          kv_reqs.push_back(
+              impl::comm_irecv(m_comm, m_exec, kv[1 - cur][t], ring_prev(m_comm), 16 * s + t));
+          kv_reqs.push_back(
+              impl::comm_isend(m_comm, m_exec, kv[cur][t], ring_next(m_comm), 16 * s + t));
           st.bytes_sent += bytes_of(kv[cur][t]);
         }
       }
       if (s > 0)
         for (int t = 0; t < 2; ++t)
-          in_reqs.push_back(m_comm.irecv(inc[t], ring_prev(m_comm), 16 * s + 2 + t));
+          in_reqs.push_back(
+              impl::comm_irecv(m_comm, m_exec, inc[t], ring_prev(m_comm), 16 * s + 2 + t));
       auto& a = acc[s % 2];
       for (auto& r : pending_send[s % 2]) m_comm.wait(r);  // a was sent two steps ago
       pending_send[s % 2].clear();
@@ -279,13 +282,15 @@ class DistributedAttention {
       }
       // Pass the partial on; after the last step it is complete and goes home.
       for (int t = 0; t < 2; ++t) {
-        pending_send[s % 2].push_back(m_comm.isend(a[t], ring_next(m_comm), 16 * (s + 1) + 2 + t));
+        pending_send[s % 2].push_back(
+            impl::comm_isend(m_comm, m_exec, a[t], ring_next(m_comm), 16 * (s + 1) + 2 + t));
         st.bytes_sent += bytes_of(a[t]);
       }
       if (!more) {
         std::vector<typename Communicator::request_type> home;
         for (int t = 0; t < 2; ++t)
-          home.push_back(m_comm.irecv(inc[t], ring_prev(m_comm), 16 * P + 2 + t));
+          home.push_back(
+              impl::comm_irecv(m_comm, m_exec, inc[t], ring_prev(m_comm), 16 * P + 2 + t));
         for (auto& r : home) m_comm.wait(r);
         Kokkos::deep_copy(m_exec, dk, inc[0]);
         Kokkos::deep_copy(m_exec, dv, inc[1]);
@@ -347,8 +352,10 @@ class DistributedAttention {
       std::vector<typename Communicator::request_type> q_reqs, in_reqs;
       if (more) {
         auto post = [&](const auto& next_view, const auto& cur_view, int t) {
-          q_reqs.push_back(m_comm.irecv(next_view, ring_prev(m_comm), 16 * s + 4 + t));
-          q_reqs.push_back(m_comm.isend(cur_view, ring_next(m_comm), 16 * s + 4 + t));
+          q_reqs.push_back(
+              impl::comm_irecv(m_comm, m_exec, next_view, ring_prev(m_comm), 16 * s + 4 + t));
+          q_reqs.push_back(
+              impl::comm_isend(m_comm, m_exec, cur_view, ring_next(m_comm), 16 * s + 4 + t));
           st.bytes_sent += bytes_of(cur_view);
         };
         post(qb[1 - cur].q, qb[cur].q, 0);
@@ -356,7 +363,8 @@ class DistributedAttention {
         post(qb[1 - cur].lse2, qb[cur].lse2, 2);
         post(qb[1 - cur].drow, qb[cur].drow, 3);
       }
-      if (s > 0) in_reqs.push_back(m_comm.irecv(inc, ring_prev(m_comm), 16 * s + 8));
+      if (s > 0)
+        in_reqs.push_back(impl::comm_irecv(m_comm, m_exec, inc, ring_prev(m_comm), 16 * s + 8));
       auto& a = acc[s % 2];
       for (auto& r : pending_send[s % 2]) m_comm.wait(r);
       pending_send[s % 2].clear();
@@ -379,10 +387,11 @@ class DistributedAttention {
         add_into<T>(a, inc);
         m_exec.fence();
       }
-      pending_send[s % 2].push_back(m_comm.isend(a, ring_next(m_comm), 16 * (s + 1) + 8));
+      pending_send[s % 2].push_back(
+          impl::comm_isend(m_comm, m_exec, a, ring_next(m_comm), 16 * (s + 1) + 8));
       st.bytes_sent += bytes_of(a);
       if (!more) {
-        auto home = m_comm.irecv(inc, ring_prev(m_comm), 16 * P + 8);
+        auto home = impl::comm_irecv(m_comm, m_exec, inc, ring_prev(m_comm), 16 * P + 8);
         m_comm.wait(home);
         Kokkos::deep_copy(m_exec, dq, inc);
       }
@@ -510,10 +519,11 @@ class DistributedAttention {
       if (more && opts.communicate) {
         // Post the transfer of the next block before computing on this one.
         const int tag = 2 * s;
-        reqs.push_back(m_comm.irecv(buf[1 - cur].kt, ring_prev(m_comm), tag));
-        reqs.push_back(m_comm.irecv(buf[1 - cur].v, ring_prev(m_comm), tag + 1));
-        reqs.push_back(m_comm.isend(buf[cur].kt, ring_next(m_comm), tag));
-        reqs.push_back(m_comm.isend(buf[cur].v, ring_next(m_comm), tag + 1));
+        reqs.push_back(impl::comm_irecv(m_comm, m_exec, buf[1 - cur].kt, ring_prev(m_comm), tag));
+        reqs.push_back(
+            impl::comm_irecv(m_comm, m_exec, buf[1 - cur].v, ring_prev(m_comm), tag + 1));
+        reqs.push_back(impl::comm_isend(m_comm, m_exec, buf[cur].kt, ring_next(m_comm), tag));
+        reqs.push_back(impl::comm_isend(m_comm, m_exec, buf[cur].v, ring_next(m_comm), tag + 1));
       }
       const auto kpos = Partition::positions(N, P, src_positions);
       const bool computed = !block_is_empty<Partition>(m_mask, N, P, rank, src_positions);
@@ -667,27 +677,27 @@ class DistributedAttention {
         // K/V we need as owner; our Q to our helper, the Q we help with.
         const int u = t + 1;
         if (rank >= u) {
-          reqs.push_back(m_comm.irecv(recv[u % 2].kt, rank - u, 8 * u));
-          reqs.push_back(m_comm.irecv(recv[u % 2].v, rank - u, 8 * u + 1));
+          reqs.push_back(impl::comm_irecv(m_comm, m_exec, recv[u % 2].kt, rank - u, 8 * u));
+          reqs.push_back(impl::comm_irecv(m_comm, m_exec, recv[u % 2].v, rank - u, 8 * u + 1));
           st.bytes_received += kv_bytes;
         }
         if (rank + u < P) {
-          reqs.push_back(m_comm.isend(own.kt, rank + u, 8 * u));
-          reqs.push_back(m_comm.isend(own.v, rank + u, 8 * u + 1));
+          reqs.push_back(impl::comm_isend(m_comm, m_exec, own.kt, rank + u, 8 * u));
+          reqs.push_back(impl::comm_isend(m_comm, m_exec, own.v, rank + u, 8 * u + 1));
           st.bytes_sent += kv_bytes;
         }
         if (const int r = balanced_helps(rank, u, P); r >= 0) {
-          reqs.push_back(m_comm.irecv(qrecv[u % 2], r, 8 * u + 2));
+          reqs.push_back(impl::comm_irecv(m_comm, m_exec, qrecv[u % 2], r, 8 * u + 2));
           st.bytes_received += q_bytes;
         }
         if (const int h = balanced_helper_of(rank, u, P); h >= 0) {
-          reqs.push_back(m_comm.isend(qsend, h, 8 * u + 2));
+          reqs.push_back(impl::comm_isend(m_comm, m_exec, qsend, h, 8 * u + 2));
           st.bytes_sent += q_bytes;
         }
       }
       if (const int h = balanced_helper_of(rank, t, P); h >= 0 && comm) {
-        res_recv[t % 2].push_back(m_comm.irecv(rout[t % 2], h, 8 * t + 3));
-        res_recv[t % 2].push_back(m_comm.irecv(rlse[t % 2], h, 8 * t + 4));
+        res_recv[t % 2].push_back(impl::comm_irecv(m_comm, m_exec, rout[t % 2], h, 8 * t + 3));
+        res_recv[t % 2].push_back(impl::comm_irecv(m_comm, m_exec, rlse[t % 2], h, 8 * t + 4));
         st.bytes_received += res_bytes;
       }
       std::vector<request*> in_flight;  // tested between compute chunks
@@ -722,8 +732,10 @@ class DistributedAttention {
                                     pos(rank), scale, s, in_flight);
         m_exec.fence();
         if (comm) {
-          res_send[t % 2].push_back(m_comm.isend(hout[t % 2], task.q_rank, 8 * t + 3));
-          res_send[t % 2].push_back(m_comm.isend(hlse[t % 2], task.q_rank, 8 * t + 4));
+          res_send[t % 2].push_back(
+              impl::comm_isend(m_comm, m_exec, hout[t % 2], task.q_rank, 8 * t + 3));
+          res_send[t % 2].push_back(
+              impl::comm_isend(m_comm, m_exec, hlse[t % 2], task.q_rank, 8 * t + 4));
           st.bytes_sent += res_bytes;
         }
       }
@@ -846,8 +858,12 @@ class DistributedAttention {
       r.push_back(op(b.drow, peer, tag + 3));
       return r;
     };
-    auto isend = [&](const auto& view, int peer, int tag) { return m_comm.isend(view, peer, tag); };
-    auto irecv = [&](const auto& view, int peer, int tag) { return m_comm.irecv(view, peer, tag); };
+    auto isend = [&](const auto& view, int peer, int tag) {
+      return impl::comm_isend(m_comm, m_exec, view, peer, tag);
+    };
+    auto irecv = [&](const auto& view, int peer, int tag) {
+      return impl::comm_irecv(m_comm, m_exec, view, peer, tag);
+    };
     for (int t = 0; t < steps; ++t) {
       const auto t0 = std::chrono::steady_clock::now();
       const BlockTask task = balanced_task(rank, t, P);

@@ -56,39 +56,34 @@ class MpiCommunicator {
   int size() const { return m_size; }
   MPI_Comm comm() const { return m_comm; }
 
+  /// Sends a contiguous View. Without an execution-space instance all of
+  /// Kokkos is fenced first (the data must be complete before MPI reads it).
   template <class View>
   request_type isend(const View& v, int dest, int tag) {
-    impl::require_contiguous("MpiCommunicator::isend", "view", v);
-    check_peer("MpiCommunicator::isend", dest);
-    request_type r;
-    const int count = byte_count(v);
-    if constexpr (needs_staging<View>()) {
-      auto h = std::make_shared<typename View::HostMirror>(
-          Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v));
-      r.staging = h;
-      check(MPI_Isend(h->data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
-    } else {
-      Kokkos::fence();  // the data must be complete before MPI reads it
-      check(MPI_Isend(v.data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
-    }
-    return r;
+    Kokkos::fence();
+    return post_send("MpiCommunicator::isend", typename View::execution_space{}, v, dest, tag);
+  }
+  /// Sends a View written by work on `exec`: fences that instance only
+  /// (host-staged: the staging copy is enqueued on it, then it is fenced).
+  template <class ExecSpace, class View,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  request_type isend(const ExecSpace& exec, const View& v, int dest, int tag) {
+    return post_send("MpiCommunicator::isend", exec, v, dest, tag);
   }
 
+  /// Receives into a contiguous View; host-staged receives copy into it when
+  /// the request completes (wait/test), fencing all of Kokkos.
   template <class View>
   request_type irecv(const View& v, int source, int tag) {
-    impl::require_contiguous("MpiCommunicator::irecv", "view", v);
-    check_peer("MpiCommunicator::irecv", source);
-    request_type r;
-    const int count = byte_count(v);
-    if constexpr (needs_staging<View>()) {
-      auto h = std::make_shared<typename View::HostMirror>(Kokkos::create_mirror_view(v));
-      r.staging = h;
-      r.finish = [h, v]() { Kokkos::deep_copy(v, *h); };
-      check(MPI_Irecv(h->data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
-    } else {
-      check(MPI_Irecv(v.data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
-    }
-    return r;
+    return post_recv<false>("MpiCommunicator::irecv", typename View::execution_space{}, v, source,
+                            tag);
+  }
+  /// Receives into a View that work on `exec` reads next: host-staged data is
+  /// copied in on that instance when the request completes.
+  template <class ExecSpace, class View,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  request_type irecv(const ExecSpace& exec, const View& v, int source, int tag) {
+    return post_recv<true>("MpiCommunicator::irecv", exec, v, source, tag);
   }
 
   void wait(request_type& r) {
@@ -113,6 +108,48 @@ class MpiCommunicator {
  private:
   MPI_Comm m_comm;
   int m_rank = 0, m_size = 1;
+
+  template <class ExecSpace, class View>
+  request_type post_send(const char* fn, const ExecSpace& exec, const View& v, int dest, int tag) {
+    impl::require_contiguous(fn, "view", v);
+    check_peer(fn, dest);
+    request_type r;
+    const int count = byte_count(v);
+    if constexpr (needs_staging<View>()) {
+      auto h = std::make_shared<typename View::HostMirror>(Kokkos::create_mirror_view(v));
+      Kokkos::deep_copy(exec, *h, v);
+      exec.fence();
+      r.staging = h;
+      check(MPI_Isend(h->data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
+    } else {
+      exec.fence();
+      check(MPI_Isend(v.data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
+    }
+    return r;
+  }
+  template <bool OnInstance, class ExecSpace, class View>
+  request_type post_recv(const char* fn, const ExecSpace& exec, const View& v, int source,
+                         int tag) {
+    impl::require_contiguous(fn, "view", v);
+    check_peer(fn, source);
+    request_type r;
+    const int count = byte_count(v);
+    if constexpr (needs_staging<View>()) {
+      auto h = std::make_shared<typename View::HostMirror>(Kokkos::create_mirror_view(v));
+      r.staging = h;
+      if constexpr (OnInstance)
+        r.finish = [h, v, exec]() {
+          Kokkos::deep_copy(exec, v, *h);
+          exec.fence();  // the staging buffer is released after this
+        };
+      else
+        r.finish = [h, v]() { Kokkos::deep_copy(v, *h); };
+      check(MPI_Irecv(h->data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
+    } else {
+      check(MPI_Irecv(v.data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
+    }
+    return r;
+  }
 
   template <class View>
   static constexpr bool needs_staging() {
