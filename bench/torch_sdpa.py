@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""PyTorch's CPU scaled_dot_product_attention on the shapes of bench_forward.cpp.
+"""PyTorch's scaled_dot_product_attention on the shapes of bench_forward.cpp (CPU)
+or bench_gpu.cpp (--device cuda).
 
 The CPU peer of the forward/backward benchmark: run by bench/run_forward.sh
 right before our binary, with the same thread count, and its rates printed
@@ -12,6 +13,13 @@ with the FLOP conventions of bench_forward.cpp: 4*D per allowed query-key pair
 forward, 2.5x that backward. B = H = 1, layout (B, H, N, D). PyTorch picks its
 backend itself (on CPU: its flash-attention kernel for these shapes). Never a
 build or test dependency: bench/run_forward.sh skips it when torch does not import.
+
+With --device cuda (the GPU peer of bench_gpu.cpp): layout (B, H, N, D) with
+B = 1 and --heads heads, each of the flash, cuDNN and memory-efficient
+backends that runs the case is timed (CUDA events, best of --reps) and the
+fastest is written with its name as a seventh column, in TFLOP/s:
+
+    <fwd|bwd> <N> <D> <full|causal> <dtype> <TFLOP/s> <backend>
 """
 import argparse
 import sys
@@ -31,14 +39,19 @@ def best_time(fn, min_time, max_reps=50):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="fp32")
     ap.add_argument("--min-time", type=float, default=0.3)
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--heads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
+    if a.device == "cuda":
+        return cuda_main(a)
 
     import torch
     import torch.nn.functional as F
@@ -76,6 +89,68 @@ def main():
                         times = [bwd() for _ in range(2 if n >= 16384 else 3)]
                         out.write(f"bwd {n} {d} {mask} {name} "
                                   f"{2.5 * 4 * d * pairs / min(times) * 1e-9:.3f}\n")
+                        out.flush()
+
+
+def cuda_main(a):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    print(f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}", file=sys.stderr)
+
+    def cuda_time(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            best = min(best, s.elapsed_time(e) * 1e-3)
+        return best
+
+    with open(a.out, "w") as out:
+        for name in a.dtypes.split(","):
+            dt = dtypes[name]
+            for d in map(int, a.dims.split(",")):
+                for n in map(int, a.lengths.split(",")):
+                    for causal in (False, True):
+                        g = torch.Generator(device="cuda").manual_seed(1)
+                        q, k, v, do = (torch.rand(1, a.heads, n, d, generator=g, device="cuda")
+                                       .mul_(2).sub_(1).to(dt) for _ in range(4))
+                        pairs = n * (n + 1) / 2 if causal else float(n) * n
+                        flops = 4 * d * pairs * a.heads
+                        mask = "causal" if causal else "full"
+                        best = {"fwd": (0.0, "-"), "bwd": (0.0, "-")}
+                        for bname, be in backends.items():
+                            try:
+                                with sdpa_kernel([be]):
+                                    with torch.no_grad():
+                                        t = cuda_time(lambda: F.scaled_dot_product_attention(
+                                            q, k, v, is_causal=causal), a.reps)
+                                    if flops / t > best["fwd"][0]:
+                                        best["fwd"] = (flops / t, bname)
+                                    if a.no_backward:
+                                        continue
+                                    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+                                    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                                    t = cuda_time(lambda: torch.autograd.grad(
+                                        o, (qg, kg, vg), do, retain_graph=True), a.reps)
+                                    if 2.5 * flops / t > best["bwd"][0]:
+                                        best["bwd"] = (2.5 * flops / t, bname)
+                            except RuntimeError as err:  # backend does not support the case
+                                print(f"{bname} {name} N={n} {mask}: {str(err)[:80]}",
+                                      file=sys.stderr)
+                        for op in ("fwd", "bwd"):
+                            if best[op][0] > 0:
+                                out.write(f"{op} {n} {d} {mask} {name} "
+                                          f"{best[op][0] * 1e-12:.3f} {best[op][1]}\n")
                         out.flush()
 
 

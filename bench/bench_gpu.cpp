@@ -1,0 +1,148 @@
+// SPDX-License-Identifier: Apache-2.0
+// Forward and backward throughput on Kokkos' default execution space (a GPU in
+// a CUDA/HIP build of Kokkos), on the shapes issue "GPU" asks for: B = 1,
+// H = 16, D = 128, N = 4096 / 8192 / 16384, full and causal, fp32; with
+// `--torch FILE` (bench/torch_sdpa.py --device cuda --heads 16 ...) PyTorch's
+// scaled_dot_product_attention rates on the same GPU are printed next to
+// ours, measured in the same job.
+//
+//   blockattn_bench_gpu [--lengths 4096,8192,16384] [--heads 16] [--dim 128]
+//                       [--reps 5] [--torch FILE]
+//
+// FLOP conventions (as bench_forward.cpp and FlashAttention's): 4 * D per
+// allowed query-key pair forward, 2.5x that backward, counted on the pairs the
+// mask allows (N(N+1)/2 causal). Times are the best of --reps runs, each
+// fenced on the execution space instance. No host BLAS, no -march: this
+// file is a device compilation unit.
+#include <blockattn/blockattn.hpp>
+
+#include <Kokkos_Core.hpp>
+#include <Kokkos_Random.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Exec = Kokkos::DefaultExecutionSpace;
+using T = float;
+using V4 = Kokkos::View<T****, Kokkos::LayoutRight, Exec::memory_space>;
+using V3 = Kokkos::View<T***, Kokkos::LayoutRight, Exec::memory_space>;
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::atoi(item.c_str()));
+  return out;
+}
+
+/// PyTorch's rates: "<fwd|bwd> N D mask dtype TFLOP/s backend" per line.
+std::map<std::string, std::pair<double, std::string>> read_torch(const std::string& path) {
+  std::map<std::string, std::pair<double, std::string>> r;
+  std::ifstream in(path);
+  std::string op, mask, dtype, backend;
+  int n = 0, d = 0;
+  double t = 0;
+  while (in >> op >> n >> d >> mask >> dtype >> t >> backend)
+    r[op + "/" + std::to_string(n) + "/" + std::to_string(d) + "/" + mask + "/" + dtype] = {
+        t, backend};
+  return r;
+}
+
+template <class F>
+double best_seconds(const Exec& exec, int reps, F&& f) {
+  f();  // warm-up (and first-touch of the workspace)
+  exec.fence();
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    exec.fence();
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Kokkos::initialize(argc, argv);
+  {
+    std::vector<int> lengths{4096, 8192, 16384};
+    int heads = 16, dim = 128, reps = 5;
+    std::string torch_file;
+    for (int i = 1; i + 1 < argc; i += 2) {
+      const std::string a = argv[i];
+      if (a == "--lengths")
+        lengths = parse_list(argv[i + 1]);
+      else if (a == "--heads")
+        heads = std::atoi(argv[i + 1]);
+      else if (a == "--dim")
+        dim = std::atoi(argv[i + 1]);
+      else if (a == "--reps")
+        reps = std::atoi(argv[i + 1]);
+      else if (a == "--torch")
+        torch_file = argv[i + 1];
+      else {
+        std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+        return 2;
+      }
+    }
+    const auto torch = torch_file.empty() ? decltype(read_torch("")){} : read_torch(torch_file);
+    const Exec exec;
+    std::printf("BlockAttn %s on %s, fp32, B = 1, H = %d, D = %d\n", "bench_gpu", Exec::name(),
+                heads, dim);
+    std::printf("%-4s %6s %-7s %10s %12s %12s %8s\n", "op", "N", "mask", "ms", "TFLOP/s", "torch",
+                "ours/pt");
+    Kokkos::Random_XorShift64_Pool<Exec> pool(7);
+    for (int n : lengths) {
+      V4 q("q", 1, n, heads, dim), k("k", 1, n, heads, dim), v("v", 1, n, heads, dim);
+      V4 o("o", 1, n, heads, dim), dout("dout", 1, n, heads, dim);
+      V4 dq("dq", 1, n, heads, dim), dk("dk", 1, n, heads, dim), dv("dv", 1, n, heads, dim);
+      V3 lse("lse", 1, heads, n);
+      for (auto* x : {&q, &k, &v, &dout}) Kokkos::fill_random(*x, pool, T(-1), T(1));
+      for (bool causal : {false, true}) {
+        const double pairs = causal ? double(n) * (n + 1) / 2 : double(n) * n;
+        const double fwd_flops = 4.0 * dim * pairs * heads;
+        const char* mask = causal ? "causal" : "full";
+        auto fwd = [&] {
+          if (causal)
+            blockattn::attention_forward(exec, q, k, v, o, lse, blockattn::CausalMask{});
+          else
+            blockattn::attention_forward(exec, q, k, v, o, lse);
+        };
+        auto bwd = [&] {
+          if (causal)
+            blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv,
+                                          blockattn::CausalMask{});
+          else
+            blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv);
+        };
+        for (int op = 0; op < 2; ++op) {
+          const double s = op == 0 ? best_seconds(exec, reps, fwd) : best_seconds(exec, reps, bwd);
+          const double tf = (op == 0 ? 1.0 : 2.5) * fwd_flops / s * 1e-12;
+          const std::string key = std::string(op == 0 ? "fwd" : "bwd") + "/" + std::to_string(n) +
+                                  "/" + std::to_string(dim) + "/" + mask + "/fp32";
+          const auto it = torch.find(key);
+          if (it != torch.end())
+            std::printf("%-4s %6d %-7s %10.3f %12.2f %7.2f %-4s %8.2f\n", op == 0 ? "fwd" : "bwd",
+                        n, mask, s * 1e3, tf, it->second.first, it->second.second.c_str(),
+                        tf / it->second.first);
+          else
+            std::printf("%-4s %6d %-7s %10.3f %12.2f %12s %8s\n", op == 0 ? "fwd" : "bwd", n, mask,
+                        s * 1e3, tf, "-", "-");
+        }
+      }
+    }
+  }
+  Kokkos::finalize();
+  return 0;
+}
