@@ -37,6 +37,23 @@ def best_time(fn, min_time, max_reps=50):
     return best
 
 
+def cases(a, device, heads):
+    """Every (dtype, D, N, mask) case of the run, with its random q, k, v, dO
+    (uniform in [-1, 1], seed 1 per case), layout (1, heads, N, D)."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for name in a.dtypes.split(","):
+        for d in map(int, a.dims.split(",")):
+            for n in map(int, a.lengths.split(",")):
+                for causal in (False, True):
+                    g = torch.Generator(device=device).manual_seed(1)
+                    tensors = tuple(torch.rand(1, heads, n, d, generator=g, device=device)
+                                    .mul_(2).sub_(1).to(dtypes[name]) for _ in range(4))
+                    pairs = n * (n + 1) / 2 if causal else float(n) * n
+                    yield name, d, n, causal, "causal" if causal else "full", pairs, tensors
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -57,39 +74,29 @@ def main():
     import torch.nn.functional as F
 
     torch.set_num_threads(a.threads)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
     with open(a.out, "w") as out:
-        for name in a.dtypes.split(","):
-            dt = dtypes[name]
-            for d in map(int, a.dims.split(",")):
-                for n in map(int, a.lengths.split(",")):
-                    for causal in (False, True):
-                        g = torch.Generator().manual_seed(1)
-                        q, k, v, do = (torch.rand(1, 1, n, d, generator=g).mul_(2).sub_(1).to(dt)
-                                       for _ in range(4))
-                        pairs = n * (n + 1) / 2 if causal else float(n) * n
-                        mask = "causal" if causal else "full"
-                        with torch.no_grad():
-                            t = best_time(lambda: F.scaled_dot_product_attention(
-                                q, k, v, is_causal=causal), a.min_time)
-                        out.write(f"fwd {n} {d} {mask} {name} {4 * d * pairs / t * 1e-9:.3f}\n")
-                        if a.no_backward:
-                            continue
-                        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        for name, d, n, causal, mask, pairs, (q, k, v, do) in cases(a, "cpu", 1):
+            with torch.no_grad():
+                t = best_time(lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal), a.min_time)
+            out.write(f"fwd {n} {d} {mask} {name} {4 * d * pairs / t * 1e-9:.3f}\n")
+            if a.no_backward:
+                continue
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
-                        def bwd():
-                            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                            t0 = time.perf_counter()
-                            o.backward(do)
-                            return time.perf_counter() - t0
+            def bwd():
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                t0 = time.perf_counter()
+                o.backward(do)
+                return time.perf_counter() - t0
 
-                        bwd()
-                        times = [bwd() for _ in range(2 if n >= 16384 else 3)]
-                        out.write(f"bwd {n} {d} {mask} {name} "
-                                  f"{2.5 * 4 * d * pairs / min(times) * 1e-9:.3f}\n")
-                        out.flush()
+            bwd()
+            times = [bwd() for _ in range(2 if n >= 16384 else 3)]
+            out.write(f"bwd {n} {d} {mask} {name} "
+                      f"{2.5 * 4 * d * pairs / min(times) * 1e-9:.3f}\n")
+            out.flush()
 
 
 def cuda_main(a):
@@ -97,7 +104,6 @@ def cuda_main(a):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
     print(f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}", file=sys.stderr)
@@ -116,42 +122,33 @@ def cuda_main(a):
         return best
 
     with open(a.out, "w") as out:
-        for name in a.dtypes.split(","):
-            dt = dtypes[name]
-            for d in map(int, a.dims.split(",")):
-                for n in map(int, a.lengths.split(",")):
-                    for causal in (False, True):
-                        g = torch.Generator(device="cuda").manual_seed(1)
-                        q, k, v, do = (torch.rand(1, a.heads, n, d, generator=g, device="cuda")
-                                       .mul_(2).sub_(1).to(dt) for _ in range(4))
-                        pairs = n * (n + 1) / 2 if causal else float(n) * n
-                        flops = 4 * d * pairs * a.heads
-                        mask = "causal" if causal else "full"
-                        best = {"fwd": (0.0, "-"), "bwd": (0.0, "-")}
-                        for bname, be in backends.items():
-                            try:
-                                with sdpa_kernel([be]):
-                                    with torch.no_grad():
-                                        t = cuda_time(lambda: F.scaled_dot_product_attention(
-                                            q, k, v, is_causal=causal), a.reps)
-                                    if flops / t > best["fwd"][0]:
-                                        best["fwd"] = (flops / t, bname)
-                                    if a.no_backward:
-                                        continue
-                                    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-                                    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                                    t = cuda_time(lambda: torch.autograd.grad(
-                                        o, (qg, kg, vg), do, retain_graph=True), a.reps)
-                                    if 2.5 * flops / t > best["bwd"][0]:
-                                        best["bwd"] = (2.5 * flops / t, bname)
-                            except RuntimeError as err:  # backend does not support the case
-                                print(f"{bname} {name} N={n} {mask}: {str(err)[:80]}",
-                                      file=sys.stderr)
-                        for op in ("fwd", "bwd"):
-                            if best[op][0] > 0:
-                                out.write(f"{op} {n} {d} {mask} {name} "
-                                          f"{best[op][0] * 1e-12:.3f} {best[op][1]}\n")
-                        out.flush()
+        for name, d, n, causal, mask, pairs, (q, k, v, do) in cases(a, "cuda", a.heads):
+            flops = 4 * d * pairs * a.heads
+            best = {"fwd": (0.0, "-"), "bwd": (0.0, "-")}
+            for bname, be in backends.items():
+                try:
+                    with sdpa_kernel([be]):
+                        with torch.no_grad():
+                            t = cuda_time(lambda: F.scaled_dot_product_attention(
+                                q, k, v, is_causal=causal), a.reps)
+                        if flops / t > best["fwd"][0]:
+                            best["fwd"] = (flops / t, bname)
+                        if a.no_backward:
+                            continue
+                        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+                        o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                        t = cuda_time(lambda: torch.autograd.grad(
+                            o, (qg, kg, vg), do, retain_graph=True), a.reps)
+                        if 2.5 * flops / t > best["bwd"][0]:
+                            best["bwd"] = (2.5 * flops / t, bname)
+                except RuntimeError as err:  # backend does not support the case
+                    print(f"{bname} {name} N={n} {mask}: {str(err)[:80]}",
+                          file=sys.stderr)
+            for op in ("fwd", "bwd"):
+                if best[op][0] > 0:
+                    out.write(f"{op} {n} {d} {mask} {name} "
+                              f"{best[op][0] * 1e-12:.3f} {best[op][1]}\n")
+            out.flush()
 
 
 if __name__ == "__main__":
