@@ -283,52 +283,7 @@ TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (ring an
   }
 }
 
-TEST_CASE("bad arguments on one rank throw on every rank, no hang") {
-  Mpi comm(MPI_COMM_WORLD);
-  const int P = comm.size();
-  // Rank P-1 passes a k of the wrong head_dim; everyone must throw.
-  const int d_k = comm.rank() == P - 1 ? 32 : 64;
-  V4<double> q("q", 1, 16, 1, 64), k("k", 1, 16, 1, d_k), o("o", 1, 16, 1, 64);
-  V3<double> lse("lse", 1, 1, 16);
-  DistributedAttention<StripedPartition, CausalMask, RingSchedule, Mpi, ExecSpace> attn(comm);
-  std::string msg;
-  try {
-    attn.forward(q, k, k, o, lse);
-  } catch (const invalid_argument& e) {
-    msg = e.what();
-  }
-  INFO("rank ", comm.rank(), ": ", msg);
-  CHECK_FALSE(msg.empty());
-  if (comm.rank() == P - 1)
-    CHECK(msg.find("'k'") != std::string::npos);
-  else
-    CHECK(msg.find("invalid arguments on rank " + std::to_string(P - 1)) != std::string::npos);
-
-  // Local lengths that differ between ranks.
-  const int n = comm.rank() == 0 && P > 1 ? 18 : 16;
-  V4<double> q2("q", 1, n, 1, 8), o2("o", 1, n, 1, 8);
-  V3<double> l2("l", 1, 1, n);
-  msg.clear();
-  try {
-    attn.forward(q2, q2, q2, o2, l2);
-  } catch (const invalid_argument& e) {
-    msg = e.what();
-  }
-  if (P > 1)
-    CHECK(msg.find("local length (q.extent(1)) differs between ranks") != std::string::npos);
-
-  // Zigzag needs N to be a multiple of 2P: an odd local length cannot work.
-  DistributedAttention<ZigzagPartition, CausalMask, RingSchedule, Mpi, ExecSpace> zz(comm);
-  V4<double> q3("q", 1, 15, 1, 8), o3("o", 1, 15, 1, 8);
-  V3<double> l3("l", 1, 1, 15);
-  msg.clear();
-  try {
-    zz.forward(q3, q3, q3, o3, l3);
-  } catch (const invalid_argument& e) {
-    msg = e.what();
-  }
-  CHECK(msg.find("N must be a positive multiple of " + std::to_string(2 * P)) != std::string::npos);
-}
+// Bad arguments and configurations that differ between ranks: test_consensus.cpp.
 
 namespace {
 

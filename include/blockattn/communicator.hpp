@@ -10,7 +10,10 @@
 //   void wait(request_type& r);  bool test(request_type& r);
 //   void barrier();
 //   template <class T> T allreduce(T value, ReduceOp op);  // int, int64, float, double
-// Optional (detected at compile time, used by the schedules when present):
+// Optional (detected at compile time, used when present):
+//   template <class T> void allreduce(const T* in, T* out, int count, ReduceOp op);
+//     element-wise, one collective (the consensus step of every collective
+//     call is then ONE allreduce; without it, one per element);
 //   request_type isend(const ExecSpace& exec, const View& v, int dest, int tag);
 //   request_type irecv(const ExecSpace& exec, const View& v, int source, int tag);
 // where `v` was written (or will be read) by work enqueued on `exec`: the
@@ -129,6 +132,10 @@ class SelfCommunicator {
   template <class T>
   T allreduce(T value, ReduceOp) {
     return value;
+  }
+  template <class T>
+  void allreduce(const T* in, T* out, int count, ReduceOp) {
+    for (int i = 0; i < count; ++i) out[i] = in[i];
   }
 
  private:

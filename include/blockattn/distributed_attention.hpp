@@ -15,7 +15,9 @@
 #include <blockattn/communicator.hpp>
 #include <blockattn/config.hpp>
 #include <blockattn/errors.hpp>
+#include <blockattn/impl/consensus.hpp>
 #include <blockattn/impl/merge.hpp>
+#include <blockattn/impl/transfer.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/partition.hpp>
 #include <blockattn/ring_schedule.hpp>
@@ -65,6 +67,10 @@ struct DistributedOptions {
   bool count_pairs = false;  // also count allowed pairs (host cost ~ pairs of partial tiles)
   bool communicate = true;   // false: compute the same steps on the local block only
                              // (measures compute time without communication; wrong result)
+  /// > 0: a transfer that has not completed after this many seconds throws
+  /// blockattn::timeout_error naming the step, the peer and the message
+  /// (instead of waiting forever for a rank that failed or never posts).
+  double timeout_seconds = 0.0;
 };
 
 template <class Partition, class Mask, class Schedule, class Communicator,
@@ -123,7 +129,7 @@ class DistributedAttention {
                    const DistributedOptions& opts = {}) {
     impl::check_forward_view_types<QV, KV, VV, OV, LV>();
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
-      const impl::ForwardExtents e = validate(q, k, v, o, lse, opts);
+      const impl::ForwardExtents e = validate(fn, q, k, v, o, lse, opts);
       using T = typename OV::non_const_value_type;
       using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
       RunStats stats;
@@ -155,7 +161,7 @@ class DistributedAttention {
     RunStats stats;
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
                   impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
-      const impl::ForwardExtents e = validate(q, k, v, o, lse, opts, [&] {
+      const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
         impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
       });
       using T = typename OV::non_const_value_type;
@@ -233,7 +239,11 @@ class DistributedAttention {
                             bytes_of(keys.vt) + bytes_of(keys.k) + 4 * bytes_of(kv[0][0]) +
                             6 * bytes_of(acc[0][0]);
     const auto qpos = Partition::positions(N, P, rank);
-    std::vector<typename Communicator::request_type> pending_send[2];
+    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
+    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
+    const impl::Message kv_msg[2] = {impl::Message::k, impl::Message::v};
+    const impl::Message dkv_msg[2] = {impl::Message::dk, impl::Message::dv};
+    std::vector<request> pending_send[2];
     bool dq_written = false;
     int cur = 0;
     for (int s = 0; s < P; ++s) {
@@ -241,22 +251,19 @@ class DistributedAttention {
       const int src = ring_source(rank, s, P);
       const bool more = s + 1 < P;
       StepStats st;
-      std::vector<typename Communicator::request_type> kv_reqs, in_reqs;
+      std::vector<request> kv_reqs, in_reqs;
       if (more) {
         for (int t = 0; t < 2; ++t) {
-          kv_reqs.push_back(
-              impl::comm_irecv(m_comm, m_exec, kv[1 - cur][t], ring_prev(m_comm), 16 * s + t));
-          kv_reqs.push_back(
-              impl::comm_isend(m_comm, m_exec, kv[cur][t], ring_next(m_comm), 16 * s + t));
+          kv_reqs.push_back(x.receive(kv[1 - cur][t], ring_prev(m_comm), s + 1, kv_msg[t]));
+          kv_reqs.push_back(x.send(kv[cur][t], ring_next(m_comm), s + 1, kv_msg[t]));
           st.bytes_sent += bytes_of(kv[cur][t]);
         }
       }
       if (s > 0)
         for (int t = 0; t < 2; ++t)
-          in_reqs.push_back(
-              impl::comm_irecv(m_comm, m_exec, inc[t], ring_prev(m_comm), 16 * s + 2 + t));
+          in_reqs.push_back(x.receive(inc[t], ring_prev(m_comm), s, dkv_msg[t]));
       auto& a = acc[s % 2];
-      for (auto& r : pending_send[s % 2]) m_comm.wait(r);  // a was sent two steps ago
+      for (auto& r : pending_send[s % 2]) x.wait(r);  // a was sent two steps ago
       pending_send[s % 2].clear();
       st.computed = !block_is_empty<Partition>(m_mask, N, P, rank, src);
       if (st.computed) {
@@ -272,9 +279,9 @@ class DistributedAttention {
         Kokkos::deep_copy(m_exec, a[0], T(0));
         Kokkos::deep_copy(m_exec, a[1], T(0));
       }
-      for (auto& r : kv_reqs) m_comm.test(r);
+      for (auto& r : kv_reqs) x.test(r);
       m_exec.fence();
-      for (auto& r : in_reqs) m_comm.wait(r);
+      for (auto& r : in_reqs) x.wait(r);
       if (s > 0) {
         add_into<T>(a[0], inc[0]);
         add_into<T>(a[1], inc[1]);
@@ -282,20 +289,18 @@ class DistributedAttention {
       }
       // Pass the partial on; after the last step it is complete and goes home.
       for (int t = 0; t < 2; ++t) {
-        pending_send[s % 2].push_back(
-            impl::comm_isend(m_comm, m_exec, a[t], ring_next(m_comm), 16 * (s + 1) + 2 + t));
+        pending_send[s % 2].push_back(x.send(a[t], ring_next(m_comm), s + 1, dkv_msg[t]));
         st.bytes_sent += bytes_of(a[t]);
       }
       if (!more) {
-        std::vector<typename Communicator::request_type> home;
+        std::vector<request> home;
         for (int t = 0; t < 2; ++t)
-          home.push_back(
-              impl::comm_irecv(m_comm, m_exec, inc[t], ring_prev(m_comm), 16 * P + 2 + t));
-        for (auto& r : home) m_comm.wait(r);
+          home.push_back(x.receive(inc[t], ring_prev(m_comm), P, dkv_msg[t]));
+        for (auto& r : home) x.wait(r);
         Kokkos::deep_copy(m_exec, dk, inc[0]);
         Kokkos::deep_copy(m_exec, dv, inc[1]);
       }
-      for (auto& r : kv_reqs) m_comm.wait(r);
+      for (auto& r : kv_reqs) x.wait(r);
       st.step = s;
       st.source = src;
       st.query_source = rank;
@@ -307,7 +312,7 @@ class DistributedAttention {
       if (more) cur = 1 - cur;
     }
     for (auto& v2 : pending_send)
-      for (auto& r : v2) m_comm.wait(r);
+      for (auto& r : v2) x.wait(r);
     if (!dq_written) Kokkos::deep_copy(m_exec, dq, T(0));
     m_exec.fence();
   }
@@ -341,7 +346,9 @@ class DistributedAttention {
     stats.workspace_bytes = bytes_of(keys.kt) + bytes_of(keys.vt) + bytes_of(keys.k) +
                             4 * (bytes_of(qb[0].q) + bytes_of(qb[0].lse2)) + 3 * bytes_of(inc);
     const auto kpos = Partition::positions(N, P, rank);
-    std::vector<typename Communicator::request_type> pending_send[2];
+    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
+    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
+    std::vector<request> pending_send[2];
     bool dkv_written = false;
     int cur = 0;
     for (int s = 0; s < P; ++s) {
@@ -349,24 +356,21 @@ class DistributedAttention {
       const int src = ring_source(rank, s, P);
       const bool more = s + 1 < P;
       StepStats st;
-      std::vector<typename Communicator::request_type> q_reqs, in_reqs;
+      std::vector<request> q_reqs, in_reqs;
       if (more) {
-        auto post = [&](const auto& next_view, const auto& cur_view, int t) {
-          q_reqs.push_back(
-              impl::comm_irecv(m_comm, m_exec, next_view, ring_prev(m_comm), 16 * s + 4 + t));
-          q_reqs.push_back(
-              impl::comm_isend(m_comm, m_exec, cur_view, ring_next(m_comm), 16 * s + 4 + t));
+        auto post = [&](const auto& next_view, const auto& cur_view, impl::Message m) {
+          q_reqs.push_back(x.receive(next_view, ring_prev(m_comm), s + 1, m));
+          q_reqs.push_back(x.send(cur_view, ring_next(m_comm), s + 1, m));
           st.bytes_sent += bytes_of(cur_view);
         };
-        post(qb[1 - cur].q, qb[cur].q, 0);
-        post(qb[1 - cur].dout, qb[cur].dout, 1);
-        post(qb[1 - cur].lse2, qb[cur].lse2, 2);
-        post(qb[1 - cur].drow, qb[cur].drow, 3);
+        post(qb[1 - cur].q, qb[cur].q, impl::Message::q);
+        post(qb[1 - cur].dout, qb[cur].dout, impl::Message::dout);
+        post(qb[1 - cur].lse2, qb[cur].lse2, impl::Message::q_lse);
+        post(qb[1 - cur].drow, qb[cur].drow, impl::Message::q_drow);
       }
-      if (s > 0)
-        in_reqs.push_back(impl::comm_irecv(m_comm, m_exec, inc, ring_prev(m_comm), 16 * s + 8));
+      if (s > 0) in_reqs.push_back(x.receive(inc, ring_prev(m_comm), s, impl::Message::dq));
       auto& a = acc[s % 2];
-      for (auto& r : pending_send[s % 2]) m_comm.wait(r);
+      for (auto& r : pending_send[s % 2]) x.wait(r);
       pending_send[s % 2].clear();
       st.computed = !block_is_empty<Partition>(m_mask, N, P, src, rank);
       if (st.computed) {
@@ -380,22 +384,21 @@ class DistributedAttention {
       } else {
         Kokkos::deep_copy(m_exec, a, T(0));
       }
-      for (auto& r : q_reqs) m_comm.test(r);
+      for (auto& r : q_reqs) x.test(r);
       m_exec.fence();
-      for (auto& r : in_reqs) m_comm.wait(r);
+      for (auto& r : in_reqs) x.wait(r);
       if (s > 0) {
         add_into<T>(a, inc);
         m_exec.fence();
       }
-      pending_send[s % 2].push_back(
-          impl::comm_isend(m_comm, m_exec, a, ring_next(m_comm), 16 * (s + 1) + 8));
+      pending_send[s % 2].push_back(x.send(a, ring_next(m_comm), s + 1, impl::Message::dq));
       st.bytes_sent += bytes_of(a);
       if (!more) {
-        auto home = impl::comm_irecv(m_comm, m_exec, inc, ring_prev(m_comm), 16 * P + 8);
-        m_comm.wait(home);
+        auto home = x.receive(inc, ring_prev(m_comm), P, impl::Message::dq);
+        x.wait(home);
         Kokkos::deep_copy(m_exec, dq, inc);
       }
-      for (auto& r : q_reqs) m_comm.wait(r);
+      for (auto& r : q_reqs) x.wait(r);
       st.step = s;
       st.source = src;
       st.query_source = src;
@@ -407,7 +410,7 @@ class DistributedAttention {
       if (more) cur = 1 - cur;
     }
     for (auto& v2 : pending_send)
-      for (auto& r : v2) m_comm.wait(r);
+      for (auto& r : v2) x.wait(r);
     if (!dkv_written) {
       Kokkos::deep_copy(m_exec, dk, T(0));
       Kokkos::deep_copy(m_exec, dv, T(0));
@@ -421,56 +424,61 @@ class DistributedAttention {
   static constexpr const char* fn = "DistributedAttention::forward";
   static constexpr int progress_chunks = 8;  // compute launches per step with a transfer in flight
 
+  /// The checks of one collective call, then the consensus step: each rank
+  /// checks its own arguments, then ONE allreduce tells every rank whether any
+  /// rank failed and whether all ranks are about to run the same configuration
+  /// (impl/consensus.hpp). A failure or a mismatch throws the same error on
+  /// every rank before any transfer is posted.
   template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
   impl::ForwardExtents validate(
-      const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+      const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
       const DistributedOptions& opts, Extra extra = [] {}) {
-    // Each rank checks its own arguments, then all ranks agree, so that a bad
-    // argument on one rank never leaves the others waiting in the ring.
+    using T = typename OV::non_const_value_type;
     std::string error;
     impl::ForwardExtents e;
     try {
-      e = impl::validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale);
+      e = impl::validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale);
       if (k.extent(1) != q.extent(1))
-        impl::fail(fn, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ",
+        impl::fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ",
                    q.extent(1),
                    " (the local length of q: each rank holds N / P tokens of q, k, v)");
-      if constexpr (std::is_same<Schedule, BalancedSchedule>::value) {
-        const int P = m_comm.size();
-        const index_type N = index_type(q.extent(1)) * P;
-        for (int i = 0; i < P; ++i)
-          for (int j = i + 1; j < P; ++j)
-            if (!block_is_empty<Partition>(m_mask, N, P, i, j))
-              impl::fail(fn, "argument 'mask' lets the queries of rank ", i,
-                         " attend to keys of the later rank ", j,
-                         "; BalancedSchedule expects a causal mask (no query attends to a later "
-                         "block): use RingSchedule for this mask");
-      }
       extra();
     } catch (const invalid_argument& ex) {
       error = ex.what();
     }
+    impl::Fingerprint f;
+    f.text("call", name)
+        .text("schedule", std::string(Schedule::name()) + " (" + impl::type_name<Schedule>() + ")")
+        .text("partition",
+              std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
+    impl::add_mask(f, m_mask);
+    f.text("value type", impl::type_name<T>())
+        .number("batch (q.extent(0))", e.batch)
+        .number("local length (q.extent(1))", e.queries)
+        .number("heads (q.extent(2))", e.heads)
+        .number("kv heads (k.extent(2))", e.kv_heads)
+        .number("head_dim (q.extent(3))", e.dim)
+        .real("options.scale", opts.scale,
+              std::isnan(opts.scale) ? std::string("default (1/sqrt(head_dim))")
+                                     : impl::to_text(opts.scale))
+        .number("options.communicate", opts.communicate ? 1 : 0);
+    impl::reach_consensus(m_comm, name, error, f);
+
+    // From here on every rank holds the same configuration, so the checks
+    // below throw on every rank or on none, without communication.
     const int P = m_comm.size();
-    const int bad_rank = static_cast<int>(
-        m_comm.allreduce(std::int64_t(error.empty() ? P : m_comm.rank()), ReduceOp::min));
-    if (bad_rank < P) {
-      if (!error.empty()) throw invalid_argument(error);
-      impl::fail(fn, "invalid arguments on rank ", bad_rank,
-                 " (its exception names them); this rank ", m_comm.rank(), " stops too");
+    const index_type N = index_type(e.queries) * P;
+    require_partitionable<Partition>(name, N, P);
+    check_partition_contract<Partition>(name, N, P);
+    if constexpr (std::is_same<Schedule, BalancedSchedule>::value) {
+      for (int i = 0; i < P; ++i)
+        for (int j = i + 1; j < P; ++j)
+          if (!block_is_empty<Partition>(m_mask, N, P, i, j))
+            impl::fail(name, "argument 'mask' lets the queries of rank ", i,
+                       " attend to keys of the later rank ", j,
+                       "; BalancedSchedule expects a causal mask (no query attends to a later "
+                       "block): use RingSchedule for this mask");
     }
-    // Same shapes on every rank.
-    const std::int64_t mine[6] = {e.batch, e.queries, e.heads, e.kv_heads, e.dim, 0};
-    const char* names[5] = {"batch (q.extent(0))", "local length (q.extent(1))",
-                            "heads (q.extent(2))", "kv heads (k.extent(2))",
-                            "head_dim (q.extent(3))"};
-    for (int i = 0; i < 5; ++i) {
-      const std::int64_t lo = m_comm.allreduce(mine[i], ReduceOp::min);
-      const std::int64_t hi = m_comm.allreduce(mine[i], ReduceOp::max);
-      if (lo != hi)
-        impl::fail(fn, names[i], " differs between ranks (from ", lo, " to ", hi, ", this rank ",
-                   mine[i], "); expected the same value on every rank");
-    }
-    require_partitionable<Partition>(fn, index_type(e.queries) * P, P);
     return e;
   }
 
@@ -507,6 +515,8 @@ class DistributedAttention {
         2 * block_bytes + 2 * std::int64_t(state.m_state.span()) * std::int64_t(sizeof(T));
 
     const auto qpos = Partition::positions(N, P, rank);
+    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, fn, opts.timeout_seconds);
+    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
     bool resumed = false;
     int cur = 0;
     for (int s = 0; s < P; ++s) {
@@ -515,15 +525,13 @@ class DistributedAttention {
       // communication the local data stand in for it (same tiles, same work).
       const int src_positions = ring_source(rank, s, P);
       const bool more = s + 1 < P;
-      std::vector<typename Communicator::request_type> reqs;
+      std::vector<request> reqs;
       if (more && opts.communicate) {
         // Post the transfer of the next block before computing on this one.
-        const int tag = 2 * s;
-        reqs.push_back(impl::comm_irecv(m_comm, m_exec, buf[1 - cur].kt, ring_prev(m_comm), tag));
-        reqs.push_back(
-            impl::comm_irecv(m_comm, m_exec, buf[1 - cur].v, ring_prev(m_comm), tag + 1));
-        reqs.push_back(impl::comm_isend(m_comm, m_exec, buf[cur].kt, ring_next(m_comm), tag));
-        reqs.push_back(impl::comm_isend(m_comm, m_exec, buf[cur].v, ring_next(m_comm), tag + 1));
+        reqs.push_back(x.receive(buf[1 - cur].kt, ring_prev(m_comm), s + 1, impl::Message::k));
+        reqs.push_back(x.receive(buf[1 - cur].v, ring_prev(m_comm), s + 1, impl::Message::v));
+        reqs.push_back(x.send(buf[cur].kt, ring_next(m_comm), s + 1, impl::Message::k));
+        reqs.push_back(x.send(buf[cur].v, ring_next(m_comm), s + 1, impl::Message::v));
       }
       const auto kpos = Partition::positions(N, P, src_positions);
       const bool computed = !block_is_empty<Partition>(m_mask, N, P, rank, src_positions);
@@ -543,13 +551,13 @@ class DistributedAttention {
                                                         qpos, kpos, scale, state);
           if (!reqs.empty()) {
             m_exec.fence();
-            for (auto& r : reqs) m_comm.test(r);
+            for (auto& r : reqs) x.test(r);
           }
         }
         resumed = resumed || computed;
       }
       m_exec.fence();
-      for (auto& r : reqs) m_comm.wait(r);
+      for (auto& r : reqs) x.wait(r);
       StepStats st;
       st.step = s;
       st.source = src_positions;
@@ -570,8 +578,8 @@ class DistributedAttention {
   /// Compute launches of one step in chunks of query tiles, testing the
   /// transfers in flight between them (see run_ring).
   template <int SD, class Shape, class QV, class OV, class LV, class QPos, class KPos, class T,
-            class Reqs>
-  void launch_chunked(const impl::ForwardExtents& e, const QV& q,
+            class Reqs, class Xfer>
+  void launch_chunked(Xfer& x, const impl::ForwardExtents& e, const QV& q,
                       const impl::PackedKV<T, typename ExecSpace::memory_space>& kv, const OV& o,
                       const LV& lse, const QPos& qpos, const KPos& kpos, T scale,
                       impl::BlockStep<T, typename ExecSpace::memory_space> state, Reqs& reqs) {
@@ -584,7 +592,7 @@ class DistributedAttention {
                                                     scale, state);
       if (!reqs.empty()) {
         m_exec.fence();
-        for (auto* r : reqs) m_comm.test(*r);
+        for (auto* r : reqs) x.test(*r);
       }
     }
   }
@@ -602,7 +610,8 @@ class DistributedAttention {
                     const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
     using T = typename OV::non_const_value_type;
     using mem = typename ExecSpace::memory_space;
-    using request = typename Communicator::request_type;
+    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
+    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, fn, opts.timeout_seconds);
     const int P = m_comm.size(), rank = m_comm.rank();
     const index_type N = index_type(e.queries) * P;
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
@@ -659,10 +668,10 @@ class DistributedAttention {
     const auto pos = [&](int r) { return Partition::positions(N, P, r); };
     std::vector<request> res_send[2], res_recv[2];
     auto finish_results = [&](int t) {  // results of step t: complete and merge
-      for (auto& r : res_send[t % 2]) m_comm.wait(r);
+      for (auto& r : res_send[t % 2]) x.wait(r);
       res_send[t % 2].clear();
       if (res_recv[t % 2].empty()) return;
-      for (auto& r : res_recv[t % 2]) m_comm.wait(r);
+      for (auto& r : res_recv[t % 2]) x.wait(r);
       res_recv[t % 2].clear();
       impl::merge_partial(m_exec, o, state.m_state, state.l_state, rout[t % 2], rlse[t % 2], e.dim);
       m_exec.fence();
@@ -677,27 +686,27 @@ class DistributedAttention {
         // K/V we need as owner; our Q to our helper, the Q we help with.
         const int u = t + 1;
         if (rank >= u) {
-          reqs.push_back(impl::comm_irecv(m_comm, m_exec, recv[u % 2].kt, rank - u, 8 * u));
-          reqs.push_back(impl::comm_irecv(m_comm, m_exec, recv[u % 2].v, rank - u, 8 * u + 1));
+          reqs.push_back(x.receive(recv[u % 2].kt, rank - u, u, impl::Message::k));
+          reqs.push_back(x.receive(recv[u % 2].v, rank - u, u, impl::Message::v));
           st.bytes_received += kv_bytes;
         }
         if (rank + u < P) {
-          reqs.push_back(impl::comm_isend(m_comm, m_exec, own.kt, rank + u, 8 * u));
-          reqs.push_back(impl::comm_isend(m_comm, m_exec, own.v, rank + u, 8 * u + 1));
+          reqs.push_back(x.send(own.kt, rank + u, u, impl::Message::k));
+          reqs.push_back(x.send(own.v, rank + u, u, impl::Message::v));
           st.bytes_sent += kv_bytes;
         }
         if (const int r = balanced_helps(rank, u, P); r >= 0) {
-          reqs.push_back(impl::comm_irecv(m_comm, m_exec, qrecv[u % 2], r, 8 * u + 2));
+          reqs.push_back(x.receive(qrecv[u % 2], r, u, impl::Message::q));
           st.bytes_received += q_bytes;
         }
         if (const int h = balanced_helper_of(rank, u, P); h >= 0) {
-          reqs.push_back(impl::comm_isend(m_comm, m_exec, qsend, h, 8 * u + 2));
+          reqs.push_back(x.send(qsend, h, u, impl::Message::q));
           st.bytes_sent += q_bytes;
         }
       }
       if (const int h = balanced_helper_of(rank, t, P); h >= 0 && comm) {
-        res_recv[t % 2].push_back(impl::comm_irecv(m_comm, m_exec, rout[t % 2], h, 8 * t + 3));
-        res_recv[t % 2].push_back(impl::comm_irecv(m_comm, m_exec, rlse[t % 2], h, 8 * t + 4));
+        res_recv[t % 2].push_back(x.receive(rout[t % 2], h, t, impl::Message::o));
+        res_recv[t % 2].push_back(x.receive(rlse[t % 2], h, t, impl::Message::o_lse));
         st.bytes_received += res_bytes;
       }
       std::vector<request*> in_flight;  // tested between compute chunks
@@ -714,8 +723,8 @@ class DistributedAttention {
           s.resume = t > 0;
           s.finish = P == 1;
           s.skip_keys = !st.computed;
-          launch_chunked<SD, Shape>(e, q, (t == 0 || !comm) ? own : recv[t % 2], o, lse, pos(rank),
-                                    pos(task.k_rank), scale, s, in_flight);
+          launch_chunked<SD, Shape>(x, e, q, (t == 0 || !comm) ? own : recv[t % 2], o, lse,
+                                    pos(rank), pos(task.k_rank), scale, s, in_flight);
         }
       } else if (!task.idle()) {
         // Helper: the queries of rank r against our K/V, fresh state,
@@ -725,22 +734,20 @@ class DistributedAttention {
         s.finish = true;
         s.skip_keys = !st.computed;
         if (comm)
-          launch_chunked<SD, Shape>(e, qrecv[t % 2], own, hout[t % 2], hlse[t % 2],
+          launch_chunked<SD, Shape>(x, e, qrecv[t % 2], own, hout[t % 2], hlse[t % 2],
                                     pos(task.q_rank), pos(rank), scale, s, in_flight);
         else
-          launch_chunked<SD, Shape>(e, q, own, hout[t % 2], hlse[t % 2], pos(task.q_rank),
+          launch_chunked<SD, Shape>(x, e, q, own, hout[t % 2], hlse[t % 2], pos(task.q_rank),
                                     pos(rank), scale, s, in_flight);
         m_exec.fence();
         if (comm) {
-          res_send[t % 2].push_back(
-              impl::comm_isend(m_comm, m_exec, hout[t % 2], task.q_rank, 8 * t + 3));
-          res_send[t % 2].push_back(
-              impl::comm_isend(m_comm, m_exec, hlse[t % 2], task.q_rank, 8 * t + 4));
+          res_send[t % 2].push_back(x.send(hout[t % 2], task.q_rank, t, impl::Message::o));
+          res_send[t % 2].push_back(x.send(hlse[t % 2], task.q_rank, t, impl::Message::o_lse));
           st.bytes_sent += res_bytes;
         }
       }
       m_exec.fence();
-      for (auto& r : reqs) m_comm.wait(r);
+      for (auto& r : reqs) x.wait(r);
       if (t > 0) finish_results(t - 1);  // the previous step's partial arrived meanwhile
       st.step = t;
       st.source = task.k_rank;
@@ -779,7 +786,8 @@ class DistributedAttention {
                              RunStats& stats) {
     using T = typename OV::non_const_value_type;
     using mem = typename ExecSpace::memory_space;
-    using request = typename Communicator::request_type;
+    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
+    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
     const int P = m_comm.size(), rank = m_comm.rank();
     const index_type N = index_type(e.queries) * P;
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
@@ -838,8 +846,8 @@ class DistributedAttention {
     bool in_dkv[2] = {false, false}, in_dq[2] = {false, false};
     auto finish_partials = [&](int t) {  // partials of step t: complete and add
       const int i = t % 2;
-      for (auto& r : out_send[i]) m_comm.wait(r);
-      for (auto& r : in_recv[i]) m_comm.wait(r);
+      for (auto& r : out_send[i]) x.wait(r);
+      for (auto& r : in_recv[i]) x.wait(r);
       out_send[i].clear();
       in_recv[i].clear();
       if (in_dkv[i]) {
@@ -850,19 +858,19 @@ class DistributedAttention {
       in_dkv[i] = in_dq[i] = false;
       m_exec.fence();
     };
-    auto post_queries = [&](auto&& op, const impl::PackedQueries<T, mem>& b, int peer, int tag) {
+    auto post_queries = [&](auto&& op, const impl::PackedQueries<T, mem>& b, int peer, int step) {
       std::vector<request> r;
-      r.push_back(op(b.q, peer, tag));
-      r.push_back(op(b.dout, peer, tag + 1));
-      r.push_back(op(b.lse2, peer, tag + 2));
-      r.push_back(op(b.drow, peer, tag + 3));
+      r.push_back(op(b.q, peer, step, impl::Message::q));
+      r.push_back(op(b.dout, peer, step, impl::Message::dout));
+      r.push_back(op(b.lse2, peer, step, impl::Message::q_lse));
+      r.push_back(op(b.drow, peer, step, impl::Message::q_drow));
       return r;
     };
-    auto isend = [&](const auto& view, int peer, int tag) {
-      return impl::comm_isend(m_comm, m_exec, view, peer, tag);
+    auto isend = [&](const auto& view, int peer, int step, impl::Message m) {
+      return x.send(view, peer, step, m);
     };
-    auto irecv = [&](const auto& view, int peer, int tag) {
-      return impl::comm_irecv(m_comm, m_exec, view, peer, tag);
+    auto irecv = [&](const auto& view, int peer, int step, impl::Message m) {
+      return x.receive(view, peer, step, m);
     };
     for (int t = 0; t < steps; ++t) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -871,35 +879,35 @@ class DistributedAttention {
       StepStats st;
       std::vector<request> reqs;
       if (t + 1 < steps) {
-        const int u = t + 1, tag = 16 * u;
+        const int u = t + 1;
         if (rank >= u) {
-          reqs.push_back(irecv(kv_in[u % 2][0], rank - u, tag));
-          reqs.push_back(irecv(kv_in[u % 2][1], rank - u, tag + 1));
+          reqs.push_back(irecv(kv_in[u % 2][0], rank - u, u, impl::Message::k));
+          reqs.push_back(irecv(kv_in[u % 2][1], rank - u, u, impl::Message::v));
           st.bytes_received += kv_bytes;
         }
         if (rank + u < P) {
-          reqs.push_back(isend(kv_send[0], rank + u, tag));
-          reqs.push_back(isend(kv_send[1], rank + u, tag + 1));
+          reqs.push_back(isend(kv_send[0], rank + u, u, impl::Message::k));
+          reqs.push_back(isend(kv_send[1], rank + u, u, impl::Message::v));
           st.bytes_sent += kv_bytes;
         }
         if (const int r = balanced_helps(rank, u, P); r >= 0) {
-          for (auto& x : post_queries(irecv, q_in[u % 2], r, tag + 2)) reqs.push_back(x);
+          for (auto& y : post_queries(irecv, q_in[u % 2], r, u)) reqs.push_back(y);
           st.bytes_received += q_bytes;
         }
         if (const int h = balanced_helper_of(rank, u, P); h >= 0) {
-          for (auto& x : post_queries(isend, own_q, h, tag + 2)) reqs.push_back(x);
+          for (auto& y : post_queries(isend, own_q, h, u)) reqs.push_back(y);
           st.bytes_sent += q_bytes;
         }
       }
       // Partials of this step's pairs that other ranks compute for us.
       if (t > 0 && rank + t < P) {
-        in_recv[i].push_back(irecv(dkv_add[i][0], rank + t, 16 * t + 8));
-        in_recv[i].push_back(irecv(dkv_add[i][1], rank + t, 16 * t + 9));
+        in_recv[i].push_back(irecv(dkv_add[i][0], rank + t, t, impl::Message::dk));
+        in_recv[i].push_back(irecv(dkv_add[i][1], rank + t, t, impl::Message::dv));
         in_dkv[i] = true;
         st.bytes_received += dkv_bytes;
       }
       if (const int h = balanced_helper_of(rank, t, P); h >= 0) {
-        in_recv[i].push_back(irecv(dq_add[i], h, 16 * t + 10));
+        in_recv[i].push_back(irecv(dq_add[i], h, t, impl::Message::dq));
         in_dq[i] = true;
         st.bytes_received += dq_bytes;
       }
@@ -928,8 +936,8 @@ class DistributedAttention {
           Kokkos::deep_copy(m_exec, dkv_out[i][1], T(0));
         }
         m_exec.fence();
-        out_send[i].push_back(isend(dkv_out[i][0], task.k_rank, 16 * t + 8));
-        out_send[i].push_back(isend(dkv_out[i][1], task.k_rank, 16 * t + 9));
+        out_send[i].push_back(isend(dkv_out[i][0], task.k_rank, t, impl::Message::dk));
+        out_send[i].push_back(isend(dkv_out[i][1], task.k_rank, t, impl::Message::dv));
         st.bytes_sent += dkv_bytes;
       } else if (!task.idle()) {
         // Helper: the queries of rank r against our keys; their dQ goes back.
@@ -942,12 +950,12 @@ class DistributedAttention {
           Kokkos::deep_copy(m_exec, dq_out[i], T(0));
         }
         m_exec.fence();
-        out_send[i].push_back(isend(dq_out[i], task.q_rank, 16 * t + 10));
+        out_send[i].push_back(isend(dq_out[i], task.q_rank, t, impl::Message::dq));
         st.bytes_sent += dq_bytes;
       }
-      for (auto& r : reqs) m_comm.test(r);
+      for (auto& r : reqs) x.test(r);
       m_exec.fence();
-      for (auto& r : reqs) m_comm.wait(r);
+      for (auto& r : reqs) x.wait(r);
       if (t > 0) finish_partials(t - 1);
       st.step = t;
       st.source = task.k_rank;

@@ -12,10 +12,16 @@
 // must be conservative: answer `empty` only if no pair in the box is allowed,
 // `full` only if every pair is. When unsure, answer `partial`: the kernel then
 // calls allowed() for every pair of the tile. Empty tiles are never loaded.
+//
+// Optional: a host member `parameters()` returning a std::array (or any range)
+// of numbers. The distributed entry points compare the mask's type on every
+// rank, and with parameters() also its values (e.g. a window of 32 on one
+// rank and 64 on another is an error on every rank, not a wrong result).
 #pragma once
 
 #include <blockattn/config.hpp>
 
+#include <array>
 #include <type_traits>
 #include <utility>
 
@@ -39,7 +45,8 @@ struct SlidingWindowMask {
   index_type right = 0;
 
   KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type q, index_type k) const {
-    return k >= q - left && k <= q + right;
+    const index_type d = k - q;  // positions are bounded by 2^62: no overflow
+    return d >= -left && d <= right;
   }
   KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type q_begin, index_type q_end,
                                                      index_type k_begin, index_type k_end) const {
@@ -51,6 +58,8 @@ struct SlidingWindowMask {
     if (lo >= -left && hi <= right) return TileKind::full;
     return TileKind::partial;
   }
+  /// Compared across ranks by the distributed entry points (see below).
+  std::array<index_type, 2> parameters() const { return {{left, right}}; }
 };
 
 /// Causal (autoregressive): query q sees keys k <= q.

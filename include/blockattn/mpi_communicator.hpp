@@ -104,6 +104,11 @@ class MpiCommunicator {
     check(MPI_Allreduce(&value, &out, 1, mpi_type<T>(), mpi_op(op), m_comm), "MPI_Allreduce");
     return out;
   }
+  /// Element-wise allreduce of `count` values in one collective.
+  template <class T>
+  void allreduce(const T* in, T* out, int count, ReduceOp op) {
+    check(MPI_Allreduce(in, out, count, mpi_type<T>(), mpi_op(op), m_comm), "MPI_Allreduce");
+  }
 
  private:
   MPI_Comm m_comm;

@@ -16,9 +16,13 @@
 #include <blockattn/errors.hpp>
 #include <blockattn/positions.hpp>
 
+#include <mutex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace blockattn {
 
@@ -130,10 +134,60 @@ void require_partitionable(const char* function, index_type N, int P) {
                " ranks: N must be a positive multiple of ", m);
 }
 
+/// Checks the partition contract for (N, P) on the host: every rank's
+/// position map is strictly increasing (the kernels bound the positions of a
+/// tile by those of its first and last row), stays in [0, N), and owner()
+/// inverts positions(), so that the ranks together hold every token of
+/// 0 .. N-1 exactly once. O(N) host work, done once per (Partition, N, P)
+/// and process; throws naming the partition and the first offending token.
+template <class Partition>
+void check_partition_contract(const char* function, index_type N, int P) {
+  static std::mutex mutex;
+  static std::set<std::pair<index_type, int>> checked;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (checked.count({N, P})) return;
+  }
+  const index_type n = N / P;
+  std::vector<int> holder(std::size_t(N), -1);
+  for (int r = 0; r < P; ++r) {
+    const auto map = Partition::positions(N, P, r);
+    index_type prev = 0;
+    for (index_type i = 0; i < n; ++i) {
+      const index_type t = map(i);
+      const auto where = [&] {
+        std::ostringstream s;
+        s << "the " << Partition::name() << " partition (N = " << N << ", P = " << P
+          << "): positions(N, P, " << r << ")(" << i << ") = " << t;
+        return s.str();
+      };
+      if (t < 0 || t >= N) impl::fail(function, where(), ", expected 0 <= position < N");
+      if (i > 0 && t <= prev)
+        impl::fail(function, where(), " after ", prev, " for local index ", i - 1,
+                   "; expected strictly increasing positions on every rank (the kernels bound "
+                   "a tile by the positions of its first and last row; reorder the rank's "
+                   "tokens by global position)");
+      if (holder[std::size_t(t)] >= 0)
+        impl::fail(function, where(), ", a position rank ", holder[std::size_t(t)],
+                   " holds too; expected every global position on exactly one rank");
+      holder[std::size_t(t)] = r;
+      const Owner o = Partition::owner(N, P, t);
+      if (o.rank != r || o.local != i)
+        impl::fail(function, where(), " but owner(N, P, ", t, ") = {rank ", o.rank, ", local ",
+                   o.local, "}, expected {rank ", r, ", local ", i,
+                   "}: owner() must invert positions()");
+      prev = t;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  checked.insert({N, P});
+}
+
 /// Global positions of the local tokens of `rank` (e.g. position ids for RoPE).
 template <class Partition, class MemorySpace = Kokkos::HostSpace>
 Kokkos::View<index_type*, MemorySpace> local_positions(index_type N, int P, int rank) {
   require_partitionable<Partition>("local_positions", N, P);
+  check_partition_contract<Partition>("local_positions", N, P);
   Kokkos::View<index_type*, MemorySpace> ids("blockattn::position_ids", N / P);
   auto h = Kokkos::create_mirror_view(ids);
   const auto map = Partition::positions(N, P, rank);
@@ -201,6 +255,7 @@ void permute(const char* fn, const ExecSpace& exec, int P, int rank, const GV& g
   const index_type N = static_cast<index_type>(global.extent(sd));
   require_partitionable<Partition>(fn, N, P);
   if (rank < 0 || rank >= P) fail(fn, "rank = ", rank, ", expected 0 <= rank < ", P);
+  check_partition_contract<Partition>(fn, N, P);
   for (int d = 0; d < int(GV::rank); ++d) {
     const std::size_t want = d == sd ? std::size_t(N / P) : global.extent(d);
     if (local.extent(d) != want)

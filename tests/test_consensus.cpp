@@ -1,0 +1,468 @@
+// SPDX-License-Identifier: Apache-2.0
+// Multi-rank: what ranks must agree on. Bad arguments or a configuration that
+// differs on one rank (schedule, partition, mask type or value, value type,
+// shapes, options, forward vs backward) throw the same error on every rank,
+// before any transfer; the consensus costs one collective per call; a
+// transfer that cannot complete times out with a message naming step, peer
+// and message; a partition that breaks its contract is rejected.
+// Run under mpiexec with any number of ranks (ctest: 1, 3, 4).
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+#include <blockattn/mpi_communicator.hpp>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+
+using namespace blockattn;
+using blockattn::test::ExecSpace;
+using blockattn::test::MemSpace;
+using Mpi = MpiCommunicator<>;
+
+namespace {
+
+template <class T>
+using V4 = Kokkos::View<T****, MemSpace>;
+template <class T>
+using V3 = Kokkos::View<T***, MemSpace>;
+
+/// Inputs of one small call: q = k = v, o, lse, and the gradients.
+template <class T>
+struct Case {
+  V4<T> q, o, dout, dq, dk, dv;
+  V3<T> lse;
+  Case(int n, int heads, int d)
+      : q("q", 1, n, heads, d),
+        o("o", 1, n, heads, d),
+        dout("dout", 1, n, heads, d),
+        dq("dq", 1, n, heads, d),
+        dk("dk", 1, n, heads, d),
+        dv("dv", 1, n, heads, d),
+        lse("lse", 1, heads, n) {
+    Kokkos::deep_copy(q, T(0.25));
+    Kokkos::deep_copy(dout, T(1));
+  }
+};
+
+/// The message of the invalid_argument that `f` throws ("" if none).
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const invalid_argument& e) {
+    return e.what();
+  }
+  return {};
+}
+
+/// True when every rank holds the same string.
+bool same_on_every_rank(Mpi& comm, const std::string& s) {
+  const std::int64_t h = impl::fingerprint_of(s);
+  return comm.allreduce(h, ReduceOp::min) == comm.allreduce(h, ReduceOp::max);
+}
+
+template <class Schedule, class Partition = ContiguousPartition, class Mask = CausalMask,
+          class Comm = Mpi>
+using Attn = DistributedAttention<Partition, Mask, Schedule, Comm, ExecSpace>;
+
+/// Runs forward then backward of `attn` on `c`.
+template <class A, class T>
+void forward_backward(A& attn, Case<T>& c, const DistributedOptions& opts = {}) {
+  attn.forward(c.q, c.q, c.q, c.o, c.lse, opts);
+  attn.backward(c.q, c.q, c.q, c.o, c.lse, c.dout, c.dq, c.dk, c.dv, opts);
+}
+
+/// Checks that `msg` is the same non-empty error on every rank and contains `needle`.
+void check_everywhere(Mpi& comm, const std::string& msg, const std::string& needle) {
+  INFO("rank ", comm.rank(), ": ", msg);
+  CHECK_FALSE(msg.empty());
+  CHECK(msg.find(needle) != std::string::npos);
+  CHECK(same_on_every_rank(comm, msg));
+}
+
+}  // namespace
+
+TEST_CASE("bad arguments on one rank throw the same error on every rank") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  // Rank P-1 passes a k of the wrong head_dim; everyone must throw its message.
+  const int d_k = comm.rank() == P - 1 ? 32 : 64;
+  V4<double> q("q", 1, 16, 1, 64), k("k", 1, 16, 1, d_k), o("o", 1, 16, 1, 64);
+  V3<double> lse("lse", 1, 1, 16);
+  Attn<RingSchedule, StripedPartition> attn(comm);
+  std::string msg = error_of([&] { attn.forward(q, k, k, o, lse); });
+  check_everywhere(comm, msg, "'k'");
+  CHECK(msg.find("[rank " + std::to_string(P - 1) + " of " + std::to_string(P)) !=
+        std::string::npos);
+  CHECK(msg.find("DistributedAttention::forward") != std::string::npos);
+
+  // Local lengths that differ between ranks.
+  const int n = comm.rank() == 0 && P > 1 ? 18 : 16;
+  V4<double> q2("q", 1, n, 1, 8), o2("o", 1, n, 1, 8);
+  V3<double> l2("l", 1, 1, n);
+  msg = error_of([&] { attn.forward(q2, q2, q2, o2, l2); });
+  if (P > 1) {
+    check_everywhere(comm, msg,
+                     "local length (q.extent(1)) differs between ranks: 18 on rank 0; 16 on rank");
+  } else {
+    CHECK(msg.empty());
+  }
+
+  // Zigzag needs N to be a multiple of 2P: an odd local length cannot work.
+  Attn<RingSchedule, ZigzagPartition> zz(comm);
+  V4<double> q3("q", 1, 15, 1, 8), o3("o", 1, 15, 1, 8);
+  V3<double> l3("l", 1, 1, 15);
+  msg = error_of([&] { zz.forward(q3, q3, q3, o3, l3); });
+  check_everywhere(comm, msg, "N must be a positive multiple of " + std::to_string(2 * P));
+}
+
+TEST_CASE("a bad dout on one rank: every rank names DistributedAttention::backward and 'dout'") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  Case<double> c(16, 2, 8);
+  V4<double> bad("dout", 1, 16, 2, 4);  // wrong head_dim on the last rank
+  auto check = [&](auto attn) {
+    attn.forward(c.q, c.q, c.q, c.o, c.lse);
+    const std::string msg = error_of([&] {
+      attn.backward(c.q, c.q, c.q, c.o, c.lse, comm.rank() == P - 1 ? bad : c.dout, c.dq, c.dk,
+                    c.dv);
+    });
+    check_everywhere(comm, msg, "DistributedAttention::backward");
+    CHECK(msg.find("'dout'") != std::string::npos);
+    CHECK(msg.find("::forward") == std::string::npos);
+  };
+  check(Attn<RingSchedule>(comm));
+  check(Attn<BurstSchedule>(comm));
+  check(Attn<BalancedSchedule>(comm));
+}
+
+TEST_CASE("a configuration that differs on one rank throws the same error on every rank") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  if (P < 2) return;  // nothing can differ
+  const bool odd = comm.rank() == P - 1;
+  const std::string last = "on rank " + std::to_string(P - 1);
+  Case<double> c(32, 2, 8);
+
+  SUBCASE("schedule: balanced on the last rank, ring elsewhere (used to hang)") {
+    const std::string msg = error_of([&] {
+      if (odd) {
+        Attn<BalancedSchedule> a(comm);
+        forward_backward(a, c);
+      } else {
+        Attn<RingSchedule> a(comm);
+        forward_backward(a, c);
+      }
+    });
+    check_everywhere(comm, msg, "schedule differs between ranks");
+    CHECK(msg.find("balanced (BalancedSchedule) " + last) != std::string::npos);
+  }
+  SUBCASE("schedule: burst on the last rank, ring elsewhere (backward used to hang)") {
+    const std::string msg = error_of([&] {
+      if (odd) {
+        Attn<BurstSchedule> a(comm);
+        forward_backward(a, c);
+      } else {
+        Attn<RingSchedule> a(comm);
+        forward_backward(a, c);
+      }
+    });
+    check_everywhere(comm, msg, "schedule differs between ranks");
+  }
+  SUBCASE("partition: striped on the last rank (used to be silently wrong)") {
+    const std::string msg = error_of([&] {
+      if (odd) {
+        Attn<RingSchedule, StripedPartition> a(comm);
+        forward_backward(a, c);
+      } else {
+        Attn<RingSchedule, ContiguousPartition> a(comm);
+        forward_backward(a, c);
+      }
+    });
+    check_everywhere(comm, msg, "partition differs between ranks");
+    CHECK(msg.find("striped (StripedPartition) " + last) != std::string::npos);
+  }
+  SUBCASE("mask type: a window on the last rank, causal elsewhere") {
+    const std::string msg = error_of([&] {
+      if (odd) {
+        Attn<RingSchedule, ContiguousPartition, SlidingWindowMask> a(comm, causal_window(32));
+        forward_backward(a, c);
+      } else {
+        Attn<RingSchedule> a(comm);
+        forward_backward(a, c);
+      }
+    });
+    check_everywhere(comm, msg, "mask differs between ranks");
+  }
+  SUBCASE("mask value: a window of 32 on the last rank, 64 elsewhere") {
+    Attn<RingSchedule, ContiguousPartition, SlidingWindowMask> a(comm,
+                                                                 causal_window(odd ? 32 : 64));
+    const std::string msg = error_of([&] { forward_backward(a, c); });
+    check_everywhere(comm, msg, "mask value differs between ranks");
+    CHECK(msg.find("SlidingWindowMask{31, 0} " + last) != std::string::npos);
+  }
+  SUBCASE("value type: float on the last rank (used to abort inside MPI_Test)") {
+    Case<float> cf(32, 2, 8);
+    const std::string msg = error_of([&] {
+      Attn<RingSchedule> a(comm);
+      if (odd)
+        forward_backward(a, cf);
+      else
+        forward_backward(a, c);
+    });
+    check_everywhere(comm, msg, "value type differs between ranks");
+    CHECK(msg.find("float " + last) != std::string::npos);
+  }
+  SUBCASE("direction: backward on the last rank, forward elsewhere") {
+    Attn<RingSchedule> a(comm);
+    a.forward(c.q, c.q, c.q, c.o, c.lse);
+    const std::string msg = error_of([&] {
+      if (odd)
+        a.backward(c.q, c.q, c.q, c.o, c.lse, c.dout, c.dq, c.dk, c.dv);
+      else
+        a.forward(c.q, c.q, c.q, c.o, c.lse);
+    });
+    check_everywhere(comm, msg, "call differs between ranks");
+  }
+  SUBCASE("shapes and options") {
+    Attn<RingSchedule> a(comm);
+    Case<double> wide(32, 4, 8), deep(32, 2, 16);
+    std::string msg = error_of([&] { forward_backward(a, odd ? wide : c); });
+    check_everywhere(comm, msg, "heads (q.extent(2)) differs between ranks: 2 on rank");
+    msg = error_of([&] { forward_backward(a, odd ? deep : c); });
+    check_everywhere(comm, msg, "head_dim (q.extent(3)) differs between ranks");
+    DistributedOptions opts;
+    if (odd) opts.scale = 0.5;
+    msg = error_of([&] { forward_backward(a, c, opts); });
+    check_everywhere(comm, msg, "options.scale differs between ranks");
+    opts = {};
+    opts.communicate = !odd;
+    msg = error_of([&] { forward_backward(a, c, opts); });
+    check_everywhere(comm, msg, "options.communicate differs between ranks");
+  }
+  // The same objects work again afterwards: nothing is left pending.
+  Attn<RingSchedule> a(comm);
+  CHECK_NOTHROW(forward_backward(a, c));
+}
+
+namespace {
+
+/// MpiCommunicator that counts its collectives.
+class CountingCommunicator {
+ public:
+  using communicator_type = CountingCommunicator;
+  using request_type = Mpi::request_type;
+  explicit CountingCommunicator(Mpi comm) : m_comm(comm) {}
+  int rank() const { return m_comm.rank(); }
+  int size() const { return m_comm.size(); }
+  template <class View>
+  request_type isend(const View& v, int dest, int tag) {
+    return m_comm.isend(v, dest, tag);
+  }
+  template <class View>
+  request_type irecv(const View& v, int source, int tag) {
+    return m_comm.irecv(v, source, tag);
+  }
+  void wait(request_type& r) { m_comm.wait(r); }
+  bool test(request_type& r) { return m_comm.test(r); }
+  void barrier() {
+    ++*m_collectives;
+    m_comm.barrier();
+  }
+  template <class T>
+  T allreduce(T value, ReduceOp op) {
+    ++*m_collectives;
+    return m_comm.allreduce(value, op);
+  }
+  template <class T>
+  void allreduce(const T* in, T* out, int count, ReduceOp op) {
+    ++*m_collectives;
+    m_comm.allreduce(in, out, count, op);
+  }
+  int collectives() const { return *m_collectives; }
+  void reset() { *m_collectives = 0; }
+
+ private:
+  Mpi m_comm;
+  std::shared_ptr<int> m_collectives = std::make_shared<int>(0);
+};
+
+}  // namespace
+
+TEST_CASE("one collective per forward() and per backward() besides the schedule's transfers") {
+  Mpi mpi(MPI_COMM_WORLD);
+  CountingCommunicator comm(mpi);
+  Case<double> c(32, 2, 8);
+  auto count = [&](auto attn, const char* name) {
+    INFO(name);
+    comm.reset();
+    attn.forward(c.q, c.q, c.q, c.o, c.lse);
+    CHECK(comm.collectives() == 1);
+    comm.reset();
+    attn.backward(c.q, c.q, c.q, c.o, c.lse, c.dout, c.dq, c.dk, c.dv);
+    CHECK(comm.collectives() == 1);
+  };
+  count(Attn<RingSchedule, ContiguousPartition, CausalMask, CountingCommunicator>(comm), "ring");
+  count(Attn<BurstSchedule, ZigzagPartition, CausalMask, CountingCommunicator>(comm), "burst");
+  count(Attn<BalancedSchedule, ContiguousPartition, CausalMask, CountingCommunicator>(comm),
+        "balanced");
+  // An error costs one more (the failing rank's message travels to all).
+  V4<double> bad("dout", 1, 32, 2, 4);
+  comm.reset();
+  Attn<RingSchedule, ContiguousPartition, CausalMask, CountingCommunicator> a(comm);
+  CHECK_FALSE(
+      error_of([&] { a.backward(c.q, c.q, c.q, c.o, c.lse, bad, c.dq, c.dk, c.dv); }).empty());
+  CHECK(comm.collectives() == 2);
+}
+
+namespace {
+
+/// A rank of 2 whose peer never sends: sends complete at once, receives never.
+/// The other rank "agrees" to every collective.
+class SilentPeerCommunicator {
+ public:
+  using communicator_type = SilentPeerCommunicator;
+  struct request_type {
+    bool done = false;
+  };
+  explicit SilentPeerCommunicator(int rank = 0) : m_rank(rank) {}
+  int rank() const { return m_rank; }
+  int size() const { return 2; }
+  template <class View>
+  request_type isend(const View&, int, int) {
+    return {true};
+  }
+  template <class View>
+  request_type irecv(const View&, int, int) {
+    return {false};
+  }
+  bool test(request_type& r) { return r.done; }
+  void wait(request_type&) {
+    FAIL("wait() on a receive that never completes (the timeout should poll test())");
+  }
+  void barrier() {}
+  template <class T>
+  T allreduce(T value, ReduceOp) {
+    return value;
+  }
+
+ private:
+  int m_rank = 0;
+};
+
+}  // namespace
+
+TEST_CASE("a transfer that never completes times out naming the step, the peer and the message") {
+  Case<double> c(32, 2, 8);
+  DistributedOptions opts;
+  opts.timeout_seconds = 0.2;
+  auto message = [&](auto&& f) {
+    try {
+      f();
+    } catch (const timeout_error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  {
+    Attn<RingSchedule, ContiguousPartition, CausalMask, SilentPeerCommunicator> a(
+        SilentPeerCommunicator{});
+    const std::string msg = message([&] { a.forward(c.q, c.q, c.q, c.o, c.lse, opts); });
+    INFO(msg);
+    CHECK(msg.find("DistributedAttention::forward: step 1: the receive of the K block from "
+                   "rank 1") != std::string::npos);
+    CHECK(msg.find("timeout_seconds") != std::string::npos);
+  }
+  {
+    Attn<BurstSchedule, ContiguousPartition, CausalMask, SilentPeerCommunicator> a(
+        SilentPeerCommunicator{});
+    const std::string msg =
+        message([&] { a.backward(c.q, c.q, c.q, c.o, c.lse, c.dout, c.dq, c.dk, c.dv, opts); });
+    INFO(msg);
+    CHECK(msg.find("DistributedAttention::backward: step 1: the receive of the Q block from "
+                   "rank 1") != std::string::npos);
+  }
+  {
+    Attn<BalancedSchedule, ContiguousPartition, CausalMask, SilentPeerCommunicator> a(
+        SilentPeerCommunicator{1});
+    const std::string msg = message([&] { a.forward(c.q, c.q, c.q, c.o, c.lse, opts); });
+    INFO(msg);
+    // Rank 1 of 2 owns the pair (1, 0) at step 1: it waits for rank 0's K/V.
+    CHECK(msg.find("step 1: the receive of the K block from rank 0") != std::string::npos);
+  }
+}
+
+namespace {
+
+/// Contract violations a user partition may commit.
+enum class Broken { decreasing, permutation, owner };
+
+template <Broken B>
+struct BrokenPositions {
+  index_type N = 0;
+  int P = 1, rank = 0;
+  KOKKOS_INLINE_FUNCTION index_type operator()(index_type i) const {
+    const index_type n = N / P;
+    if (B == Broken::decreasing) return index_type(rank) * n + (n - 1 - i);     // reversed chunk
+    if (B == Broken::permutation) return ((index_type(rank) * n + i) * 7) % N;  // 7 coprime to N
+    return index_type(rank) * n + i;
+  }
+};
+
+template <Broken B>
+struct BrokenPartition {
+  static constexpr const char* name() { return "broken"; }
+  static index_type multiple_of(int P) { return P; }
+  using position_map = BrokenPositions<B>;
+  static position_map positions(index_type N, int P, int rank) { return {N, P, rank}; }
+  static Owner owner(index_type N, int P, index_type t) {
+    const index_type n = N / P;
+    if (B == Broken::owner) return Owner{static_cast<int>(t / n), 0};  // wrong local index
+    if (B == Broken::decreasing) return Owner{static_cast<int>(t / n), n - 1 - t % n};
+    for (int r = 0; r < P; ++r)
+      for (index_type i = 0; i < n; ++i)
+        if (positions(N, P, r)(i) == t) return Owner{r, i};
+    return Owner{-1, -1};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a partition that breaks its contract is rejected on every rank") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  Case<double> c(8, 1, 8);  // N = 8 P: 7 is coprime to it
+  {
+    Attn<RingSchedule, BrokenPartition<Broken::decreasing>> a(comm);
+    const std::string msg = error_of([&] { a.forward(c.q, c.q, c.q, c.o, c.lse); });
+    check_everywhere(comm, msg, "broken partition");
+    CHECK(msg.find("positions(N, P, 0)(1) = 6 after 7") != std::string::npos);
+    CHECK(msg.find("strictly increasing") != std::string::npos);
+  }
+  {
+    // A random-looking permutation: not increasing on some rank (7 i mod N).
+    Attn<RingSchedule, BrokenPartition<Broken::permutation>> a(comm);
+    const std::string msg = error_of([&] { a.forward(c.q, c.q, c.q, c.o, c.lse); });
+    check_everywhere(comm, msg, "strictly increasing");
+    // The permutation helpers check it too.
+    V4<double> global("g", 1, 8 * P, 1, 8);
+    const std::string msg2 = error_of(
+        [&] { to_local<BrokenPartition<Broken::permutation>>(ExecSpace(), P, 0, global, c.q); });
+    CHECK(msg2.find("to_local") != std::string::npos);
+    CHECK(msg2.find("strictly increasing") != std::string::npos);
+  }
+  {
+    Attn<RingSchedule, BrokenPartition<Broken::owner>> a(comm);
+    const std::string msg = error_of([&] { a.forward(c.q, c.q, c.q, c.o, c.lse); });
+    check_everywhere(comm, msg, "owner() must invert positions()");
+  }
+  // The built-in partitions pass their own contract check.
+  for (index_type N : {index_type(2 * P), index_type(12 * P)}) {
+    CHECK_NOTHROW(check_partition_contract<ContiguousPartition>("test", N, P));
+    CHECK_NOTHROW(check_partition_contract<StripedPartition>("test", N, P));
+    CHECK_NOTHROW(check_partition_contract<ZigzagPartition>("test", N, P));
+  }
+}
