@@ -5,6 +5,8 @@
 
 #include <blockattn/blockattn.hpp>
 
+#include <cmath>
+#include <limits>
 #include <string>
 
 #include "backend.hpp"
@@ -127,6 +129,76 @@ TEST_CASE("bad scale") {
   opts.scale = std::numeric_limits<double>::infinity();
   expect_error([&] { attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, FullMask{}, opts); },
                {"'scale'", "finite non-zero"});
+}
+
+TEST_CASE("a scale the value type cannot hold; offsets beyond +-2^62") {
+  Views w;
+  ForwardOptions opts;
+  auto run = [&] { attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, FullMask{}, opts); };
+  opts.scale = 1e300;  // finite in double, inf in float: used to give O = 0, LSE = -inf
+  expect_error(run, {"'scale' is 1e+300", "overflows float"});
+  opts.scale = -1e-300;
+  expect_error(run, {"'scale' is -1e-300", "underflows float"});
+  opts.scale = 1e30;  // representable: accepted
+  CHECK_NOTHROW(run());
+  opts.scale = std::numeric_limits<double>::quiet_NaN();
+  opts.q_offset = (index_type(1) << 62) + 1;
+  expect_error(run, {"'opts.q_offset'", "expected |offset| <= 2^62"});
+  opts.q_offset = 0;
+  opts.k_offset = -(index_type(1) << 62) - 1;
+  expect_error(run, {"'opts.k_offset'"});
+  opts.k_offset = -(index_type(1) << 62);
+  CHECK_NOTHROW(run());
+}
+
+TEST_CASE("negative offsets are positions like any other") {
+  // Shifting both offsets by the same amount changes nothing (masks see k - q);
+  // queries before every key under a causal mask are fully masked.
+  using D4 = Kokkos::View<double****, MemSpace>;
+  using D3 = Kokkos::View<double***, MemSpace>;
+  D4 q("q", 1, 24, 2, 8), k("k", 1, 20, 2, 8), o1("o1", 1, 24, 2, 8), o2("o2", 1, 24, 2, 8);
+  D3 l1("l1", 1, 2, 24), l2("l2", 1, 2, 24);
+  auto h = Kokkos::create_mirror_view(q);
+  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = std::sin(0.37 * double(i));
+  Kokkos::deep_copy(q, h);
+  Kokkos::deep_copy(
+      k, Kokkos::subview(q, Kokkos::ALL, std::make_pair(0, 20), Kokkos::ALL, Kokkos::ALL));
+  auto run = [&](auto mask, index_type qo, index_type ko, const D4& o, const D3& l) {
+    ForwardOptions opts;
+    opts.q_offset = qo;
+    opts.k_offset = ko;
+    attention_forward(ExecSpace{}, q, k, k, o, l, mask, opts);
+    ExecSpace().fence();
+  };
+  auto same = [&] {
+    auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o1);
+    auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o2);
+    auto la = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), l1);
+    auto lb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), l2);
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (!(a.data()[i] == b.data()[i])) return false;
+    for (std::size_t i = 0; i < la.size(); ++i)
+      if (!(la.data()[i] == lb.data()[i])) return false;
+    return true;
+  };
+  run(CausalMask{}, -3, -10, o1, l1);
+  run(CausalMask{}, 7, 0, o2, l2);
+  CHECK(same());
+  run(causal_window(5), -1000, -1004, o1, l1);
+  run(causal_window(5), 4, 0, o2, l2);
+  CHECK(same());
+  // A window "unbounded" to the left at negative positions (used to overflow q - left).
+  run(SlidingWindowMask{std::numeric_limits<index_type>::max(), 0}, -(index_type(1) << 62) + 7,
+      -(index_type(1) << 62), o1, l1);
+  run(CausalMask{}, 7, 0, o2, l2);
+  CHECK(same());
+  // Queries at -30 .. -7 before keys at 0 .. 19: every row fully masked.
+  run(CausalMask{}, -30, 0, o1, l1);
+  auto l = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), l1);
+  auto o = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o1);
+  for (std::size_t i = 0; i < l.size(); ++i)
+    CHECK(l.data()[i] == -std::numeric_limits<double>::infinity());
+  for (std::size_t i = 0; i < o.size(); ++i) CHECK(o.data()[i] == 0.0);
 }
 
 TEST_CASE("a memory space the execution space cannot access") {

@@ -163,6 +163,7 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
     using mem = typename ExecSpace::memory_space;
     using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
     const char* fn = "attention_backward";
+    impl::require_offsets(fn, opts);
     const impl::ForwardExtents e =
         impl::validate_backward<ExecSpace>(fn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
     const T s = impl::softmax_scale<T>(opts.scale, e.dim);

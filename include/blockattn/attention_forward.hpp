@@ -110,6 +110,15 @@ ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const 
          " exceeds the per-call limit of ", int_max / 2, " rows");
   if (!std::isnan(scale) && !(std::isfinite(scale) && scale != 0.0))
     fail(fn, "argument 'scale' is ", scale, ", expected a finite non-zero value");
+  using T = value_of<OV>;
+  // The kernels multiply by scale * log2(e) in T: it must be a normal number of T.
+  const double limit = double(std::numeric_limits<T>::max()) / 1.4426950408889634;
+  if (!std::isnan(scale) && (std::abs(scale) > limit || std::abs(scale) * 1.4426950408889634 <
+                                                            double(std::numeric_limits<T>::min())))
+    fail(fn, "argument 'scale' is ", scale, ", which ", std::abs(scale) > limit ? "over" : "under",
+         "flows ", std::is_same<T, float>::value ? "float" : "double",
+         " (the value type) once multiplied by log2(e); expected ",
+         double(std::numeric_limits<T>::min()) / 1.4426950408889634, " <= |scale| <= ", limit);
   ForwardExtents e;
   e.batch = int(q.extent(0));
   e.queries = int(q.extent(1));
@@ -118,6 +127,21 @@ ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const 
   e.keys = int(k.extent(1));
   e.kv_heads = int(k.extent(2));
   return e;
+}
+
+/// Global positions are bounded by +-2^62, so that differences of positions
+/// (masks compare k - q) never overflow 64-bit index_type.
+inline constexpr index_type max_position = index_type(1) << 62;
+
+/// The offsets of ForwardOptions: any sign, |offset| <= max_position.
+inline void require_offsets(const char* fn, const ForwardOptions& opts) {
+  const index_type off[2] = {opts.q_offset, opts.k_offset};
+  const char* names[2] = {"opts.q_offset", "opts.k_offset"};
+  for (int i = 0; i < 2; ++i)
+    if (off[i] > max_position || off[i] < -max_position)
+      fail(fn, "argument '", names[i], "' is ", off[i],
+           ", expected |offset| <= 2^62 = ", max_position,
+           " (global positions are bounded so that k - q never overflows)");
 }
 
 /// The softmax scale: the caller's, or 1 / sqrt(head_dim) when NaN (the default).
@@ -239,6 +263,9 @@ void forward(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, co
 ///                                              with no allowed key (its o row is 0)
 ///
 /// The mask sees global positions `opts.q_offset + i` and `opts.k_offset + j`.
+/// Offsets may be negative (positions are signed: e.g. queries at -3 .. under
+/// a causal mask see no key at 0 ..: those rows get O = 0, LSE = -inf); they
+/// must satisfy |offset| <= 2^62.
 /// Work is enqueued on `exec`; the call returns without fencing, like Kokkos.
 /// Throws blockattn::invalid_argument on bad shapes or spaces.
 template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class Mask = FullMask,
@@ -247,6 +274,7 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
                        const LV& lse, const Mask& mask = {}, const ForwardOptions& opts = {}) {
   using T = typename OV::non_const_value_type;
   using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
+  impl::require_offsets("attention_forward", opts);
   impl::forward<Shape>("attention_forward", exec, q, k, v, o, lse, mask,
                        OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, opts.scale);
 }
