@@ -231,6 +231,53 @@ struct BackwardCommon {
     team.team_barrier();
   }
 
+  /// True (on every thread of the team) when n values from p hold an inf or NaN.
+  KOKKOS_INLINE_FUNCTION static bool has_nonfinite(const member_type& team, const T* p, int n) {
+    int bad = 0;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, n),
+        [&](const int i, int& acc) { acc += is_nonfinite(p[i]) ? 1 : 0; }, bad);
+    return bad > 0;
+  }
+
+  /// Which operands of a partial tile pair hold inf / NaN: then P = 0 and
+  /// dS = 0 of masked pairs must add nothing (select, not multiply).
+  struct Poisoned {
+    bool q = false, dout = false, k = false;
+  };
+  KOKKOS_INLINE_FUNCTION Poisoned poisoned(const member_type& team, TileKind kind, const T* qs,
+                                           const T* dos, const T* k_tile) const {
+    Poisoned r;
+    if (kind != TileKind::partial) return r;
+    r.q = qs && has_nonfinite(team, qs, BQ * dp());
+    r.dout = dos && has_nonfinite(team, dos, BQ * dp());
+    r.k = k_tile && has_nonfinite(team, k_tile, BK * dp());
+    return r;
+  }
+
+  /// c (MR x NRO, ldc) += A^T B over the BQ rows of a query tile, A (BQ x BK,
+  /// query-major, column offset r0) skipping zeros: the select form of
+  /// micro_gemm_at for dV += P^T dO and dK += dS^T Q.
+  KOKKOS_INLINE_FUNCTION static void select_gemm_at(const T* a, const T* b, int ldb, T* c,
+                                                    int ldc) {
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < BQ; ++r) {
+        const T x = a[r * BK + i];
+        if (x != T(0))
+          for (int j = 0; j < NRO; ++j) c[i * ldc + j] += x * b[r * ldb + j];
+      }
+  }
+  /// c (MR x NRO, ldc) += A B, A (MR x BK) rows of dS skipping zeros: the
+  /// select form of micro_gemm for dQ += dS K.
+  KOKKOS_INLINE_FUNCTION static void select_gemm(const T* a, const T* b, int ldb, T* c, int ldc) {
+    for (int i = 0; i < MR; ++i)
+      for (int k = 0; k < BK; ++k) {
+        const T x = a[i * BK + k];
+        if (x != T(0))
+          for (int j = 0; j < NRO; ++j) c[i * ldc + j] += x * b[k * ldb + j];
+      }
+  }
+
   KOKKOS_INLINE_FUNCTION TileKind classify(int q0, int q_rows, int k0, int k_rows) const {
     return mask.classify(qpos(q0), qpos(q0 + q_rows - 1) + 1, kpos(k0), kpos(k0 + k_rows - 1) + 1);
   }
@@ -284,15 +331,23 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
         const T *qs = qt_.q, *dos = qt_.dout;
         this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2, qt_.drow,
                         ss, dps);
+        const auto bad = this->poisoned(team, kind, qs, dos, nullptr);
         // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q   (P, dS stored query-major)
         const int tiles = (BK / MR) * (p / NRO);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2 * tiles), [&](const int t) {
           const int which = t / tiles, u = t % tiles;
           const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
-          if (which == 0)
-            micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0, p);
-          else
-            micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0, p);
+          if (which == 0) {
+            if (bad.dout)
+              Base::select_gemm_at(ss + r0, dos + c0, p, dva + r0 * p + c0, p);
+            else
+              micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0, p);
+          } else {
+            if (bad.q)
+              Base::select_gemm_at(dps + r0, qs + c0, p, dka + r0 * p + c0, p);
+            else
+              micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0, p);
+          }
         });
         team.team_barrier();
       }
@@ -353,10 +408,14 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
       this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, lse2, dr, ss, dps);
       // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
       const T* const k_tile = k_head + static_cast<std::ptrdiff_t>(k0) * p;
+      const auto bad = this->poisoned(team, kind, nullptr, nullptr, k_tile);
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (p / NRO)), [&](const int t) {
         const int r0 = (t / (p / NRO)) * MR, c0 = (t % (p / NRO)) * NRO;
-        micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p, dqa + r0 * p + c0, p,
-                                ones + r0);
+        if (bad.k)
+          Base::select_gemm(dps + r0 * BK, k_tile + c0, p, dqa + r0 * p + c0, p);
+        else
+          micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p, dqa + r0 * p + c0, p,
+                                  ones + r0);
       });
       team.team_barrier();
     }
@@ -427,6 +486,7 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
           const T *qs = qt_.q, *dos = qt_.dout;
           this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
                           qt_.drow, ss, dps);
+          const auto bad = this->poisoned(team, kind, qs, dos, k_tile);
           T* const dq_tile = &dqacc(b, h, q0, 0);
           const int kv_tiles = (BK / MR) * (p / NRO), q_tiles_ = (BQ / MR) * (p / NRO);
           Kokkos::parallel_for(
@@ -435,16 +495,28 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
                   // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q
                   const int which = t / kv_tiles, u = t % kv_tiles;
                   const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
-                  if (which == 0)
-                    micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0, p);
-                  else
-                    micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0, p);
+                  if (which == 0) {
+                    if (bad.dout)
+                      Base::select_gemm_at(ss + r0, dos + c0, p, dva + r0 * p + c0, p);
+                    else
+                      micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0,
+                                                 p);
+                  } else {
+                    if (bad.q)
+                      Base::select_gemm_at(dps + r0, qs + c0, p, dka + r0 * p + c0, p);
+                    else
+                      micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0,
+                                                 p);
+                  }
                 } else {
                   // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
                   const int u = t - 2 * kv_tiles;
                   const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
-                  micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p,
-                                          dq_tile + r0 * p + c0, p, ones + r0);
+                  if (bad.k)
+                    Base::select_gemm(dps + r0 * BK, k_tile + c0, p, dq_tile + r0 * p + c0, p);
+                  else
+                    micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p,
+                                            dq_tile + r0 * p + c0, p, ones + r0);
                 }
               });
           team.team_barrier();

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace blockattn::impl {
 
@@ -17,10 +18,28 @@ KOKKOS_FORCEINLINE_FUNCTION To bit_cast(const From& x) {
   return y;
 }
 
+/// True for +-inf and NaN (exponent bits all ones), by integer test: valid
+/// in device code and unaffected by the compiler's floating-point flags.
+template <class T>
+KOKKOS_FORCEINLINE_FUNCTION bool is_nonfinite(T x) {
+  using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+  constexpr Bits exponent = sizeof(T) == 4 ? Bits(0x7f800000u) : Bits(0x7ff0000000000000ull);
+  return (bit_cast<Bits>(x) & exponent) == exponent;
+}
+
+/// A quiet NaN of T.
+template <class T>
+KOKKOS_FORCEINLINE_FUNCTION T quiet_nan() {
+  using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+  return bit_cast<T>(sizeof(T) == 4 ? Bits(0x7fc00000u) : Bits(0x7ff8000000000000ull));
+}
+
 /// 2^x for x <= 0 in fp32 (also correct for 0 < x < 128), written as
 /// straight-line arithmetic so that host compilers vectorise the softmax row
 /// loop and device compilers accept it. Returns exactly 0 for x < -126 and for
-/// x = -inf, so masked logits contribute nothing.
+/// x = -inf, so masked logits contribute nothing; NaN of either sign gives
+/// NaN (x86's default NaN, e.g. from inf - inf, is negative: as an unsigned
+/// integer it sorts above -126.0f and would otherwise give 0).
 ///
 /// Range reduction x = n + f with n = round(x) (the 1.5 * 2^23 trick, no
 /// float->int conversion) and |f| <= 1/2; 2^f by the degree-6 polynomial of
@@ -44,7 +63,9 @@ KOKKOS_FORCEINLINE_FUNCTION float exp2_nonpositive(float x) {
   const float poly = 1.0f + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * c6)))));
   constexpr std::int32_t exponent_bias = 127, mantissa_bits = 23;
   const float two_n = bit_cast<float>((n + exponent_bias) << mantissa_bits);
-  return bit_cast<float>(bit_cast<std::uint32_t>(poly * two_n) & in_range);
+  const std::uint32_t is_nan = 0u - static_cast<std::uint32_t>((ux & 0x7fffffffu) > 0x7f800000u);
+  return bit_cast<float>((bit_cast<std::uint32_t>(poly * two_n) & in_range) |
+                         (is_nan & 0x7fc00000u));
 }
 
 /// fp64: the library exp2 (about 1 ulp); fp64 is the accuracy path, not the

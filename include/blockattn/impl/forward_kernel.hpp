@@ -174,6 +174,20 @@ struct ForwardKernel {
           Gemm::template apply<MR, NRO, BK>(BK, ss + r0 * BK, BK, v_tile + c0, dp,
                                             os + r0 * dp + c0, dp, alpha + r0);
         });
+      } else if (kind == TileKind::partial && tile_has_nonfinite(team, v_tile, k_rows * dp)) {
+        // A non-finite V row: P = 0 (masked) times inf / NaN must add nothing,
+        // so select instead of multiplying (rare; scalar loops).
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
+          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
+          for (int i = 0; i < MR; ++i) {
+            T* const orow = os + (r0 + i) * dp + c0;
+            const T* const prow = ss + (r0 + i) * BK;
+            for (int j = 0; j < NRO; ++j) orow[j] *= alpha[r0 + i];
+            for (int c = 0; c < k_rows; ++c)
+              if (prow[c] != T(0))
+                for (int j = 0; j < NRO; ++j) orow[j] += prow[c] * v_tile[c * dp + c0 + j];
+          }
+        });
       } else {
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
           const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
@@ -196,9 +210,10 @@ struct ForwardKernel {
       });
       return;
     }
-    // Normalise and write back. Rows that saw no allowed key: O = 0, LSE = -inf.
+    // Normalise and write back. Rows that saw no allowed key: O = 0, LSE = -inf;
+    // rows whose allowed logits held a NaN (l = NaN): O and LSE NaN.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
-      const bool seen = l[r] > T(0);
+      const bool seen = l[r] != T(0);
       const T inv_l = seen ? T(1) / l[r] : T(0);
       for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d] * inv_l;
       lse(b, h, q0 + r) = seen ? (m[r] + kmath::log2(l[r])) * ln2<T> : -infinity<T>();
@@ -208,6 +223,16 @@ struct ForwardKernel {
   struct KeyRange {
     int begin, end;
   };
+
+  /// True (on every thread of the team) when n values from p hold an inf or NaN.
+  KOKKOS_INLINE_FUNCTION static bool tile_has_nonfinite(const member_type& team, const T* p,
+                                                        int n) {
+    int bad = 0;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, n),
+        [&](const int i, int& acc) { acc += is_nonfinite(p[i]) ? 1 : 0; }, bad);
+    return bad > 0;
+  }
 
   /// In a partial tile, the keys [begin, end) (granularity KG) that some row
   /// r0 .. r0 + MR - 1 may see: P is 0 outside, so P*V skips them. An empty
@@ -238,7 +263,7 @@ struct ForwardKernel {
   /// Online-softmax update of one row (base-2 logits in `s`, overwritten by P):
   ///   m' = max(m, max_c s_c);  p_c = 2^(s_c - m');  alpha = 2^(m - m');  l' = alpha l + sum p.
   /// A row with no allowed key so far keeps m = -inf, l = 0 and P = 0 (never
-  /// computes -inf - -inf).
+  /// computes -inf - -inf). A NaN logit gives p = NaN and l = NaN.
   /// The max and the sum run in `lanes` independent partial results so that
   /// host compilers vectorise them without reassociating (no -ffast-math).
   KOKKOS_FORCEINLINE_FUNCTION static void softmax_row(T* __restrict__ s, T& m, T& l, T& alpha) {
@@ -252,7 +277,14 @@ struct ForwardKernel {
     for (int j = 0; j < lanes; ++j) row_max = part[j] > row_max ? part[j] : row_max;
     const T m_new = row_max;
     if (m_new == -infinity<T>()) {
-      for (int c = 0; c < BK; ++c) s[c] = T(0);
+      // No finite allowed logit: masked (-inf) or NaN (the max skips NaN).
+      // A NaN makes l NaN, which stays NaN through later tiles and blocks.
+      bool nan_seen = false;
+      for (int c = 0; c < BK; ++c) {
+        nan_seen = nan_seen || s[c] != s[c];
+        s[c] = T(0);
+      }
+      if (nan_seen) l = quiet_nan<T>();
       alpha = T(1);
       return;
     }

@@ -26,7 +26,8 @@ void add_into(const ExecSpace& exec, const AV& a, const BV& b) {
 }
 
 /// Merges the partial result (part_o normalised, part_lse natural log; a row
-/// with part_lse = -inf saw no key and contributes nothing) into the
+/// with part_lse = -inf saw no key and contributes nothing; part_lse = NaN
+/// makes the row NaN) into the
 /// unnormalised state (o, m in base 2 of the scaled logits, l) that
 /// ForwardKernel keeps between blocks:
 ///   m' = max(m, lse2), o = 2^(m - m') o + 2^(lse2 - m') part_o,
@@ -46,7 +47,7 @@ void merge_partial(const ExecSpace& exec, const OV& o, const SV& m_state, const 
         const int i = int((idx / heads) % queries);
         const int b = int(idx / (std::int64_t(heads) * queries));
         const T lp = part_lse(b, h, i);
-        if (!(lp > -infinity<T>())) return;
+        if (lp == -infinity<T>()) return;  // saw no key; a NaN LSE merges as NaN
         const T m2 = lp * log2e<T>;
         const T m = m_state(b, h, i);
         const T mn = m > m2 ? m : m2;
