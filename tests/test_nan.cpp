@@ -147,10 +147,13 @@ void check_poison(const Mask& mask, const Poison& p) {
   int wrong = 0;
   auto report = [&](const char* what, int r, int x, bool expect_bad, bool is_bad) {
     if (expect_bad == is_bad) return;
-    if (++wrong <= 8)
-      MESSAGE(std::string(what) + " row " + std::to_string(r) + " head " + std::to_string(x) +
-              ": expected " + (expect_bad ? "non-finite" : "finite") + ", got " +
-              (is_bad ? "non-finite" : "finite"));
+    if (++wrong <= 8) {
+      const std::string msg = std::string(what) + " row " + std::to_string(r) + " head " +
+                              std::to_string(x) + ": expected " +
+                              (expect_bad ? "non-finite" : "finite") + ", got " +
+                              (is_bad ? "non-finite" : "finite");
+      MESSAGE(msg);
+    }
   };
   double err_o = 0, err_g = 0, gmax = 1e-300;
   for (int x = 0; x < hkv; ++x)

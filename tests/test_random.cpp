@@ -1,0 +1,382 @@
+// SPDX-License-Identifier: Apache-2.0
+// Seeded random configurations against the independent fp64 reference
+// (reference.hpp): shape (batch, local length, heads, kv heads / GQA, head
+// dim), mask (full, causal, window, prefix-LM, causal documents, random
+// block-sparse; one run-time mask type), partition, schedule, value type,
+// forward and backward through DistributedAttention on this communicator's P
+// ranks, plus a single-device forward/backward with random offsets. Every
+// configuration goes through a small fixed set of instantiations, so the
+// number of configurations costs run time, not compile time.
+//
+//   BLOCKATTN_RANDOM_SEED   first seed (default 20261122 + 100000 P); configuration i
+//                           uses seed + i, the same on every rank
+//   BLOCKATTN_RANDOM_COUNT  configurations per run (default 120)
+// The single-device check of configuration i runs on rank i mod P.
+//
+// A failure prints the seed and a one-line reproducer.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+#include <blockattn/mpi_communicator.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include "backend.hpp"
+#include "forward_check.hpp"
+#include "reference.hpp"
+
+using namespace blockattn;
+using blockattn::test::ExecSpace;
+using blockattn::test::HostTensor;
+using blockattn::test::MemSpace;
+using Mpi = MpiCommunicator<>;
+
+namespace {
+
+/// One mask type for every random mask (kind chosen at run time), exact
+/// classify for the structured kinds, conservative for the block-sparse one.
+struct RandomMask {
+  int kind = 0;  // 0 full, 1 causal, 2 window [q - a, q + b], 3 prefix-LM a, 4 causal documents of
+                 // a, 5 block-sparse causal
+  index_type a = 0, b = 0;
+  std::uint64_t salt = 0;
+
+  KOKKOS_INLINE_FUNCTION bool allowed(index_type q, index_type k) const {
+    switch (kind) {
+      case 0:
+        return true;
+      case 1:
+        return k <= q;
+      case 2:
+        return k - q >= -a && k - q <= b;
+      case 3:
+        return k < a || k <= q;
+      case 4:
+        return k <= q && k / a == q / a;
+      default: {
+        if (k > q) return false;
+        const index_type qb = q / a, kb = k / a;
+        if (qb == kb) return true;
+        std::uint64_t h = salt ^ (std::uint64_t(qb) * 0x9E3779B97F4A7C15ull) ^
+                          (std::uint64_t(kb) * 0xC2B2AE3D27D4EB4Full);
+        h ^= h >> 29;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 32;
+        return h % 3 != 0;
+      }
+    }
+  }
+  KOKKOS_INLINE_FUNCTION TileKind classify(index_type q0, index_type q1, index_type k0,
+                                           index_type k1) const {
+    const index_type ql = q1 - 1, kl = k1 - 1;
+    switch (kind) {
+      case 0:
+        return TileKind::full;
+      case 1:
+        return k0 > ql ? TileKind::empty : (kl <= q0 ? TileKind::full : TileKind::partial);
+      case 2: {
+        const index_type lo = k0 - ql, hi = kl - q0;
+        if (hi < -a || lo > b) return TileKind::empty;
+        if (lo >= -a && hi <= b) return TileKind::full;
+        return TileKind::partial;
+      }
+      case 3:
+        if (kl < a || kl <= q0) return TileKind::full;
+        if (k0 >= a && k0 > ql) return TileKind::empty;
+        return TileKind::partial;
+      case 4:
+        if (k0 > ql || kl / a < q0 / a || k0 / a > ql / a) return TileKind::empty;
+        if (k0 / a == ql / a && kl / a == q0 / a && kl <= q0) return TileKind::full;
+        return TileKind::partial;
+      default:
+        return k0 > ql ? TileKind::empty : TileKind::partial;
+    }
+  }
+  std::array<std::int64_t, 4> parameters() const { return {{kind, a, b, std::int64_t(salt)}}; }
+  /// No query sees a later key (what BalancedSchedule needs).
+  bool lower() const { return kind == 1 || (kind == 2 && b == 0) || kind == 4 || kind == 5; }
+  std::string describe() const {
+    const char* names[] = {"full", "causal", "window", "prefix-lm", "documents", "block-sparse"};
+    std::ostringstream s;
+    s << names[kind] << "(a=" << a << ", b=" << b << ")";
+    return s.str();
+  }
+};
+
+struct Config {
+  std::uint64_t seed = 0;
+  int partition = 0;  // 0 contiguous, 1 striped, 2 zigzag
+  int schedule = 0;   // 0 ring, 1 burst, 2 balanced
+  bool fp32 = false;
+  int b = 1, n_local = 1, h = 1, hkv = 1, d = 8;
+  index_type q_offset = 0, k_offset = 0;  // single-device call
+  RandomMask mask;
+
+  std::string describe(int P) const {
+    const char* parts[] = {"contiguous", "striped", "zigzag"};
+    const char* scheds[] = {"ring", "burst", "balanced"};
+    std::ostringstream s;
+    s << "seed " << seed << ": P=" << P << " " << parts[partition] << " " << scheds[schedule] << " "
+      << (fp32 ? "fp32" : "fp64") << " B=" << b << " n_local=" << n_local << " H=" << h
+      << " Hkv=" << hkv << " D=" << d << " mask=" << mask.describe() << " offsets=(" << q_offset
+      << ", " << k_offset << ")";
+    return s.str();
+  }
+};
+
+Config draw(std::uint64_t seed, int P) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  Config c;
+  c.seed = seed;
+  c.fp32 = pick(0, 1) == 1;
+  c.b = pick(1, 2);
+  const int heads[] = {1, 2, 3, 4};
+  c.h = heads[pick(0, 3)];
+  do c.hkv = pick(1, c.h);
+  while (c.h % c.hkv != 0);
+  const int dims[] = {1, 8, 24, 40, 64, 72, 128, 136};
+  c.d = dims[pick(0, 7)];
+  c.n_local = pick(1, 96);
+  c.schedule = pick(0, 2);
+  c.partition = c.schedule == 2 ? 0 : pick(0, 2);
+  if (c.partition == 2 && c.n_local % 2) ++c.n_local;  // zigzag: N a multiple of 2P
+  const index_type N = index_type(c.n_local) * P;
+  for (;;) {
+    c.mask.kind = pick(0, 5);
+    c.mask.a = 1 + pick(0, int(N));
+    c.mask.b = pick(0, 2) == 0 ? 0 : pick(0, int(N));
+    c.mask.salt = rng();
+    if (c.mask.kind == 5) c.mask.a = 1 + pick(0, 40);  // block size
+    if (c.schedule != 2 || c.mask.lower()) break;
+  }
+  c.q_offset = pick(-50, 50);
+  c.k_offset = pick(-50, 50);
+  return c;
+}
+
+template <class T>
+using V4 = Kokkos::View<T****, MemSpace>;
+template <class T>
+using V3 = Kokkos::View<T***, MemSpace>;
+
+template <class T>
+V4<T> upload(const HostTensor& t) {
+  V4<T> v("x", t.b, t.n, t.h, t.d);
+  auto h = Kokkos::create_mirror_view(v);
+  for (int a = 0; a < t.b; ++a)
+    for (int n = 0; n < t.n; ++n)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) h(a, n, x, d) = T(t(a, n, x, d));
+  Kokkos::deep_copy(v, h);
+  return v;
+}
+
+/// Inputs rounded to T, so that the reference sees exactly the kernel's inputs.
+HostTensor rounded(HostTensor t, bool fp32) {
+  if (fp32)
+    for (auto& x : t.data) x = double(float(x));
+  return t;
+}
+
+struct Errors {
+  double o = 0, lse = 0, grad = 0;
+  bool pattern_ok = true;  // non-finite exactly where the reference has them (LSE = -inf)
+};
+
+/// Compares rows [rows] of `got` (this rank's local rows at global positions
+/// map(i)) with the reference.
+template <class View, class Map>
+void compare4(const View& got, const HostTensor& want, const Map& map, double& err, bool& ok) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
+  for (int b = 0; b < want.b; ++b)
+    for (int i = 0; i < int(got.extent(1)); ++i)
+      for (int x = 0; x < want.h; ++x)
+        for (int d = 0; d < want.d; ++d) {
+          const double g = double(h(b, i, x, d)), w = want(b, int(map(i)), x, d);
+          if (!std::isfinite(g)) {
+            ok = false;
+            continue;
+          }
+          err = std::max(err, std::abs(g - w));
+        }
+}
+
+template <class T, class Partition, class Schedule>
+Errors run_distributed(Mpi& comm, const Config& c, const HostTensor& q, const HostTensor& k,
+                       const HostTensor& v, const HostTensor& dout,
+                       const test::ReferenceResult& ref, const test::ReferenceGrads& grads) {
+  const int P = comm.size(), rank = comm.rank(), n = c.n_local;
+  const index_type N = index_type(n) * P;
+  V4<T> gq = upload<T>(q), gk = upload<T>(k), gv = upload<T>(v), gdo = upload<T>(dout);
+  V4<T> ql("q", c.b, n, c.h, c.d), kl("k", c.b, n, c.hkv, c.d), vl("v", c.b, n, c.hkv, c.d),
+      dol("do", c.b, n, c.h, c.d), ol("o", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d),
+      dk("dk", c.b, n, c.hkv, c.d), dv("dv", c.b, n, c.hkv, c.d);
+  V3<T> ll("lse", c.b, c.h, n);
+  to_local<Partition>(ExecSpace{}, P, rank, gq, ql);
+  to_local<Partition>(ExecSpace{}, P, rank, gk, kl);
+  to_local<Partition>(ExecSpace{}, P, rank, gv, vl);
+  to_local<Partition>(ExecSpace{}, P, rank, gdo, dol);
+  DistributedAttention<Partition, RandomMask, Schedule, Mpi, ExecSpace> attn(comm, c.mask);
+  attn.forward(ql, kl, vl, ol, ll);
+  attn.backward(ql, kl, vl, ol, ll, dol, dq, dk, dv);
+  Kokkos::fence();
+  const auto map = Partition::positions(N, P, rank);
+  Errors e;
+  compare4(ol, ref.o, map, e.o, e.pattern_ok);
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ll);
+  for (int b = 0; b < c.b; ++b)
+    for (int x = 0; x < c.h; ++x)
+      for (int i = 0; i < n; ++i) {
+        const double g = double(lh(b, x, i));
+        const double w = ref.lse[(std::size_t(b) * c.h + x) * N + map(i)];
+        if (std::isinf(w) || std::isinf(g)) {
+          e.pattern_ok = e.pattern_ok && g == w;
+          continue;
+        }
+        e.lse = std::max(e.lse, std::abs(g - w));
+      }
+  compare4(dq, grads.dq, map, e.grad, e.pattern_ok);
+  compare4(dk, grads.dk, map, e.grad, e.pattern_ok);
+  compare4(dv, grads.dv, map, e.grad, e.pattern_ok);
+  return e;
+}
+
+template <class T>
+Errors run_single(const Config& c, const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                  const HostTensor& dout, const test::ReferenceResult& ref,
+                  const test::ReferenceGrads& grads) {
+  V4<T> dq("dq", q.b, q.n, q.h, q.d), dk("dk", k.b, k.n, k.h, k.d), dv("dv", v.b, v.n, v.h, v.d),
+      o("o", q.b, q.n, q.h, q.d);
+  V3<T> l("lse", q.b, q.h, q.n);
+  V4<T> tq = upload<T>(q), tk = upload<T>(k), tv = upload<T>(v), tdo = upload<T>(dout);
+  ForwardOptions opts;
+  opts.q_offset = c.q_offset;
+  opts.k_offset = c.k_offset;
+  attention_forward(ExecSpace{}, tq, tk, tv, o, l, c.mask, opts);
+  attention_backward(ExecSpace{}, tq, tk, tv, o, l, tdo, dq, dk, dv, c.mask, opts);
+  Kokkos::fence();
+  struct Identity {
+    index_type operator()(index_type i) const { return i; }
+  };
+  Errors e;
+  compare4(o, ref.o, Identity{}, e.o, e.pattern_ok);
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), l);
+  for (std::size_t i = 0; i < ref.lse.size(); ++i) {
+    const double g = double(lh.data()[i]), w = ref.lse[i];
+    if (std::isinf(w) || std::isinf(g)) {
+      e.pattern_ok = e.pattern_ok && g == w;
+      continue;
+    }
+    e.lse = std::max(e.lse, std::abs(g - w));
+  }
+  compare4(dq, grads.dq, Identity{}, e.grad, e.pattern_ok);
+  compare4(dk, grads.dk, Identity{}, e.grad, e.pattern_ok);
+  compare4(dv, grads.dv, Identity{}, e.grad, e.pattern_ok);
+  return e;
+}
+
+template <class T>
+Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTensor& k,
+                  const HostTensor& v, const HostTensor& dout, const test::ReferenceResult& ref,
+                  const test::ReferenceGrads& grads) {
+  if (c.schedule == 2)
+    return run_distributed<T, ContiguousPartition, BalancedSchedule>(comm, c, q, k, v, dout, ref,
+                                                                     grads);
+  auto with = [&](auto schedule) {
+    using S = decltype(schedule);
+    switch (c.partition) {
+      case 0:
+        return run_distributed<T, ContiguousPartition, S>(comm, c, q, k, v, dout, ref, grads);
+      case 1:
+        return run_distributed<T, StripedPartition, S>(comm, c, q, k, v, dout, ref, grads);
+      default:
+        return run_distributed<T, ZigzagPartition, S>(comm, c, q, k, v, dout, ref, grads);
+    }
+  };
+  return c.schedule == 0 ? with(RingSchedule{}) : with(BurstSchedule{});
+}
+
+std::uint64_t env_or(const char* name, std::uint64_t fallback) {
+  const char* s = std::getenv(name);
+  return s && *s ? std::strtoull(s, nullptr, 10) : fallback;
+}
+
+}  // namespace
+
+TEST_CASE("random configurations against the fp64 reference") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  const std::uint64_t first = env_or("BLOCKATTN_RANDOM_SEED", 20261122 + 100000 * std::uint64_t(P));
+  const std::uint64_t count = env_or("BLOCKATTN_RANDOM_COUNT", 120);
+  std::int64_t failed = 0;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::uint64_t seed = first + i;
+    const bool single_here = int(i % std::uint64_t(P)) == comm.rank();
+    const Config c = draw(seed, P);
+    const int N = c.n_local * P;
+    std::mt19937_64 rng(seed ^ 0x5DEECE66Dull);
+    const HostTensor q = rounded(test::random_tensor(c.b, N, c.h, c.d, rng), c.fp32),
+                     k = rounded(test::random_tensor(c.b, N, c.hkv, c.d, rng), c.fp32),
+                     v = rounded(test::random_tensor(c.b, N, c.hkv, c.d, rng), c.fp32),
+                     dout = rounded(test::random_tensor(c.b, N, c.h, c.d, rng), c.fp32);
+    const double scale = 1.0 / std::sqrt(double(c.d));
+    const auto ref = test::reference_attention(q, k, v, c.mask, scale);
+    const auto grads = test::reference_backward(q, k, v, dout, c.mask, scale);
+    test::ReferenceResult ref_off;
+    test::ReferenceGrads grads_off;
+    if (single_here) {
+      ref_off = test::reference_attention(q, k, v, c.mask, scale, c.q_offset, c.k_offset);
+      grads_off = test::reference_backward(q, k, v, dout, c.mask, scale, c.q_offset, c.k_offset);
+    }
+    Errors dist, single;
+    std::string error;
+    try {
+      dist = c.fp32 ? run_config<float>(comm, c, q, k, v, dout, ref, grads)
+                    : run_config<double>(comm, c, q, k, v, dout, ref, grads);
+      if (single_here)
+        single = c.fp32 ? run_single<float>(c, q, k, v, dout, ref_off, grads_off)
+                        : run_single<double>(c, q, k, v, dout, ref_off, grads_off);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    double gmax = 1e-300;
+    const HostTensor* all[] = {&grads.dq,     &grads.dk,     &grads.dv,
+                               &grads_off.dq, &grads_off.dk, &grads_off.dv};
+    for (const HostTensor* t : all)
+      for (double x : t->data) gmax = std::max(gmax, std::abs(x));
+    // Forward: the bound of forward_check.hpp (random-walk rounding of the
+    // logits, the row sums and P*V); backward: test_backward.cpp's, relative
+    // to the largest gradient entry.
+    auto tol = [&](const test::ReferenceResult& r) {
+      return c.fp32 ? test::tolerance<float>(r, c.d, N) : test::tolerance<double>(r, c.d, N);
+    };
+    const double tol_f = tol(ref), tol_s = single_here ? tol(ref_off) : 0.0;
+    const double tol_g = c.fp32 ? 1e-4 : 1e-11;
+    const bool ok = error.empty() && dist.pattern_ok && single.pattern_ok && dist.o <= tol_f &&
+                    dist.lse <= tol_f && single.o <= tol_s && single.lse <= tol_s &&
+                    dist.grad <= tol_g * gmax && single.grad <= tol_g * gmax;
+    if (!ok) {
+      ++failed;
+      std::ostringstream s;
+      s << "rank " << comm.rank() << ": FAILED " << c.describe(P) << "\n  distributed: o " << dist.o
+        << " lse " << dist.lse << " grad " << dist.grad / gmax << " pattern " << dist.pattern_ok
+        << "; single device: o " << single.o << " lse " << single.lse << " grad "
+        << single.grad / gmax << " pattern " << single.pattern_ok << "; tolerances " << tol_f
+        << " / " << tol_s << " / " << tol_g << (error.empty() ? "" : "; threw: ") << error
+        << "\n  reproduce: BLOCKATTN_RANDOM_SEED=" << seed
+        << " BLOCKATTN_RANDOM_COUNT=1 mpiexec -n " << P
+        << " --oversubscribe build/tests/blockattn_test_random";
+      FAIL_CHECK(s.str());
+    }
+  }
+  // Every rank ran the same configurations; report the total once.
+  CHECK(comm.allreduce(failed, ReduceOp::sum) == 0);
+  if (comm.rank() == 0) MESSAGE(count, " random configurations at P = ", P);
+}
