@@ -5,7 +5,9 @@
 #                                          distributed causal attention over P MPI ranks
 #                                          (P=2 by default; set P=4 to change)
 #   cmake/blockattn.sh demo-single [args]  the single-device demo (4 masks, one process)
-#   cmake/blockattn.sh test                build and run the whole test suite (ctest)
+#   cmake/blockattn.sh test                build and run the whole test suite (ctest),
+#                                          then the sanitizer set (test-sanitize)
+#   cmake/blockattn.sh test-sanitize       ASan + UBSan over a focused set (build-sanitize/)
 #   cmake/blockattn.sh bench [bench args]  build and run the forward/backward benchmark
 #                                          (vs sgemm, and vs PyTorch when torch imports)
 #   cmake/blockattn.sh bench-isa [args]    the same for -march=native and -march=x86-64-v3
@@ -188,6 +190,17 @@ case "$cmd" in
     configure
     cmake --build "$build" -j "$jobs"
     (cd "$build" && ctest --output-on-failure "$@")
+    "${BASH_SOURCE[0]}" test-sanitize
+    ;;
+  test-sanitize)
+    # The focused set under AddressSanitizer + UndefinedBehaviorSanitizer, in
+    # its own build tree (-O1 -g; tests/CMakeLists.txt, BLOCKATTN_SANITIZE).
+    ensure_deps
+    build=${SANITIZE_BUILD_DIR:-$repo/build-sanitize}
+    configure -DBLOCKATTN_SANITIZE=ON -DBLOCKATTN_BUILD_EXAMPLES=OFF -DBLOCKATTN_BUILD_BENCH=OFF \
+      -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g"
+    cmake --build "$build" -j "$jobs"
+    (cd "$build" && ctest --output-on-failure -L sanitize "$@")
     ;;
   bench)
     ensure_deps

@@ -397,6 +397,15 @@ TEST_CASE("a transfer that never completes times out naming the step, the peer a
 
 namespace {
 
+/// Causal, but classify() says `full` for boxes that are only partly allowed.
+struct OverconfidentCausal {
+  KOKKOS_INLINE_FUNCTION bool allowed(index_type q, index_type k) const { return k <= q; }
+  KOKKOS_INLINE_FUNCTION TileKind classify(index_type, index_type q1, index_type k0,
+                                           index_type) const {
+    return k0 > q1 - 1 ? TileKind::empty : TileKind::full;
+  }
+};
+
 /// Contract violations a user partition may commit.
 enum class Broken { decreasing, permutation, owner };
 
@@ -430,6 +439,25 @@ struct BrokenPartition {
 };
 
 }  // namespace
+
+TEST_CASE("check_policies: a mask that breaks its contract is named on every rank") {
+  Mpi comm(MPI_COMM_WORLD);
+  Case<double> c(16, 1, 8);
+  DistributedOptions opts;
+  opts.check_policies = true;
+  Attn<RingSchedule, StripedPartition, OverconfidentCausal> bad(comm);
+  const std::string msg = error_of([&] { bad.forward(c.q, c.q, c.q, c.o, c.lse, opts); });
+  check_everywhere(comm, msg, "argument 'mask' breaks the mask contract");
+  Attn<RingSchedule, StripedPartition, SlidingWindowMask> good(comm, causal_window(5));
+  CHECK_NOTHROW(good.forward(c.q, c.q, c.q, c.o, c.lse, opts));
+  if (comm.size() > 1) {
+    // Checking on some ranks only would diverge: it is part of the fingerprint.
+    DistributedOptions some = opts;
+    some.check_policies = comm.rank() == 0;
+    const std::string m2 = error_of([&] { good.forward(c.q, c.q, c.q, c.o, c.lse, some); });
+    check_everywhere(comm, m2, "options.check_policies (or BLOCKATTN_CHECK_POLICIES) differs");
+  }
+}
 
 TEST_CASE("a partition that breaks its contract is rejected on every rank") {
   Mpi comm(MPI_COMM_WORLD);

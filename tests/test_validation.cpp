@@ -151,6 +151,51 @@ TEST_CASE("a scale the value type cannot hold; offsets beyond +-2^62") {
   CHECK_NOTHROW(run());
 }
 
+namespace {
+/// Causal, but classify() says `full` for boxes that are only partly allowed.
+struct OverconfidentCausal {
+  KOKKOS_INLINE_FUNCTION bool allowed(index_type q, index_type k) const { return k <= q; }
+  KOKKOS_INLINE_FUNCTION TileKind classify(index_type, index_type q1, index_type k0,
+                                           index_type) const {
+    return k0 > q1 - 1 ? TileKind::empty : TileKind::full;
+  }
+};
+}  // namespace
+
+TEST_CASE("check_policies: a classify that breaks the mask contract is named") {
+  Views w;
+  ForwardOptions opts;
+  opts.check_policies = true;
+  expect_error(
+      [&] {
+        attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, OverconfidentCausal{}, opts);
+      },
+      {"argument 'mask' breaks the mask contract", "= full but allowed(", ") = false"});
+  // The built-in masks pass, at offsets too.
+  opts.q_offset = -7;
+  opts.k_offset = 3;
+  CHECK_NOTHROW(attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, CausalMask{}, opts));
+  CHECK_NOTHROW(
+      attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, SlidingWindowMask{3, 2}, opts));
+  // The backward checks too (at offsets where the broken boxes are reachable).
+  opts.q_offset = opts.k_offset = 0;
+  V4 dout("do", 2, 10, 4, 16), dq("dq", 2, 10, 4, 16), dk("dk", 2, 12, 2, 16),
+      dv("dv", 2, 12, 2, 16);
+  std::string msg;
+  try {
+    attention_backward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, dout, dq, dk, dv,
+                       OverconfidentCausal{}, opts);
+  } catch (const blockattn::invalid_argument& e) {
+    msg = e.what();
+  }
+  CHECK(msg.find("blockattn::attention_backward: argument 'mask' breaks the mask contract") !=
+        std::string::npos);
+  // Off by default: the broken mask runs (and is silently wrong: the contract's point).
+  opts.check_policies = false;
+  CHECK_NOTHROW(
+      attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, OverconfidentCausal{}, opts));
+}
+
 TEST_CASE("negative offsets are positions like any other") {
   // Shifting both offsets by the same amount changes nothing (masks see k - q);
   // queries before every key under a causal mask are fully masked.

@@ -166,6 +166,9 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
     impl::require_offsets(fn, opts);
     const impl::ForwardExtents e =
         impl::validate_backward<ExecSpace>(fn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
+    if (impl::check_policies_always || opts.check_policies)
+      impl::check_mask_contract(fn, exec, mask, opts.q_offset, opts.q_offset + e.queries,
+                                opts.k_offset, opts.k_offset + e.keys);
     const T s = impl::softmax_scale<T>(opts.scale, e.dim);
     impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
       constexpr int SD = decltype(static_d)::value;

@@ -7,6 +7,7 @@
 #include <blockattn/errors.hpp>
 #include <blockattn/impl/forward_kernel.hpp>
 #include <blockattn/impl/pack.hpp>
+#include <blockattn/impl/policy_check.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/positions.hpp>
 #include <blockattn/tile_shape.hpp>
@@ -27,6 +28,10 @@ struct ForwardOptions {
   /// Global position of query row 0 and key row 0 (masks see global positions).
   index_type q_offset = 0;
   index_type k_offset = 0;
+  /// Check the mask's classify() against allowed() on a sample of boxes
+  /// before the work (impl/policy_check.hpp); always on with
+  /// -DBLOCKATTN_CHECK_POLICIES.
+  bool check_policies = false;
 };
 
 namespace impl {
@@ -216,10 +221,13 @@ template <class Shape, class ExecSpace, class QV, class KV, class VV, class OV, 
           class Mask, class QPos, class KPos>
 void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
                      const OV& o, const LV& lse, const Mask& mask, const QPos& qpos,
-                     const KPos& kpos, double scale) {
+                     const KPos& kpos, double scale, bool check_policies) {
   using T = typename OV::non_const_value_type;
   using mem = typename ExecSpace::memory_space;
   const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale);
+  if (check_policies_always || check_policies)
+    check_mask_contract(fn, exec, mask, qpos(0), qpos(e.queries - 1) + 1, kpos(0),
+                        kpos(e.keys - 1) + 1);
   const T s = softmax_scale<T>(scale, e.dim);
   with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
     constexpr int SD = decltype(static_d)::value;
@@ -238,7 +246,7 @@ template <class Shape, class ExecSpace, class QV, class KV, class VV, class OV, 
           class Mask, class QPos, class KPos>
 void forward(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
              const OV& o, const LV& lse, const Mask& mask, const QPos& qpos, const KPos& kpos,
-             double scale) {
+             double scale, bool check_policies = false) {
   check_forward_view_types<QV, KV, VV, OV, LV>();
   check_mask_policy<Mask>();
   check_position_map<QPos>();
@@ -247,7 +255,7 @@ void forward(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, co
   // diagnostic, not a backtrace from deeper templates.
   if constexpr (forward_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask> &&
                 is_position_map<QPos>::value && is_position_map<KPos>::value) {
-    forward_checked<Shape>(fn, exec, q, k, v, o, lse, mask, qpos, kpos, scale);
+    forward_checked<Shape>(fn, exec, q, k, v, o, lse, mask, qpos, kpos, scale, check_policies);
   }
 }
 
@@ -276,7 +284,8 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
   using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
   impl::require_offsets("attention_forward", opts);
   impl::forward<Shape>("attention_forward", exec, q, k, v, o, lse, mask,
-                       OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, opts.scale);
+                       OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, opts.scale,
+                       opts.check_policies);
 }
 
 /// Same, on a default-constructed instance of the Views' execution space.

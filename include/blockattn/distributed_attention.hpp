@@ -71,6 +71,10 @@ struct DistributedOptions {
   /// blockattn::timeout_error naming the step, the peer and the message
   /// (instead of waiting forever for a rank that failed or never posts).
   double timeout_seconds = 0.0;
+  /// Check the mask's classify() against allowed() on a sample of boxes of
+  /// the global sequence before the work (every rank the same sample);
+  /// always on with -DBLOCKATTN_CHECK_POLICIES.
+  bool check_policies = false;
 };
 
 template <class Partition, class Mask, class Schedule, class Communicator,
@@ -461,7 +465,9 @@ class DistributedAttention {
         .real("options.scale", opts.scale,
               std::isnan(opts.scale) ? std::string("default (1/sqrt(head_dim))")
                                      : impl::to_text(opts.scale))
-        .number("options.communicate", opts.communicate ? 1 : 0);
+        .number("options.communicate", opts.communicate ? 1 : 0)
+        .number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
+                impl::check_policies_always || opts.check_policies ? 1 : 0);
     impl::reach_consensus(m_comm, name, error, f);
 
     // From here on every rank holds the same configuration, so the checks
@@ -470,6 +476,8 @@ class DistributedAttention {
     const index_type N = index_type(e.queries) * P;
     require_partitionable<Partition>(name, N, P);
     check_partition_contract<Partition>(name, N, P);
+    if (impl::check_policies_always || opts.check_policies)
+      impl::check_mask_contract(name, m_exec, m_mask, 0, N, 0, N);
     if constexpr (std::is_same<Schedule, BalancedSchedule>::value) {
       for (int i = 0; i < P; ++i)
         for (int j = i + 1; j < P; ++j)

@@ -62,7 +62,10 @@ KOKKOS_FORCEINLINE_FUNCTION float exp2_nonpositive(float x) {
                   c5 = 1.339887440266574e-3f, c6 = 1.535336188319500e-4f;
   const float poly = 1.0f + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * c6)))));
   constexpr std::int32_t exponent_bias = 127, mantissa_bits = 23;
-  const float two_n = bit_cast<float>((n + exponent_bias) << mantissa_bits);
+  // Unsigned: for a NaN argument n is meaningless (the result is replaced by NaN
+  // below) and a signed shift of it would be undefined behaviour.
+  const float two_n = bit_cast<float>(
+      (static_cast<std::uint32_t>(n) + static_cast<std::uint32_t>(exponent_bias)) << mantissa_bits);
   const std::uint32_t is_nan = 0u - static_cast<std::uint32_t>((ux & 0x7fffffffu) > 0x7f800000u);
   return bit_cast<float>((bit_cast<std::uint32_t>(poly * two_n) & in_range) |
                          (is_nan & 0x7fc00000u));
