@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "backend.hpp"
 #include "forward_check.hpp"
@@ -107,6 +108,15 @@ TEST_CASE_TEMPLATE("backward matches the fp64 reference for every mask", T, doub
     run_case<T>(s, CausalMask{}, ++seed);
     run_case<T>(s, SlidingWindowMask{17, 9}, ++seed);
     run_case<T>(s, PrefixLMMask{30}, ++seed);
+    // Packed documents (offsets in the backend's memory), causal and windowed.
+    std::vector<index_type> off{0};
+    const index_type len = s.nq > s.nk ? s.nq : s.nk;
+    for (index_type cut : {1, 9, 10, 44, 90})
+      if (cut < len) off.push_back(cut);
+    off.push_back(len);
+    const Documents<MemSpace> docs(off);
+    run_case<T>(s, docs.mask(), ++seed);
+    run_case<T>(s, docs.mask(false, 12, 3), ++seed);
   }
   ForwardOptions opts;
   opts.q_offset = 100;

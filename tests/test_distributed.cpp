@@ -12,6 +12,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "backend.hpp"
 #include "reference.hpp"
@@ -127,13 +128,26 @@ RunStats check_against_single(Comm comm, const Case& c, const Mask& mask, std::u
   return stats;
 }
 
+/// Document starts cutting [0, N) unevenly: a 1-token document, a long one
+/// crossing rank boundaries, and the rest.
+inline std::vector<index_type> uneven_documents(index_type N) {
+  std::vector<index_type> off{0};
+  for (index_type cut : {N / 5, N / 5 + 1, N / 2 + 3})
+    if (cut > off.back() && cut < N) off.push_back(cut);
+  off.push_back(N);
+  return off;
+}
+
 template <class T, class Partition, class Comm>
 void all_masks(Comm comm, const Case& c, std::uint64_t seed) {
   const index_type N = index_type(c.n_local) * comm.size();
   check_against_single<T, Partition>(comm, c, FullMask{}, seed);
   check_against_single<T, Partition>(comm, c, CausalMask{}, seed + 10);
   check_against_single<T, Partition>(comm, c, SlidingWindowMask{N / 5, N / 7}, seed + 20);
-  check_against_single<T, Partition>(comm, c, test::PrefixLMMask{N / 3}, seed + 30);
+  check_against_single<T, Partition>(comm, c, PrefixLMMask{N / 3}, seed + 30);
+  // Packed documents of uneven lengths (one of 1 token, one crossing ranks).
+  const Documents<MemSpace> docs(uneven_documents(N));
+  check_against_single<T, Partition>(comm, c, docs.mask(true, N / 4, 0), seed + 40);
 }
 
 // Local lengths are even (zigzag) and not multiples of the tile sizes.
@@ -155,7 +169,7 @@ TEST_CASE("the size-1 communicator runs the same code without MPI") {
   check_against_single<double, StripedPartition>(SelfCommunicator{}, {1, 50, 2, 1, 64},
                                                  CausalMask{}, 7);
   check_against_single<float, ZigzagPartition>(SelfCommunicator{}, {2, 66, 1, 1, 40},
-                                               test::PrefixLMMask{20}, 8);
+                                               PrefixLMMask{20}, 8);
 }
 
 TEST_CASE("accounting: bytes and steps match the ring") {
@@ -221,8 +235,8 @@ TEST_CASE("balanced schedule rejects a mask that attends to later blocks, on eve
   const int n = 32, d = 64;
   V4<double> q("q", 1, n, 1, d), o("o", 1, n, 1, d);
   V3<double> lse("lse", 1, 1, n);
-  DistributedAttention<ContiguousPartition, test::PrefixLMMask, BalancedSchedule, Mpi, ExecSpace>
-      attn(comm, test::PrefixLMMask{n + 1});  // the prefix reaches into rank 1's block
+  DistributedAttention<ContiguousPartition, PrefixLMMask, BalancedSchedule, Mpi, ExecSpace> attn(
+      comm, PrefixLMMask{n + 1});  // the prefix reaches into rank 1's block
   if (comm.size() == 1) {
     CHECK_NOTHROW(attn.forward(q, q, q, o, lse));
   } else {
@@ -368,7 +382,7 @@ void backward_all_masks(Mpi& comm, const Case& c, std::uint64_t seed) {
   check_backward<T, Schedule, Partition>(comm, c, FullMask{}, seed);
   check_backward<T, Schedule, Partition>(comm, c, CausalMask{}, seed + 1);
   check_backward<T, Schedule, Partition>(comm, c, SlidingWindowMask{N / 5, N / 7}, seed + 2);
-  check_backward<T, Schedule, Partition>(comm, c, test::PrefixLMMask{N / 3}, seed + 3);
+  check_backward<T, Schedule, Partition>(comm, c, PrefixLMMask{N / 3}, seed + 3);
 }
 
 template <class T, class Schedule>
@@ -405,6 +419,10 @@ TEST_CASE_TEMPLATE("balanced backward matches the fp64 gradients", T, double, fl
                                                              seed += 10);
     check_backward<T, BalancedSchedule, ContiguousPartition>(
         comm, c, test::DocumentCausalMask{N / 3 + 1}, seed += 10);
+    const Documents<MemSpace> docs(uneven_documents(N));
+    check_backward<T, BalancedSchedule, ContiguousPartition>(comm, c, docs.mask(), seed += 10);
+    check_backward<T, RingSchedule, ZigzagPartition>(comm, c, docs.mask(false, N / 3, N / 4),
+                                                     seed += 10);
   }
 }
 

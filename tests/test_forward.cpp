@@ -5,6 +5,7 @@
 #include <blockattn/blockattn.hpp>
 
 #include <random>
+#include <vector>
 
 #include "backend.hpp"
 #include "forward_check.hpp"
@@ -67,6 +68,16 @@ ErrorReport run_case(const Shape& s, const Mask& mask, Layout layout, std::uint6
   return err;
 }
 
+/// Document starts cutting [0, length) unevenly: 1-token documents, short and
+/// long ones, one crossing tile boundaries.
+inline std::vector<index_type> document_offsets(index_type length) {
+  std::vector<index_type> off{0};
+  for (index_type cut : {1, 2, 7, 40, 41, 100, 101, 190})
+    if (cut < length) off.push_back(cut);
+  off.push_back(length);
+  return off;
+}
+
 // Lengths around the tile sizes (64x64, and 96x128 at fp32 D = 128, on CPUs; 32 on GPUs), Nq != Nk,
 // GQA, and the head dims with compile-time paths (64, 128) and the generic path.
 const Shape shapes[] = {
@@ -88,6 +99,11 @@ TEST_CASE_TEMPLATE("forward matches the fp64 reference for every mask and layout
       run_case<T>(s, SlidingWindowMask{20, 5}, layout, seed);
       run_case<T>(s, causal_window(70), layout, seed);
       run_case<T>(s, PrefixLMMask{40}, layout, seed);
+      // Packed documents of uneven lengths (1-token ones too), offsets in the
+      // backend's memory: causal, and bidirectional within a window.
+      const Documents<MemSpace> docs(document_offsets(s.nq > s.nk ? s.nq : s.nk));
+      run_case<T>(s, docs.mask(), layout, seed);
+      run_case<T>(s, docs.mask(false, 20, 5), layout, seed);
     }
 }
 

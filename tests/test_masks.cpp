@@ -5,6 +5,9 @@
 
 #include <blockattn/blockattn.hpp>
 
+#include <string>
+#include <vector>
+
 #include "user_masks.hpp"
 
 using namespace blockattn;
@@ -45,6 +48,47 @@ void check_classify(const Mask& m, bool exact) {
 
 }  // namespace
 
+TEST_CASE("library prefix-LM and document masks: classify agrees with allowed") {
+  SUBCASE("prefix-LM (exact)") {
+    for (index_type prefix : {-5, 0, 1, 4, 11, 20}) check_classify(PrefixLMMask{prefix}, true);
+  }
+  // Documents of 1, 3, 5 and 3 tokens in [0, 12); positions outside belong to none.
+  const Documents<Kokkos::HostSpace> docs(std::vector<index_type>{0, 1, 4, 9, 12});
+  SUBCASE("documents, causal") {
+    check_classify(docs.mask(), false);
+  }
+  SUBCASE("documents, bidirectional") {
+    check_classify(docs.mask(false), false);
+  }
+  SUBCASE("documents, causal window of 3") {
+    check_classify(docs.mask(true, 2, 0), false);
+  }
+  SUBCASE("documents, two-sided window") {
+    check_classify(docs.mask(false, 1, 2), false);
+  }
+  SUBCASE("exact where it matters: a box in one document is full or empty as the truth says") {
+    const DocumentMask m = docs.mask(false);
+    for (index_type qb = 0; qb < 12; ++qb)
+      for (index_type qe = qb + 1; qe <= 12; ++qe)
+        for (index_type kb = 0; kb < 12; ++kb)
+          for (index_type ke = kb + 1; ke <= 12; ++ke) {
+            if (m.document(qb) != m.document(qe - 1) || m.document(kb) != m.document(ke - 1))
+              continue;
+            CHECK(m.classify(qb, qe, kb, ke) == brute_force(m, qb, qe, kb, ke));
+          }
+  }
+  SUBCASE("offsets must increase") {
+    std::string msg;
+    try {
+      Documents<Kokkos::HostSpace> bad(std::vector<index_type>{0, 5, 5, 9});
+    } catch (const invalid_argument& e) {
+      msg = e.what();
+    }
+    CHECK(msg.find("offsets[2] = 5 after offsets[1] = 5") != std::string::npos);
+  }
+  static_assert(is_mask_policy_v<PrefixLMMask> && is_mask_policy_v<DocumentMask>);
+}
+
 TEST_CASE("mask classify agrees with allowed on every small box") {
   SUBCASE("full") {
     check_classify(FullMask{}, true);
@@ -65,7 +109,7 @@ TEST_CASE("mask classify agrees with allowed on every small box") {
     check_classify(causal_window(4), true);
   }
   SUBCASE("user prefix-LM (conservative)") {
-    check_classify(test::PrefixLMMask{5}, false);
+    check_classify(PrefixLMMask{5}, false);
   }
 }
 
@@ -89,7 +133,7 @@ TEST_CASE("mask policy concept") {
   static_assert(is_mask_policy_v<FullMask>);
   static_assert(is_mask_policy_v<CausalMask>);
   static_assert(is_mask_policy_v<SlidingWindowMask>);
-  static_assert(is_mask_policy_v<test::PrefixLMMask>);
+  static_assert(is_mask_policy_v<PrefixLMMask>);
   static_assert(!is_mask_policy_v<NoClassify>);
   static_assert(!is_mask_policy_v<WrongReturn>);
   static_assert(!is_mask_policy_v<int>);

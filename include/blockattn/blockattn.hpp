@@ -8,6 +8,7 @@
 #include <blockattn/communicator.hpp>
 #include <blockattn/config.hpp>
 #include <blockattn/distributed_attention.hpp>
+#include <blockattn/document_mask.hpp>
 #include <blockattn/errors.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/partition.hpp>

@@ -73,6 +73,26 @@ struct CausalMask {
   }
 };
 
+/// Prefix-LM (T5 / UniLM style): the keys before `prefix` are seen by every
+/// query (a bidirectional prefix), causal after it. classify() is exact.
+struct PrefixLMMask {
+  index_type prefix = 0;
+
+  KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type q, index_type k) const {
+    return k < prefix || k <= q;
+  }
+  KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type q_begin, index_type q_end,
+                                                     index_type k_begin, index_type k_end) const {
+    // Some pair is allowed iff k_begin < prefix or k_begin <= the last query;
+    // every pair iff no key reaches max(prefix, q_begin + 1).
+    if (k_begin >= prefix && k_begin > q_end - 1) return TileKind::empty;
+    const index_type first_unseen = prefix > q_begin + 1 ? prefix : q_begin + 1;
+    if (k_end - 1 < first_unseen) return TileKind::full;
+    return TileKind::partial;
+  }
+  std::array<index_type, 1> parameters() const { return {{prefix}}; }
+};
+
 /// A sliding window of `window` keys ending at the query (causal local attention).
 KOKKOS_INLINE_FUNCTION constexpr SlidingWindowMask causal_window(index_type window) {
   return SlidingWindowMask{window - 1, 0};
