@@ -139,6 +139,7 @@ int main(int argc, char** argv) {
           else
             std::printf("%-4s %6d %-7s %10.3f %12.2f %12s %8s\n", op == 0 ? "fwd" : "bwd", n, mask,
                         s * 1e3, tf, "-", "-");
+          std::fflush(stdout);
         }
       }
     }

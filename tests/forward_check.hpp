@@ -16,13 +16,37 @@
 
 namespace blockattn::test {
 
-/// Copies a host tensor into a device View of T, rounding to T; the host
-/// tensor is overwritten with the rounded values so that the reference sees
-/// exactly the kernel's inputs.
+/// A LayoutRight View of `view`'s shape in its memory space. Copies between a
+/// host mirror and a strided (non-contiguous) device View have no common
+/// execution space; they go through this contiguous twin on the device.
+template <class View>
+auto contiguous_like(const View& v) {
+  using Out = Kokkos::View<typename View::non_const_data_type, Kokkos::LayoutRight,
+                           typename View::memory_space>;
+  if constexpr (unsigned(View::rank) == 4)
+    return Out("contiguous", v.extent(0), v.extent(1), v.extent(2), v.extent(3));
+  else if constexpr (unsigned(View::rank) == 3)
+    return Out("contiguous", v.extent(0), v.extent(1), v.extent(2));
+  else
+    return Out("contiguous", v.extent(0));
+}
+
+/// A host copy of any View (any layout, any memory space).
+template <class View>
+auto to_host(const View& v) {
+  auto c = contiguous_like(v);
+  Kokkos::deep_copy(c, v);
+  return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), c);
+}
+
+/// Copies a host tensor into a device View of T (any layout), rounding to T;
+/// the host tensor is overwritten with the rounded values so that the
+/// reference sees exactly the kernel's inputs.
 template <class View>
 void upload(HostTensor& t, const View& view) {
   using T = typename View::non_const_value_type;
-  auto h = Kokkos::create_mirror_view(view);
+  auto c = contiguous_like(view);
+  auto h = Kokkos::create_mirror_view(c);
   for (int a = 0; a < t.b; ++a)
     for (int n = 0; n < t.n; ++n)
       for (int x = 0; x < t.h; ++x)
@@ -30,7 +54,8 @@ void upload(HostTensor& t, const View& view) {
           h(a, n, x, d) = static_cast<T>(t(a, n, x, d));
           t(a, n, x, d) = static_cast<double>(h(a, n, x, d));
         }
-  Kokkos::deep_copy(view, h);
+  Kokkos::deep_copy(c, h);
+  Kokkos::deep_copy(view, c);
 }
 
 struct ErrorReport {
@@ -43,8 +68,8 @@ struct ErrorReport {
 
 template <class OView, class LView>
 ErrorReport compare(const ReferenceResult& ref, const OView& o, const LView& lse) {
-  auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
-  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  auto oh = to_host(o);
+  auto lh = to_host(lse);
   ErrorReport r;
   const auto& t = ref.o;
   for (int a = 0; a < t.b; ++a)

@@ -305,7 +305,12 @@ namespace {
 HostTensor host_of(const V4<double>& v) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
   HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
-  for (std::size_t i = 0; i < t.data.size(); ++i) t.data[i] = h.data()[i];
+  // Index by (b, n, h, d): V4 has the memory space's default layout
+  // (LayoutLeft on GPUs), HostTensor is row-major.
+  for (int a = 0; a < t.b; ++a)
+    for (int n = 0; n < t.n; ++n)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = h(a, n, x, d);
   return t;
 }
 
@@ -366,8 +371,8 @@ void check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_t se
           }
     for (double w : want.data) den = std::max(den, std::abs(w));
     const double tol = std::is_same<T, double>::value ? 1e-11 : 1e-4;
-    INFO("rank ", rank, "/", P, " ", Schedule::name(), " ", Partition::name(), " ", name,
-         " rel err ", num / den);
+    INFO("rank ", rank, "/", P, " ", std::string(Schedule::name()), " ",
+         std::string(Partition::name()), " ", std::string(name), " rel err ", num / den);
     CHECK(finite);
     CHECK(num <= tol * den);
   };
@@ -543,4 +548,65 @@ TEST_CASE("NaN and Inf cross ranks exactly to the outputs that can see them") {
       check_poisoned<BurstSchedule>(comm, where, token, value);
       check_poisoned<BalancedSchedule>(comm, where, token, value);
     }
+}
+
+namespace {
+
+/// The same distributed forward and backward on LayoutRight Views and on
+/// LayoutLeft ones (Kokkos' default on GPUs) must agree bitwise: the kernels
+/// pack to their own layout, and every element-wise step (merging partials,
+/// adding partial gradients) indexes by (batch, token, head, dim).
+template <class Schedule>
+void check_layouts(Mpi& comm) {
+  using T = double;
+  using R4 = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
+  using R3 = Kokkos::View<T***, Kokkos::LayoutRight, MemSpace>;
+  using L4 = Kokkos::View<T****, Kokkos::LayoutLeft, MemSpace>;
+  using L3 = Kokkos::View<T***, Kokkos::LayoutLeft, MemSpace>;
+  const int rank = comm.rank(), n = 45, H = 2, Hkv = 1, d = 40;
+  R4 q("q", 2, n, H, d), k("k", 2, n, Hkv, d), v("v", 2, n, Hkv, d), dO("do", 2, n, H, d),
+      o("o", 2, n, H, d), dq("dq", 2, n, H, d), dk("dk", 2, n, Hkv, d), dv("dv", 2, n, Hkv, d);
+  R3 lse("lse", 2, H, n);
+  fill_random(q, 61 + 10 * rank);
+  fill_random(k, 62 + 10 * rank);
+  fill_random(v, 63 + 10 * rank);
+  fill_random(dO, 64 + 10 * rank);
+  L4 ql("ql", 2, n, H, d), kl("kl", 2, n, Hkv, d), vl("vl", 2, n, Hkv, d), dOl("dol", 2, n, H, d),
+      ol("ol", 2, n, H, d), dql("dql", 2, n, H, d), dkl("dkl", 2, n, Hkv, d),
+      dvl("dvl", 2, n, Hkv, d);
+  L3 lsel("lsel", 2, H, n);
+  Kokkos::deep_copy(ql, q);
+  Kokkos::deep_copy(kl, k);
+  Kokkos::deep_copy(vl, v);
+  Kokkos::deep_copy(dOl, dO);
+  DistributedAttention<ContiguousPartition, CausalMask, Schedule, Mpi, ExecSpace> attn(comm);
+  attn.forward(q, k, v, o, lse);
+  attn.backward(q, k, v, o, lse, dO, dq, dk, dv);
+  attn.forward(ql, kl, vl, ol, lsel);
+  attn.backward(ql, kl, vl, ol, lsel, dOl, dql, dkl, dvl);
+  Kokkos::fence();
+  auto differ = [](const auto& right, const auto& left) {
+    std::decay_t<decltype(right)> back("back", right.layout());
+    Kokkos::deep_copy(back, left);
+    auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), right);
+    auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), back);
+    int count = 0;
+    for (std::size_t i = 0; i < a.span(); ++i) count += !(a.data()[i] == b.data()[i]);
+    return count;
+  };
+  INFO("rank ", rank, "/", comm.size(), " ", std::string(Schedule::name()));
+  CHECK(differ(o, ol) == 0);
+  CHECK(differ(lse, lsel) == 0);
+  CHECK(differ(dq, dql) == 0);
+  CHECK(differ(dk, dkl) == 0);
+  CHECK(differ(dv, dvl) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("LayoutLeft Views give bitwise the results of LayoutRight ones (every schedule)") {
+  Mpi comm(MPI_COMM_WORLD);
+  check_layouts<RingSchedule>(comm);
+  check_layouts<BurstSchedule>(comm);
+  check_layouts<BalancedSchedule>(comm);
 }

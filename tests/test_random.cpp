@@ -268,14 +268,16 @@ Errors run_single(const Config& c, const HostTensor& q, const HostTensor& k, con
   Errors e;
   compare4(o, ref.o, Identity{}, e.o, e.pattern_ok);
   auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), l);
-  for (std::size_t i = 0; i < ref.lse.size(); ++i) {
-    const double g = double(lh.data()[i]), w = ref.lse[i];
-    if (std::isinf(w) || std::isinf(g)) {
-      e.pattern_ok = e.pattern_ok && g == w;
-      continue;
-    }
-    e.lse = std::max(e.lse, std::abs(g - w));
-  }
+  for (int b = 0; b < q.b; ++b)
+    for (int x = 0; x < q.h; ++x)
+      for (int i = 0; i < q.n; ++i) {  // (b, h, n) indexing: V3 may be LayoutLeft (GPUs)
+        const double g = double(lh(b, x, i)), w = ref.lse[(std::size_t(b) * q.h + x) * q.n + i];
+        if (std::isinf(w) || std::isinf(g)) {
+          e.pattern_ok = e.pattern_ok && g == w;
+          continue;
+        }
+        e.lse = std::max(e.lse, std::abs(g - w));
+      }
   compare4(dq, grads.dq, Identity{}, e.grad, e.pattern_ok);
   compare4(dk, grads.dk, Identity{}, e.grad, e.pattern_ok);
   compare4(dv, grads.dv, Identity{}, e.grad, e.pattern_ok);

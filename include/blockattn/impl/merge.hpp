@@ -12,17 +12,24 @@
 namespace blockattn {
 namespace impl {
 
-/// a += b, element-wise over the whole span of two Views of one shape.
+/// a += b, element-wise, for two rank-4 Views of one shape and any layouts (a
+/// user's dQ, dK, dV may be LayoutLeft, as Kokkos' default on GPUs, or strided
+/// sub-views; the schedules' own buffers are LayoutRight).
 template <class ExecSpace, class AV, class BV>
 void add_into(const ExecSpace& exec, const AV& a, const BV& b) {
-  using T = typename AV::non_const_value_type;
-  const std::int64_t n = std::int64_t(a.span());
-  T* const pa = a.data();
-  const T* const pb = b.data();
+  static_assert(unsigned(AV::rank) == 4 && unsigned(BV::rank) == 4,
+                "blockattn::impl::add_into: rank-4 Views");
+  const std::int64_t n1 = std::int64_t(a.extent(1)), n2 = std::int64_t(a.extent(2)),
+                     n3 = std::int64_t(a.extent(3));
+  const std::int64_t n = std::int64_t(a.extent(0)) * n1 * n2 * n3;
   Kokkos::parallel_for(
       "blockattn::add_into",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, n),
-      KOKKOS_LAMBDA(const std::int64_t i) { pa[i] += pb[i]; });
+      KOKKOS_LAMBDA(const std::int64_t i) {
+        const std::int64_t d = i % n3, r = i / n3, h = r % n2, r2 = r / n2, q = r2 % n1,
+                           bb = r2 / n1;
+        a(bb, q, h, d) += b(bb, q, h, d);
+      });
 }
 
 /// Merges the partial result (part_o normalised, part_lse natural log; a row
