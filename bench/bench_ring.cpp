@@ -6,7 +6,7 @@
 //   after it) against the same steps with no communication (each rank computes
 //   the same tiles on its local block), interleaved, best of R each. Also
 //   measures F (attained FLOP/s of one step) and B (bytes/s of the same
-//   exchange without compute) and prints the condition of ring-attention.txt
+//   exchange without compute) and prints the condition of Ring Attention (arXiv:2310.01889)
 //   (compute of a step >= transfer of a block: c >= F * bytes_per_token / (4 d)).
 // --memory: per-rank memory at a fixed block size: what the schedule allocates
 //   (workspace), the local Q, K, V, O, LSE, and the process' peak RSS.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Per-rank per-step work of the four schedules at P = 8, causal mask: the view
-# of striped-attention.txt Figure 4 and distflashattn.txt Figure 1, drawn from
+# of Striped Attention (arXiv:2311.09431) Figure 4 and DistFlashAttn (arXiv:2310.03294) Figure 1, drawn from
 # the data the planner prints (work = allowed pairs / (N/P)^2, so a full block
 # is 1 and a diagonal block ~0.5; white = idle).
 #   bench/plot_schedules.sh <path to blockattn_plan> <out.png>

@@ -224,7 +224,7 @@ TEST_CASE("balanced schedule: steps follow the task model, idle fraction of the 
       full_blocks += 1;
     }
   }
-  // distflashattn.txt eq. (2): idle rank-steps / P^2 = 0 (odd P), 1 / (2P) (even P);
+  // DistFlashAttn (arXiv:2310.03294) eq. (2): idle rank-steps / P^2 = 0 (odd P), 1 / (2P) (even P);
   // every off-diagonal block pair computed once: P (P - 1) / 2 of them.
   CHECK(comm.allreduce(idle, ReduceOp::sum) == (P % 2 == 0 ? P / 2 : 0));
   CHECK(comm.allreduce(full_blocks, ReduceOp::sum) == std::int64_t(P) * (P - 1) / 2);

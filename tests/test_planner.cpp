@@ -29,7 +29,9 @@ plan::Hardware unit_machine(int c) {
 
 }  // namespace
 
-TEST_CASE("ring-attention.txt Table 2: minimal block size c = F/B and sequence length 6c") {
+TEST_CASE(
+    "Ring Attention (arXiv:2310.01889) Table 2: minimal block size c = F/B and sequence length "
+    "6c") {
   // Published: (minimal block size, minimal sequence length), both x 1e3,
   // printed with one decimal. Tolerance: 1 % or half a unit of the printed
   // digit, whichever is larger (the paper's 24.8 for F/B = 24.96 is 0.6 % off).
@@ -51,7 +53,9 @@ TEST_CASE("ring-attention.txt Table 2: minimal block size c = F/B and sequence l
   }
 }
 
-TEST_CASE("ring-attention.txt §3: the simulated ring hides transfers exactly from c = F/B on") {
+TEST_CASE(
+    "Ring Attention (arXiv:2310.01889) §3: the simulated ring hides transfers exactly from c = F/B "
+    "on") {
   // Full mask, bf16, one head, tile = block: above c_min the makespan is the
   // compute of P blocks; below, the transfers show.
   plan::Hardware hw = plan::a100_infiniband();
@@ -74,7 +78,7 @@ TEST_CASE("ring-attention.txt §3: the simulated ring hides transfers exactly fr
   }
 }
 
-TEST_CASE("distflashattn.txt §4.6: 8 workers, work 36 of 64, speedup 4.5x vs 7.2x") {
+TEST_CASE("DistFlashAttn (arXiv:2310.03294) §4.6: 8 workers, work 36 of 64, speedup 4.5x vs 7.2x") {
   // One tile per block, every computed tile 1 unit (the paper counts the
   // diagonal block as a whole unit).
   const int P = 8, c = 256;
@@ -101,7 +105,8 @@ TEST_CASE("distflashattn.txt §4.6: 8 workers, work 36 of 64, speedup 4.5x vs 7.
   CHECK(bal7.makespan_s == doctest::Approx(4.0));  // 28 units on 7 ranks
 }
 
-TEST_CASE("striped-attention.txt §2.3: workloads c(c+1)/2 and c(c-1)/2, speedup below 2") {
+TEST_CASE(
+    "Striped Attention (arXiv:2311.09431) §2.3: workloads c(c+1)/2 and c(c-1)/2, speedup below 2") {
   // Tiles of one token: tiles = pairs.
   for (int P : {2, 3, 4, 8})
     for (int c : {1, 2, 5, 16}) {

@@ -38,7 +38,7 @@ TEST_CASE("partitions are permutations with inverse and increasing local order")
     check_partition<StripedPartition>(24 * P, P);
     check_partition<ZigzagPartition>(24 * P, P);
   }
-  // Striped: token t on rank t mod P (striped-attention.txt Figure 1).
+  // Striped: token t on rank t mod P (Striped Attention (arXiv:2311.09431) Figure 1).
   CHECK(StripedPartition::positions(16, 4, 1)(2) == 9);
   // Zigzag: rank r holds chunks r and 2P - 1 - r.
   CHECK(ZigzagPartition::positions(16, 4, 0)(2) == 14);
@@ -77,7 +77,8 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("striped causal ring: per-step work is Work(i, j) of striped-attention.txt") {
+TEST_CASE(
+    "striped causal ring: per-step work is Work(i, j) of Striped Attention (arXiv:2311.09431)") {
   // Work(i, j) = c(c+1)/2 if i >= j else c(c-1)/2, c tokens per rank.
   for (int P = 2; P <= 8; ++P) {
     const index_type c = 40, N = c * P;
@@ -146,7 +147,7 @@ TEST_CASE("balanced schedule: every block pair once, the paper's idle fractions"
       }
     for (int i = 0; i < P; ++i)
       for (int j = 0; j < P; ++j) CHECK(seen[std::size_t(i) * P + j] == (j <= i ? 1 : 0));
-    // distflashattn.txt eq. (2): idle fraction (idle rank-steps over P^2) 0 for
+    // DistFlashAttn (arXiv:2310.03294) eq. (2): idle fraction (idle rank-steps over P^2) 0 for
     // odd P, 1 / (2P) for even P; the plain ring's (P^2 - P) / (2 P^2).
     const double balanced = double(idle) / (double(P) * P);
     CHECK(balanced == doctest::Approx(P % 2 ? 0.0 : 1.0 / (2.0 * P)));

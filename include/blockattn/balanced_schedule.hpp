@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// DistFlashAttn's load-balanced schedule (distflashattn.txt §3.2, Algorithm 2)
+// DistFlashAttn's load-balanced schedule (arXiv:2310.03294, §3.2, Algorithm 2)
 // and its host-side task model: which (query block, key block) pair each rank
 // computes at each step. The run and its accounting both use this model.
 #pragma once
@@ -31,7 +31,7 @@ struct BalancedBackward {
 ///   otherwise idle (only at t = P / 2 for even P).
 /// Every block pair (i, j), j <= i, is computed exactly once: by its owner i
 /// when i - j <= floor(P / 2), else by the helper j at t = P - (i - j).
-/// (distflashattn.txt's Algorithm 2 prints the helper condition as
+/// (DistFlashAttn's Algorithm 2, arXiv:2310.03294, prints the helper condition as
 /// t != floor(P / 2), which for odd P drops the pairs at distance
 /// ceil(P / 2); 2t < P is the condition that covers them.)
 struct BalancedSchedule {

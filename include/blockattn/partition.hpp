@@ -46,7 +46,7 @@ struct ContiguousPartition {
   }
 };
 
-/// Striped Attention: token t lives on rank t mod P (striped-attention.txt, Figure 1).
+/// Striped Attention: token t lives on rank t mod P (arXiv:2311.09431, Figure 1).
 struct StripedPartition {
   static constexpr const char* name() { return "striped"; }
   static index_type multiple_of(int P) { return P; }

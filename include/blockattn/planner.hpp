@@ -7,7 +7,8 @@
 // bytes moved and peak memory per rank for any partition x mask x schedule,
 // and recommends the fastest combination that fits in memory.
 //
-//   plan::Problem pb = plan::problem_for<float, Kokkos::Cuda>(N, P, batch, heads, kv_heads, dim);
+//   plan::Problem pb = plan::problem_for<float, Kokkos::DefaultExecutionSpace>(N, P, batch, heads,
+//                                             kv_heads, dim);
 //   auto all = plan::compare(pb, CausalMask{}, plan::a100_nvlink());
 //   const plan::Prediction& best = all[plan::recommend(all)];
 //
@@ -43,7 +44,7 @@ struct Hardware {
   double step_overhead = 0;      // seconds per step with work (launches, host)
 };
 
-/// Published per-host figures of ring-attention.txt Table 2 (FLOPS, HBM,
+/// Published per-host figures of Ring Attention (arXiv:2310.01889) Table 2 (FLOPS, HBM,
 /// unidirectional interconnect bandwidth between hosts).
 inline Hardware a100_nvlink() {
   return {"A100 NVLink", 312e12, 1, 300e9, 0, 80e9, 0};
@@ -95,7 +96,7 @@ Problem problem_for(index_type N, int P, int batch, int heads, int kv_heads, int
   return p;
 }
 
-/// ring-attention.txt §3: the smallest block (tokens per rank) whose compute,
+/// Ring Attention (arXiv:2310.01889) §3: the smallest block (tokens per rank) whose compute,
 /// 4 d c^2 FLOPs per head, hides the transfer of its K and V, 2 c d bytes each
 /// per KV head: c = F * kv_heads * dtype_bytes / (2 * heads * B). For bf16 and
 /// heads = kv_heads this is the paper's c = F / B.
@@ -103,7 +104,7 @@ inline double overlap_block_size(const Hardware& hw, int dtype_bytes = 2, int he
                                  int kv_heads = 1) {
   return hw.flops * kv_heads * dtype_bytes / (2.0 * heads * hw.bandwidth);
 }
-/// ring-attention.txt Table 2: the minimal sequence length per device, s = 6 c.
+/// Ring Attention (arXiv:2310.01889) Table 2: the minimal sequence length per device, s = 6 c.
 inline double ring_min_sequence(const Hardware& hw, int dtype_bytes = 2) {
   return 6.0 * overlap_block_size(hw, dtype_bytes);
 }
@@ -155,7 +156,7 @@ struct Prediction {
       for (const auto& s : r.steps) n += s.idle() ? 1 : 0;
     return n;
   }
-  /// distflashattn.txt eq. (2): idle rank-steps over P^2 (the P steps of the
+  /// DistFlashAttn (arXiv:2310.03294) eq. (2): idle rank-steps over P^2 (the P steps of the
   /// ring on P ranks).
   double idle_step_fraction() const {
     const double P = double(ranks.size());

@@ -14,18 +14,18 @@
 namespace blockattn {
 
 /// Backward variants of the ring schedules:
-/// KV ring (ring-attention.txt `_ring_attention_bwd`): K, V and their dK, dV
+/// KV ring (Ring Attention, arXiv:2310.01889, `_ring_attention_bwd`): K, V and their dK, dV
 /// accumulators travel; dQ stays home.
 struct KVRingBackward {
   static constexpr const char* name() { return "kv-ring"; }
 };
-/// Q ring (burstattention.txt Algorithm 2, GAO backward): Q, dO, LSE, D and the
+/// Q ring (BurstAttention, arXiv:2403.09347, Algorithm 2, GAO backward): Q, dO, LSE, D and the
 /// dQ accumulator travel; K, V, dK, dV stay home.
 struct QRingBackward {
   static constexpr const char* name() { return "q-ring"; }
 };
 
-/// The KV ring forward (Ring Attention, ring-attention.txt Algorithm 1;
+/// The KV ring forward (Ring Attention, arXiv:2310.01889, Algorithm 1;
 /// Striped Attention uses it with the striped partition): Q stays, K/V blocks
 /// travel to the next rank each step; step s on rank r holds the block of rank
 /// (r - s) mod P. Communication of the next block is posted before a step's

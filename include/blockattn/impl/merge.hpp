@@ -2,7 +2,7 @@
 // Element-wise kernels of the schedules: adding partial gradients, and merging
 // a partial attention result (normalised O and LSE over some keys) into the
 // online-softmax state of the same queries (the rescale rule of
-// distflashattn.txt §3.2, Dao 2023's merge of two key blocks).
+// DistFlashAttn (arXiv:2310.03294) §3.2, Dao 2023's merge of two key blocks).
 #pragma once
 
 #include <blockattn/config.hpp>
