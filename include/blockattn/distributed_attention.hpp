@@ -94,6 +94,12 @@ class DistributedAttention {
                 "BlockAttn: DistributedAttention: the third parameter must be a schedule "
                 "(RingSchedule, BurstSchedule, BalancedSchedule; see "
                 "blockattn/ring_schedule.hpp, blockattn/balanced_schedule.hpp)");
+  // Every schedule must have a driver below; a schedule type that merely looks
+  // like one must not fall back to another schedule's driver.
+  static_assert(!is_schedule_v<Schedule> || impl::is_kv_ring_forward<Schedule>::value ||
+                    std::is_same<Schedule, BalancedSchedule>::value,
+                "BlockAttn: DistributedAttention: no driver runs this schedule: the drivers "
+                "are the KV ring (RingSchedule, BurstSchedule) and BalancedSchedule");
   static_assert(is_communicator_v<Communicator>,
                 "BlockAttn: DistributedAttention: the fourth parameter must be a communicator "
                 "(MpiCommunicator<>, SelfCommunicator; see blockattn/communicator.hpp)");
@@ -140,8 +146,9 @@ class DistributedAttention {
       impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
         if constexpr (std::is_same<Schedule, BalancedSchedule>::value)
           run_balanced<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts, stats);
-        else
-          run_ring<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts, stats);
+        else if constexpr (impl::is_kv_ring_forward<Schedule>::value)
+          run_kv_ring_forward<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts,
+                                                                          stats);
       });
       return stats;
     } else {
@@ -177,7 +184,7 @@ class DistributedAttention {
           run_backward_kv<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
         else if constexpr (std::is_same<typename Schedule::backward_type, BalancedBackward>::value)
           run_backward_balanced<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
-        else
+        else if constexpr (std::is_same<typename Schedule::backward_type, QRingBackward>::value)
           run_backward_q<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       });
     }
@@ -491,8 +498,9 @@ class DistributedAttention {
   }
 
   template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV>
-  void run_ring(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v, const OV& o,
-                const LV& lse, const DistributedOptions& opts, RunStats& stats) {
+  void run_kv_ring_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                           const OV& o, const LV& lse, const DistributedOptions& opts,
+                           RunStats& stats) {
     using T = typename OV::non_const_value_type;
     using mem = typename ExecSpace::memory_space;
     using Kernel =
@@ -531,7 +539,7 @@ class DistributedAttention {
       const auto t0 = std::chrono::steady_clock::now();
       // The block of this rank's predecessor s steps back; without
       // communication the local data stand in for it (same tiles, same work).
-      const int src_positions = ring_source(rank, s, P);
+      const int src_rank = ring_source(rank, s, P);
       const bool more = s + 1 < P;
       std::vector<request> reqs;
       if (more && opts.communicate) {
@@ -541,8 +549,8 @@ class DistributedAttention {
         reqs.push_back(x.send(buf[cur].kt, ring_next(m_comm), s + 1, impl::Message::k));
         reqs.push_back(x.send(buf[cur].v, ring_next(m_comm), s + 1, impl::Message::v));
       }
-      const auto kpos = Partition::positions(N, P, src_positions);
-      const bool computed = !block_is_empty<Partition>(m_mask, N, P, rank, src_positions);
+      const auto kpos = Partition::positions(N, P, src_rank);
+      const bool computed = !block_is_empty<Partition>(m_mask, N, P, rank, src_rank);
       if (computed || !more) {
         state.resume = resumed;
         state.finish = !more;
@@ -568,7 +576,7 @@ class DistributedAttention {
       for (auto& r : reqs) x.wait(r);
       StepStats st;
       st.step = s;
-      st.source = src_positions;
+      st.source = src_rank;
       st.query_source = rank;
       st.computed = computed;
       st.tiles = ring_step_work<Partition>(m_mask, N, P, rank, s, Shape::block_q, Shape::block_k,
@@ -584,7 +592,7 @@ class DistributedAttention {
   using LseBuffer = Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
 
   /// Compute launches of one step in chunks of query tiles, testing the
-  /// transfers in flight between them (see run_ring).
+  /// transfers in flight between them (see run_kv_ring_forward).
   template <int SD, class Shape, class QV, class OV, class LV, class QPos, class KPos, class T,
             class Reqs, class Xfer>
   void launch_chunked(Xfer& x, const impl::ForwardExtents& e, const QV& q,

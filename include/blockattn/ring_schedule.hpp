@@ -56,6 +56,16 @@ struct is_schedule<S, std::void_t<typename S::schedule_type, decltype(S::name())
 template <class S>
 inline constexpr bool is_schedule_v = is_schedule<S>::value;
 
+namespace impl {
+/// Schedules whose forward is the KV ring (RingSchedule, BurstSchedule).
+template <class S>
+struct is_kv_ring_forward : std::false_type {};
+template <class B>
+struct is_kv_ring_forward<BasicRingSchedule<B>>
+    : std::bool_constant<std::is_same<B, KVRingBackward>::value ||
+                         std::is_same<B, QRingBackward>::value> {};
+}  // namespace impl
+
 /// The rank whose K/V block `rank` holds at `step` of the ring.
 inline int ring_source(int rank, int step, int P) {
   return ((rank - step) % P + P) % P;
