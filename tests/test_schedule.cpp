@@ -5,7 +5,10 @@
 
 #include <blockattn/blockattn.hpp>
 
+#include <algorithm>
+#include <map>
 #include <set>
+#include <vector>
 
 using namespace blockattn;
 
@@ -160,5 +163,337 @@ TEST_CASE("balanced schedule: every block pair once, the paper's idle fractions"
                          : 0;
     CHECK(double(ring_idle) / (double(P) * P) ==
           doctest::Approx((double(P) * P - P) / (2.0 * P * P)));
+  }
+}
+
+namespace {
+
+/// Runs a schedule's description (blockattn/schedule.hpp) on paper for P
+/// ranks, following what every buffer slot holds, and checks that it is a
+/// complete, race-free description: both ends list each transfer alike; every
+/// task reads the blocks it names (the K/V of task.k_rank, the queries of
+/// task.q_rank) from its slots; no slot is read or sent while a receive into
+/// it is in flight; a helper's result goes to the queries' rank; every block
+/// pair in `expected` is computed exactly once and nothing else.
+template <class Schedule>
+void check_description(int P, const std::set<std::pair<int, int>>& expected) {
+  INFO(Schedule::name(), " P=", P);
+  const int steps = Schedule::steps(P);
+  REQUIRE(steps >= 1);
+  std::vector<std::vector<ForwardStep>> desc(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r)
+    for (int s = 0; s < steps; ++s) desc[std::size_t(r)].push_back(schedule_step<Schedule>(r, s, P));
+  const auto same = [](const ScheduledTransfer& a, const ScheduledTransfer& b) {
+    return a.src == b.src && a.dst == b.dst && a.payload == b.payload &&
+           a.src_step == b.src_step && a.dst_step == b.dst_step &&
+           a.after_compute == b.after_compute && a.done_step == b.done_step &&
+           a.src_slot == b.src_slot && a.dst_slot == b.dst_slot;
+  };
+  const std::vector<ScheduledTransfer> all = schedule_transfers<Schedule>(P);
+  for (const auto& t : all) {
+    CHECK(t.src != t.dst);
+    CHECK(t.dst >= 0);
+    CHECK(t.dst < P);
+    CHECK(t.done_step >= t.src_step);
+    CHECK(t.done_step >= t.dst_step);
+    CHECK(t.done_step <= steps);
+    CHECK(t.dst_step < steps);
+    if (t.after_compute) CHECK(t.done_step > t.src_step);
+    int listed = 0;
+    for (const auto& u : desc[std::size_t(t.dst)][std::size_t(t.dst_step)].transfers)
+      listed += same(t, u) ? 1 : 0;
+    CHECK(listed == 1);  // the receiver lists it at dst_step
+  }
+  // Every entry a rank lists is a transfer it sends or receives at that step.
+  for (int r = 0; r < P; ++r)
+    for (int s = 0; s < steps; ++s)
+      for (const auto& t : desc[std::size_t(r)][std::size_t(s)].transfers)
+        CHECK(((t.src == r && t.src_step == s) || (t.dst == r && t.dst_step == s)));
+
+  // What each slot holds: the rank whose K/V or queries are in it (-1: nothing).
+  using Slots = std::map<int, int>;
+  std::vector<Slots> kv(static_cast<std::size_t>(P)), q(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) kv[std::size_t(r)][0] = q[std::size_t(r)][0] = r;
+  struct Flight {
+    ScheduledTransfer t;
+    int origin;
+  };
+  std::vector<Flight> flying;
+  std::map<std::pair<int, int>, int> computed;  // block pair -> times
+  const auto busy = [&](int rank, Payload p, int slot, int s) {
+    for (const auto& f : flying)
+      if (f.t.dst == rank && f.t.payload == p && f.t.dst_slot == slot && f.t.dst_step <= s)
+        return true;
+    return false;
+  };
+  for (int s = 0; s < steps; ++s) {
+    INFO("step ", s);
+    for (const auto& t : all)
+      if (t.src_step == s && t.payload != Payload::result) {
+        auto& held = (t.payload == Payload::kv ? kv : q)[std::size_t(t.src)];
+        const auto it = held.find(t.src_slot);
+        REQUIRE(it != held.end());  // sends a slot that holds a block
+        CHECK_FALSE(busy(t.src, t.payload, t.src_slot, s));
+        flying.push_back({t, it->second});
+      }
+    for (int r = 0; r < P; ++r) {
+      const ForwardStep& f = desc[std::size_t(r)][std::size_t(s)];
+      if (f.task.idle()) continue;
+      INFO("rank ", r, " task (", f.task.q_rank, ", ", f.task.k_rank, ")");
+      ++computed[{f.task.q_rank, f.task.k_rank}];
+      CHECK(kv[std::size_t(r)].count(f.kv_slot) == 1);
+      CHECK(kv[std::size_t(r)][f.kv_slot] == f.task.k_rank);
+      CHECK_FALSE(busy(r, Payload::kv, f.kv_slot, s));
+      CHECK(q[std::size_t(r)].count(f.q_slot) == 1);
+      CHECK(q[std::size_t(r)][f.q_slot] == f.task.q_rank);
+      CHECK_FALSE(busy(r, Payload::q, f.q_slot, s));
+      if (f.task.q_rank == r) {
+        CHECK(f.result_slot == -1);
+      } else {
+        // A helper: exactly one result transfer to the queries' rank.
+        REQUIRE(f.result_slot >= 0);
+        int results = 0;
+        for (const auto& t : all)
+          results += (t.payload == Payload::result && t.src == r && t.src_step == s &&
+                      t.after_compute && t.dst == f.task.q_rank && t.src_slot == f.result_slot)
+                         ? 1
+                         : 0;
+        CHECK(results == 1);
+      }
+    }
+    // Arrivals at the end of the step.
+    for (auto it = flying.begin(); it != flying.end();)
+      if (it->t.done_step == s) {
+        (it->t.payload == Payload::kv ? kv : q)[std::size_t(it->t.dst)][it->t.dst_slot] =
+            it->origin;
+        it = flying.erase(it);
+      } else {
+        ++it;
+      }
+  }
+  CHECK(flying.empty());  // inputs all arrive within the steps
+  for (const auto& [pair, times] : computed) {
+    INFO("pair (", pair.first, ", ", pair.second, ")");
+    CHECK(times == 1);
+    CHECK(expected.count(pair) == 1);
+  }
+  CHECK(computed.size() == expected.size());
+}
+
+}  // namespace
+
+TEST_CASE("schedule descriptions: complete, race-free, every block pair once (P = 1..9)") {
+  for (int P = 1; P <= 9; ++P) {
+    std::set<std::pair<int, int>> every, causal;
+    for (int i = 0; i < P; ++i)
+      for (int j = 0; j < P; ++j) {
+        every.insert({i, j});
+        if (j <= i) causal.insert({i, j});
+      }
+    check_description<RingSchedule>(P, every);
+    check_description<BurstSchedule>(P, every);
+    check_description<BalancedSchedule>(P, causal);
+  }
+}
+
+TEST_CASE("schedule descriptions: the buffers each rank uses") {
+  // The ring holds two K/V blocks (double buffering); one at P = 1.
+  CHECK(forward_slots<RingSchedule>(0, 1).kv == 1);
+  for (int P = 2; P <= 6; ++P)
+    for (int r = 0; r < P; ++r) {
+      const ForwardSlots u = forward_slots<RingSchedule>(r, P);
+      CHECK(u.kv == 2);
+      CHECK(u.q == 1);
+      CHECK_FALSE(u.q_copy);
+      CHECK(u.results_in + u.results_out == 0);
+      CHECK_FALSE(u.merges);
+    }
+  // Balanced at P = 5: rank 0 never owns a remote block (its own K/V only)
+  // but helps rank 3 at step 2 (receives Q in two slots, sends two results);
+  // rank 4 owns remote blocks (3 K/V slots) and is helped (q copy, results in).
+  const ForwardSlots r0 = forward_slots<BalancedSchedule>(0, 5);
+  CHECK(r0.kv == 1);
+  CHECK(r0.q == 3);
+  CHECK(r0.results_out == 2);
+  CHECK_FALSE(r0.merges);
+  const ForwardSlots r4 = forward_slots<BalancedSchedule>(4, 5);
+  CHECK(r4.kv == 3);
+  CHECK(r4.q_copy);
+  CHECK(r4.merges);
+  CHECK(r4.results_in == 2);
+}
+
+namespace {
+
+/// Runs a backward description (a schedule's backward_type) on paper, like
+/// check_description: both ends list each transfer alike; tasks read the
+/// blocks they name from slots no receive is writing; partial gradients are
+/// followed as the lists of block pairs they sum, and in the end every rank's
+/// dQ holds each expected pair of its queries exactly once, its dK and dV
+/// each pair of its keys exactly once.
+template <class B>
+void check_backward_description(int P, const std::set<std::pair<int, int>>& expected) {
+  INFO(B::name(), " P=", P);
+  using Pair = std::pair<int, int>;
+  using Sum = std::vector<Pair>;
+  const int steps = B::steps(P);
+  std::vector<std::vector<BackwardStep>> desc(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r)
+    for (int s = 0; s < steps; ++s) desc[std::size_t(r)].push_back(backward_step<B>(r, s, P));
+  std::vector<ScheduledTransfer> all;
+  for (int r = 0; r < P; ++r)
+    for (int s = 0; s < steps; ++s)
+      for (const auto& t : desc[std::size_t(r)][std::size_t(s)].transfers) {
+        CHECK(((t.src == r && t.src_step == s) || (t.dst == r && t.dst_step == s)));
+        if (t.src == r && t.src_step == s) all.push_back(t);
+      }
+  for (const auto& t : all) {
+    CHECK(t.src != t.dst);
+    CHECK(t.done_step <= steps);
+    CHECK(t.done_step >= t.dst_step);
+    // A transfer posted after a compute completes at a later step: the
+    // receiver waits for it only after the sender could post it.
+    if (t.after_compute) CHECK(t.done_step > t.src_step);
+    else CHECK(t.done_step >= t.src_step);
+    int listed = 0;
+    for (const auto& u : desc[std::size_t(t.dst)][std::size_t(t.dst_step)].transfers)
+      listed += (u.src == t.src && u.dst == t.dst && u.payload == t.payload &&
+                 u.src_step == t.src_step && u.after_compute == t.after_compute &&
+                 u.done_step == t.done_step && u.src_slot == t.src_slot &&
+                 u.dst_slot == t.dst_slot && u.add_to == t.add_to)
+                    ? 1
+                    : 0;
+    CHECK(listed == 1);
+  }
+  struct Rank {
+    std::map<int, int> kv, q;             // slot -> whose block
+    std::map<int, Sum> dq_out, dkv_out;   // partial slots
+    std::map<int, Sum> dq_in, dkv_in;     // receive slots
+    Sum dq, dkv;                          // own gradients
+  };
+  std::vector<Rank> rk(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) rk[std::size_t(r)].kv[0] = rk[std::size_t(r)].q[0] = r;
+  struct Flight {
+    ScheduledTransfer t;
+    int origin;
+    Sum sum;
+  };
+  std::vector<Flight> flying;
+  // A receive into `slot` of `rank` in flight (K/V, Q: the slot; partials:
+  // the receive slot), or a send from it (K/V, Q: the slot; partials: the
+  // partial slot).
+  const auto receiving = [&](int rank, Payload p, int slot) {
+    for (const auto& f : flying)
+      if (f.t.payload == p && f.t.dst == rank && f.t.dst_slot == slot) return true;
+    return false;
+  };
+  const auto sending = [&](int rank, Payload p, int slot) {
+    for (const auto& f : flying)
+      if (f.t.payload == p && f.t.src == rank && f.t.src_slot == slot) return true;
+    return false;
+  };
+  const auto send = [&](const ScheduledTransfer& t) {
+    Rank& src = rk[std::size_t(t.src)];
+    Flight f{t, -1, {}};
+    if (t.payload == Payload::kv || t.payload == Payload::q) {
+      auto& held = t.payload == Payload::kv ? src.kv : src.q;
+      REQUIRE(held.count(t.src_slot) == 1);
+      f.origin = held[t.src_slot];
+    } else {
+      auto& held = t.payload == Payload::dq ? src.dq_out : src.dkv_out;
+      REQUIRE(held.count(t.src_slot) == 1);
+      f.sum = held[t.src_slot];
+    }
+    CHECK_FALSE(receiving(t.dst, t.payload, t.dst_slot));  // one receive per slot at a time
+    if (t.payload == Payload::kv || t.payload == Payload::q)
+      CHECK_FALSE(sending(t.dst, t.payload, t.dst_slot));  // not into a slot being sent
+    flying.push_back(f);
+  };
+  const auto complete = [&](int s) {
+    for (auto it = flying.begin(); it != flying.end();) {
+      if (it->t.done_step != s) {
+        ++it;
+        continue;
+      }
+      Rank& dst = rk[std::size_t(it->t.dst)];
+      const Payload p = it->t.payload;
+      if (p == Payload::kv) dst.kv[it->t.dst_slot] = it->origin;
+      if (p == Payload::q) dst.q[it->t.dst_slot] = it->origin;
+      if (p == Payload::dq || p == Payload::dkv) {
+        Sum& target = it->t.add_to >= 0
+                          ? (p == Payload::dq ? dst.dq_out : dst.dkv_out)[it->t.add_to]
+                          : (p == Payload::dq ? dst.dq : dst.dkv);
+        target.insert(target.end(), it->sum.begin(), it->sum.end());
+      }
+      it = flying.erase(it);
+    }
+  };
+  for (int s = 0; s < steps; ++s) {
+    INFO("step ", s);
+    for (const auto& t : all)
+      if (t.src_step == s && !t.after_compute) send(t);
+    for (int r = 0; r < P; ++r) {
+      const BackwardStep& f = desc[std::size_t(r)][std::size_t(s)];
+      if (f.task.idle()) continue;
+      INFO("rank ", r, " task (", f.task.q_rank, ", ", f.task.k_rank, ")");
+      Rank& me = rk[std::size_t(r)];
+      CHECK(me.kv.count(f.kv_slot) == 1);
+      CHECK(me.kv[f.kv_slot] == f.task.k_rank);
+      CHECK_FALSE(receiving(r, Payload::kv, f.kv_slot));
+      CHECK(me.q.count(f.q_slot) == 1);
+      CHECK(me.q[f.q_slot] == f.task.q_rank);
+      CHECK_FALSE(receiving(r, Payload::q, f.q_slot));
+      const Pair pair{f.task.q_rank, f.task.k_rank};
+      if (f.dq_slot >= 0) {
+        CHECK_FALSE(sending(r, Payload::dq, f.dq_slot));  // not written while sent
+        me.dq_out[f.dq_slot] = {pair};
+      } else {
+        CHECK(f.task.q_rank == r);
+        me.dq.push_back(pair);
+      }
+      if (f.dkv_slot >= 0) {
+        CHECK_FALSE(sending(r, Payload::dkv, f.dkv_slot));
+        me.dkv_out[f.dkv_slot] = {pair};
+      } else {
+        CHECK(f.task.k_rank == r);
+        me.dkv.push_back(pair);
+      }
+    }
+    complete(s);
+    for (const auto& t : all)
+      if (t.src_step == s && t.after_compute) send(t);
+  }
+  complete(steps);
+  CHECK(flying.empty());
+  for (int r = 0; r < P; ++r) {
+    INFO("rank ", r);
+    Sum want_dq, want_dkv;
+    for (const Pair& p : expected) {
+      if (p.first == r) want_dq.push_back(p);
+      if (p.second == r) want_dkv.push_back(p);
+    }
+    Sum got_dq = rk[std::size_t(r)].dq, got_dkv = rk[std::size_t(r)].dkv;
+    std::sort(got_dq.begin(), got_dq.end());
+    std::sort(got_dkv.begin(), got_dkv.end());
+    std::sort(want_dq.begin(), want_dq.end());
+    std::sort(want_dkv.begin(), want_dkv.end());
+    CHECK(got_dq == want_dq);
+    CHECK(got_dkv == want_dkv);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("backward descriptions: race-free, every partial gradient home exactly once (P = 1..9)") {
+  for (int P = 1; P <= 9; ++P) {
+    std::set<std::pair<int, int>> every, causal;
+    for (int i = 0; i < P; ++i)
+      for (int j = 0; j < P; ++j) {
+        every.insert({i, j});
+        if (j <= i) causal.insert({i, j});
+      }
+    check_backward_description<KVRingBackward>(P, every);
+    check_backward_description<QRingBackward>(P, every);
+    check_backward_description<BalancedBackward>(P, causal);
   }
 }

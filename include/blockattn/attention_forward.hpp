@@ -8,6 +8,7 @@
 #include <blockattn/impl/forward_kernel.hpp>
 #include <blockattn/impl/pack.hpp>
 #include <blockattn/impl/policy_check.hpp>
+#include <blockattn/impl/softmax_state.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/positions.hpp>
 #include <blockattn/tile_shape.hpp>
@@ -159,7 +160,7 @@ T softmax_scale(double requested, int head_dim) {
 /// K/V blocks of the same queries (the ring schedules make one call per step).
 template <class T, class MemorySpace>
 struct BlockStep {
-  Kokkos::View<T***, Kokkos::LayoutRight, MemorySpace> m_state, l_state;  // (batch, heads, queries)
+  SoftmaxState<T, MemorySpace> state;  // (m, l) of the rows between calls; O lives in o
   bool resume = false;     // continue from the state of an earlier call
   bool finish = true;      // normalise into o and lse
   bool skip_keys = false;  // no key tile at all (only resume/finish)
@@ -182,8 +183,8 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
                     const BlockStep<T, typename ExecSpace::memory_space>& step = {}) {
   using Kernel = ForwardKernel<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
   Kernel f;
-  f.m_state = step.m_state;
-  f.l_state = step.l_state;
+  f.m_state = step.state.m;
+  f.l_state = step.state.l;
   f.resume = step.resume;
   f.finish = step.finish;
   f.q = typename Kernel::in_view(q);

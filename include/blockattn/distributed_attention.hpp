@@ -16,7 +16,7 @@
 #include <blockattn/config.hpp>
 #include <blockattn/errors.hpp>
 #include <blockattn/impl/consensus.hpp>
-#include <blockattn/impl/merge.hpp>
+#include <blockattn/impl/accumulate.hpp>
 #include <blockattn/impl/transfer.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/partition.hpp>
@@ -24,6 +24,7 @@
 #include <blockattn/tile_shape.hpp>
 #include <blockattn/work.hpp>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -94,12 +95,10 @@ class DistributedAttention {
                 "BlockAttn: DistributedAttention: the third parameter must be a schedule "
                 "(RingSchedule, BurstSchedule, BalancedSchedule; see "
                 "blockattn/ring_schedule.hpp, blockattn/balanced_schedule.hpp)");
-  // Every schedule must have a driver below; a schedule type that merely looks
-  // like one must not fall back to another schedule's driver.
-  static_assert(!is_schedule_v<Schedule> || impl::is_kv_ring_forward<Schedule>::value ||
-                    std::is_same<Schedule, BalancedSchedule>::value,
-                "BlockAttn: DistributedAttention: no driver runs this schedule: the drivers "
-                "are the KV ring (RingSchedule, BurstSchedule) and BalancedSchedule");
+  // A complete description (one static_assert per missing member), and a
+  // backward that a driver below runs: never a silent fallback.
+  static_assert(!is_schedule_v<Schedule> || impl::check_schedule<Schedule>(),
+                "BlockAttn: DistributedAttention: the schedule's description is incomplete");
   static_assert(is_communicator_v<Communicator>,
                 "BlockAttn: DistributedAttention: the fourth parameter must be a communicator "
                 "(MpiCommunicator<>, SelfCommunicator; see blockattn/communicator.hpp)");
@@ -144,11 +143,7 @@ class DistributedAttention {
       using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
       RunStats stats;
       impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
-        if constexpr (std::is_same<Schedule, BalancedSchedule>::value)
-          run_balanced<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts, stats);
-        else if constexpr (impl::is_kv_ring_forward<Schedule>::value)
-          run_kv_ring_forward<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts,
-                                                                          stats);
+        run_forward<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts, stats);
       });
       return stats;
     } else {
@@ -180,12 +175,7 @@ class DistributedAttention {
       impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
         constexpr int SD = decltype(static_d)::value;
         using S = decltype(shape);
-        if constexpr (std::is_same<typename Schedule::backward_type, KVRingBackward>::value)
-          run_backward_kv<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
-        else if constexpr (std::is_same<typename Schedule::backward_type, BalancedBackward>::value)
-          run_backward_balanced<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
-        else if constexpr (std::is_same<typename Schedule::backward_type, QRingBackward>::value)
-          run_backward_q<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+        run_backward<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       });
     }
     return stats;
@@ -213,222 +203,237 @@ class DistributedAttention {
                       x.extent(0), x.extent(1), x.extent(2), x.extent(3));
   }
 
-  /// KV ring backward. Step s on rank r holds K, V of rank src = r - s and the
-  /// partial dK, dV of src's keys summed by the ranks before it; adds its own
-  /// contribution and passes the partial on. K, V of the next step are posted
-  /// before the compute; the partial from the predecessor arrives during it
-  /// (each step computes into a fresh buffer and adds the incoming partial
-  /// afterwards). After P steps the complete dK, dV travel one hop home.
+  /// A rank's own gradient as a LayoutRight View of the memory space: the
+  /// caller's View itself when it is one (LayoutRight, contiguous), else a
+  /// workspace buffer copied out after the loop. One View type for every
+  /// gradient target keeps one instantiation of the backward kernels.
+  template <class T, class G>
+  static Buffer4<T> own_gradient(const G& g, const char* label) {
+    if constexpr (std::is_same<typename G::array_layout, Kokkos::LayoutRight>::value) {
+      if (g.span_is_contiguous())
+        return Buffer4<T>(g.data(), g.extent(0), g.extent(1), g.extent(2), g.extent(3));
+    }
+    return buffer_like<T>(g, label);
+  }
+
+  /// The backward of any schedule: the step loop over the description of
+  /// its backward_type (BackwardStep, blockattn/schedule.hpp). At each step
+  /// it posts the step's transfers (inputs of later steps; receives of
+  /// partial gradients), computes the task's gradients (dQ into the own dq
+  /// or a dQ partial slot, dK, dV into the own dk, dv or a partial slot; a
+  /// partial of a task without work is zeroed), completes the transfers due
+  /// at this step and adds the partials that arrived where the description
+  /// says, then posts the partials this step produced.
   template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV, class DOV,
             class DQV, class DKV, class DVV>
-  void run_backward_kv(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                       const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
-                       const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+  void run_backward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+    using B = typename Schedule::backward_type;
     using T = typename OV::non_const_value_type;
     using mem = typename ExecSpace::memory_space;
+    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
+    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
     const int P = m_comm.size(), rank = m_comm.rank();
     const index_type N = index_type(e.queries) * P;
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
-    auto queries =
-        impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
-    impl::pack_queries(m_exec, q, dout, o, lse, queries);
-    auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
-    Buffer4<T> kv[2][2], acc[2][2], inc[2];
-    for (int i = 0; i < 2; ++i) {
-      kv[i][0] = buffer_like<T>(k, "blockattn::ring_k");
-      kv[i][1] = buffer_like<T>(v, "blockattn::ring_v");
-      acc[i][0] = buffer_like<T>(dk, "blockattn::ring_dk");
-      acc[i][1] = buffer_like<T>(dv, "blockattn::ring_dv");
-      inc[i] = buffer_like<T>(i == 0 ? dk : dv, "blockattn::ring_dkv_in");
+    const int steps = B::steps(P);
+    std::vector<BackwardStep> desc(static_cast<std::size_t>(steps));
+    for (int s = 0; s < steps; ++s) B::step(rank, s, P, desc[std::size_t(s)]);
+    const BackwardSlots slots = backward_slots<B>(rank, P);
+
+    // Buffers: K/V slots (slot 0 a copy of k, v when it travels), packed
+    // query slots (slot 0: ours), one packed key block, partial gradients.
+    std::vector<std::array<Buffer4<T>, 2>> kv(std::size_t(slots.kv));
+    for (std::size_t i = (slots.kv_copy ? 0 : 1); i < kv.size(); ++i) {
+      kv[i][0] = buffer_like<T>(k, "blockattn::k_slot");
+      kv[i][1] = buffer_like<T>(v, "blockattn::v_slot");
     }
-    Kokkos::deep_copy(m_exec, kv[0][0], k);
-    Kokkos::deep_copy(m_exec, kv[0][1], v);
+    if (slots.kv_copy) {
+      Kokkos::deep_copy(m_exec, kv[0][0], k);
+      Kokkos::deep_copy(m_exec, kv[0][1], v);
+    }
+    std::vector<impl::PackedQueries<T, mem>> qs(std::size_t(slots.q));
+    for (auto& b : qs)
+      b = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
+    impl::pack_queries(m_exec, q, dout, o, lse, qs[0]);
+    auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+    int packed = -1;  // the K/V slot whose block `keys` holds (-1: none)
+    const auto slot_buffers = [&](int n, const auto& like, const char* label) {
+      std::vector<Buffer4<T>> b(static_cast<std::size_t>(n));
+      for (auto& y : b) y = buffer_like<T>(like, label);
+      return b;
+    };
+    std::vector<Buffer4<T>> dq_out = slot_buffers(slots.dq_out, dq, "blockattn::dq_partial"),
+                            dq_in = slot_buffers(slots.dq_in, dq, "blockattn::dq_in");
+    std::vector<std::array<Buffer4<T>, 2>> dkv_out(std::size_t(slots.dkv_out)),
+        dkv_in(std::size_t(slots.dkv_in));
+    for (auto* list : {&dkv_out, &dkv_in})
+      for (auto& y : *list) {
+        y[0] = buffer_like<T>(dk, "blockattn::dk_partial");
+        y[1] = buffer_like<T>(dv, "blockattn::dv_partial");
+      }
+    const Buffer4<T> own_dq = own_gradient<T>(dq, "blockattn::dq"),
+                     own_dk = own_gradient<T>(dk, "blockattn::dk"),
+                     own_dv = own_gradient<T>(dv, "blockattn::dv");
+    bool dq_written = false, dkv_written = false;
+    // Bytes of the (contiguous) blocks that travel: the caller's Views may be strided.
+    const std::int64_t kv_bytes = 2 * std::int64_t(e.batch) * e.keys * e.kv_heads * e.dim *
+                                  std::int64_t(sizeof(T)),
+                       dkv_bytes = kv_bytes;
+    const std::int64_t q_bytes = bytes_of(qs[0].q) + bytes_of(qs[0].dout) + bytes_of(qs[0].lse2) +
+                                 bytes_of(qs[0].drow);
+    const std::int64_t dq_bytes =
+        std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
     stats.block_q = Shape::block_q;
     stats.block_k = Shape::block_k;
-    stats.workspace_bytes = 2 * (bytes_of(queries.q) + bytes_of(queries.lse2)) + bytes_of(keys.kt) +
-                            bytes_of(keys.vt) + bytes_of(keys.k) + 4 * bytes_of(kv[0][0]) +
-                            6 * bytes_of(acc[0][0]);
-    const auto qpos = Partition::positions(N, P, rank);
-    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
-    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
-    const impl::Message kv_msg[2] = {impl::Message::k, impl::Message::v};
-    const impl::Message dkv_msg[2] = {impl::Message::dk, impl::Message::dv};
-    std::vector<request> pending_send[2];
-    bool dq_written = false;
-    int cur = 0;
-    for (int s = 0; s < P; ++s) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const int src = ring_source(rank, s, P);
-      const bool more = s + 1 < P;
-      StepStats st;
-      std::vector<request> kv_reqs, in_reqs;
-      if (more) {
-        for (int t = 0; t < 2; ++t) {
-          kv_reqs.push_back(x.receive(kv[1 - cur][t], ring_prev(m_comm), s + 1, kv_msg[t]));
-          kv_reqs.push_back(x.send(kv[cur][t], ring_next(m_comm), s + 1, kv_msg[t]));
-          st.bytes_sent += bytes_of(kv[cur][t]);
+    stats.workspace_bytes =
+        std::int64_t(kv.size() - (slots.kv_copy ? 0 : 1)) * kv_bytes +
+        std::int64_t(qs.size()) * q_bytes + bytes_of(keys.kt) + bytes_of(keys.vt) +
+        bytes_of(keys.k) + std::int64_t(dq_out.size() + dq_in.size()) * dq_bytes +
+        std::int64_t(dkv_out.size() + dkv_in.size()) * dkv_bytes +
+        (own_dq.data() != dq.data() ? dq_bytes : 0) +
+        (own_dk.data() != dk.data() ? dkv_bytes / 2 : 0) +
+        (own_dv.data() != dv.data() ? dkv_bytes / 2 : 0);
+
+    struct Arrival {
+      Payload what;
+      int slot, add_to;
+    };
+    std::vector<std::vector<request>> due(static_cast<std::size_t>(steps) + 1);
+    std::vector<std::vector<Arrival>> arrive(static_cast<std::size_t>(steps) + 1);
+    std::vector<int> kv_arrive_slots;
+    const auto post = [&](const ScheduledTransfer& t, StepStats& st) {
+      const bool send = t.src == rank;
+      const int peer = send ? t.dst : t.src, slot = send ? t.src_slot : t.dst_slot;
+      auto& list = due[std::size_t(t.done_step)];
+      const auto go = [&](const auto& view, impl::Message m) {
+        const int named = transfer_step(t);
+        list.push_back(send ? x.send(view, peer, named, m) : x.receive(view, peer, named, m));
+      };
+      std::int64_t b = 0;
+      switch (t.payload) {
+        case Payload::kv:
+          go(kv[std::size_t(slot)][0], impl::Message::k);
+          go(kv[std::size_t(slot)][1], impl::Message::v);
+          b = kv_bytes;
+          break;
+        case Payload::q: {
+          const auto& y = qs[std::size_t(slot)];
+          go(y.q, impl::Message::q);
+          go(y.dout, impl::Message::dout);
+          go(y.lse2, impl::Message::q_lse);
+          go(y.drow, impl::Message::q_drow);
+          b = q_bytes;
+          break;
+        }
+        case Payload::dq:
+          go(send ? dq_out[std::size_t(slot)] : dq_in[std::size_t(slot)], impl::Message::dq);
+          b = dq_bytes;
+          break;
+        case Payload::dkv: {
+          const auto& y = send ? dkv_out[std::size_t(slot)] : dkv_in[std::size_t(slot)];
+          go(y[0], impl::Message::dk);
+          go(y[1], impl::Message::dv);
+          b = dkv_bytes;
+          break;
+        }
+        case Payload::result:
+          break;
+      }
+      if (!send) arrive[std::size_t(t.done_step)].push_back({t.payload, slot, t.add_to});
+      (send ? st.bytes_sent : st.bytes_received) += b;
+    };
+    // Completes the transfers due at `s` and adds the partials that arrived.
+    const auto complete = [&](int s) {
+      for (auto& r : due[std::size_t(s)]) x.wait(r);
+      for (const Arrival& a : arrive[std::size_t(s)]) {
+        if (a.what == Payload::kv && a.slot == packed) packed = -1;  // a new block in the slot
+        if (a.what == Payload::dq) {
+          const auto& in = dq_in[std::size_t(a.slot)];
+          if (a.add_to >= 0) {
+            add_into<T>(dq_out[std::size_t(a.add_to)], in);
+          } else {
+            if (dq_written) add_into<T>(own_dq, in);
+            else Kokkos::deep_copy(m_exec, own_dq, in);
+            dq_written = true;
+          }
+        } else if (a.what == Payload::dkv) {
+          const auto& in = dkv_in[std::size_t(a.slot)];
+          for (int j = 0; j < 2; ++j) {
+            const Buffer4<T>& own = j == 0 ? own_dk : own_dv;
+            if (a.add_to >= 0) add_into<T>(dkv_out[std::size_t(a.add_to)][j], in[j]);
+            else if (dkv_written) add_into<T>(own, in[j]);
+            else Kokkos::deep_copy(m_exec, own, in[j]);
+          }
+          if (a.add_to < 0) dkv_written = true;
         }
       }
-      if (s > 0)
-        for (int t = 0; t < 2; ++t)
-          in_reqs.push_back(x.receive(inc[t], ring_prev(m_comm), s, dkv_msg[t]));
-      auto& a = acc[s % 2];
-      for (auto& r : pending_send[s % 2]) x.wait(r);  // a was sent two steps ago
-      pending_send[s % 2].clear();
-      st.computed = !block_is_empty<Partition>(m_mask, N, P, rank, src);
-      if (st.computed) {
-        impl::pack_keys(m_exec, kv[cur][0], kv[cur][1], keys);
-        impl::BackwardBlock blk;
-        blk.accumulate_dq = dq_written;
-        blk.accumulate_dkv = false;
-        impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, queries, keys, dq, a[0], a[1],
-                                                       m_mask, qpos,
-                                                       Partition::positions(N, P, src), scale, blk);
-        dq_written = true;
-      } else {
-        Kokkos::deep_copy(m_exec, a[0], T(0));
-        Kokkos::deep_copy(m_exec, a[1], T(0));
-      }
-      for (auto& r : kv_reqs) x.test(r);
       m_exec.fence();
-      for (auto& r : in_reqs) x.wait(r);
-      if (s > 0) {
-        add_into<T>(a[0], inc[0]);
-        add_into<T>(a[1], inc[1]);
-        m_exec.fence();
-      }
-      // Pass the partial on; after the last step it is complete and goes home.
-      for (int t = 0; t < 2; ++t) {
-        pending_send[s % 2].push_back(x.send(a[t], ring_next(m_comm), s + 1, dkv_msg[t]));
-        st.bytes_sent += bytes_of(a[t]);
-      }
-      if (!more) {
-        std::vector<request> home;
-        for (int t = 0; t < 2; ++t)
-          home.push_back(x.receive(inc[t], ring_prev(m_comm), P, dkv_msg[t]));
-        for (auto& r : home) x.wait(r);
-        Kokkos::deep_copy(m_exec, dk, inc[0]);
-        Kokkos::deep_copy(m_exec, dv, inc[1]);
-      }
-      for (auto& r : kv_reqs) x.wait(r);
-      st.step = s;
-      st.source = src;
-      st.query_source = rank;
-      st.tiles = ring_step_work<Partition>(m_mask, N, P, rank, s, Shape::block_q, Shape::block_k,
-                                           opts.count_pairs);
-      st.bytes_received = st.bytes_sent;
-      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      stats.steps.push_back(st);
-      if (more) cur = 1 - cur;
-    }
-    for (auto& v2 : pending_send)
-      for (auto& r : v2) x.wait(r);
-    if (!dq_written) Kokkos::deep_copy(m_exec, dq, T(0));
-    m_exec.fence();
-  }
+    };
 
-  /// Q ring backward (BurstAttention's GAO): step s on rank r holds the packed
-  /// Q, dO, LSE, D of rank src = r - s and the partial dQ of src's queries;
-  /// it accumulates its own dK, dV (they never move) and passes dQ on, which
-  /// after P steps travels one hop home.
-  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV, class DOV,
-            class DQV, class DKV, class DVV>
-  void run_backward_q(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                      const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
-                      const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
-    using T = typename OV::non_const_value_type;
-    using mem = typename ExecSpace::memory_space;
-    const int P = m_comm.size(), rank = m_comm.rank();
-    const index_type N = index_type(e.queries) * P;
-    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
-    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
-    auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
-    impl::pack_keys(m_exec, k, v, keys);
-    impl::PackedQueries<T, mem> qb[2] = {
-        impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q),
-        impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q)};
-    impl::pack_queries(m_exec, q, dout, o, lse, qb[0]);
-    Buffer4<T> acc[2] = {buffer_like<T>(dq, "blockattn::ring_dq"),
-                         buffer_like<T>(dq, "blockattn::ring_dq")};
-    Buffer4<T> inc = buffer_like<T>(dq, "blockattn::ring_dq_in");
-    stats.block_q = Shape::block_q;
-    stats.block_k = Shape::block_k;
-    stats.workspace_bytes = bytes_of(keys.kt) + bytes_of(keys.vt) + bytes_of(keys.k) +
-                            4 * (bytes_of(qb[0].q) + bytes_of(qb[0].lse2)) + 3 * bytes_of(inc);
-    const auto kpos = Partition::positions(N, P, rank);
-    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
-    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
-    std::vector<request> pending_send[2];
-    bool dkv_written = false;
-    int cur = 0;
-    for (int s = 0; s < P; ++s) {
+    const auto pos = [&](int r) { return Partition::positions(N, P, r); };
+    for (int s = 0; s < steps; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
-      const int src = ring_source(rank, s, P);
-      const bool more = s + 1 < P;
+      const BackwardStep& f = desc[std::size_t(s)];
+      const BlockTask task = f.task;
       StepStats st;
-      std::vector<request> q_reqs, in_reqs;
-      if (more) {
-        auto post = [&](const auto& next_view, const auto& cur_view, impl::Message m) {
-          q_reqs.push_back(x.receive(next_view, ring_prev(m_comm), s + 1, m));
-          q_reqs.push_back(x.send(cur_view, ring_next(m_comm), s + 1, m));
-          st.bytes_sent += bytes_of(cur_view);
-        };
-        post(qb[1 - cur].q, qb[cur].q, impl::Message::q);
-        post(qb[1 - cur].dout, qb[cur].dout, impl::Message::dout);
-        post(qb[1 - cur].lse2, qb[cur].lse2, impl::Message::q_lse);
-        post(qb[1 - cur].drow, qb[cur].drow, impl::Message::q_drow);
-      }
-      if (s > 0) in_reqs.push_back(x.receive(inc, ring_prev(m_comm), s, impl::Message::dq));
-      auto& a = acc[s % 2];
-      for (auto& r : pending_send[s % 2]) x.wait(r);
-      pending_send[s % 2].clear();
-      st.computed = !block_is_empty<Partition>(m_mask, N, P, src, rank);
+      for (const auto& t : f.transfers)  // inputs of later steps; receives of partials
+        if (!t.after_compute || t.dst == rank) post(t, st);
+      st.computed =
+          !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
+      const Buffer4<T> dqt = f.dq_slot >= 0 ? dq_out[std::size_t(f.dq_slot)] : own_dq;
+      const Buffer4<T> dkt = f.dkv_slot >= 0 ? dkv_out[std::size_t(f.dkv_slot)][0] : own_dk;
+      const Buffer4<T> dvt = f.dkv_slot >= 0 ? dkv_out[std::size_t(f.dkv_slot)][1] : own_dv;
       if (st.computed) {
+        if (packed != f.kv_slot) {
+          if (f.kv_slot == 0 && !slots.kv_copy)
+            impl::pack_keys(m_exec, k, v, keys);
+          else
+            impl::pack_keys(m_exec, kv[std::size_t(f.kv_slot)][0], kv[std::size_t(f.kv_slot)][1],
+                            keys);
+          packed = f.kv_slot;
+        }
         impl::BackwardBlock blk;
-        blk.accumulate_dq = false;
-        blk.accumulate_dkv = dkv_written;
-        impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, qb[cur], keys, a, dk, dv, m_mask,
-                                                       Partition::positions(N, P, src), kpos, scale,
-                                                       blk);
-        dkv_written = true;
-      } else {
-        Kokkos::deep_copy(m_exec, a, T(0));
+        blk.accumulate_dq = f.dq_slot < 0 && dq_written;
+        blk.accumulate_dkv = f.dkv_slot < 0 && dkv_written;
+        impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, qs[std::size_t(f.q_slot)], keys,
+                                                       dqt, dkt, dvt, m_mask, pos(task.q_rank),
+                                                       pos(task.k_rank), scale, blk);
+        dq_written = dq_written || f.dq_slot < 0;
+        dkv_written = dkv_written || f.dkv_slot < 0;
+      } else if (!task.idle()) {
+        if (f.dq_slot >= 0) Kokkos::deep_copy(m_exec, dqt, T(0));
+        if (f.dkv_slot >= 0) {
+          Kokkos::deep_copy(m_exec, dkt, T(0));
+          Kokkos::deep_copy(m_exec, dvt, T(0));
+        }
       }
-      for (auto& r : q_reqs) x.test(r);
+      for (auto& r : due[std::size_t(s)]) x.test(r);
       m_exec.fence();
-      for (auto& r : in_reqs) x.wait(r);
-      if (s > 0) {
-        add_into<T>(a, inc);
-        m_exec.fence();
-      }
-      pending_send[s % 2].push_back(x.send(a, ring_next(m_comm), s + 1, impl::Message::dq));
-      st.bytes_sent += bytes_of(a);
-      if (!more) {
-        auto home = x.receive(inc, ring_prev(m_comm), P, impl::Message::dq);
-        x.wait(home);
-        Kokkos::deep_copy(m_exec, dq, inc);
-      }
-      for (auto& r : q_reqs) x.wait(r);
+      complete(s);
+      for (const auto& t : f.transfers)  // the partials of this step
+        if (t.after_compute && t.src == rank) post(t, st);
       st.step = s;
-      st.source = src;
-      st.query_source = src;
-      st.tiles = count_tiles(m_mask, e.queries, e.keys, Shape::block_q, Shape::block_k,
-                             Partition::positions(N, P, src), kpos, opts.count_pairs);
-      st.bytes_received = st.bytes_sent;
+      st.source = task.k_rank;
+      st.query_source = task.q_rank;
+      st.tiles = task_work<Partition>(m_mask, N, P, task, Shape::block_q, Shape::block_k,
+                                      opts.count_pairs);
       st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stats.steps.push_back(st);
-      if (more) cur = 1 - cur;
     }
-    for (auto& v2 : pending_send)
-      for (auto& r : v2) x.wait(r);
+    complete(steps);
+    if (!dq_written) Kokkos::deep_copy(m_exec, own_dq, T(0));
     if (!dkv_written) {
-      Kokkos::deep_copy(m_exec, dk, T(0));
-      Kokkos::deep_copy(m_exec, dv, T(0));
+      Kokkos::deep_copy(m_exec, own_dk, T(0));
+      Kokkos::deep_copy(m_exec, own_dv, T(0));
     }
+    if (own_dq.data() != dq.data()) Kokkos::deep_copy(m_exec, dq, own_dq);
+    if (own_dk.data() != dk.data()) Kokkos::deep_copy(m_exec, dk, own_dk);
+    if (own_dv.data() != dv.data()) Kokkos::deep_copy(m_exec, dv, own_dv);
     m_exec.fence();
   }
-
   Communicator m_comm;
   Mask m_mask;
   ExecSpace m_exec;
@@ -485,114 +490,203 @@ class DistributedAttention {
     check_partition_contract<Partition>(name, N, P);
     if (impl::check_policies_always || opts.check_policies)
       impl::check_mask_contract(name, m_exec, m_mask, 0, N, 0, N);
-    if constexpr (std::is_same<Schedule, BalancedSchedule>::value) {
-      for (int i = 0; i < P; ++i)
-        for (int j = i + 1; j < P; ++j)
-          if (!block_is_empty<Partition>(m_mask, N, P, i, j))
-            impl::fail(name, "argument 'mask' lets the queries of rank ", i,
-                       " attend to keys of the later rank ", j,
-                       "; BalancedSchedule expects a causal mask (no query attends to a later "
-                       "block): use RingSchedule for this mask");
-    }
+    if (const std::string why = Schedule::template can_implement<Partition>(m_mask, N, P);
+        !why.empty())
+      impl::fail(name, "argument 'mask': ", why);
     return e;
   }
 
-  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV>
-  void run_kv_ring_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                           const OV& o, const LV& lse, const DistributedOptions& opts,
-                           RunStats& stats) {
-    using T = typename OV::non_const_value_type;
-    using mem = typename ExecSpace::memory_space;
-    using Kernel =
-        impl::ForwardKernel<ExecSpace, T, SD, Shape, Mask, typename Partition::position_map,
-                            typename Partition::position_map>;
-    const int P = m_comm.size(), rank = m_comm.rank();
-    const index_type N = index_type(e.queries) * P;
-    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
-    const int dp = Kernel::pad_dim(e.dim);
-
-    // Two K/V buffers (double buffering) and the softmax state of the local queries.
-    impl::PackedKV<T, mem> buf[2] = {
-        impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k),
-        impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k)};
-    impl::BlockStep<T, mem> state;
-    state.m_state = decltype(state.m_state)(
-        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::ring_m"), e.batch, e.heads,
-        e.queries);
-    state.l_state = decltype(state.l_state)(
-        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::ring_l"), e.batch, e.heads,
-        e.queries);
-    impl::pack_kv(m_exec, k, v, buf[0]);
-    const std::int64_t block_bytes =
-        std::int64_t(buf[0].kt.span() + buf[0].v.span()) * std::int64_t(sizeof(T));
-    stats.block_q = Shape::block_q;
-    stats.block_k = Shape::block_k;
-    stats.workspace_bytes =
-        2 * block_bytes + 2 * std::int64_t(state.m_state.span()) * std::int64_t(sizeof(T));
-
-    const auto qpos = Partition::positions(N, P, rank);
-    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, fn, opts.timeout_seconds);
-    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
-    bool resumed = false;
-    int cur = 0;
-    for (int s = 0; s < P; ++s) {
-      const auto t0 = std::chrono::steady_clock::now();
-      // The block of this rank's predecessor s steps back; without
-      // communication the local data stand in for it (same tiles, same work).
-      const int src_rank = ring_source(rank, s, P);
-      const bool more = s + 1 < P;
-      std::vector<request> reqs;
-      if (more && opts.communicate) {
-        // Post the transfer of the next block before computing on this one.
-        reqs.push_back(x.receive(buf[1 - cur].kt, ring_prev(m_comm), s + 1, impl::Message::k));
-        reqs.push_back(x.receive(buf[1 - cur].v, ring_prev(m_comm), s + 1, impl::Message::v));
-        reqs.push_back(x.send(buf[cur].kt, ring_next(m_comm), s + 1, impl::Message::k));
-        reqs.push_back(x.send(buf[cur].v, ring_next(m_comm), s + 1, impl::Message::v));
-      }
-      const auto kpos = Partition::positions(N, P, src_rank);
-      const bool computed = !block_is_empty<Partition>(m_mask, N, P, rank, src_rank);
-      if (computed || !more) {
-        state.resume = resumed;
-        state.finish = !more;
-        state.skip_keys = !computed;
-        // In chunks of query tiles, testing the transfers in between: MPI
-        // libraries move large messages only inside MPI calls, so without
-        // these tests the transfer would wait for the end of the compute.
-        const int league = impl::forward_league_size<Shape>(e);
-        const int chunks = reqs.empty() ? 1 : (league < progress_chunks ? league : progress_chunks);
-        for (int c = 0; c < chunks; ++c) {
-          state.league_begin = int(std::int64_t(league) * c / chunks);
-          state.league_end = int(std::int64_t(league) * (c + 1) / chunks);
-          impl::launch_forward<ExecSpace, T, SD, Shape>(m_exec, e, q, buf[cur], o, lse, m_mask,
-                                                        qpos, kpos, scale, state);
-          if (!reqs.empty()) {
-            m_exec.fence();
-            for (auto& r : reqs) x.test(r);
-          }
-        }
-        resumed = resumed || computed;
-      }
-      m_exec.fence();
-      for (auto& r : reqs) x.wait(r);
-      StepStats st;
-      st.step = s;
-      st.source = src_rank;
-      st.query_source = rank;
-      st.computed = computed;
-      st.tiles = ring_step_work<Partition>(m_mask, N, P, rank, s, Shape::block_q, Shape::block_k,
-                                           opts.count_pairs);
-      st.bytes_sent = reqs.empty() ? 0 : block_bytes;
-      st.bytes_received = st.bytes_sent;
-      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      stats.steps.push_back(st);
-      if (more && opts.communicate) cur = 1 - cur;
-    }
-  }
   template <class T>
   using LseBuffer = Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
 
+  /// The forward of any schedule: the step loop. The schedule's description
+  /// (Schedule::step, blockattn/schedule.hpp) says, for this rank and each
+  /// step, which block pair to compute from which buffers and which
+  /// transfers to post; the loop allocates the buffers the description
+  /// names (forward_slots), and at each step
+  ///   posts the step's transfers (inputs of later steps) on the instance,
+  ///   computes its task in chunks of query tiles, testing the transfers in
+  ///     flight between chunks (MPI moves large messages only inside MPI
+  ///     calls): its own queries resume the softmax state, another rank's
+  ///     queries (a helper's task) start a fresh state whose normalised
+  ///     result is posted to that rank after the compute,
+  ///   completes the transfers due at this step and merges the results that
+  ///     arrived into the state (SoftmaxState::merge_partial),
+  ///   accounts the step (tiles, bytes, time) in RunStats.
+  /// The last compute on the own queries normalises in the kernel, unless
+  /// results still arrive, then SoftmaxState::finalize does after the merge.
+  /// Without communication (opts.communicate = false) every remote buffer is
+  /// the local one: the same steps and work, no transfers, a wrong result.
+  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV>
+  void run_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
+    using T = typename OV::non_const_value_type;
+    using mem = typename ExecSpace::memory_space;
+    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
+    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, fn, opts.timeout_seconds);
+    const int P = m_comm.size(), rank = m_comm.rank();
+    const index_type N = index_type(e.queries) * P;
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
+    const bool comm = opts.communicate;
+    const int steps = Schedule::steps(P);
+    std::vector<ForwardStep> desc(static_cast<std::size_t>(steps));
+    int last_own = -1;  // the last step that computes on this rank's queries
+    for (int s = 0; s < steps; ++s) {
+      Schedule::step(rank, s, P, desc[std::size_t(s)]);
+      if (desc[std::size_t(s)].task.q_rank == rank) last_own = s;
+    }
+    const ForwardSlots slots = forward_slots<Schedule>(rank, P);
+    const bool merges = comm && slots.merges;
+
+    // Buffers: the packed K/V slots (slot 0: own), query copies, results.
+    std::vector<impl::PackedKV<T, mem>> kv(std::size_t(slots.kv));
+    for (auto& b : kv)
+      b = impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+    impl::pack_kv(m_exec, k, v, kv[0]);
+    std::vector<Buffer4<T>> qs(std::size_t(slots.q)), rout(std::size_t(slots.results_in)),
+        hout(std::size_t(slots.results_out));
+    std::vector<LseBuffer<T>> rlse(rout.size()), hlse(hout.size());
+    for (std::size_t i = 1; i < qs.size(); ++i) qs[i] = buffer_like<T>(q, "blockattn::q_in");
+    if (slots.q_copy) {
+      qs[0] = buffer_like<T>(q, "blockattn::q_copy");
+      Kokkos::deep_copy(m_exec, qs[0], q);
+    }
+    const auto lse_buffer = [&](const char* label) {
+      return LseBuffer<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
+                          e.batch, e.heads, e.queries);
+    };
+    for (std::size_t i = 0; i < hout.size(); ++i) {
+      hout[i] = buffer_like<T>(o, "blockattn::result_out");
+      hlse[i] = lse_buffer("blockattn::result_out_lse");
+    }
+    for (std::size_t i = 0; i < rout.size(); ++i) {
+      rout[i] = buffer_like<T>(o, "blockattn::result_in");
+      rlse[i] = lse_buffer("blockattn::result_in_lse");
+    }
+    impl::BlockStep<T, mem> state;
+    state.state = impl::SoftmaxState<T, mem>(e.batch, e.heads, e.queries, "blockattn::forward");
+    const std::int64_t kv_bytes = bytes_of(kv[0].kt) + bytes_of(kv[0].v);
+    const std::int64_t q_bytes =
+        std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
+    const std::int64_t res_bytes =
+        q_bytes + std::int64_t(e.batch) * e.heads * e.queries * std::int64_t(sizeof(T));
+    stats.block_q = Shape::block_q;
+    stats.block_k = Shape::block_k;
+    stats.workspace_bytes = slots.kv * kv_bytes + state.state.bytes() +
+                            (slots.q - 1 + (slots.q_copy ? 1 : 0)) * q_bytes +
+                            std::int64_t(hout.size() + rout.size()) * res_bytes;
+
+    // A transfer of the description, posted: the buffer of its payload and slot.
+    std::vector<std::vector<request>> due(static_cast<std::size_t>(steps) + 1);  // by done_step
+    std::vector<std::vector<int>> merge_at(static_cast<std::size_t>(steps) + 1);  // result-in slots
+    const auto post = [&](const ScheduledTransfer& t, StepStats& st) {
+      const bool send = t.src == rank;
+      const int peer = send ? t.dst : t.src, slot = send ? t.src_slot : t.dst_slot;
+      auto& list = due[std::size_t(t.done_step)];
+      const auto go = [&](const auto& view, impl::Message m) {
+        const int named = transfer_step(t);
+        list.push_back(send ? x.send(view, peer, named, m) : x.receive(view, peer, named, m));
+      };
+      if (t.payload == Payload::kv) {
+        go(kv[std::size_t(slot)].kt, impl::Message::k);
+        go(kv[std::size_t(slot)].v, impl::Message::v);
+      } else if (t.payload == Payload::q) {
+        go(qs[std::size_t(slot)], impl::Message::q);
+      } else {
+        go(send ? hout[std::size_t(slot)] : rout[std::size_t(slot)], impl::Message::o);
+        go(send ? hlse[std::size_t(slot)] : rlse[std::size_t(slot)], impl::Message::o_lse);
+        if (!send) merge_at[std::size_t(t.done_step)].push_back(slot);
+      }
+      const std::int64_t b = t.payload == Payload::kv  ? kv_bytes
+                             : t.payload == Payload::q ? q_bytes
+                                                       : res_bytes;
+      (send ? st.bytes_sent : st.bytes_received) += b;
+    };
+
+    const auto pos = [&](int r) { return Partition::positions(N, P, r); };
+    bool opened = false;  // the own queries' state holds keys or was initialised
+    const auto open_state = [&] {
+      if (!opened) state.state.init(m_exec, o, e.dim);
+      opened = true;
+    };
+    for (int s = 0; s < steps; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const ForwardStep& f = desc[std::size_t(s)];
+      const BlockTask task = f.task;
+      StepStats st;
+      if (comm)  // inputs of later steps, and receives of results (posted early)
+        for (const auto& t : f.transfers)
+          if (!t.after_compute || t.dst == rank) post(t, st);
+      std::vector<request*> in_flight;  // tested between compute chunks
+      for (std::size_t d = std::size_t(s); d < due.size(); ++d)
+        for (auto& r : due[d]) in_flight.push_back(&r);
+      st.computed =
+          !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
+      const auto& keys = kv[std::size_t(comm ? f.kv_slot : 0)];
+      if (task.q_rank == rank) {
+        const bool finish = s == last_own && !merges;
+        if (st.computed || finish) {
+          impl::BlockStep<T, mem> b = state;
+          b.resume = opened;
+          b.finish = finish;
+          b.skip_keys = !st.computed;
+          launch_chunked<SD, Shape>(x, e, q, keys, o, lse, pos(rank), pos(task.k_rank), scale, b,
+                                    in_flight);
+          opened = true;
+        }
+      } else if (!task.idle()) {
+        // A helper's task: fresh state, normalised result to its slot.
+        impl::BlockStep<T, mem> b = state;
+        b.resume = false;
+        b.finish = true;
+        b.skip_keys = !st.computed;
+        const std::size_t out = std::size_t(f.result_slot);
+        if (comm)
+          launch_chunked<SD, Shape>(x, e, qs[std::size_t(f.q_slot)], keys, hout[out], hlse[out],
+                                    pos(task.q_rank), pos(task.k_rank), scale, b, in_flight);
+        else
+          launch_chunked<SD, Shape>(x, e, q, keys, hout[out], hlse[out], pos(task.q_rank),
+                                    pos(task.k_rank), scale, b, in_flight);
+      }
+      m_exec.fence();
+      if (comm)  // results computed at this step, to the rank whose queries they are
+        for (const auto& t : f.transfers)
+          if (t.after_compute && t.src == rank) post(t, st);
+      // Complete what is due at this step; merge the results that arrived.
+      for (auto& r : due[std::size_t(s)]) x.wait(r);
+      if (!merge_at[std::size_t(s)].empty()) {
+        open_state();
+        for (const int i : merge_at[std::size_t(s)])
+          state.state.merge_partial(m_exec, o, rout[std::size_t(i)], rlse[std::size_t(i)], e.dim);
+        m_exec.fence();
+      }
+      st.step = s;
+      st.source = task.k_rank;
+      st.query_source = task.q_rank;
+      st.tiles = task_work<Partition>(m_mask, N, P, task, Shape::block_q, Shape::block_k,
+                                      opts.count_pairs);
+      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      stats.steps.push_back(st);
+    }
+    if (merges) {
+      // Results due after the last step, then the normalisation.
+      const auto t0 = std::chrono::steady_clock::now();
+      for (auto& r : due[std::size_t(steps)]) x.wait(r);
+      open_state();
+      for (const int i : merge_at[std::size_t(steps)])
+        state.state.merge_partial(m_exec, o, rout[std::size_t(i)], rlse[std::size_t(i)], e.dim);
+      state.state.finalize(m_exec, o, lse, e.dim);
+      m_exec.fence();
+      stats.steps.back().seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } else {
+      for (auto& r : due[std::size_t(steps)]) x.wait(r);
+    }
+  }
+
   /// Compute launches of one step in chunks of query tiles, testing the
-  /// transfers in flight between them (see run_kv_ring_forward).
+  /// transfers in flight between them (see run_forward).
   template <int SD, class Shape, class QV, class OV, class LV, class QPos, class KPos, class T,
             class Reqs, class Xfer>
   void launch_chunked(Xfer& x, const impl::ForwardExtents& e, const QV& q,
@@ -613,377 +707,6 @@ class DistributedAttention {
     }
   }
 
-  /// DistFlashAttn's balanced forward (see BalancedSchedule). Step t on rank p
-  /// runs balanced_task(p, t, P). The transfers a step needs (K/V from the
-  /// block's owner, Q from the rank being helped) are posted at the start of
-  /// the step before and complete at its end; a helper's partial (O, LSE)
-  /// travels during the next step and is merged into the owner's state at that
-  /// step's end. Buffers: own packed K/V + two received, and only on ranks with
-  /// that role: a contiguous copy of q, two received Q, two helper results,
-  /// two received results.
-  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV>
-  void run_balanced(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                    const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
-    using T = typename OV::non_const_value_type;
-    using mem = typename ExecSpace::memory_space;
-    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
-    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, fn, opts.timeout_seconds);
-    const int P = m_comm.size(), rank = m_comm.rank();
-    const index_type N = index_type(e.queries) * P;
-    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
-    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
-    const int steps = balanced_steps(P);
-    const bool comm = opts.communicate;
-
-    const BalancedRoles roles = balanced_roles(rank, P);
-    const bool sends_q = roles.helped, helps = roles.helps, helped = roles.helped;
-    auto kv_buffer = [&] {
-      return impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
-    };
-    impl::PackedKV<T, mem> own = kv_buffer(), recv[2];
-    impl::pack_kv(m_exec, k, v, own);
-    if (steps > 1) recv[0] = kv_buffer(), recv[1] = kv_buffer();
-    impl::BlockStep<T, mem> state;
-    state.m_state = LseBuffer<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::m"),
-                                 e.batch, e.heads, e.queries);
-    state.l_state = LseBuffer<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::l"),
-                                 e.batch, e.heads, e.queries);
-    Buffer4<T> qsend, qrecv[2], hout[2], rout[2];
-    LseBuffer<T> hlse[2], rlse[2];
-    auto lse_buffer = [&](const char* label) {
-      return LseBuffer<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
-                          e.batch, e.heads, e.queries);
-    };
-    if (sends_q) {
-      qsend = buffer_like<T>(q, "blockattn::balanced_q");
-      Kokkos::deep_copy(m_exec, qsend, q);
-    }
-    for (int i = 0; i < 2; ++i) {
-      if (helps) {
-        qrecv[i] = buffer_like<T>(q, "blockattn::balanced_q_in");
-        hout[i] = buffer_like<T>(o, "blockattn::balanced_o_out");
-        hlse[i] = lse_buffer("blockattn::balanced_lse_out");
-      }
-      if (helped) {
-        rout[i] = buffer_like<T>(o, "blockattn::balanced_o_in");
-        rlse[i] = lse_buffer("blockattn::balanced_lse_in");
-      }
-    }
-    const std::int64_t kv_bytes =
-        std::int64_t(own.kt.span() + own.v.span()) * std::int64_t(sizeof(T));
-    const std::int64_t q_bytes =
-        std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
-    const std::int64_t res_bytes =
-        q_bytes + std::int64_t(e.batch) * e.heads * e.queries * std::int64_t(sizeof(T));
-    stats.block_q = Shape::block_q;
-    stats.block_k = Shape::block_k;
-    stats.workspace_bytes = (steps > 1 ? 3 : 1) * kv_bytes + 2 * bytes_of(state.m_state) +
-                            (sends_q ? q_bytes : 0) + (helps ? 2 * (q_bytes + res_bytes) : 0) +
-                            (helped ? 2 * res_bytes : 0);
-
-    const auto pos = [&](int r) { return Partition::positions(N, P, r); };
-    std::vector<request> res_send[2], res_recv[2];
-    auto finish_results = [&](int t) {  // results of step t: complete and merge
-      for (auto& r : res_send[t % 2]) x.wait(r);
-      res_send[t % 2].clear();
-      if (res_recv[t % 2].empty()) return;
-      for (auto& r : res_recv[t % 2]) x.wait(r);
-      res_recv[t % 2].clear();
-      impl::merge_partial(m_exec, o, state.m_state, state.l_state, rout[t % 2], rlse[t % 2], e.dim);
-      m_exec.fence();
-    };
-    for (int t = 0; t < steps; ++t) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const BlockTask task = balanced_task(rank, t, P);
-      StepStats st;
-      std::vector<request> reqs;
-      if (t + 1 < steps && comm) {
-        // Inputs of step u = t + 1: our K/V to the owner that needs it, the
-        // K/V we need as owner; our Q to our helper, the Q we help with.
-        const int u = t + 1;
-        if (rank >= u) {
-          reqs.push_back(x.receive(recv[u % 2].kt, rank - u, u, impl::Message::k));
-          reqs.push_back(x.receive(recv[u % 2].v, rank - u, u, impl::Message::v));
-          st.bytes_received += kv_bytes;
-        }
-        if (rank + u < P) {
-          reqs.push_back(x.send(own.kt, rank + u, u, impl::Message::k));
-          reqs.push_back(x.send(own.v, rank + u, u, impl::Message::v));
-          st.bytes_sent += kv_bytes;
-        }
-        if (const int r = balanced_helps(rank, u, P); r >= 0) {
-          reqs.push_back(x.receive(qrecv[u % 2], r, u, impl::Message::q));
-          st.bytes_received += q_bytes;
-        }
-        if (const int h = balanced_helper_of(rank, u, P); h >= 0) {
-          reqs.push_back(x.send(qsend, h, u, impl::Message::q));
-          st.bytes_sent += q_bytes;
-        }
-      }
-      if (const int h = balanced_helper_of(rank, t, P); h >= 0 && comm) {
-        res_recv[t % 2].push_back(x.receive(rout[t % 2], h, t, impl::Message::o));
-        res_recv[t % 2].push_back(x.receive(rlse[t % 2], h, t, impl::Message::o_lse));
-        st.bytes_received += res_bytes;
-      }
-      std::vector<request*> in_flight;  // tested between compute chunks
-      for (auto& r : reqs) in_flight.push_back(&r);
-      for (auto& r : res_recv[(t + 1) % 2]) in_flight.push_back(&r);
-      for (auto& r : res_send[(t + 1) % 2]) in_flight.push_back(&r);
-      st.computed =
-          !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
-      if (task.q_rank == rank) {
-        // Own queries: the diagonal (always launched: it initialises the
-        // state) or, as owner, the K/V block of rank p - t.
-        if (t == 0 || st.computed) {
-          impl::BlockStep<T, mem> s = state;
-          s.resume = t > 0;
-          s.finish = P == 1;
-          s.skip_keys = !st.computed;
-          launch_chunked<SD, Shape>(x, e, q, (t == 0 || !comm) ? own : recv[t % 2], o, lse,
-                                    pos(rank), pos(task.k_rank), scale, s, in_flight);
-        }
-      } else if (!task.idle()) {
-        // Helper: the queries of rank r against our K/V, fresh state,
-        // normalised result sent back to r.
-        impl::BlockStep<T, mem> s = state;
-        s.resume = false;
-        s.finish = true;
-        s.skip_keys = !st.computed;
-        if (comm)
-          launch_chunked<SD, Shape>(x, e, qrecv[t % 2], own, hout[t % 2], hlse[t % 2],
-                                    pos(task.q_rank), pos(rank), scale, s, in_flight);
-        else
-          launch_chunked<SD, Shape>(x, e, q, own, hout[t % 2], hlse[t % 2], pos(task.q_rank),
-                                    pos(rank), scale, s, in_flight);
-        m_exec.fence();
-        if (comm) {
-          res_send[t % 2].push_back(x.send(hout[t % 2], task.q_rank, t, impl::Message::o));
-          res_send[t % 2].push_back(x.send(hlse[t % 2], task.q_rank, t, impl::Message::o_lse));
-          st.bytes_sent += res_bytes;
-        }
-      }
-      m_exec.fence();
-      for (auto& r : reqs) x.wait(r);
-      if (t > 0) finish_results(t - 1);  // the previous step's partial arrived meanwhile
-      st.step = t;
-      st.source = task.k_rank;
-      st.query_source = task.q_rank;
-      st.tiles = task_work<Partition>(m_mask, N, P, task, Shape::block_q, Shape::block_k,
-                                      opts.count_pairs);
-      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      stats.steps.push_back(st);
-    }
-    if (steps > 1) {
-      const auto t0 = std::chrono::steady_clock::now();
-      finish_results(steps - 1);
-      // Normalise the merged state into o and lse.
-      impl::BlockStep<T, mem> s = state;
-      s.resume = true;
-      s.finish = true;
-      s.skip_keys = true;
-      impl::launch_forward<ExecSpace, T, SD, Shape>(m_exec, e, q, own, o, lse, m_mask, pos(rank),
-                                                    pos(rank), scale, s);
-      m_exec.fence();
-      stats.steps.back().seconds +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-  }
-  /// Backward of the balanced schedule: the forward's block pairs, step by
-  /// step. An owner (pair (p, p - t)) receives K, V of rank p - t, adds into
-  /// its own dQ and sends the dK, dV partial of those keys back; a helper
-  /// (pair (r, p)) receives the packed Q, dO, LSE, D of rank r, adds into its
-  /// own dK, dV and sends the dQ partial back. Inputs are posted a step ahead;
-  /// partials travel during the next step and are added at its end.
-  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV, class DOV,
-            class DQV, class DKV, class DVV>
-  void run_backward_balanced(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                             const OV& o, const LV& lse, const DOV& dout, const DQV& dq,
-                             const DKV& dk, const DVV& dv, const DistributedOptions& opts,
-                             RunStats& stats) {
-    using T = typename OV::non_const_value_type;
-    using mem = typename ExecSpace::memory_space;
-    using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
-    impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
-    const int P = m_comm.size(), rank = m_comm.rank();
-    const index_type N = index_type(e.queries) * P;
-    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
-    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
-    const int steps = balanced_steps(P);
-    const BalancedRoles roles = balanced_roles(rank, P);
-    const bool owns_remote = roles.owns_remote, sends_kv = roles.sends_kv, helps = roles.helps,
-               helped = roles.helped;
-    auto queries_buffer = [&] {
-      return impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
-    };
-    auto keys_buffer = [&] {
-      return impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
-    };
-    impl::PackedQueries<T, mem> own_q = queries_buffer(), q_in[2];
-    impl::PackedKeys<T, mem> own_k = keys_buffer(), remote_k;
-    impl::pack_queries(m_exec, q, dout, o, lse, own_q);
-    impl::pack_keys(m_exec, k, v, own_k);
-    Buffer4<T> kv_send[2], kv_in[2][2], dkv_out[2][2], dkv_add[2][2], dq_out[2], dq_add[2];
-    if (sends_kv) {
-      kv_send[0] = buffer_like<T>(k, "blockattn::balanced_k");
-      kv_send[1] = buffer_like<T>(v, "blockattn::balanced_v");
-      Kokkos::deep_copy(m_exec, kv_send[0], k);
-      Kokkos::deep_copy(m_exec, kv_send[1], v);
-    }
-    if (owns_remote) remote_k = keys_buffer();
-    for (int i = 0; i < 2; ++i) {
-      if (owns_remote)
-        for (int j = 0; j < 2; ++j) {
-          kv_in[i][j] = buffer_like<T>(j == 0 ? k : v, "blockattn::balanced_kv_in");
-          dkv_out[i][j] = buffer_like<T>(j == 0 ? dk : dv, "blockattn::balanced_dkv_out");
-        }
-      if (sends_kv)
-        for (int j = 0; j < 2; ++j)
-          dkv_add[i][j] = buffer_like<T>(j == 0 ? dk : dv, "blockattn::balanced_dkv_in");
-      if (helps) {
-        q_in[i] = queries_buffer();
-        dq_out[i] = buffer_like<T>(dq, "blockattn::balanced_dq_out");
-      }
-      if (helped) dq_add[i] = buffer_like<T>(dq, "blockattn::balanced_dq_in");
-    }
-    const std::int64_t kv_bytes = bytes_of(k) + bytes_of(v);
-    const std::int64_t dkv_bytes = bytes_of(dk) + bytes_of(dv);
-    const std::int64_t q_bytes =
-        bytes_of(own_q.q) + bytes_of(own_q.dout) + bytes_of(own_q.lse2) + bytes_of(own_q.drow);
-    const std::int64_t dq_bytes = bytes_of(dq);
-    const std::int64_t keys_bytes = bytes_of(own_k.kt) + bytes_of(own_k.vt) + bytes_of(own_k.k);
-    stats.block_q = Shape::block_q;
-    stats.block_k = Shape::block_k;
-    stats.workspace_bytes = q_bytes + keys_bytes + (sends_kv ? kv_bytes + 2 * dkv_bytes : 0) +
-                            (owns_remote ? keys_bytes + 2 * (kv_bytes + dkv_bytes) : 0) +
-                            (helps ? 2 * (q_bytes + dq_bytes) : 0) + (helped ? 2 * dq_bytes : 0);
-
-    const auto pos = [&](int r) { return Partition::positions(N, P, r); };
-    std::vector<request> out_send[2], in_recv[2];
-    bool in_dkv[2] = {false, false}, in_dq[2] = {false, false};
-    auto finish_partials = [&](int t) {  // partials of step t: complete and add
-      const int i = t % 2;
-      for (auto& r : out_send[i]) x.wait(r);
-      for (auto& r : in_recv[i]) x.wait(r);
-      out_send[i].clear();
-      in_recv[i].clear();
-      if (in_dkv[i]) {
-        impl::add_into(m_exec, dk, dkv_add[i][0]);
-        impl::add_into(m_exec, dv, dkv_add[i][1]);
-      }
-      if (in_dq[i]) impl::add_into(m_exec, dq, dq_add[i]);
-      in_dkv[i] = in_dq[i] = false;
-      m_exec.fence();
-    };
-    auto post_queries = [&](auto&& op, const impl::PackedQueries<T, mem>& b, int peer, int step) {
-      std::vector<request> r;
-      r.push_back(op(b.q, peer, step, impl::Message::q));
-      r.push_back(op(b.dout, peer, step, impl::Message::dout));
-      r.push_back(op(b.lse2, peer, step, impl::Message::q_lse));
-      r.push_back(op(b.drow, peer, step, impl::Message::q_drow));
-      return r;
-    };
-    auto isend = [&](const auto& view, int peer, int step, impl::Message m) {
-      return x.send(view, peer, step, m);
-    };
-    auto irecv = [&](const auto& view, int peer, int step, impl::Message m) {
-      return x.receive(view, peer, step, m);
-    };
-    for (int t = 0; t < steps; ++t) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const BlockTask task = balanced_task(rank, t, P);
-      const int i = t % 2;
-      StepStats st;
-      std::vector<request> reqs;
-      if (t + 1 < steps) {
-        const int u = t + 1;
-        if (rank >= u) {
-          reqs.push_back(irecv(kv_in[u % 2][0], rank - u, u, impl::Message::k));
-          reqs.push_back(irecv(kv_in[u % 2][1], rank - u, u, impl::Message::v));
-          st.bytes_received += kv_bytes;
-        }
-        if (rank + u < P) {
-          reqs.push_back(isend(kv_send[0], rank + u, u, impl::Message::k));
-          reqs.push_back(isend(kv_send[1], rank + u, u, impl::Message::v));
-          st.bytes_sent += kv_bytes;
-        }
-        if (const int r = balanced_helps(rank, u, P); r >= 0) {
-          for (auto& y : post_queries(irecv, q_in[u % 2], r, u)) reqs.push_back(y);
-          st.bytes_received += q_bytes;
-        }
-        if (const int h = balanced_helper_of(rank, u, P); h >= 0) {
-          for (auto& y : post_queries(isend, own_q, h, u)) reqs.push_back(y);
-          st.bytes_sent += q_bytes;
-        }
-      }
-      // Partials of this step's pairs that other ranks compute for us.
-      if (t > 0 && rank + t < P) {
-        in_recv[i].push_back(irecv(dkv_add[i][0], rank + t, t, impl::Message::dk));
-        in_recv[i].push_back(irecv(dkv_add[i][1], rank + t, t, impl::Message::dv));
-        in_dkv[i] = true;
-        st.bytes_received += dkv_bytes;
-      }
-      if (const int h = balanced_helper_of(rank, t, P); h >= 0) {
-        in_recv[i].push_back(irecv(dq_add[i], h, t, impl::Message::dq));
-        in_dq[i] = true;
-        st.bytes_received += dq_bytes;
-      }
-      st.computed =
-          !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
-      impl::BackwardBlock blk;
-      if (t == 0) {
-        if (st.computed) {
-          impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, own_q, own_k, dq, dk, dv,
-                                                         m_mask, pos(rank), pos(rank), scale, blk);
-        } else {
-          Kokkos::deep_copy(m_exec, dq, T(0));
-          Kokkos::deep_copy(m_exec, dk, T(0));
-          Kokkos::deep_copy(m_exec, dv, T(0));
-        }
-      } else if (task.q_rank == rank) {
-        // Owner: our queries against the keys of rank p - t; their dK, dV go back.
-        if (st.computed) {
-          impl::pack_keys(m_exec, kv_in[i][0], kv_in[i][1], remote_k);
-          blk.accumulate_dq = true;
-          impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, own_q, remote_k, dq,
-                                                         dkv_out[i][0], dkv_out[i][1], m_mask,
-                                                         pos(rank), pos(task.k_rank), scale, blk);
-        } else {
-          Kokkos::deep_copy(m_exec, dkv_out[i][0], T(0));
-          Kokkos::deep_copy(m_exec, dkv_out[i][1], T(0));
-        }
-        m_exec.fence();
-        out_send[i].push_back(isend(dkv_out[i][0], task.k_rank, t, impl::Message::dk));
-        out_send[i].push_back(isend(dkv_out[i][1], task.k_rank, t, impl::Message::dv));
-        st.bytes_sent += dkv_bytes;
-      } else if (!task.idle()) {
-        // Helper: the queries of rank r against our keys; their dQ goes back.
-        if (st.computed) {
-          blk.accumulate_dkv = true;
-          impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, q_in[i], own_k, dq_out[i], dk,
-                                                         dv, m_mask, pos(task.q_rank), pos(rank),
-                                                         scale, blk);
-        } else {
-          Kokkos::deep_copy(m_exec, dq_out[i], T(0));
-        }
-        m_exec.fence();
-        out_send[i].push_back(isend(dq_out[i], task.q_rank, t, impl::Message::dq));
-        st.bytes_sent += dq_bytes;
-      }
-      for (auto& r : reqs) x.test(r);
-      m_exec.fence();
-      for (auto& r : reqs) x.wait(r);
-      if (t > 0) finish_partials(t - 1);
-      st.step = t;
-      st.source = task.k_rank;
-      st.query_source = task.q_rank;
-      st.tiles = task_work<Partition>(m_mask, N, P, task, Shape::block_q, Shape::block_k,
-                                      opts.count_pairs);
-      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      stats.steps.push_back(st);
-    }
-    if (steps > 1) finish_partials(steps - 1);
-    m_exec.fence();
-  }
 };
 
 }  // namespace blockattn

@@ -21,6 +21,7 @@
 #include <blockattn/mask.hpp>
 #include <blockattn/partition.hpp>
 #include <blockattn/ring_schedule.hpp>
+#include <blockattn/schedule.hpp>
 #include <blockattn/tile_shape.hpp>
 #include <blockattn/work.hpp>
 
@@ -215,32 +216,38 @@ inline double tile_seconds(const Problem& p, const Hardware& hw, const TileCount
   return (double(t.full) + hw.partial_tile_cost * double(t.partial)) * per_tile / hw.flops;
 }
 
-/// Steps, messages and workspace of a schedule (the sizes DistributedAttention uses).
+/// Bytes of one transfer's payload (the sizes DistributedAttention sends).
+inline std::int64_t payload_bytes(const Problem& p, Payload what) {
+  switch (what) {
+    case Payload::kv:
+      return packed_kv_bytes(p);
+    case Payload::q:
+      return rows_bytes(p, p.heads, p.dim);
+    case Payload::result:
+      return rows_bytes(p, p.heads, p.dim) + state_bytes(p);
+    case Payload::dq:
+    case Payload::dkv:
+      break;  // backward payloads: the planner models the forward
+  }
+  return 0;
+}
+
+/// Messages and per-rank workspace, read from the schedule's own description
+/// (blockattn/schedule.hpp): the transfers its step() lists and the buffers
+/// forward_slots() derives from them, at the sizes the run allocates.
 template <class Schedule>
 void schedule_plan(const Problem& p, std::vector<Message>& msgs, std::vector<std::int64_t>& ws) {
   const int P = p.P;
-  const std::int64_t kv = packed_kv_bytes(p), state = state_bytes(p);
+  for (const ScheduledTransfer& t : schedule_transfers<Schedule>(P))
+    msgs.push_back({t.src, t.dst, payload_bytes(p, t.payload), t.src_step, t.dst_step,
+                    t.after_compute, t.done_step});
   ws.assign(std::size_t(P), 0);
-  if constexpr (std::is_same<Schedule, BalancedSchedule>::value) {
-    const std::int64_t q = rows_bytes(p, p.heads, p.dim), res = q + state;
-    const int S = balanced_steps(P);
-    for (int u = 1; u < S; ++u)
-      for (int r = 0; r < P; ++r) {
-        if (r + u < P) msgs.push_back({r, r + u, kv, u - 1, u - 1, false, u - 1});
-        if (const int h = balanced_helper_of(r, u, P); h >= 0) {
-          msgs.push_back({r, h, q, u - 1, u - 1, false, u - 1});  // Q to the helper
-          msgs.push_back({h, r, res, u, u, true, u + 1});         // partial O, LSE back
-        }
-      }
-    for (int r = 0; r < P; ++r) {
-      const BalancedRoles role = balanced_roles(r, P);
-      ws[std::size_t(r)] = (S > 1 ? 3 : 1) * kv + 2 * state + (role.helped ? q + 2 * res : 0) +
-                           (role.helps ? 2 * (q + res) : 0);
-    }
-  } else {
-    for (int s = 0; s + 1 < P; ++s)
-      for (int r = 0; r < P; ++r) msgs.push_back({r, (r + 1) % P, kv, s, s, false, s});
-    for (int r = 0; r < P; ++r) ws[std::size_t(r)] = 2 * kv + 2 * state;
+  const std::int64_t q = payload_bytes(p, Payload::q), res = payload_bytes(p, Payload::result);
+  for (int r = 0; r < P; ++r) {
+    const ForwardSlots u = forward_slots<Schedule>(r, P);
+    ws[std::size_t(r)] = u.kv * packed_kv_bytes(p) + 2 * state_bytes(p) +
+                         (u.q - 1 + (u.q_copy ? 1 : 0)) * q +
+                         (u.results_out + u.results_in) * res;
   }
 }
 
@@ -265,19 +272,19 @@ Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
     pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
     return pr;
   }
-  if constexpr (std::is_same<Schedule, BalancedSchedule>::value) {
-    if (!std::is_same<Partition, ContiguousPartition>::value) {
+  static_assert(impl::check_schedule<Schedule>(), "BlockAttn: predict needs a complete schedule");
+  if constexpr (!Schedule::template supports<Partition, Mask>) {
+    pr.valid = false;
+    pr.why_not = std::string("the ") + Schedule::name() + " schedule does not support the " +
+                 Partition::name() + " partition with this mask";
+    return pr;
+  } else {
+    const std::string why = Schedule::template can_implement<Partition>(mask, p.N, P);
+    if (!why.empty()) {
       pr.valid = false;
-      pr.why_not = "the balanced schedule needs the contiguous partition";
+      pr.why_not = why;
       return pr;
     }
-    for (int i = 0; i < P; ++i)
-      for (int j = i + 1; j < P; ++j)
-        if (!block_is_empty<Partition>(mask, p.N, P, i, j)) {
-          pr.valid = false;
-          pr.why_not = "the balanced schedule needs a causal mask";
-          return pr;
-        }
   }
   const int steps = schedule_steps<Schedule>(P);
   std::vector<detail::Message> msgs;

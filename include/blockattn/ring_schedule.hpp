@@ -1,36 +1,92 @@
 // SPDX-License-Identifier: Apache-2.0
-// Schedules (empty tag types) and the host-side work model of the KV ring:
-// which key/value block a rank holds at each step and what the tile classifier
-// makes of it. The ring's run and its accounting both use this model.
+// The ring schedules (Ring Attention, BurstAttention), described for the
+// schedule concept (blockattn/schedule.hpp), and the host-side work model of
+// the KV ring: which key/value block a rank holds at each step and what the
+// tile classifier makes of it. The run, the planner and the tests all read
+// this description.
 #pragma once
 
 #include <blockattn/config.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/partition.hpp>
+#include <blockattn/schedule.hpp>
 #include <blockattn/work.hpp>
 
+#include <string>
 #include <type_traits>
+#include <vector>
 
 namespace blockattn {
 
-/// Backward variants of the ring schedules:
-/// KV ring (Ring Attention, arXiv:2310.01889, `_ring_attention_bwd`): K, V and their dK, dV
-/// accumulators travel; dQ stays home.
+/// The rank whose K/V block `rank` holds at `step` of the ring.
+inline int ring_source(int rank, int step, int P) {
+  return ((rank - step) % P + P) % P;
+}
+
+/// Backward variants of the ring schedules, described for the schedule
+/// concept (BackwardStep, blockattn/schedule.hpp).
+///
+/// KV ring (Ring Attention, arXiv:2310.01889, `_ring_attention_bwd`): K, V
+/// travel as in the forward (slot s mod 2), each step writes the dK, dV of the
+/// keys it holds into a fresh partial (slot s mod 2), adds the partial of the
+/// same keys that the previous rank summed one step earlier, and passes the
+/// sum on; after P steps the complete dK, dV travel one hop home. dQ stays
+/// home.
 struct KVRingBackward {
   static constexpr const char* name() { return "kv-ring"; }
+  static int steps(int P) { return P; }
+  static void step(int rank, int s, int P, BackwardStep& out) {
+    out.task = {rank, ring_source(rank, s, P)};
+    if (P == 1) return;  // the own block: straight into the own gradients
+    out.kv_slot = s % 2;
+    out.dkv_slot = s % 2;
+    ring_partials(rank, s, P, Payload::kv, Payload::dkv, out.transfers);
+  }
+  /// The transfers of both rings: `block` (K/V or packed Q) moves on like
+  /// the forward's K/V, the partial gradient `partial` of the block held at
+  /// step s is summed along the ring and goes home after the last step.
+  static void ring_partials(int rank, int s, int P, Payload block, Payload partial,
+                            std::vector<ScheduledTransfer>& x) {
+    const int next = (rank + 1) % P, prev = (rank + P - 1) % P;
+    if (s + 1 < P) {
+      x.push_back({rank, next, block, s, s, false, s, s % 2, (s + 1) % 2});
+      x.push_back({prev, rank, block, s, s, false, s, s % 2, (s + 1) % 2});
+    }
+    // The partial the previous rank summed at step s - 1 is for the block we
+    // hold now: add it into ours (in-slot 0) once both are there.
+    if (s > 0) x.push_back({prev, rank, partial, s - 1, s, true, s, (s - 1) % 2, 0, s % 2});
+    if (s + 1 < P) {
+      x.push_back({rank, next, partial, s, s + 1, true, s + 1, s % 2, 0, (s + 1) % 2});
+    } else {
+      // Last step: we hold the block of the next rank; its complete partial
+      // goes home, ours arrives from the previous rank (in-slot 1).
+      x.push_back({rank, next, partial, s, s, true, P, s % 2, 1, -1});
+      x.push_back({prev, rank, partial, s, s, true, P, s % 2, 1, -1});
+    }
+  }
 };
-/// Q ring (BurstAttention, arXiv:2403.09347, Algorithm 2, GAO backward): Q, dO, LSE, D and the
-/// dQ accumulator travel; K, V, dK, dV stay home.
+/// Q ring (BurstAttention, arXiv:2403.09347, Algorithm 2, GAO backward): the
+/// packed Q, dO, LSE, D travel (slot s mod 2, slot 0 starts with our own)
+/// and the dQ partial is summed along the ring like the KV ring's dK, dV; K,
+/// V, dK, dV stay home.
 struct QRingBackward {
   static constexpr const char* name() { return "q-ring"; }
+  static int steps(int P) { return P; }
+  static void step(int rank, int s, int P, BackwardStep& out) {
+    out.task = {ring_source(rank, s, P), rank};
+    if (P == 1) return;
+    out.q_slot = s % 2;
+    out.dq_slot = s % 2;
+    KVRingBackward::ring_partials(rank, s, P, Payload::q, Payload::dq, out.transfers);
+  }
 };
 
 /// The KV ring forward (Ring Attention, arXiv:2310.01889, Algorithm 1;
 /// Striped Attention uses it with the striped partition): Q stays, K/V blocks
 /// travel to the next rank each step; step s on rank r holds the block of rank
-/// (r - s) mod P. Communication of the next block is posted before a step's
-/// compute and completed after it (double buffering). `Backward` picks the
-/// backward's ring.
+/// (r - s) mod P in K/V slot s mod 2. The transfer of the next block (into the
+/// other slot) is posted before a step's compute and completed after it
+/// (double buffering). `Backward` picks the backward's ring.
 template <class Backward>
 struct BasicRingSchedule {
   using schedule_type = BasicRingSchedule;
@@ -41,20 +97,27 @@ struct BasicRingSchedule {
   /// Every partition and mask work with the ring.
   template <class Partition, class Mask>
   static constexpr bool supports = true;
+  template <class Partition, class Mask>
+  static std::string can_implement(const Mask&, index_type, int) {
+    return {};
+  }
+  static int steps(int P) { return P; }
+  static void step(int rank, int s, int P, ForwardStep& out) {
+    out.task = {rank, ring_source(rank, s, P)};
+    out.kv_slot = s % 2;
+    if (s + 1 >= P) return;
+    const int next = (rank + 1) % P, prev = (rank + P - 1) % P;
+    // Send the block held now to the next rank; receive the next step's
+    // block from the previous one. Both done by the end of this step.
+    out.transfers.push_back({rank, next, Payload::kv, s, s, false, s, s % 2, (s + 1) % 2});
+    out.transfers.push_back({prev, rank, Payload::kv, s, s, false, s, s % 2, (s + 1) % 2});
+  }
 };
 
 /// Ring Attention: KV ring forward and backward.
 using RingSchedule = BasicRingSchedule<KVRingBackward>;
 /// BurstAttention: KV ring forward, Q ring backward.
 using BurstSchedule = BasicRingSchedule<QRingBackward>;
-
-template <class S, class = void>
-struct is_schedule : std::false_type {};
-template <class S>
-struct is_schedule<S, std::void_t<typename S::schedule_type, decltype(S::name())>>
-    : std::is_same<typename S::schedule_type, S> {};
-template <class S>
-inline constexpr bool is_schedule_v = is_schedule<S>::value;
 
 namespace impl {
 /// Schedules whose forward is the KV ring (RingSchedule, BurstSchedule).
@@ -65,11 +128,6 @@ struct is_kv_ring_forward<BasicRingSchedule<B>>
     : std::bool_constant<std::is_same<B, KVRingBackward>::value ||
                          std::is_same<B, QRingBackward>::value> {};
 }  // namespace impl
-
-/// The rank whose K/V block `rank` holds at `step` of the ring.
-inline int ring_source(int rank, int step, int P) {
-  return ((rank - step) % P + P) % P;
-}
 
 /// Tiles and (optionally) allowed pairs that `rank` computes at `step` of the
 /// ring for a global sequence of N tokens split by Partition over P ranks.

@@ -7,6 +7,7 @@
 #include <blockattn/impl/exp2.hpp>
 #include <blockattn/impl/micro_gemm.hpp>
 #include <blockattn/impl/pack.hpp>
+#include <blockattn/impl/softmax_state.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/tile_shape.hpp>
 
@@ -213,10 +214,9 @@ struct ForwardKernel {
     // Normalise and write back. Rows that saw no allowed key: O = 0, LSE = -inf;
     // rows whose allowed logits held a NaN (l = NaN): O and LSE NaN.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
-      const bool seen = l[r] != T(0);
-      const T inv_l = seen ? T(1) / l[r] : T(0);
+      const T inv_l = SoftmaxRow<T>::inverse_sum(l[r]);
       for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d] * inv_l;
-      lse(b, h, q0 + r) = seen ? (m[r] + kmath::log2(l[r])) * ln2<T> : -infinity<T>();
+      lse(b, h, q0 + r) = SoftmaxRow<T>::lse(m[r], l[r]);
     });
   }
 

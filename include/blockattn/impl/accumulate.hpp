@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Element-wise kernels of the schedules: adding partial gradients, and merging
-// a partial attention result (normalised O and LSE over some keys) into the
-// online-softmax state of the same queries (the rescale rule of
-// DistFlashAttn (arXiv:2310.03294) §3.2, Dao 2023's merge of two key blocks).
+// Element-wise kernel of the schedules: adding partial gradients. (Merging a
+// partial forward result is SoftmaxState::merge_partial, impl/softmax_state.hpp.)
 #pragma once
 
 #include <blockattn/config.hpp>
@@ -51,40 +49,6 @@ void add_into(const ExecSpace& exec, const AV& a, const BV& b) {
         const std::int64_t d = i % n3, r = i / n3, h = r % n2, r2 = r / n2, q = r2 % n1,
                            bb = r2 / n1;
         a(bb, q, h, d) += b(bb, q, h, d);
-      });
-}
-
-/// Merges the partial result (part_o normalised, part_lse natural log; a row
-/// with part_lse = -inf saw no key and contributes nothing; part_lse = NaN
-/// makes the row NaN) into the
-/// unnormalised state (o, m in base 2 of the scaled logits, l) that
-/// ForwardKernel keeps between blocks:
-///   m' = max(m, lse2), o = 2^(m - m') o + 2^(lse2 - m') part_o,
-///   l = 2^(m - m') l + 2^(lse2 - m'),   lse2 = part_lse * log2(e).
-/// o, part_o: (batch, queries, heads, >= dim); m, l, part_lse: (batch, heads, queries).
-template <class ExecSpace, class OV, class SV, class PO, class PL>
-void merge_partial(const ExecSpace& exec, const OV& o, const SV& m_state, const SV& l_state,
-                   const PO& part_o, const PL& part_lse, int dim) {
-  using T = typename OV::non_const_value_type;
-  const int batch = int(o.extent(0)), queries = int(o.extent(1)), heads = int(o.extent(2));
-  const std::int64_t rows = std::int64_t(batch) * queries * heads;
-  Kokkos::parallel_for(
-      "blockattn::merge_partial",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-      KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int h = int(idx % heads);
-        const int i = int((idx / heads) % queries);
-        const int b = int(idx / (std::int64_t(heads) * queries));
-        const T lp = part_lse(b, h, i);
-        if (lp == -infinity<T>()) return;  // saw no key; a NaN LSE merges as NaN
-        const T m2 = lp * log2e<T>;
-        const T m = m_state(b, h, i);
-        const T mn = m > m2 ? m : m2;
-        const T a = kmath::exp2(m - mn);  // 0 when this row had no key yet (m = -inf)
-        const T w = kmath::exp2(m2 - mn);
-        m_state(b, h, i) = mn;
-        l_state(b, h, i) = l_state(b, h, i) * a + w;
-        for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * a + part_o(b, i, h, d) * w;
       });
 }
 
