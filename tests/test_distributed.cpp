@@ -15,128 +15,14 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "distributed_check.hpp"
 #include "reference.hpp"
 #include "user_masks.hpp"
 
 using namespace blockattn;
-using blockattn::test::ExecSpace;
-using blockattn::test::HostTensor;
-using blockattn::test::MemSpace;
-using blockattn::test::reference_backward;
-using blockattn::test::ReferenceGrads;
-
-// The transfer mode of the communicator under test: HostStaged by default;
-// GpuAware for the device builds' CUDA-aware MPI variant (CMake option
-// BLOCKATTN_TEST_GPU_AWARE_MPI).
-#ifndef BLOCKATTN_TEST_TRANSFER
-#define BLOCKATTN_TEST_TRANSFER HostStaged
-#endif
-using Mpi = MpiCommunicator<BLOCKATTN_TEST_TRANSFER>;
+using namespace blockattn::test;
 
 namespace {
-
-template <class T>
-using V4 = Kokkos::View<T****, MemSpace>;
-template <class T>
-using V3 = Kokkos::View<T***, MemSpace>;
-
-template <class View>
-void fill_random(const View& v, std::uint64_t seed) {
-  auto h = Kokkos::create_mirror_view(v);
-  std::mt19937_64 rng(seed);  // the same on every rank: one global sequence
-  std::uniform_real_distribution<double> u(-1.0, 1.0);
-  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = typename View::value_type(u(rng));
-  Kokkos::deep_copy(v, h);
-}
-
-/// max |a - b| / max |b| over finite entries; inf entries must match exactly.
-template <class View>
-double rel_error(const View& a, const View& b, bool& inf_mismatch) {
-  auto ah = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), a);
-  auto bh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b);
-  double num = 0.0, den = 0.0;
-  for (std::size_t i = 0; i < ah.size(); ++i) {
-    const double x = ah.data()[i], y = bh.data()[i];
-    if (std::isinf(y) || std::isinf(x) || std::isnan(x)) {
-      if (!(x == y)) inf_mismatch = true;
-      continue;
-    }
-    num = std::max(num, std::abs(x - y));
-    den = std::max(den, std::abs(y));
-  }
-  return den > 0 ? num / den : num;
-}
-
-struct Case {
-  int b, n_local, h, hkv, d;
-};
-
-/// Tolerance of distributed vs single device: the same tile kernel on the same
-/// inputs, with keys visited in another order and merged by the same rescale
-/// rule, so the results differ by rounding only: ~1e-16 (fp64) and ~1e-7 (fp32)
-/// times a few accumulation steps. The issue's limits leave 10-100x margin.
-template <class T>
-constexpr double dist_tol() {
-  return std::is_same<T, double>::value ? 1e-12 : 1e-5;
-}
-
-template <class T, class Partition, class Schedule = RingSchedule, class Mask, class Comm>
-RunStats check_against_single(Comm comm, const Case& c, const Mask& mask, std::uint64_t seed) {
-  const int P = comm.size(), rank = comm.rank();
-  const int N = c.n_local * P;
-  V4<T> q("q", c.b, N, c.h, c.d), k("k", c.b, N, c.hkv, c.d), v("v", c.b, N, c.hkv, c.d),
-      o("o", c.b, N, c.h, c.d);
-  V3<T> lse("lse", c.b, c.h, N);
-  fill_random(q, seed);
-  fill_random(k, seed + 1);
-  fill_random(v, seed + 2);
-  attention_forward(ExecSpace{}, q, k, v, o, lse, mask);
-
-  V4<T> ql("ql", c.b, c.n_local, c.h, c.d), kl("kl", c.b, c.n_local, c.hkv, c.d),
-      vl("vl", c.b, c.n_local, c.hkv, c.d), ol("ol", c.b, c.n_local, c.h, c.d),
-      oref("oref", c.b, c.n_local, c.h, c.d);
-  V3<T> ll("ll", c.b, c.h, c.n_local), lref("lref", c.b, c.h, c.n_local);
-  to_local<Partition>(ExecSpace{}, P, rank, q, ql);
-  to_local<Partition>(ExecSpace{}, P, rank, k, kl);
-  to_local<Partition>(ExecSpace{}, P, rank, v, vl);
-  to_local<Partition>(ExecSpace{}, P, rank, o, oref);
-  to_local<Partition>(ExecSpace{}, P, rank, lse, lref);
-
-  DistributedAttention<Partition, Mask, Schedule, Comm, ExecSpace> attn(comm, mask);
-  const RunStats stats = attn.forward(ql, kl, vl, ol, ll);
-  Kokkos::fence();
-  bool inf_mismatch = false;
-  const double eo = rel_error(ol, oref, inf_mismatch);
-  const double el = rel_error(ll, lref, inf_mismatch);
-  INFO("rank ", rank, "/", P, " partition=", Partition::name(), " schedule=", Schedule::name(),
-       " N=", N, " D=", c.d, " o_err=", eo, " lse_err=", el);
-  CHECK(eo <= dist_tol<T>());
-  CHECK(el <= dist_tol<T>());
-  CHECK_FALSE(inf_mismatch);
-  CHECK(int(stats.steps.size()) == schedule_steps<Schedule>(P));
-
-  // Gathering the local outputs back into global order gives the global output.
-  V4<T> back("back", c.b, N, c.h, c.d);
-  from_local<Partition>(ExecSpace{}, P, rank, ol, back);
-  auto bh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), back);
-  auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
-  const auto map = Partition::positions(N, P, rank);
-  double gerr = 0.0;
-  for (int i = 0; i < c.n_local; ++i)
-    gerr = std::max(gerr, std::abs(double(bh(0, map(i), 0, 0)) - double(oh(0, map(i), 0, 0))));
-  CHECK(gerr <= dist_tol<T>());
-  return stats;
-}
-
-/// Document starts cutting [0, N) unevenly: a 1-token document, a long one
-/// crossing rank boundaries, and the rest.
-inline std::vector<index_type> uneven_documents(index_type N) {
-  std::vector<index_type> off{0};
-  for (index_type cut : {N / 5, N / 5 + 1, N / 2 + 3})
-    if (cut > off.back() && cut < N) off.push_back(cut);
-  off.push_back(N);
-  return off;
-}
 
 template <class T, class Partition, class Comm>
 void all_masks(Comm comm, const Case& c, std::uint64_t seed) {
@@ -252,41 +138,6 @@ TEST_CASE("balanced schedule rejects a mask that attends to later blocks, on eve
   }
 }
 
-namespace {
-/// The planner's per-rank, per-step model against what the run did.
-template <class Partition, class Schedule, class Mask>
-void check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask) {
-  const int P = comm.size(), rank = comm.rank();
-  const index_type N = index_type(c.n_local) * P;
-  V4<float> q("q", c.b, c.n_local, c.h, c.d), k("k", c.b, c.n_local, c.hkv, c.d),
-      o("o", c.b, c.n_local, c.h, c.d);
-  V3<float> lse("lse", c.b, c.h, c.n_local);
-  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
-  DistributedOptions opts;
-  opts.count_pairs = true;
-  const RunStats run = attn.forward(q, k, k, o, lse, opts);
-  const plan::Problem pb = plan::problem_for<float, ExecSpace>(N, P, c.b, c.h, c.hkv, c.d);
-  plan::Hardware hw;
-  const plan::Prediction pr = plan::predict<Partition, Schedule>(pb, mask, hw, true);
-  REQUIRE(pr.valid);
-  const plan::RankPlan& mine = pr.ranks[std::size_t(rank)];
-  INFO("rank ", rank, "/", P, " ", Partition::name(), " ", Schedule::name());
-  CHECK(pb.block_q == run.block_q);
-  CHECK(pb.block_k == run.block_k);
-  CHECK(mine.workspace_bytes == run.workspace_bytes);
-  REQUIRE(mine.steps.size() == run.steps.size());
-  for (std::size_t s = 0; s < run.steps.size(); ++s) {
-    INFO("step ", s);
-    CHECK(mine.steps[s].bytes_sent == run.steps[s].bytes_sent);
-    CHECK(mine.steps[s].bytes_received == run.steps[s].bytes_received);
-    CHECK(mine.steps[s].tiles.full == run.steps[s].tiles.full);
-    CHECK(mine.steps[s].tiles.partial == run.steps[s].tiles.partial);
-    CHECK(mine.steps[s].tiles.allowed_pairs == run.steps[s].tiles.allowed_pairs);
-    CHECK(mine.steps[s].idle() == !run.steps[s].computed);
-  }
-}
-}  // namespace
-
 TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (ring and balanced)") {
   Mpi comm(MPI_COMM_WORLD);
   for (const Case& c : cases) {
@@ -301,85 +152,6 @@ TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (ring an
 // Bad arguments and configurations that differ between ranks: test_consensus.cpp.
 
 namespace {
-
-HostTensor host_of(const V4<double>& v) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
-  // Index by (b, n, h, d): V4 has the memory space's default layout
-  // (LayoutLeft on GPUs), HostTensor is row-major.
-  for (int a = 0; a < t.b; ++a)
-    for (int n = 0; n < t.n; ++n)
-      for (int x = 0; x < t.h; ++x)
-        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = h(a, n, x, d);
-  return t;
-}
-
-/// Distributed backward of one (schedule, partition, mask) against the fp64
-/// naive gradients of the global sequence, on this rank's rows.
-template <class T, class Schedule, class Partition, class Mask>
-void check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_t seed) {
-  const int P = comm.size(), rank = comm.rank(), N = c.n_local * P;
-  // Global inputs (same on all ranks), rounded to T.
-  V4<double> gq("q", c.b, N, c.h, c.d), gk("k", c.b, N, c.hkv, c.d), gv("v", c.b, N, c.hkv, c.d),
-      gdo("do", c.b, N, c.h, c.d);
-  fill_random(gq, seed);
-  fill_random(gk, seed + 1);
-  fill_random(gv, seed + 2);
-  fill_random(gdo, seed + 3);
-  auto to_t = [](const V4<double>& x) {
-    V4<T> y("y", x.extent(0), x.extent(1), x.extent(2), x.extent(3));
-    auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
-    auto yh = Kokkos::create_mirror_view(y);
-    for (std::size_t i = 0; i < xh.size(); ++i) {
-      yh.data()[i] = T(xh.data()[i]);
-      xh.data()[i] = double(yh.data()[i]);
-    }
-    Kokkos::deep_copy(y, yh);
-    Kokkos::deep_copy(x, xh);
-    return y;
-  };
-  V4<T> tq = to_t(gq), tk = to_t(gk), tv = to_t(gv), tdo = to_t(gdo);
-  const ReferenceGrads ref = reference_backward(host_of(gq), host_of(gk), host_of(gv), host_of(gdo),
-                                                mask, 1.0 / std::sqrt(double(c.d)));
-  // This rank's part, forward then backward.
-  const int n = c.n_local;
-  V4<T> q("q", c.b, n, c.h, c.d), k("k", c.b, n, c.hkv, c.d), v("v", c.b, n, c.hkv, c.d),
-      o("o", c.b, n, c.h, c.d), dout("do", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d),
-      dk("dk", c.b, n, c.hkv, c.d), dv("dv", c.b, n, c.hkv, c.d);
-  V3<T> lse("lse", c.b, c.h, n);
-  to_local<Partition>(ExecSpace{}, P, rank, tq, q);
-  to_local<Partition>(ExecSpace{}, P, rank, tk, k);
-  to_local<Partition>(ExecSpace{}, P, rank, tv, v);
-  to_local<Partition>(ExecSpace{}, P, rank, tdo, dout);
-  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
-  attn.forward(q, k, v, o, lse);
-  attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
-  Kokkos::fence();
-  // Compare with the reference rows this rank owns.
-  const auto map = Partition::positions(N, P, rank);
-  auto check = [&](const V4<T>& got, const HostTensor& want, const char* name) {
-    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
-    double num = 0, den = 0;
-    bool finite = true;
-    for (int b = 0; b < want.b; ++b)
-      for (int i = 0; i < n; ++i)
-        for (int x = 0; x < want.h; ++x)
-          for (int d = 0; d < want.d; ++d) {
-            const double g = double(h(b, i, x, d)), w = want(b, int(map(i)), x, d);
-            finite = finite && std::isfinite(g);
-            num = std::max(num, std::abs(g - w));
-          }
-    for (double w : want.data) den = std::max(den, std::abs(w));
-    const double tol = std::is_same<T, double>::value ? 1e-11 : 1e-4;
-    INFO("rank ", rank, "/", P, " ", std::string(Schedule::name()), " ",
-         std::string(Partition::name()), " ", std::string(name), " rel err ", num / den);
-    CHECK(finite);
-    CHECK(num <= tol * den);
-  };
-  check(dq, ref.dq, "dq");
-  check(dk, ref.dk, "dk");
-  check(dv, ref.dv, "dv");
-}
 
 template <class T, class Schedule, class Partition>
 void backward_all_masks(Mpi& comm, const Case& c, std::uint64_t seed) {

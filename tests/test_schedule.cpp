@@ -176,20 +176,21 @@ namespace {
 /// it is in flight; a helper's result goes to the queries' rank; every block
 /// pair in `expected` is computed exactly once and nothing else.
 template <class Schedule>
-void check_description(int P, const std::set<std::pair<int, int>>& expected) {
+void check_description(const ScheduleContext& c, const std::set<std::pair<int, int>>& expected) {
+  const int P = c.P;
   INFO(Schedule::name(), " P=", P);
   const int steps = Schedule::steps(P);
   REQUIRE(steps >= 1);
   std::vector<std::vector<ForwardStep>> desc(static_cast<std::size_t>(P));
   for (int r = 0; r < P; ++r)
-    for (int s = 0; s < steps; ++s) desc[std::size_t(r)].push_back(schedule_step<Schedule>(r, s, P));
+    for (int s = 0; s < steps; ++s)
+      desc[std::size_t(r)].push_back(schedule_step<Schedule>(c, r, s));
   const auto same = [](const ScheduledTransfer& a, const ScheduledTransfer& b) {
-    return a.src == b.src && a.dst == b.dst && a.payload == b.payload &&
-           a.src_step == b.src_step && a.dst_step == b.dst_step &&
-           a.after_compute == b.after_compute && a.done_step == b.done_step &&
-           a.src_slot == b.src_slot && a.dst_slot == b.dst_slot;
+    return a.src == b.src && a.dst == b.dst && a.payload == b.payload && a.src_step == b.src_step &&
+           a.dst_step == b.dst_step && a.after_compute == b.after_compute &&
+           a.done_step == b.done_step && a.src_slot == b.src_slot && a.dst_slot == b.dst_slot;
   };
-  const std::vector<ScheduledTransfer> all = schedule_transfers<Schedule>(P);
+  const std::vector<ScheduledTransfer> all = schedule_transfers<Schedule>(c);
   for (const auto& t : all) {
     CHECK(t.src != t.dst);
     CHECK(t.dst >= 0);
@@ -290,18 +291,19 @@ TEST_CASE("schedule descriptions: complete, race-free, every block pair once (P 
         every.insert({i, j});
         if (j <= i) causal.insert({i, j});
       }
-    check_description<RingSchedule>(P, every);
-    check_description<BurstSchedule>(P, every);
-    check_description<BalancedSchedule>(P, causal);
+    const ScheduleContext dense{P, {}};
+    check_description<RingSchedule>(dense, every);
+    check_description<BurstSchedule>(dense, every);
+    check_description<BalancedSchedule>(dense, causal);
   }
 }
 
 TEST_CASE("schedule descriptions: the buffers each rank uses") {
   // The ring holds two K/V blocks (double buffering); one at P = 1.
-  CHECK(forward_slots<RingSchedule>(0, 1).kv == 1);
+  CHECK(forward_slots<RingSchedule>({1, {}}, 0).kv == 1);
   for (int P = 2; P <= 6; ++P)
     for (int r = 0; r < P; ++r) {
-      const ForwardSlots u = forward_slots<RingSchedule>(r, P);
+      const ForwardSlots u = forward_slots<RingSchedule>({P, {}}, r);
       CHECK(u.kv == 2);
       CHECK(u.q == 1);
       CHECK_FALSE(u.q_copy);
@@ -311,12 +313,12 @@ TEST_CASE("schedule descriptions: the buffers each rank uses") {
   // Balanced at P = 5: rank 0 never owns a remote block (its own K/V only)
   // but helps rank 3 at step 2 (receives Q in two slots, sends two results);
   // rank 4 owns remote blocks (3 K/V slots) and is helped (q copy, results in).
-  const ForwardSlots r0 = forward_slots<BalancedSchedule>(0, 5);
+  const ForwardSlots r0 = forward_slots<BalancedSchedule>({5, {}}, 0);
   CHECK(r0.kv == 1);
   CHECK(r0.q == 3);
   CHECK(r0.results_out == 2);
   CHECK_FALSE(r0.merges);
-  const ForwardSlots r4 = forward_slots<BalancedSchedule>(4, 5);
+  const ForwardSlots r4 = forward_slots<BalancedSchedule>({5, {}}, 4);
   CHECK(r4.kv == 3);
   CHECK(r4.q_copy);
   CHECK(r4.merges);
@@ -332,14 +334,16 @@ namespace {
 /// dQ holds each expected pair of its queries exactly once, its dK and dV
 /// each pair of its keys exactly once.
 template <class B>
-void check_backward_description(int P, const std::set<std::pair<int, int>>& expected) {
+void check_backward_description(const ScheduleContext& c,
+                                const std::set<std::pair<int, int>>& expected) {
+  const int P = c.P;
   INFO(B::name(), " P=", P);
   using Pair = std::pair<int, int>;
   using Sum = std::vector<Pair>;
   const int steps = B::steps(P);
   std::vector<std::vector<BackwardStep>> desc(static_cast<std::size_t>(P));
   for (int r = 0; r < P; ++r)
-    for (int s = 0; s < steps; ++s) desc[std::size_t(r)].push_back(backward_step<B>(r, s, P));
+    for (int s = 0; s < steps; ++s) desc[std::size_t(r)].push_back(backward_step<B>(c, r, s));
   std::vector<ScheduledTransfer> all;
   for (int r = 0; r < P; ++r)
     for (int s = 0; s < steps; ++s)
@@ -353,23 +357,25 @@ void check_backward_description(int P, const std::set<std::pair<int, int>>& expe
     CHECK(t.done_step >= t.dst_step);
     // A transfer posted after a compute completes at a later step: the
     // receiver waits for it only after the sender could post it.
-    if (t.after_compute) CHECK(t.done_step > t.src_step);
-    else CHECK(t.done_step >= t.src_step);
+    if (t.after_compute)
+      CHECK(t.done_step > t.src_step);
+    else
+      CHECK(t.done_step >= t.src_step);
     int listed = 0;
     for (const auto& u : desc[std::size_t(t.dst)][std::size_t(t.dst_step)].transfers)
-      listed += (u.src == t.src && u.dst == t.dst && u.payload == t.payload &&
-                 u.src_step == t.src_step && u.after_compute == t.after_compute &&
-                 u.done_step == t.done_step && u.src_slot == t.src_slot &&
-                 u.dst_slot == t.dst_slot && u.add_to == t.add_to)
-                    ? 1
-                    : 0;
+      listed +=
+          (u.src == t.src && u.dst == t.dst && u.payload == t.payload && u.src_step == t.src_step &&
+           u.after_compute == t.after_compute && u.done_step == t.done_step &&
+           u.src_slot == t.src_slot && u.dst_slot == t.dst_slot && u.add_to == t.add_to)
+              ? 1
+              : 0;
     CHECK(listed == 1);
   }
   struct Rank {
-    std::map<int, int> kv, q;             // slot -> whose block
-    std::map<int, Sum> dq_out, dkv_out;   // partial slots
-    std::map<int, Sum> dq_in, dkv_in;     // receive slots
-    Sum dq, dkv;                          // own gradients
+    std::map<int, int> kv, q;            // slot -> whose block
+    std::map<int, Sum> dq_out, dkv_out;  // partial slots
+    std::map<int, Sum> dq_in, dkv_in;    // receive slots
+    Sum dq, dkv;                         // own gradients
   };
   std::vector<Rank> rk(static_cast<std::size_t>(P));
   for (int r = 0; r < P; ++r) rk[std::size_t(r)].kv[0] = rk[std::size_t(r)].q[0] = r;
@@ -492,8 +498,9 @@ TEST_CASE("backward descriptions: race-free, every partial gradient home exactly
         every.insert({i, j});
         if (j <= i) causal.insert({i, j});
       }
-    check_backward_description<KVRingBackward>(P, every);
-    check_backward_description<QRingBackward>(P, every);
-    check_backward_description<BalancedBackward>(P, causal);
+    const ScheduleContext dense{P, {}};
+    check_backward_description<KVRingBackward>(dense, every);
+    check_backward_description<QRingBackward>(dense, every);
+    check_backward_description<BalancedBackward>(dense, causal);
   }
 }

@@ -166,10 +166,10 @@ TEST_CASE_TEMPLATE("SoftmaxState::finalize is bitwise the forward kernel's own f
     impl::with_shape_for<Shape>(s.d, [&](auto static_d, auto shape) {
       constexpr int SD = decltype(static_d)::value;
       using S = decltype(shape);
-      using Kernel = impl::ForwardKernel<ExecSpace, T, SD, S, CausalMask, OffsetPositions,
-                                         OffsetPositions>;
-      auto kv = impl::allocate_packed_kv<T, mem>(s.b, s.hkv, s.nk, Kernel::pad_dim(s.d),
-                                                 S::block_k);
+      using Kernel =
+          impl::ForwardKernel<ExecSpace, T, SD, S, CausalMask, OffsetPositions, OffsetPositions>;
+      auto kv =
+          impl::allocate_packed_kv<T, mem>(s.b, s.hkv, s.nk, Kernel::pad_dim(s.d), S::block_k);
       impl::pack_kv(exec, kd, vd, kv);
       impl::launch_forward<ExecSpace, T, SD, S>(exec, e, qd, kv, o1, l1, mask, qpos, kpos, scale);
       impl::BlockStep<T, mem> open;
@@ -192,8 +192,8 @@ TEST_CASE_TEMPLATE("SoftmaxState::finalize is bitwise the forward kernel's own f
   }
 }
 
-TEST_CASE_TEMPLATE("SoftmaxState: a NaN partial makes its rows NaN, a -inf partial adds nothing",
-                   T, float, double) {
+TEST_CASE_TEMPLATE("SoftmaxState: a NaN partial makes its rows NaN, a -inf partial adds nothing", T,
+                   float, double) {
   const int b = 1, n = 5, h = 2, d = 3;
   V4<T> o("o", b, n, h, d), po("po", b, n, h, d);
   V3<T> lse("lse", b, h, n), pl("pl", b, h, n);
@@ -226,8 +226,9 @@ TEST_CASE_TEMPLATE("SoftmaxState: a NaN partial makes its rows NaN, a -inf parti
     }
     for (int i = 3; i < n; ++i) {
       // Two equal partials: O unchanged, LSE + ln 2.
-      CHECK(double(lh(0, x, i)) ==
-            doctest::Approx(0.5 * i + std::log(2.0)).epsilon(4 * std::numeric_limits<T>::epsilon()));
+      CHECK(
+          double(lh(0, x, i)) ==
+          doctest::Approx(0.5 * i + std::log(2.0)).epsilon(4 * std::numeric_limits<T>::epsilon()));
       for (int y = 0; y < d; ++y)
         CHECK(double(oh(0, i, x, y)) ==
               doctest::Approx(0.25 * (y + 1)).epsilon(4 * std::numeric_limits<T>::epsilon()));

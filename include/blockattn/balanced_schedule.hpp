@@ -85,7 +85,8 @@ inline BalancedRoles balanced_roles(int rank, int P) {
 struct BalancedBackward {
   static constexpr const char* name() { return "balanced"; }
   static int steps(int P) { return balanced_steps(P); }
-  static void step(int rank, int t, int P, BackwardStep& out) {
+  static void step(const ScheduleContext& c, int rank, int t, BackwardStep& out) {
+    const int P = c.P;
     const BlockTask task = balanced_task(rank, t, P);
     out.task = task;
     const bool owner = t > 0 && task.q_rank == rank;
@@ -142,7 +143,8 @@ struct BalancedSchedule {
     return {};
   }
   static int steps(int P) { return balanced_steps(P); }
-  static void step(int rank, int t, int P, ForwardStep& out) {
+  static void step(const ScheduleContext& c, int rank, int t, ForwardStep& out) {
+    const int P = c.P;
     const BlockTask task = balanced_task(rank, t, P);
     out.task = task;
     const bool helper = !task.idle() && task.q_rank != rank;

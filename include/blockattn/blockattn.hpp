@@ -15,6 +15,7 @@
 #include <blockattn/planner.hpp>
 #include <blockattn/positions.hpp>
 #include <blockattn/ring_schedule.hpp>
+#include <blockattn/schedule.hpp>
 #include <blockattn/tile_shape.hpp>
 #include <blockattn/work.hpp>
 

@@ -15,8 +15,8 @@
 #include <blockattn/communicator.hpp>
 #include <blockattn/config.hpp>
 #include <blockattn/errors.hpp>
-#include <blockattn/impl/consensus.hpp>
 #include <blockattn/impl/accumulate.hpp>
+#include <blockattn/impl/consensus.hpp>
 #include <blockattn/impl/transfer.hpp>
 #include <blockattn/mask.hpp>
 #include <blockattn/partition.hpp>
@@ -239,9 +239,10 @@ class DistributedAttention {
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const int steps = B::steps(P);
+    const ScheduleContext ctx = schedule_context<Partition>(m_mask, N, P);
     std::vector<BackwardStep> desc(static_cast<std::size_t>(steps));
-    for (int s = 0; s < steps; ++s) B::step(rank, s, P, desc[std::size_t(s)]);
-    const BackwardSlots slots = backward_slots<B>(rank, P);
+    for (int s = 0; s < steps; ++s) B::step(ctx, rank, s, desc[std::size_t(s)]);
+    const BackwardSlots slots = backward_slots<B>(ctx, rank);
 
     // Buffers: K/V slots (slot 0 a copy of k, v when it travels), packed
     // query slots (slot 0: ours), one packed key block, partial gradients.
@@ -282,20 +283,20 @@ class DistributedAttention {
     const std::int64_t kv_bytes = 2 * std::int64_t(e.batch) * e.keys * e.kv_heads * e.dim *
                                   std::int64_t(sizeof(T)),
                        dkv_bytes = kv_bytes;
-    const std::int64_t q_bytes = bytes_of(qs[0].q) + bytes_of(qs[0].dout) + bytes_of(qs[0].lse2) +
-                                 bytes_of(qs[0].drow);
+    const std::int64_t q_bytes =
+        bytes_of(qs[0].q) + bytes_of(qs[0].dout) + bytes_of(qs[0].lse2) + bytes_of(qs[0].drow);
     const std::int64_t dq_bytes =
         std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
     stats.block_q = Shape::block_q;
     stats.block_k = Shape::block_k;
-    stats.workspace_bytes =
-        std::int64_t(kv.size() - (slots.kv_copy ? 0 : 1)) * kv_bytes +
-        std::int64_t(qs.size()) * q_bytes + bytes_of(keys.kt) + bytes_of(keys.vt) +
-        bytes_of(keys.k) + std::int64_t(dq_out.size() + dq_in.size()) * dq_bytes +
-        std::int64_t(dkv_out.size() + dkv_in.size()) * dkv_bytes +
-        (own_dq.data() != dq.data() ? dq_bytes : 0) +
-        (own_dk.data() != dk.data() ? dkv_bytes / 2 : 0) +
-        (own_dv.data() != dv.data() ? dkv_bytes / 2 : 0);
+    stats.workspace_bytes = std::int64_t(kv.size() - (slots.kv_copy ? 0 : 1)) * kv_bytes +
+                            std::int64_t(qs.size()) * q_bytes + bytes_of(keys.kt) +
+                            bytes_of(keys.vt) + bytes_of(keys.k) +
+                            std::int64_t(dq_out.size() + dq_in.size()) * dq_bytes +
+                            std::int64_t(dkv_out.size() + dkv_in.size()) * dkv_bytes +
+                            (own_dq.data() != dq.data() ? dq_bytes : 0) +
+                            (own_dk.data() != dk.data() ? dkv_bytes / 2 : 0) +
+                            (own_dv.data() != dv.data() ? dkv_bytes / 2 : 0);
 
     struct Arrival {
       Payload what;
@@ -355,17 +356,22 @@ class DistributedAttention {
           if (a.add_to >= 0) {
             add_into<T>(dq_out[std::size_t(a.add_to)], in);
           } else {
-            if (dq_written) add_into<T>(own_dq, in);
-            else Kokkos::deep_copy(m_exec, own_dq, in);
+            if (dq_written)
+              add_into<T>(own_dq, in);
+            else
+              Kokkos::deep_copy(m_exec, own_dq, in);
             dq_written = true;
           }
         } else if (a.what == Payload::dkv) {
           const auto& in = dkv_in[std::size_t(a.slot)];
           for (int j = 0; j < 2; ++j) {
             const Buffer4<T>& own = j == 0 ? own_dk : own_dv;
-            if (a.add_to >= 0) add_into<T>(dkv_out[std::size_t(a.add_to)][j], in[j]);
-            else if (dkv_written) add_into<T>(own, in[j]);
-            else Kokkos::deep_copy(m_exec, own, in[j]);
+            if (a.add_to >= 0)
+              add_into<T>(dkv_out[std::size_t(a.add_to)][j], in[j]);
+            else if (dkv_written)
+              add_into<T>(own, in[j]);
+            else
+              Kokkos::deep_copy(m_exec, own, in[j]);
           }
           if (a.add_to < 0) dkv_written = true;
         }
@@ -530,13 +536,14 @@ class DistributedAttention {
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const bool comm = opts.communicate;
     const int steps = Schedule::steps(P);
+    const ScheduleContext ctx = schedule_context<Partition>(m_mask, N, P);
     std::vector<ForwardStep> desc(static_cast<std::size_t>(steps));
     int last_own = -1;  // the last step that computes on this rank's queries
     for (int s = 0; s < steps; ++s) {
-      Schedule::step(rank, s, P, desc[std::size_t(s)]);
+      Schedule::step(ctx, rank, s, desc[std::size_t(s)]);
       if (desc[std::size_t(s)].task.q_rank == rank) last_own = s;
     }
-    const ForwardSlots slots = forward_slots<Schedule>(rank, P);
+    const ForwardSlots slots = forward_slots<Schedule>(ctx, rank);
     const bool merges = comm && slots.merges;
 
     // Buffers: the packed K/V slots (slot 0: own), query copies, results.
@@ -578,7 +585,7 @@ class DistributedAttention {
                             std::int64_t(hout.size() + rout.size()) * res_bytes;
 
     // A transfer of the description, posted: the buffer of its payload and slot.
-    std::vector<std::vector<request>> due(static_cast<std::size_t>(steps) + 1);  // by done_step
+    std::vector<std::vector<request>> due(static_cast<std::size_t>(steps) + 1);   // by done_step
     std::vector<std::vector<int>> merge_at(static_cast<std::size_t>(steps) + 1);  // result-in slots
     const auto post = [&](const ScheduledTransfer& t, StepStats& st) {
       const bool send = t.src == rank;
@@ -706,7 +713,6 @@ class DistributedAttention {
       }
     }
   }
-
 };
 
 }  // namespace blockattn

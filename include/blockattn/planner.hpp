@@ -236,18 +236,18 @@ inline std::int64_t payload_bytes(const Problem& p, Payload what) {
 /// (blockattn/schedule.hpp): the transfers its step() lists and the buffers
 /// forward_slots() derives from them, at the sizes the run allocates.
 template <class Schedule>
-void schedule_plan(const Problem& p, std::vector<Message>& msgs, std::vector<std::int64_t>& ws) {
+void schedule_plan(const Problem& p, const ScheduleContext& c, std::vector<Message>& msgs,
+                   std::vector<std::int64_t>& ws) {
   const int P = p.P;
-  for (const ScheduledTransfer& t : schedule_transfers<Schedule>(P))
+  for (const ScheduledTransfer& t : schedule_transfers<Schedule>(c))
     msgs.push_back({t.src, t.dst, payload_bytes(p, t.payload), t.src_step, t.dst_step,
                     t.after_compute, t.done_step});
   ws.assign(std::size_t(P), 0);
   const std::int64_t q = payload_bytes(p, Payload::q), res = payload_bytes(p, Payload::result);
   for (int r = 0; r < P; ++r) {
-    const ForwardSlots u = forward_slots<Schedule>(r, P);
+    const ForwardSlots u = forward_slots<Schedule>(c, r);
     ws[std::size_t(r)] = u.kv * packed_kv_bytes(p) + 2 * state_bytes(p) +
-                         (u.q - 1 + (u.q_copy ? 1 : 0)) * q +
-                         (u.results_out + u.results_in) * res;
+                         (u.q - 1 + (u.q_copy ? 1 : 0)) * q + (u.results_out + u.results_in) * res;
   }
 }
 
@@ -289,7 +289,8 @@ Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
   const int steps = schedule_steps<Schedule>(P);
   std::vector<detail::Message> msgs;
   std::vector<std::int64_t> ws;
-  detail::schedule_plan<Schedule>(p, msgs, ws);
+  const ScheduleContext ctx = schedule_context<Partition>(mask, p.N, P);
+  detail::schedule_plan<Schedule>(p, ctx, msgs, ws);
   pr.ranks.resize(std::size_t(P));
   const std::int64_t inputs =
       detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
@@ -299,7 +300,7 @@ Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
     rp.workspace_bytes = ws[std::size_t(r)];
     for (int s = 0; s < steps; ++s) {
       StepPlan st;
-      st.task = schedule_task<Schedule>(r, s, P);
+      st.task = schedule_task<Schedule>(ctx, r, s);
       st.tiles = task_work<Partition>(mask, p.N, P, st.task, p.block_q, p.block_k, count_pairs);
       st.flops =
           4.0 * double(st.tiles.computed()) * p.block_q * p.block_k * p.dim * p.batch * p.heads;

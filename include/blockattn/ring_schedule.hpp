@@ -35,7 +35,8 @@ inline int ring_source(int rank, int step, int P) {
 struct KVRingBackward {
   static constexpr const char* name() { return "kv-ring"; }
   static int steps(int P) { return P; }
-  static void step(int rank, int s, int P, BackwardStep& out) {
+  static void step(const ScheduleContext& c, int rank, int s, BackwardStep& out) {
+    const int P = c.P;
     out.task = {rank, ring_source(rank, s, P)};
     if (P == 1) return;  // the own block: straight into the own gradients
     out.kv_slot = s % 2;
@@ -72,7 +73,8 @@ struct KVRingBackward {
 struct QRingBackward {
   static constexpr const char* name() { return "q-ring"; }
   static int steps(int P) { return P; }
-  static void step(int rank, int s, int P, BackwardStep& out) {
+  static void step(const ScheduleContext& c, int rank, int s, BackwardStep& out) {
+    const int P = c.P;
     out.task = {ring_source(rank, s, P), rank};
     if (P == 1) return;
     out.q_slot = s % 2;
@@ -102,7 +104,8 @@ struct BasicRingSchedule {
     return {};
   }
   static int steps(int P) { return P; }
-  static void step(int rank, int s, int P, ForwardStep& out) {
+  static void step(const ScheduleContext& c, int rank, int s, ForwardStep& out) {
+    const int P = c.P;
     out.task = {rank, ring_source(rank, s, P)};
     out.kv_slot = s % 2;
     if (s + 1 >= P) return;
@@ -146,6 +149,18 @@ bool block_is_empty(const Mask& mask, index_type N, int P, int rank, int source)
   const auto qp = Partition::positions(N, P, rank);
   const auto kp = Partition::positions(N, P, source);
   return mask.classify(qp(0), qp(n - 1) + 1, kp(0), kp(n - 1) + 1) == TileKind::empty;
+}
+
+/// The context of a schedule's description for a run: P and the block pairs
+/// that `mask` leaves empty under Partition (block_is_empty).
+template <class Partition, class Mask>
+ScheduleContext schedule_context(const Mask& mask, index_type N, int P) {
+  ScheduleContext c;
+  c.P = P;
+  c.empty_pair = [mask, N, P](int q_rank, int k_rank) {
+    return block_is_empty<Partition>(mask, N, P, q_rank, k_rank);
+  };
+  return c;
 }
 
 }  // namespace blockattn

@@ -13,8 +13,11 @@
 //   std::string can_implement(const Mask&, index_type N, int P);    // run time; "" = yes,
 //                                                                    // else the reason
 //   int steps(int P);                                  // steps of the forward
-//   void step(int rank, int s, int P, ForwardStep&);   // what rank does at step s:
-//                                                      // block pair, buffers, transfers
+//   void step(const ScheduleContext&, int rank, int s, ForwardStep&);
+//                                  // what rank does at step s: block pair, buffers, transfers
+//   using backward_type = B;       // the backward's description: B::steps(P) and
+//                                  // B::step(const ScheduleContext&, int rank, int s,
+//                                  //         BackwardStep&)
 // Everything else is derived from these: the workspace (forward_slots), the
 // messages (schedule_transfers), the tasks (schedule_task).
 // impl::check_schedule<S>() turns a missing member into a static_assert that
@@ -23,11 +26,24 @@
 
 #include <blockattn/config.hpp>
 
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 namespace blockattn {
+
+/// What a description knows of the run besides the number of ranks: which
+/// block pairs the mask leaves empty, so that a schedule may move and compute
+/// only the blocks that carry work. Every rank builds the same context (the
+/// configuration is the same on every rank; DistributedAttention checks it).
+struct ScheduleContext {
+  int P = 1;
+  /// empty(q_rank, k_rank): the keys of rank k_rank are all masked out for
+  /// the queries of rank q_rank. Unset: no pair is empty.
+  std::function<bool(int, int)> empty_pair;
+  bool empty(int q_rank, int k_rank) const { return empty_pair && empty_pair(q_rank, k_rank); }
+};
 
 /// One step of one rank: attention of the queries of rank `q_rank` against the
 /// keys of rank `k_rank`, or nothing (idle) when q_rank < 0.
@@ -88,9 +104,9 @@ inline int transfer_step(const ScheduledTransfer& t) {
 
 /// What one rank does at one step of a forward.
 struct ForwardStep {
-  BlockTask task;     // the block pair computed (idle: none)
-  int q_slot = 0;     // query slot the task reads (0: the caller's q)
-  int kv_slot = 0;    // K/V slot the task reads (0: this rank's own packed K/V)
+  BlockTask task;        // the block pair computed (idle: none)
+  int q_slot = 0;        // query slot the task reads (0: the caller's q)
+  int kv_slot = 0;       // K/V slot the task reads (0: this rank's own packed K/V)
   int result_slot = -1;  // >= 0: the task is for another rank's queries; its
                          // normalised O and LSE go to this result-out slot
   std::vector<ScheduledTransfer> transfers;  // what this rank posts at this step
@@ -109,7 +125,7 @@ struct ForwardStep {
 /// queries). Counts are slot index + 1 (slots are numbered densely).
 struct ForwardSlots {
   int kv = 1;
-  int q = 1;  // query slots including slot 0 (the caller's q, not allocated)
+  int q = 1;            // query slots including slot 0 (the caller's q, not allocated)
   bool q_copy = false;  // query slot 0 is sent: a contiguous copy is allocated
   int results_out = 0, results_in = 0;
   bool merges = false;  // results for this rank's queries arrive from other ranks
@@ -155,17 +171,19 @@ inline constexpr bool is_schedule_v = is_schedule<S>::value;
 
 namespace impl {
 
-#define BLOCKATTN_SCHEDULE_MEMBER(trait, expr)                   \
-  template <class S, class = void>                               \
-  struct trait : std::false_type {};                             \
-  template <class S>                                             \
+#define BLOCKATTN_SCHEDULE_MEMBER(trait, expr) \
+  template <class S, class = void>             \
+  struct trait : std::false_type {};           \
+  template <class S>                           \
   struct trait<S, std::void_t<decltype(expr)>> : std::true_type {};
 BLOCKATTN_SCHEDULE_MEMBER(has_steps, int(S::steps(1)))
-BLOCKATTN_SCHEDULE_MEMBER(has_step, S::step(0, 0, 1, std::declval<ForwardStep&>()))
+BLOCKATTN_SCHEDULE_MEMBER(has_step, S::step(std::declval<const ScheduleContext&>(), 0, 0,
+                                            std::declval<ForwardStep&>()))
 BLOCKATTN_SCHEDULE_MEMBER(has_backward_type, std::declval<typename S::backward_type>())
 BLOCKATTN_SCHEDULE_MEMBER(has_backward_steps, int(S::backward_type::steps(1)))
 BLOCKATTN_SCHEDULE_MEMBER(has_backward_step,
-                          S::backward_type::step(0, 0, 1, std::declval<BackwardStep&>()))
+                          S::backward_type::step(std::declval<const ScheduleContext&>(), 0, 0,
+                                                 std::declval<BackwardStep&>()))
 #undef BLOCKATTN_SCHEDULE_MEMBER
 
 /// One static_assert per missing member of the schedule concept.
@@ -175,15 +193,15 @@ constexpr bool check_schedule() {
                 "BlockAttn: a schedule must describe its steps: static int steps(int P)");
   static_assert(has_step<S>::value,
                 "BlockAttn: a schedule must describe what each rank does at each step (block "
-                "pair, buffers, transfers): static void step(int rank, int s, int P, "
-                "blockattn::ForwardStep& out)");
+                "pair, buffers, transfers): static void step(const blockattn::ScheduleContext& c, "
+                "int rank, int s, blockattn::ForwardStep& out)");
   static_assert(has_backward_type<S>::value,
-                "BlockAttn: a schedule must name its backward: using backward_type = "
-                "KVRingBackward, QRingBackward or BalancedBackward");
+                "BlockAttn: a schedule must name its backward's description: using "
+                "backward_type = ... (e.g. KVRingBackward, QRingBackward, BalancedBackward)");
   static_assert(has_backward_steps<S>::value && has_backward_step<S>::value,
                 "BlockAttn: a schedule's backward_type must describe its steps: static int "
-                "steps(int P) and static void step(int rank, int s, int P, "
-                "blockattn::BackwardStep& out)");
+                "steps(int P) and static void step(const blockattn::ScheduleContext& c, int "
+                "rank, int s, blockattn::BackwardStep& out)");
   return has_steps<S>::value && has_step<S>::value && has_backward_type<S>::value &&
          has_backward_steps<S>::value && has_backward_step<S>::value;
 }
@@ -198,28 +216,33 @@ int schedule_steps(int P) {
 
 /// What `rank` does at `step`.
 template <class Schedule>
-ForwardStep schedule_step(int rank, int step, int P) {
+ForwardStep schedule_step(const ScheduleContext& c, int rank, int step) {
   ForwardStep f;
-  Schedule::step(rank, step, P, f);
+  Schedule::step(c, rank, step, f);
   return f;
 }
 
 /// The task of `rank` at `step` of a schedule, as a block pair.
 template <class Schedule>
+BlockTask schedule_task(const ScheduleContext& c, int rank, int step) {
+  return schedule_step<Schedule>(c, rank, step).task;
+}
+/// Same, when no block pair is empty.
+template <class Schedule>
 BlockTask schedule_task(int rank, int step, int P) {
-  return schedule_step<Schedule>(rank, step, P).task;
+  return schedule_task<Schedule>(ScheduleContext{P, {}}, rank, step);
 }
 
 /// Every transfer of a forward over P ranks, once each (as its sender lists it).
 template <class Schedule>
-std::vector<ScheduledTransfer> schedule_transfers(int P) {
+std::vector<ScheduledTransfer> schedule_transfers(const ScheduleContext& c) {
   std::vector<ScheduledTransfer> all;
   ForwardStep f;
-  const int steps = Schedule::steps(P);
-  for (int r = 0; r < P; ++r)
+  const int steps = Schedule::steps(c.P);
+  for (int r = 0; r < c.P; ++r)
     for (int s = 0; s < steps; ++s) {
       f.clear();
-      Schedule::step(r, s, P, f);
+      Schedule::step(c, r, s, f);
       for (const auto& t : f.transfers)
         if (t.src == r && t.src_step == s) all.push_back(t);
     }
@@ -228,13 +251,13 @@ std::vector<ScheduledTransfer> schedule_transfers(int P) {
 
 /// The buffers `rank` uses over a whole forward (see ForwardSlots).
 template <class Schedule>
-ForwardSlots forward_slots(int rank, int P) {
+ForwardSlots forward_slots(const ScheduleContext& c, int rank) {
   ForwardSlots u;
   ForwardStep f;
   const auto grow = [](int& n, int slot) { n = slot + 1 > n ? slot + 1 : n; };
-  for (int s = 0; s < Schedule::steps(P); ++s) {
+  for (int s = 0; s < Schedule::steps(c.P); ++s) {
     f.clear();
-    Schedule::step(rank, s, P, f);
+    Schedule::step(c, rank, s, f);
     if (!f.task.idle()) {
       grow(u.kv, f.kv_slot);
       grow(u.q, f.q_slot);
@@ -249,7 +272,8 @@ ForwardSlots forward_slots(int rank, int P) {
         u.q_copy = u.q_copy || (out && slot == 0);
       }
       if (t.payload == Payload::result) {
-        if (out) grow(u.results_out, slot);
+        if (out)
+          grow(u.results_out, slot);
         else {
           grow(u.results_in, slot);
           u.merges = true;
@@ -263,21 +287,21 @@ ForwardSlots forward_slots(int rank, int P) {
 /// What `rank` does at `step` of a backward description B (a schedule's
 /// backward_type).
 template <class B>
-BackwardStep backward_step(int rank, int step, int P) {
+BackwardStep backward_step(const ScheduleContext& c, int rank, int step) {
   BackwardStep f;
-  B::step(rank, step, P, f);
+  B::step(c, rank, step, f);
   return f;
 }
 
 /// The buffers `rank` uses over a whole backward (see BackwardSlots).
 template <class B>
-BackwardSlots backward_slots(int rank, int P) {
+BackwardSlots backward_slots(const ScheduleContext& c, int rank) {
   BackwardSlots u;
   BackwardStep f;
   const auto grow = [](int& n, int slot) { n = slot + 1 > n ? slot + 1 : n; };
-  for (int s = 0; s < B::steps(P); ++s) {
+  for (int s = 0; s < B::steps(c.P); ++s) {
     f.clear();
-    B::step(rank, s, P, f);
+    B::step(c, rank, s, f);
     if (!f.task.idle()) {
       grow(u.kv, f.kv_slot);
       grow(u.q, f.q_slot);

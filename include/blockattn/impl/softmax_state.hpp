@@ -72,19 +72,18 @@ struct SoftmaxState {
         l(Kokkos::view_alloc(Kokkos::WithoutInitializing, label + "_l"), batch, heads, queries) {}
 
   bool allocated() const { return m.data() != nullptr; }
-  std::int64_t bytes() const {
-    return std::int64_t(m.span() + l.span()) * std::int64_t(sizeof(T));
-  }
+  std::int64_t bytes() const { return std::int64_t(m.span() + l.span()) * std::int64_t(sizeof(T)); }
 
   /// Empty state: O = 0, m = -inf, l = 0 (no key seen).
   template <class ExecSpace, class OV>
   void init(const ExecSpace& exec, const OV& o, int dim) const {
     const view_type ms = m, ls = l;
-    for_each_row(exec, "blockattn::softmax_init", o, KOKKOS_LAMBDA(int b, int i, int h) {
-      ms(b, h, i) = -infinity<T>();
-      ls(b, h, i) = T(0);
-      for (int d = 0; d < dim; ++d) o(b, i, h, d) = T(0);
-    });
+    for_each_row(
+        exec, "blockattn::softmax_init", o, KOKKOS_LAMBDA(int b, int i, int h) {
+          ms(b, h, i) = -infinity<T>();
+          ls(b, h, i) = T(0);
+          for (int d = 0; d < dim; ++d) o(b, i, h, d) = T(0);
+        });
   }
 
   /// Merges a normalised partial result over other keys (part_o, and its
@@ -95,42 +94,44 @@ struct SoftmaxState {
   void merge_partial(const ExecSpace& exec, const OV& o, const PO& part_o, const PL& part_lse,
                      int dim) const {
     const view_type ms = m, ls = l;
-    for_each_row(exec, "blockattn::softmax_merge_partial", o, KOKKOS_LAMBDA(int b, int i, int h) {
-      const T lp = part_lse(b, h, i);
-      if (lp == -infinity<T>()) return;  // saw no key; a NaN LSE merges as NaN
-      T a, w;
-      ms(b, h, i) = SoftmaxRow<T>::rescale(ms(b, h, i), lp * log2e<T>, a, w);
-      ls(b, h, i) = ls(b, h, i) * a + w;
-      for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * a + part_o(b, i, h, d) * w;
-    });
+    for_each_row(
+        exec, "blockattn::softmax_merge_partial", o, KOKKOS_LAMBDA(int b, int i, int h) {
+          const T lp = part_lse(b, h, i);
+          if (lp == -infinity<T>()) return;  // saw no key; a NaN LSE merges as NaN
+          T a, w;
+          ms(b, h, i) = SoftmaxRow<T>::rescale(ms(b, h, i), lp * log2e<T>, a, w);
+          ls(b, h, i) = ls(b, h, i) * a + w;
+          for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * a + part_o(b, i, h, d) * w;
+        });
   }
 
   /// Merges another open state (other_o unnormalised, other's m and l) of the
   /// same rows over other keys: m' = max(m, m2), O = a O + w O2, l = a l + w l2.
   template <class ExecSpace, class OV, class PO>
-  void merge_state(const ExecSpace& exec, const OV& o, const SoftmaxState& other,
-                   const PO& other_o, int dim) const {
+  void merge_state(const ExecSpace& exec, const OV& o, const SoftmaxState& other, const PO& other_o,
+                   int dim) const {
     const view_type ms = m, ls = l, m2 = other.m, l2 = other.l;
-    for_each_row(exec, "blockattn::softmax_merge_state", o, KOKKOS_LAMBDA(int b, int i, int h) {
-      if (l2(b, h, i) == T(0)) return;  // the other state saw no key
-      T a, w;
-      ms(b, h, i) = SoftmaxRow<T>::rescale(ms(b, h, i), m2(b, h, i), a, w);
-      ls(b, h, i) = ls(b, h, i) * a + l2(b, h, i) * w;
-      for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * a + other_o(b, i, h, d) * w;
-    });
+    for_each_row(
+        exec, "blockattn::softmax_merge_state", o, KOKKOS_LAMBDA(int b, int i, int h) {
+          if (l2(b, h, i) == T(0)) return;  // the other state saw no key
+          T a, w;
+          ms(b, h, i) = SoftmaxRow<T>::rescale(ms(b, h, i), m2(b, h, i), a, w);
+          ls(b, h, i) = ls(b, h, i) * a + l2(b, h, i) * w;
+          for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * a + other_o(b, i, h, d) * w;
+        });
   }
 
   /// Normalises the state into o and lse (natural log); closes the state.
   template <class ExecSpace, class OV, class LV>
   void finalize(const ExecSpace& exec, const OV& o, const LV& lse, int dim) const {
     const view_type ms = m, ls = l;
-    for_each_row(exec, "blockattn::softmax_finalize", o, KOKKOS_LAMBDA(int b, int i, int h) {
-      const T inv_l = SoftmaxRow<T>::inverse_sum(ls(b, h, i));
-      for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * inv_l;
-      lse(b, h, i) = SoftmaxRow<T>::lse(ms(b, h, i), ls(b, h, i));
-    });
+    for_each_row(
+        exec, "blockattn::softmax_finalize", o, KOKKOS_LAMBDA(int b, int i, int h) {
+          const T inv_l = SoftmaxRow<T>::inverse_sum(ls(b, h, i));
+          for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * inv_l;
+          lse(b, h, i) = SoftmaxRow<T>::lse(ms(b, h, i), ls(b, h, i));
+        });
   }
-
 };
 
 }  // namespace impl
