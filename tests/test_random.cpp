@@ -112,7 +112,7 @@ struct RandomMask {
 struct Config {
   std::uint64_t seed = 0;
   int partition = 0;  // 0 contiguous, 1 striped, 2 zigzag
-  int schedule = 0;   // 0 ring, 1 burst, 2 balanced
+  int schedule = 0;   // 0 ring, 1 burst, 2 balanced, 3 all-gather
   bool fp32 = false;
   int b = 1, n_local = 1, h = 1, hkv = 1, d = 8;
   index_type q_offset = 0, k_offset = 0;  // single-device call
@@ -120,7 +120,7 @@ struct Config {
 
   std::string describe(int P) const {
     const char* parts[] = {"contiguous", "striped", "zigzag"};
-    const char* scheds[] = {"ring", "burst", "balanced"};
+    const char* scheds[] = {"ring", "burst", "balanced", "all-gather"};
     std::ostringstream s;
     s << "seed " << seed << ": P=" << P << " " << parts[partition] << " " << scheds[schedule] << " "
       << (fp32 ? "fp32" : "fp64") << " B=" << b << " n_local=" << n_local << " H=" << h
@@ -144,7 +144,7 @@ Config draw(std::uint64_t seed, int P) {
   const int dims[] = {1, 8, 24, 40, 64, 72, 128, 136};
   c.d = dims[pick(0, 7)];
   c.n_local = pick(1, 96);
-  c.schedule = pick(0, 2);
+  c.schedule = pick(0, 3);
   c.partition = c.schedule == 2 ? 0 : pick(0, 2);
   if (c.partition == 2 && c.n_local % 2) ++c.n_local;  // zigzag: N a multiple of 2P
   const index_type N = index_type(c.n_local) * P;
@@ -302,6 +302,7 @@ Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTen
         return run_distributed<T, ZigzagPartition, S>(comm, c, q, k, v, dout, ref, grads);
     }
   };
+  if (c.schedule == 3) return with(AllGatherSchedule{});
   return c.schedule == 0 ? with(RingSchedule{}) : with(BurstSchedule{});
 }
 

@@ -3,6 +3,7 @@
 // model against the properties the papers state, for P = 2..8.
 #include <doctest/doctest.h>
 
+#include <blockattn/allgather_schedule.hpp>
 #include <blockattn/blockattn.hpp>
 
 #include <algorithm>
@@ -502,5 +503,32 @@ TEST_CASE("backward descriptions: race-free, every partial gradient home exactly
     check_backward_description<KVRingBackward>(dense, every);
     check_backward_description<QRingBackward>(dense, every);
     check_backward_description<BalancedBackward>(dense, causal);
+  }
+}
+
+TEST_CASE("all-gather description: only the block pairs the mask reaches, race-free (P = 1..9)") {
+  for (int P = 1; P <= 9; ++P) {
+    const ScheduleContext dense{P, {}};
+    const ScheduleContext causal{P, [](int q, int k) { return k > q; }};
+    const ScheduleContext band{P, [](int q, int k) { return q - k > 1 || k > q; }};
+    std::set<std::pair<int, int>> every, lower, near;
+    for (int i = 0; i < P; ++i)
+      for (int j = 0; j < P; ++j) {
+        every.insert({i, j});
+        if (j <= i) lower.insert({i, j});
+        if (j <= i && i - j <= 1) near.insert({i, j});
+      }
+    check_description<AllGatherSchedule>(dense, every);
+    check_description<AllGatherSchedule>(causal, lower);
+    check_description<AllGatherSchedule>(band, near);
+    check_backward_description<AllGatherSchedule::backward_type>(dense, every);
+    check_backward_description<AllGatherSchedule::backward_type>(causal, lower);
+    check_backward_description<AllGatherSchedule::backward_type>(band, near);
+    // Memory: every block the rank needs at once (the all-gather's price).
+    for (int r = 0; r < P; ++r) {
+      CHECK(forward_slots<AllGatherSchedule>(dense, r).kv == P);
+      CHECK(forward_slots<AllGatherSchedule>(causal, r).kv == r + 1);
+      CHECK(forward_slots<AllGatherSchedule>(band, r).kv == (r > 0 ? 2 : 1));
+    }
   }
 }

@@ -2,6 +2,7 @@
 // Umbrella header of BlockAttn.
 #pragma once
 
+#include <blockattn/allgather_schedule.hpp>
 #include <blockattn/attention_backward.hpp>
 #include <blockattn/attention_forward.hpp>
 #include <blockattn/balanced_schedule.hpp>
