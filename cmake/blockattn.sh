@@ -15,7 +15,7 @@
 #                                          .deps/torch-venv; never needed to build or test
 #   cmake/blockattn.sh bench-ring          KV-ring overlap, bytes and memory benchmarks
 #   cmake/blockattn.sh bench-plan          planner prediction vs measurement (P = 2)
-#   cmake/blockattn.sh plan [plan args]    the planner CLI (examples/plan.cpp)
+#   cmake/blockattn.sh plan [plan args]    the planner CLI (tools/plan.cpp)
 #   cmake/blockattn.sh plot [out.png]      per-rank per-step work at P = 8, four schedules
 #                                          (gnuplot; default docs/schedules_p8.png)
 #   cmake/blockattn.sh deps                only install / build the dependencies
@@ -238,7 +238,7 @@ case "$cmd" in
     ensure_deps
     configure
     cmake --build "$build" -j "$jobs" --target blockattn_plan
-    OMP_PROC_BIND=false "$build/examples/blockattn_plan" "$@"
+    OMP_PROC_BIND=false "$build/tools/blockattn_plan" "$@"
     ;;
   plot)
     ensure_deps
@@ -250,7 +250,7 @@ case "$cmd" in
       as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         gnuplot-nox >/dev/null
     fi
-    "$repo/bench/plot_schedules.sh" "$build/examples/blockattn_plan" "${1:-$repo/docs/schedules_p8.png}"
+    "$repo/bench/plot_schedules.sh" "$build/tools/blockattn_plan" "${1:-$repo/docs/schedules_p8.png}"
     ;;
   *)
     sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'

@@ -13,7 +13,7 @@
 //   const plan::Prediction& best = all[plan::recommend(all)];
 //
 // Host only; no Kokkos kernels run here (calibration is the caller's: see
-// examples/plan.cpp).
+// tools/plan.cpp).
 #pragma once
 
 #include <blockattn/balanced_schedule.hpp>
