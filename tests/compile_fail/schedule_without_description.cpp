@@ -1,6 +1,6 @@
 // Must NOT compile: a type that looks like a schedule (schedule_type, name(),
-// backward_type, supports) but that no driver runs; it must not silently run
-// as the ring.
+// backward_type, supports) but does not describe its steps (steps(), step());
+// it must not silently run as another schedule.
 #include <blockattn/blockattn.hpp>
 
 struct MySchedule {
