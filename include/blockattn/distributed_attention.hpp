@@ -304,7 +304,6 @@ class DistributedAttention {
     };
     std::vector<std::vector<request>> due(static_cast<std::size_t>(steps) + 1);
     std::vector<std::vector<Arrival>> arrive(static_cast<std::size_t>(steps) + 1);
-    std::vector<int> kv_arrive_slots;
     const auto post = [&](const ScheduledTransfer& t, StepStats& st) {
       const bool send = t.src == rank;
       const int peer = send ? t.dst : t.src, slot = send ? t.src_slot : t.dst_slot;
