@@ -7,7 +7,7 @@
 // Run under mpiexec with any number of ranks (ctest: 1 to 5).
 #include <doctest/doctest.h>
 
-#include <blockattn/allgather_schedule.hpp>
+#include <blockattn/schedule/allgather.hpp>
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
 

@@ -2,7 +2,7 @@
 // Host-only: accuracy of the fp32 exp2 used for softmax numerators.
 #include <doctest/doctest.h>
 
-#include <blockattn/impl/exp2.hpp>
+#include <blockattn/kernel/impl/exp2.hpp>
 
 #include <cmath>
 #include <limits>

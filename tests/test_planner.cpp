@@ -3,7 +3,7 @@
 // tolerances) and its own invariants.
 #include <doctest/doctest.h>
 
-#include <blockattn/planner.hpp>
+#include <blockattn/plan/planner.hpp>
 
 #include <cmath>
 

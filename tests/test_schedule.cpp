@@ -3,7 +3,7 @@
 // model against the properties the papers state, for P = 2..8.
 #include <doctest/doctest.h>
 
-#include <blockattn/allgather_schedule.hpp>
+#include <blockattn/schedule/allgather.hpp>
 #include <blockattn/blockattn.hpp>
 
 #include <algorithm>
@@ -169,7 +169,7 @@ TEST_CASE("balanced schedule: every block pair once, the paper's idle fractions"
 
 namespace {
 
-/// Runs a schedule's description (blockattn/schedule.hpp) on paper for P
+/// Runs a schedule's description (blockattn/schedule/schedule.hpp) on paper for P
 /// ranks, following what every buffer slot holds, and checks that it is a
 /// complete, race-free description: both ends list each transfer alike; every
 /// task reads the blocks it names (the K/V of task.k_rank, the queries of

@@ -4,7 +4,7 @@
 // variable-length documents are library masks: mask.hpp, document_mask.hpp.)
 #pragma once
 
-#include <blockattn/mask.hpp>
+#include <blockattn/policy/mask.hpp>
 
 namespace blockattn::test {
 

@@ -2,23 +2,23 @@
 // Umbrella header of BlockAttn.
 #pragma once
 
-#include <blockattn/allgather_schedule.hpp>
-#include <blockattn/attention_backward.hpp>
-#include <blockattn/attention_forward.hpp>
-#include <blockattn/balanced_schedule.hpp>
-#include <blockattn/communicator.hpp>
-#include <blockattn/config.hpp>
-#include <blockattn/distributed_attention.hpp>
-#include <blockattn/document_mask.hpp>
-#include <blockattn/errors.hpp>
-#include <blockattn/mask.hpp>
-#include <blockattn/partition.hpp>
-#include <blockattn/planner.hpp>
-#include <blockattn/positions.hpp>
-#include <blockattn/ring_schedule.hpp>
-#include <blockattn/schedule.hpp>
-#include <blockattn/tile_shape.hpp>
-#include <blockattn/work.hpp>
+#include <blockattn/comm/communicator.hpp>
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/distributed/distributed_attention.hpp>
+#include <blockattn/kernel/attention_backward.hpp>
+#include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/kernel/work.hpp>
+#include <blockattn/plan/planner.hpp>
+#include <blockattn/policy/document_mask.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/partition.hpp>
+#include <blockattn/policy/positions.hpp>
+#include <blockattn/schedule/allgather.hpp>
+#include <blockattn/schedule/balanced.hpp>
+#include <blockattn/schedule/ring.hpp>
+#include <blockattn/schedule/schedule.hpp>
 
 // The MPI communicator is not included here (only it needs <mpi.h>):
 // #include <blockattn/mpi_communicator.hpp>

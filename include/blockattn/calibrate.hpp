@@ -4,11 +4,11 @@
 // compute model (F on full tiles, relative cost of a partial tile) to it.
 #pragma once
 
-#include <blockattn/attention_forward.hpp>
-#include <blockattn/mask.hpp>
-#include <blockattn/planner.hpp>
-#include <blockattn/tile_shape.hpp>
-#include <blockattn/work.hpp>
+#include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/kernel/work.hpp>
+#include <blockattn/plan/planner.hpp>
+#include <blockattn/policy/mask.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -7,8 +7,8 @@
 #include <KokkosBatched_Gemm_Decl.hpp>
 #include <KokkosBatched_Gemm_Serial_Impl.hpp>
 
-#include <blockattn/config.hpp>
-#include <blockattn/tile_shape.hpp>
+#include <blockattn/core/config.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
 
 namespace blockattn {
 

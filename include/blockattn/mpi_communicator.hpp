@@ -6,9 +6,9 @@
 
 #include <mpi.h>
 
-#include <blockattn/communicator.hpp>
-#include <blockattn/config.hpp>
-#include <blockattn/errors.hpp>
+#include <blockattn/comm/communicator.hpp>
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
 
 #include <cstdint>
 #include <functional>

@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: Apache-2.0
+// The communicator concept, and SelfCommunicator (one rank, no MPI).
+//
+// A communicator is a copyable handle with (all host functions)
+//   using communicator_type = <itself>;           // it names itself, Kokkos-style
+//   using request_type = ...;                     // a pending non-blocking transfer
+//   int rank() const;  int size() const;
+//   request_type isend(const View& v, int dest, int tag);    // contiguous View
+//   request_type irecv(const View& v, int source, int tag);
+//   void wait(request_type& r);  bool test(request_type& r);
+//   void barrier();
+//   template <class T> T allreduce(T value, ReduceOp op);  // int, int64, float, double
+// Optional (detected at compile time, used when present):
+//   template <class T> void allreduce(const T* in, T* out, int count, ReduceOp op);
+//     element-wise, one collective (the consensus step of every collective
+//     call is then ONE allreduce; without it, one per element);
+//   request_type isend(const ExecSpace& exec, const View& v, int dest, int tag);
+//   request_type irecv(const ExecSpace& exec, const View& v, int source, int tag);
+// where `v` was written (or will be read) by work enqueued on `exec`: the
+// communicator orders the transfer after that instance only (exec.fence(),
+// staging copies on exec), not after all of Kokkos. Without them the schedules
+// fence their instance before isend and after a receive completes.
+// Ring neighbours come from ring_next() / ring_prev(). MpiCommunicator lives in
+// blockattn/mpi_communicator.hpp, the only header that includes <mpi.h>.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace blockattn {
+
+enum class ReduceOp { sum, max, min };
+
+template <class Comm>
+int ring_next(const Comm& c) {
+  return (c.rank() + 1) % c.size();
+}
+template <class Comm>
+int ring_prev(const Comm& c) {
+  return (c.rank() + c.size() - 1) % c.size();
+}
+
+namespace impl {
+template <class View>
+void require_contiguous(const char* fn, const char* arg, const View& v) {
+  if (!v.span_is_contiguous())
+    fail(fn, "argument '", arg,
+         "' is not contiguous; expected a contiguous View (e.g. LayoutRight)");
+}
+
+template <class T>
+T reduce_pair(T a, T b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return a + b;
+    case ReduceOp::max:
+      return a > b ? a : b;
+    case ReduceOp::min:
+      return a < b ? a : b;
+  }
+  return a;
+}
+}  // namespace impl
+
+/// A communicator of one rank: rank 0 of size 1. Sends to itself are matched
+/// with receives of the same tag and copied at the receive's wait, so code
+/// written for P ranks runs unchanged with P = 1.
+class SelfCommunicator {
+ public:
+  using communicator_type = SelfCommunicator;
+
+  struct request_type {
+    std::shared_ptr<void> pending;  // non-null for an unmatched receive
+    bool done = false;
+  };
+
+  int rank() const { return 0; }
+  int size() const { return 1; }
+
+  template <class View>
+  request_type isend(const View& v, int dest, int tag) {
+    check_peer("isend", dest);
+    impl::require_contiguous("SelfCommunicator::isend", "view", v);
+    auto& box = m_state->sent[tag];
+    box.resize(v.span() * sizeof(typename View::value_type));
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+    std::memcpy(box.data(), h.data(), box.size());
+    return request_type{nullptr, true};
+  }
+
+  template <class View>
+  request_type irecv(const View& v, int source, int tag) {
+    check_peer("irecv", source);
+    impl::require_contiguous("SelfCommunicator::irecv", "view", v);
+    auto state = m_state;
+    auto deliver = std::make_shared<std::function<bool()>>([state, v, tag]() {
+      auto it = state->sent.find(tag);
+      if (it == state->sent.end()) return false;
+      auto h = Kokkos::create_mirror_view(v);
+      if (it->second.size() != v.span() * sizeof(typename View::value_type))
+        impl::fail("SelfCommunicator::wait", "message of ", it->second.size(),
+                   " bytes for a receive of ", v.span() * sizeof(typename View::value_type),
+                   " bytes");
+      std::memcpy(h.data(), it->second.data(), it->second.size());
+      Kokkos::deep_copy(v, h);
+      state->sent.erase(it);
+      return true;
+    });
+    return request_type{deliver, false};
+  }
+
+  bool test(request_type& r) {
+    if (!r.done && r.pending)
+      r.done = (*std::static_pointer_cast<std::function<bool()>>(r.pending))();
+    return r.done;
+  }
+  void wait(request_type& r) {
+    if (!test(r))
+      impl::fail("SelfCommunicator::wait",
+                 "a receive has no matching send; expected isend() with "
+                 "the same tag before wait()");
+  }
+  void barrier() {}
+  template <class T>
+  T allreduce(T value, ReduceOp) {
+    return value;
+  }
+  template <class T>
+  void allreduce(const T* in, T* out, int count, ReduceOp) {
+    for (int i = 0; i < count; ++i) out[i] = in[i];
+  }
+
+ private:
+  struct State {
+    std::map<int, std::vector<char>> sent;
+  };
+  std::shared_ptr<State> m_state = std::make_shared<State>();
+
+  static void check_peer(const char* fn, int peer) {
+    if (peer != 0)
+      impl::fail(fn, "peer rank = ", peer, ", expected 0 (SelfCommunicator has size 1)");
+  }
+};
+
+namespace impl {
+using probe_view = Kokkos::View<double*, Kokkos::HostSpace>;
+
+template <class C, class = void>
+struct has_comm_basics : std::false_type {};
+template <class C>
+struct has_comm_basics<C, std::void_t<typename C::communicator_type, typename C::request_type,
+                                      decltype(std::declval<const C&>().rank()),
+                                      decltype(std::declval<const C&>().size()),
+                                      decltype(std::declval<C&>().barrier())>>
+    : std::is_same<typename C::communicator_type, C> {};
+
+template <class C, class = void>
+struct has_comm_p2p : std::false_type {};
+template <class C>
+struct has_comm_p2p<
+    C, std::void_t<decltype(std::declval<C&>().isend(std::declval<const probe_view&>(), 0, 0)),
+                   decltype(std::declval<C&>().irecv(std::declval<const probe_view&>(), 0, 0)),
+                   decltype(std::declval<C&>().wait(std::declval<typename C::request_type&>())),
+                   decltype(std::declval<C&>().test(std::declval<typename C::request_type&>()))>>
+    : std::true_type {};
+
+template <class C, class = void>
+struct has_comm_allreduce : std::false_type {};
+template <class C>
+struct has_comm_allreduce<
+    C, std::void_t<decltype(std::declval<C&>().allreduce(1.0, ReduceOp::sum)),
+                   decltype(std::declval<C&>().allreduce(std::int64_t(1), ReduceOp::max))>>
+    : std::true_type {};
+
+/// The communicator takes the execution-space instance with a transfer.
+template <class C, class ExecSpace, class = void>
+struct has_comm_exec_p2p : std::false_type {};
+template <class C, class ExecSpace>
+struct has_comm_exec_p2p<
+    C, ExecSpace,
+    std::void_t<decltype(std::declval<C&>().isend(std::declval<const ExecSpace&>(),
+                                                  std::declval<const probe_view&>(), 0, 0)),
+                decltype(std::declval<C&>().irecv(std::declval<const ExecSpace&>(),
+                                                  std::declval<const probe_view&>(), 0, 0))>>
+    : std::true_type {};
+
+/// isend / irecv of a View written / read by work on `exec`, through the
+/// communicator's instance-aware overloads when it has them.
+template <class C, class ExecSpace, class View>
+typename C::request_type comm_isend(C& comm, const ExecSpace& exec, const View& v, int dest,
+                                    int tag) {
+  if constexpr (has_comm_exec_p2p<C, ExecSpace>::value)
+    return comm.isend(exec, v, dest, tag);
+  else
+    return comm.isend(v, dest, tag);
+}
+template <class C, class ExecSpace, class View>
+typename C::request_type comm_irecv(C& comm, const ExecSpace& exec, const View& v, int source,
+                                    int tag) {
+  if constexpr (has_comm_exec_p2p<C, ExecSpace>::value)
+    return comm.irecv(exec, v, source, tag);
+  else
+    return comm.irecv(v, source, tag);
+}
+}  // namespace impl
+
+template <class C>
+inline constexpr bool is_communicator_v = impl::has_comm_basics<C>::value&&
+    impl::has_comm_p2p<C>::value&& impl::has_comm_allreduce<C>::value;
+
+namespace impl {
+template <class C>
+constexpr void check_communicator() {
+  static_assert(
+      has_comm_basics<C>::value,
+      "BlockAttn: a communicator must name itself (`using communicator_type = <itself>;`), "
+      "name its `request_type`, and have rank(), size() and barrier() "
+      "(see blockattn/comm/communicator.hpp)");
+  static_assert(
+      has_comm_p2p<C>::value,
+      "BlockAttn: a communicator must have isend(view, dest, tag), irecv(view, source, tag) "
+      "returning request_type, and wait(request&) / test(request&)");
+  static_assert(has_comm_allreduce<C>::value,
+                "BlockAttn: a communicator must have `T allreduce(T value, ReduceOp op)` for "
+                "double and std::int64_t");
+}
+}  // namespace impl
+
+}  // namespace blockattn

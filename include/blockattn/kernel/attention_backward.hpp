@@ -1,0 +1,71 @@
+// SPDX-License-Identifier: Apache-2.0
+// Single-device blockwise attention backward: dQ, dK, dV from Q, K, V, the
+// forward's O and LSE, and dO. Uses the saved LSE; never re-runs the forward.
+#pragma once
+
+#include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/kernel/impl/backward_launch.hpp>
+
+#include <cmath>
+
+namespace blockattn {
+
+/// dQ, dK, dV of O = softmax(scale * Q K^T, masked) V, on one device.
+///   q, k, v, o, lse: as passed to / returned by attention_forward (same mask and options)
+///   dout: dL/dO, shape of o;  dq, dk, dv: outputs, shapes of q, k, v.
+/// Rows with no allowed key (LSE = -inf) get zero gradients.
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class DOV, class DQV,
+          class DKV, class DVV, class Mask = FullMask,
+          class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const VV& v, const OV& o,
+                        const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
+                        const Mask& mask = {}, const ForwardOptions& opts = {}) {
+  impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+  impl::check_mask_policy<Mask>();
+  static_assert(impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
+                "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
+                "(batch, seq, heads, head_dim)");
+  if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask> &&
+                impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
+    using T = typename OV::non_const_value_type;
+    static_assert(std::is_same<typename DQV::non_const_value_type, T>::value &&
+                      std::is_same<typename DKV::non_const_value_type, T>::value &&
+                      std::is_same<typename DVV::non_const_value_type, T>::value &&
+                      std::is_same<typename DOV::non_const_value_type, T>::value,
+                  "BlockAttn: dout, dq, dk and dv must have the value type of q");
+    using mem = typename ExecSpace::memory_space;
+    using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
+    const char* fn = "attention_backward";
+    impl::require_offsets(fn, opts);
+    const impl::ForwardExtents e =
+        impl::validate_backward<ExecSpace>(fn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
+    if (impl::check_policies_always || opts.check_policies)
+      impl::check_mask_contract(fn, exec, mask, opts.q_offset, opts.q_offset + e.queries,
+                                opts.k_offset, opts.k_offset + e.keys);
+    const T s = impl::softmax_scale<T>(opts.scale, e.dim);
+    impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
+      constexpr int SD = decltype(static_d)::value;
+      using S = decltype(shape);
+      const int dp = impl::padded_head_dim<S, SD>(e.dim);
+      auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, S::block_k);
+      impl::pack_keys(exec, k, v, keys);
+      auto queries =
+          impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, S::block_q);
+      impl::pack_queries(exec, q, dout, o, lse, queries);
+      impl::launch_backward<ExecSpace, T, SD, S>(
+          exec, e, queries, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
+          OffsetPositions{opts.k_offset}, s, impl::BackwardBlock{});
+    });
+  }
+}
+
+/// Same, on a default-constructed instance of the Views' execution space.
+template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+          class DVV, class Mask = FullMask, class = std::enable_if_t<Kokkos::is_view<QV>::value>>
+void attention_backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                        const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
+                        const Mask& mask = {}, const ForwardOptions& opts = {}) {
+  attention_backward(typename OV::execution_space{}, q, k, v, o, lse, dout, dq, dk, dv, mask, opts);
+}
+
+}  // namespace blockattn

@@ -1,0 +1,556 @@
+// SPDX-License-Identifier: Apache-2.0
+// Backward tile kernels (FlashAttention-2 structure, no atomics):
+//   KeyKernel    one team per (batch, kv head, key tile): dK, dV of its keys,
+//                looping over the query tiles of every head of its GQA group;
+//   QueryKernel  one team per (batch, head, query tile): dQ of its queries,
+//                looping over the key tiles.
+// Both recompute P = exp(S - LSE) from the saved LSE (forward never re-runs):
+//   D = rowsum(dO o O) (given), dP = dO V^T, dS = P o (dP - D),
+//   dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K.
+// S and dP are computed twice (once per kernel): 7 tile products instead of
+// FlashAttention-2's 5, in exchange for deterministic results without atomics.
+//   FusedKernel  one team per (batch, kv head): all three gradients with 5 tile
+//                products, the team owning every query row of its GQA group so
+//                that it adds dS K into their dQ accumulators without atomics.
+//                Used on host spaces when there are enough (batch, kv head)
+//                pairs for the threads; bitwise the same results.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/micro_gemm.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/policy/mask.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace blockattn::impl {
+
+/// Packed key side of a backward block, zero padded like PackedKV:
+///   kt, vt (batch, kv_head, key_tile, head_dim_padded, block_k)  K^T, V^T panels
+///   k      (batch, kv_head, keys_padded, head_dim_padded)        K rows (for dQ)
+template <class T, class MemorySpace>
+struct PackedKeys {
+  using panel_view = Kokkos::View<T*****, Kokkos::LayoutRight, MemorySpace>;
+  using row_view = Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace>;
+  panel_view kt, vt;
+  row_view k;
+  int keys = 0;
+};
+
+template <class T, class MemorySpace>
+PackedKeys<T, MemorySpace> allocate_packed_keys(int batch, int kv_heads, int keys, int dim_padded,
+                                                int block_k) {
+  using P = PackedKeys<T, MemorySpace>;
+  const int tiles = (keys + block_k - 1) / block_k;
+  auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_keys");
+  P p;
+  p.kt = typename P::panel_view(alloc, batch, kv_heads, tiles, dim_padded, block_k);
+  p.vt = typename P::panel_view(alloc, batch, kv_heads, tiles, dim_padded, block_k);
+  p.k = typename P::row_view(alloc, batch, kv_heads, tiles * block_k, dim_padded);
+  p.keys = keys;
+  return p;
+}
+
+template <class ExecSpace, class T, class MemorySpace, class KView, class VView>
+void pack_keys(const ExecSpace& exec, const KView& k, const VView& v,
+               const PackedKeys<T, MemorySpace>& p) {
+  const int heads = int(p.k.extent(1)), keys_padded = int(p.k.extent(2)),
+            dim_padded = int(p.k.extent(3)), block_k = int(p.kt.extent(4));
+  const int dim = int(k.extent(3)), keys = p.keys;
+  auto kt = p.kt;
+  auto vt = p.vt;
+  auto kr = p.k;
+  const std::int64_t rows = std::int64_t(p.k.extent(0)) * heads * keys_padded;
+  Kokkos::parallel_for(
+      "blockattn::pack_keys",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t row) {
+        const int n = int(row % keys_padded), h = int((row / keys_padded) % heads),
+                  b = int(row / (std::int64_t(keys_padded) * heads));
+        for (int d = 0; d < dim_padded; ++d) {
+          const bool inside = n < keys && d < dim;
+          const T kv = inside ? T(k(b, n, h, d)) : T(0);
+          kt(b, h, n / block_k, d, n % block_k) = kv;
+          kr(b, h, n, d) = kv;
+          vt(b, h, n / block_k, d, n % block_k) = inside ? T(v(b, n, h, d)) : T(0);
+        }
+      });
+}
+
+/// Packed query side of a backward block (the Q ring's traveling data), zero padded:
+///   q, dout (batch, head, queries_padded, head_dim_padded)   rows contiguous
+///   lse2, drow (batch, head, queries_padded)                  LSE * log2(e) (-inf on
+///                                                              padding), rowsum(dO o O)
+template <class T, class MemorySpace>
+struct PackedQueries {
+  using row_view = Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace>;
+  using vec_view = Kokkos::View<T***, Kokkos::LayoutRight, MemorySpace>;
+  row_view q, dout;
+  vec_view lse2, drow;
+  int queries = 0;
+};
+
+template <class T, class MemorySpace>
+PackedQueries<T, MemorySpace> allocate_packed_queries(int batch, int heads, int queries,
+                                                      int dim_padded, int block_q) {
+  using P = PackedQueries<T, MemorySpace>;
+  const int padded = (queries + block_q - 1) / block_q * block_q;
+  auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_queries");
+  P p;
+  p.q = typename P::row_view(alloc, batch, heads, padded, dim_padded);
+  p.dout = typename P::row_view(alloc, batch, heads, padded, dim_padded);
+  p.lse2 = typename P::vec_view(alloc, batch, heads, padded);
+  p.drow = typename P::vec_view(alloc, batch, heads, padded);
+  p.queries = queries;
+  return p;
+}
+
+/// Fills `p` from user views q, dout, o (batch, queries, heads, dim) and lse
+/// (batch, heads, queries); computes D = rowsum(dO o O) on the way.
+template <class ExecSpace, class T, class MemorySpace, class QV, class DOV, class OV, class LV>
+void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV& o, const LV& lse,
+                  const PackedQueries<T, MemorySpace>& p) {
+  const int heads = int(p.q.extent(1)), padded = int(p.q.extent(2)),
+            dim_padded = int(p.q.extent(3));
+  const int dim = int(q.extent(3)), queries = p.queries;
+  auto qp = p.q;
+  auto dop = p.dout;
+  auto l2 = p.lse2;
+  auto dr = p.drow;
+  const std::int64_t rows = std::int64_t(p.q.extent(0)) * heads * padded;
+  Kokkos::parallel_for(
+      "blockattn::pack_queries",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t row) {
+        const int i = int(row % padded), h = int((row / padded) % heads),
+                  b = int(row / (std::int64_t(padded) * heads));
+        const bool in = i < queries;
+        T acc = T(0);
+        for (int d = 0; d < dim_padded; ++d) {
+          const bool inside = in && d < dim;
+          const T dov = inside ? T(dout(b, i, h, d)) : T(0);
+          qp(b, h, i, d) = inside ? T(q(b, i, h, d)) : T(0);
+          dop(b, h, i, d) = dov;
+          if (inside) acc += dov * T(o(b, i, h, d));
+        }
+        l2(b, h, i) = in ? T(lse(b, h, i)) * log2e<T> : -infinity<T>();
+        dr(b, h, i) = acc;
+      });
+}
+
+/// What both backward kernels share: views, extents, and the tile step that
+/// turns S and dP of one (query tile, key tile) into P and dS in scratch.
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct BackwardCommon {
+  using memory_space = typename ExecSpace::memory_space;
+  using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+  using member_type = typename policy_type::member_type;
+  using Unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+  using in4 = Kokkos::View<const T****, Kokkos::LayoutStride, memory_space, Unmanaged>;
+  using out4 = Kokkos::View<T****, Kokkos::LayoutStride, memory_space, Unmanaged>;
+  using in3 = Kokkos::View<const T***, Kokkos::LayoutStride, memory_space, Unmanaged>;
+
+  static constexpr int BQ = Shape::block_q, BK = Shape::block_k, MR = Shape::micro_rows,
+                       NR = Shape::micro_cols;
+  static constexpr int NRO = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
+  static_assert(BK % MR == 0,
+                "BlockAttn: backward tile shape: block_k must be a multiple of micro_rows");
+
+  typename PackedQueries<T, memory_space>::row_view qrows, dorows;  // packed query side
+  typename PackedQueries<T, memory_space>::vec_view lse2v, drv;
+  typename PackedKeys<T, memory_space>::panel_view kt, vt;
+  typename PackedKeys<T, memory_space>::row_view krows;
+  Mask mask;
+  QPos qpos;
+  KPos kpos;
+  int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0, dim = 0, dim_padded = 0;
+  int group = 1, q_tiles = 0, k_tiles = 0, scratch_level = 0;
+  bool accumulate = false;  // add to dq / dk / dv instead of overwriting
+  T scale = T(1);
+
+  KOKKOS_INLINE_FUNCTION int dp() const { return StaticD > 0 ? StaticD : dim_padded; }
+
+  /// Pointers to the packed query tile at row q0 of head h: Q, dO (rows of
+  /// dim_padded), LSE in base 2 and D. Rows past the end are zero / -inf.
+  struct QueryTile {
+    const T *q, *dout, *lse2, *drow;
+  };
+  KOKKOS_INLINE_FUNCTION QueryTile query_tile(int b, int h, int q0) const {
+    return QueryTile{&qrows(b, h, q0, 0), &dorows(b, h, q0, 0), &lse2v(b, h, q0), &drv(b, h, q0)};
+  }
+
+  /// S = Q K^T into ss and dP = dO V^T into dps, then P into ss and dS into dps.
+  KOKKOS_INLINE_FUNCTION void tile_p_ds(const member_type& team, int b, int hk, int kb, int q0,
+                                        int q_rows, int k0, int k_rows, TileKind kind, const T* qs,
+                                        const T* dos, const T* lse2, const T* dr, T* ss,
+                                        T* dps) const {
+    const int p = dp();
+    const T* const kt_tile = &kt(b, hk, kb, 0, 0);
+    const T* const vt_tile = &vt(b, hk, kb, 0, 0);
+    Kokkos::parallel_for(
+        Kokkos::TeamThreadRange(team, 2 * (BQ / MR) * (BK / NR)), [&](const int t) {
+          const int which = t / ((BQ / MR) * (BK / NR)), u = t % ((BQ / MR) * (BK / NR));
+          const int r0 = (u / (BK / NR)) * MR, c0 = (u % (BK / NR)) * NR;
+          if (which == 0)
+            micro_gemm<MR, NR, StaticD>(p, qs + r0 * p, p, kt_tile + c0, BK, ss + r0 * BK + c0, BK,
+                                        static_cast<const T*>(nullptr));
+          else
+            micro_gemm<MR, NR, StaticD>(p, dos + r0 * p, p, vt_tile + c0, BK, dps + r0 * BK + c0,
+                                        BK, static_cast<const T*>(nullptr));
+        });
+    team.team_barrier();
+    const T s2 = scale * log2e<T>;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+      T* const srow = ss + r * BK;
+      T* const drow_ = dps + r * BK;
+      const bool row_live = r < q_rows && lse2[r] != -infinity<T>();
+      const T l2 = row_live ? lse2[r] : T(0), d = dr[r];
+      if (row_live && kind == TileKind::full && k_rows == BK) {
+        for (int c = 0; c < BK; ++c) {  // every pair allowed: straight, vectorisable
+          const T pv = exp2_nonpositive(srow[c] * s2 - l2);
+          srow[c] = pv;
+          drow_[c] = pv * (drow_[c] - d);
+        }
+        return;
+      }
+      // Selects as integer masks (see exp2.hpp): a conditional float
+      // computation stays scalar under GCC's default -ftrapping-math.
+      using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+      const index_type qg = qpos(q0 + (r < q_rows ? r : 0));
+      const bool check_mask = kind == TileKind::partial;
+      for (int c = 0; c < BK; ++c) {
+        const bool keep = row_live && c < k_rows && (!check_mask || mask.allowed(qg, kpos(k0 + c)));
+        const Bits m = Bits(0) - static_cast<Bits>(keep);
+        const T pv = bit_cast<T>(bit_cast<Bits>(exp2_nonpositive(srow[c] * s2 - l2)) & m);
+        srow[c] = pv;
+        drow_[c] = bit_cast<T>(bit_cast<Bits>(pv * (drow_[c] - d)) & m);
+      }
+    });
+    team.team_barrier();
+  }
+
+  /// True (on every thread of the team) when n values from p hold an inf or NaN.
+  KOKKOS_INLINE_FUNCTION static bool has_nonfinite(const member_type& team, const T* p, int n) {
+    int bad = 0;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, n),
+        [&](const int i, int& acc) { acc += is_nonfinite(p[i]) ? 1 : 0; }, bad);
+    return bad > 0;
+  }
+
+  /// Which operands of a partial tile pair hold inf / NaN: then P = 0 and
+  /// dS = 0 of masked pairs must add nothing (select, not multiply).
+  struct Poisoned {
+    bool q = false, dout = false, k = false;
+  };
+  KOKKOS_INLINE_FUNCTION Poisoned poisoned(const member_type& team, TileKind kind, const T* qs,
+                                           const T* dos, const T* k_tile) const {
+    Poisoned r;
+    if (kind != TileKind::partial) return r;
+    r.q = qs && has_nonfinite(team, qs, BQ * dp());
+    r.dout = dos && has_nonfinite(team, dos, BQ * dp());
+    r.k = k_tile && has_nonfinite(team, k_tile, BK * dp());
+    return r;
+  }
+
+  /// c (MR x NRO, ldc) += A^T B over the BQ rows of a query tile, A (BQ x BK,
+  /// query-major, column offset r0) skipping zeros: the select form of
+  /// micro_gemm_at for dV += P^T dO and dK += dS^T Q.
+  KOKKOS_INLINE_FUNCTION static void select_gemm_at(const T* a, const T* b, int ldb, T* c,
+                                                    int ldc) {
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < BQ; ++r) {
+        const T x = a[r * BK + i];
+        if (x != T(0))
+          for (int j = 0; j < NRO; ++j) c[i * ldc + j] += x * b[r * ldb + j];
+      }
+  }
+  /// c (MR x NRO, ldc) += A B, A (MR x BK) rows of dS skipping zeros: the
+  /// select form of micro_gemm for dQ += dS K.
+  KOKKOS_INLINE_FUNCTION static void select_gemm(const T* a, const T* b, int ldb, T* c, int ldc) {
+    for (int i = 0; i < MR; ++i)
+      for (int k = 0; k < BK; ++k) {
+        const T x = a[i * BK + k];
+        if (x != T(0))
+          for (int j = 0; j < NRO; ++j) c[i * ldc + j] += x * b[k * ldb + j];
+      }
+  }
+
+  KOKKOS_INLINE_FUNCTION TileKind classify(int q0, int q_rows, int k0, int k_rows) const {
+    return mask.classify(qpos(q0), qpos(q0 + q_rows - 1) + 1, kpos(k0), kpos(k0 + k_rows - 1) + 1);
+  }
+
+  static std::size_t tile_scratch_elems(int dim_padded) {
+    // S/P and dP/dS tiles, one accumulator.
+    return std::size_t(2) * BQ * BK + std::size_t(BQ > BK ? BQ : BK) * dim_padded;
+  }
+};
+
+/// dK and dV of one key tile (kv head hk) over all query tiles of its group.
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  using Base::BK;
+  using Base::BQ;
+  using Base::MR;
+  using Base::NRO;
+  using typename Base::member_type;
+  using typename Base::out4;
+  out4 dk, dv;  // (batch, keys, kv_heads, dim)
+
+  static std::size_t scratch_bytes(int dim_padded) {
+    return (Base::tile_scratch_elems(dim_padded) + std::size_t(BK) * dim_padded) * sizeof(T);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int p = this->dp();
+    const int league = team.league_rank();
+    const int kb = league % this->k_tiles;
+    const int hk = (league / this->k_tiles) % this->kv_heads;
+    const int b = league / (this->k_tiles * this->kv_heads);
+    const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
+    auto& sp = team.team_scratch(this->scratch_level);
+    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dka = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
+    T* dva = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
+      dka[i] = T(0);
+      dva[i] = T(0);
+    });
+    team.team_barrier();
+    for (int g = 0; g < this->group; ++g) {
+      const int h = hk * this->group + g;
+      for (int qt = 0; qt < this->q_tiles; ++qt) {
+        const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
+        const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
+        if (kind == TileKind::empty) continue;
+        const auto qt_ = this->query_tile(b, h, q0);
+        const T *qs = qt_.q, *dos = qt_.dout;
+        this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2, qt_.drow,
+                        ss, dps);
+        const auto bad = this->poisoned(team, kind, qs, dos, nullptr);
+        // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q   (P, dS stored query-major)
+        const int tiles = (BK / MR) * (p / NRO);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2 * tiles), [&](const int t) {
+          const int which = t / tiles, u = t % tiles;
+          const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
+          if (which == 0) {
+            if (bad.dout)
+              Base::select_gemm_at(ss + r0, dos + c0, p, dva + r0 * p + c0, p);
+            else
+              micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0, p);
+          } else {
+            if (bad.q)
+              Base::select_gemm_at(dps + r0, qs + c0, p, dka + r0 * p + c0, p);
+            else
+              micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0, p);
+          }
+        });
+        team.team_barrier();
+      }
+    }
+    const T sc = this->scale;
+    const bool acc = this->accumulate;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
+      for (int d = 0; d < this->dim; ++d) {
+        const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
+        dk(b, k0 + c, hk, d) = acc ? dk(b, k0 + c, hk, d) + kval : kval;
+        dv(b, k0 + c, hk, d) = acc ? dv(b, k0 + c, hk, d) + vval : vval;
+      }
+    });
+  }
+};
+
+/// dQ of one query tile over all key tiles.
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  using Base::BK;
+  using Base::BQ;
+  using Base::MR;
+  using Base::NRO;
+  using typename Base::member_type;
+  using typename Base::out4;
+  out4 dq;  // (batch, queries, heads, dim)
+
+  static std::size_t scratch_bytes(int dim_padded) {
+    return (Base::tile_scratch_elems(dim_padded) + BQ) * sizeof(T);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int p = this->dp();
+    const int league = team.league_rank();
+    const int qt = this->q_tiles - 1 - league % this->q_tiles;
+    const int h = (league / this->q_tiles) % this->heads;
+    const int b = league / (this->q_tiles * this->heads);
+    const int hk = h / this->group;
+    const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
+    auto& sp = team.team_scratch(this->scratch_level);
+    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dqa = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
+    T* ones = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    const auto qt_ = this->query_tile(b, h, q0);
+    const T *qs = qt_.q, *dos = qt_.dout, *lse2 = qt_.lse2, *dr = qt_.drow;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+      ones[r] = T(1);
+      for (int d = 0; d < p; ++d) dqa[r * p + d] = T(0);
+    });
+    team.team_barrier();
+    const T* const k_head = &this->krows(b, hk, 0, 0);
+    for (int kb = 0; kb < this->k_tiles; ++kb) {
+      const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
+      const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
+      if (kind == TileKind::empty) continue;
+      this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, lse2, dr, ss, dps);
+      // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
+      const T* const k_tile = k_head + static_cast<std::ptrdiff_t>(k0) * p;
+      const auto bad = this->poisoned(team, kind, nullptr, nullptr, k_tile);
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (p / NRO)), [&](const int t) {
+        const int r0 = (t / (p / NRO)) * MR, c0 = (t % (p / NRO)) * NRO;
+        if (bad.k)
+          Base::select_gemm(dps + r0 * BK, k_tile + c0, p, dqa + r0 * p + c0, p);
+        else
+          micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p, dqa + r0 * p + c0, p,
+                                  ones + r0);
+      });
+      team.team_barrier();
+    }
+    const T sc = this->scale;
+    const bool acc = this->accumulate;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+      for (int d = 0; d < this->dim; ++d) {
+        const T val = sc * dqa[r * p + d];
+        dq(b, q0 + r, h, d) = acc ? dq(b, q0 + r, h, d) + val : val;
+      }
+    });
+  }
+};
+
+/// dQ, dK and dV of every key tile of one (batch, kv head) with 5 tile
+/// products per tile pair (S, dP, dV += P^T dO, dK += dS^T Q, dQ += dS K).
+/// dQ accumulates in `dqacc` (batch, head, queries_padded, dim_padded; zero on
+/// entry, unscaled), which finish_dq() scales into dq. Every sum runs in the
+/// order of QueryKernel (dQ: key tiles ascending) and KeyKernel (dK, dV: heads,
+/// then query tiles ascending) with the same micro tiles, so the results are
+/// bitwise those of the two-kernel path.
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  using Base::BK;
+  using Base::BQ;
+  using Base::MR;
+  using Base::NRO;
+  using typename Base::member_type;
+  using typename Base::out4;
+  out4 dk, dv;  // (batch, keys, kv_heads, dim)
+  typename PackedQueries<T, typename Base::memory_space>::row_view dqacc;
+
+  static std::size_t scratch_bytes(int dim_padded) {
+    return (Base::tile_scratch_elems(dim_padded) + std::size_t(BK) * dim_padded + BQ) * sizeof(T);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int p = this->dp();
+    const int league = team.league_rank();
+    const int hk = league % this->kv_heads;
+    const int b = league / this->kv_heads;
+    auto& sp = team.team_scratch(this->scratch_level);
+    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
+    T* dka = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
+    T* dva = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
+    T* ones = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) { ones[r] = T(1); });
+    const T* const k_head = &this->krows(b, hk, 0, 0);
+    const T sc = this->scale;
+    const bool acc = this->accumulate;
+    for (int kb = 0; kb < this->k_tiles; ++kb) {
+      const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
+        dka[i] = T(0);
+        dva[i] = T(0);
+      });
+      team.team_barrier();
+      const T* const k_tile = k_head + static_cast<std::ptrdiff_t>(k0) * p;
+      for (int g = 0; g < this->group; ++g) {
+        const int h = hk * this->group + g;
+        for (int qt = 0; qt < this->q_tiles; ++qt) {
+          const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
+          const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
+          if (kind == TileKind::empty) continue;
+          const auto qt_ = this->query_tile(b, h, q0);
+          const T *qs = qt_.q, *dos = qt_.dout;
+          this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
+                          qt_.drow, ss, dps);
+          const auto bad = this->poisoned(team, kind, qs, dos, k_tile);
+          T* const dq_tile = &dqacc(b, h, q0, 0);
+          const int kv_tiles = (BK / MR) * (p / NRO), q_tiles_ = (BQ / MR) * (p / NRO);
+          Kokkos::parallel_for(
+              Kokkos::TeamThreadRange(team, 2 * kv_tiles + q_tiles_), [&](const int t) {
+                if (t < 2 * kv_tiles) {
+                  // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q
+                  const int which = t / kv_tiles, u = t % kv_tiles;
+                  const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
+                  if (which == 0) {
+                    if (bad.dout)
+                      Base::select_gemm_at(ss + r0, dos + c0, p, dva + r0 * p + c0, p);
+                    else
+                      micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0,
+                                                 p);
+                  } else {
+                    if (bad.q)
+                      Base::select_gemm_at(dps + r0, qs + c0, p, dka + r0 * p + c0, p);
+                    else
+                      micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0,
+                                                 p);
+                  }
+                } else {
+                  // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
+                  const int u = t - 2 * kv_tiles;
+                  const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
+                  if (bad.k)
+                    Base::select_gemm(dps + r0 * BK, k_tile + c0, p, dq_tile + r0 * p + c0, p);
+                  else
+                    micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p,
+                                            dq_tile + r0 * p + c0, p, ones + r0);
+                }
+              });
+          team.team_barrier();
+        }
+      }
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
+        for (int d = 0; d < this->dim; ++d) {
+          const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
+          dk(b, k0 + c, hk, d) = acc ? dk(b, k0 + c, hk, d) + kval : kval;
+          dv(b, k0 + c, hk, d) = acc ? dv(b, k0 + c, hk, d) + vval : vval;
+        }
+      });
+      team.team_barrier();
+    }
+  }
+};
+
+/// dq = [dq +] scale * dqacc on the valid rows and columns (FusedKernel's dQ).
+template <class ExecSpace, class T, class AccView, class DQV>
+void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, T scale,
+               bool accumulate) {
+  const int heads = int(dq.extent(2)), queries = int(dq.extent(1)), dim = int(dq.extent(3));
+  const std::int64_t rows = std::int64_t(dq.extent(0)) * heads * queries;
+  Kokkos::parallel_for(
+      "blockattn::backward_finish_dq",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t row) {
+        const int i = int(row % queries), h = int((row / queries) % heads),
+                  b = int(row / (std::int64_t(queries) * heads));
+        for (int d = 0; d < dim; ++d) {
+          const T val = scale * dqacc(b, h, i, d);
+          dq(b, i, h, d) = accumulate ? dq(b, i, h, d) + val : val;
+        }
+      });
+}
+
+}  // namespace blockattn::impl

@@ -1,0 +1,141 @@
+// SPDX-License-Identifier: Apache-2.0
+// The single-device backward behind attention_backward(): packing, the choice
+// between the fused and the two-kernel backward, and the launches. Also used
+// by the distributed backward step loop.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/kernel/impl/backward_kernel.hpp>
+#include <blockattn/kernel/impl/forward_launch.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/positions.hpp>
+
+#include <cmath>
+
+namespace blockattn {
+
+namespace impl {
+
+/// Everything a backward block call needs besides the views.
+struct BackwardBlock {
+  bool accumulate_dq = false, accumulate_dkv = false;
+  bool run_dq = true, run_dkv = true;
+  /// Which kernels: chosen from the sizes and the threads (automatic), or
+  /// forced (tests compare both; the fused one only runs on host spaces).
+  enum class Kernels { automatic, split, fused } kernels = Kernels::automatic;
+};
+
+/// dQ (queries side) and dK, dV (keys side) contributions of one block pair.
+/// The query and key sides are packed; dq, dk, dv are
+/// written or accumulated per `blk`.
+template <class ExecSpace, class T, int SD, class Shape, class Mask, class QPos, class KPos,
+          class DQV, class DKV, class DVV>
+void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
+                     const PackedQueries<T, typename ExecSpace::memory_space>& queries,
+                     const PackedKeys<T, typename ExecSpace::memory_space>& keys, const DQV& dq,
+                     const DKV& dk, const DVV& dv, const Mask& mask, const QPos& qpos,
+                     const KPos& kpos, T scale, const BackwardBlock& blk) {
+  using QK = QueryKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
+  using KK = KeyKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
+  auto setup = [&](auto& f) {
+    f.qrows = queries.q;
+    f.dorows = queries.dout;
+    f.lse2v = queries.lse2;
+    f.drv = queries.drow;
+    f.kt = keys.kt;
+    f.vt = keys.vt;
+    f.krows = keys.k;
+    f.mask = mask;
+    f.qpos = qpos;
+    f.kpos = kpos;
+    f.batch = e.batch;
+    f.heads = e.heads;
+    f.kv_heads = e.kv_heads;
+    f.queries = e.queries;
+    f.keys = e.keys;
+    f.dim = e.dim;
+    f.dim_padded = int(keys.k.extent(3));
+    f.group = e.heads / e.kv_heads;
+    f.q_tiles = (e.queries + Shape::block_q - 1) / Shape::block_q;
+    f.k_tiles = (e.keys + Shape::block_k - 1) / Shape::block_k;
+    f.scale = scale;
+  };
+  auto launch = [&](auto& f, int league, std::size_t bytes, const char* label) {
+    using Policy = typename QK::policy_type;
+    Policy policy =
+        is_host_space_v<ExecSpace> ? Policy(exec, league, 1) : Policy(exec, league, Kokkos::AUTO);
+    policy.set_chunk_size(1);
+    f.scratch_level = bytes <= std::size_t(policy.scratch_size_max(0)) ? 0 : 1;
+    policy.set_scratch_size(f.scratch_level, Kokkos::PerTeam(bytes));
+    Kokkos::parallel_for(label, policy, f);
+  };
+  // One pass with 5 tile products (FusedKernel) when a team per (batch, kv
+  // head) keeps every thread busy: on host spaces, at least as many pairs as
+  // threads and either a multiple of them or at least 4 per thread. Bitwise
+  // the same results as the two kernels below.
+  const int pairs = e.batch * e.kv_heads, threads = exec.concurrency();
+  const bool busy = pairs >= threads && (pairs % threads == 0 || pairs >= 4 * threads);
+  using K = BackwardBlock::Kernels;
+  if (is_host_space_v<ExecSpace> && blk.run_dq && blk.run_dkv && blk.kernels != K::split &&
+      (busy || blk.kernels == K::fused)) {
+    using FK = FusedKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
+    FK f;
+    setup(f);
+    f.dk = typename FK::out4(dk);
+    f.dv = typename FK::out4(dv);
+    f.accumulate = blk.accumulate_dkv;
+    f.dqacc = typename PackedQueries<T, typename ExecSpace::memory_space>::row_view(
+        "blockattn::dq_accumulator", e.batch, e.heads, f.q_tiles * Shape::block_q, f.dim_padded);
+    launch(f, pairs, FK::scratch_bytes(f.dim_padded), "blockattn::backward_fused");
+    finish_dq(exec, f.dqacc, dq, scale, blk.accumulate_dq);
+    return;
+  }
+  if (blk.run_dq) {
+    QK f;
+    setup(f);
+    f.dq = typename QK::out4(dq);
+    f.accumulate = blk.accumulate_dq;
+    launch(f, e.batch * e.heads * f.q_tiles, QK::scratch_bytes(f.dim_padded),
+           "blockattn::backward_dq");
+  }
+  if (blk.run_dkv) {
+    KK f;
+    setup(f);
+    f.dk = typename KK::out4(dk);
+    f.dv = typename KK::out4(dv);
+    f.accumulate = blk.accumulate_dkv;
+    launch(f, e.batch * e.kv_heads * f.k_tiles, KK::scratch_bytes(f.dim_padded),
+           "blockattn::backward_dkdv");
+  }
+}
+
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class DOV, class DQV,
+          class DKV, class DVV>
+ForwardExtents validate_backward(const char* fn, const QV& q, const KV& k, const VV& v, const OV& o,
+                                 const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                                 const DVV& dv, double scale) {
+  const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale);
+  require_accessible<ExecSpace, typename DOV::memory_space>(fn, "dout");
+  require_accessible<ExecSpace, typename DQV::memory_space>(fn, "dq");
+  require_accessible<ExecSpace, typename DKV::memory_space>(fn, "dk");
+  require_accessible<ExecSpace, typename DVV::memory_space>(fn, "dv");
+  const char* names[4] = {"batch", "seq", "heads", "head_dim"};
+  for (int d = 0; d < 4; ++d) {
+    require_extent(fn, "dout", dout, d, names[d], q.extent(d), "the same extent of q");
+    require_extent(fn, "dq", dq, d, names[d], q.extent(d), "the same extent of q");
+    require_extent(fn, "dk", dk, d, names[d], k.extent(d), "the same extent of k");
+    require_extent(fn, "dv", dv, d, names[d], v.extent(d), "the same extent of v");
+  }
+  return e;
+}
+
+template <class... Vs>
+constexpr bool backward_grad_views_ok() {
+  return (... && (Kokkos::is_view<Vs>::value && Vs::rank == 4));
+}
+
+}  // namespace impl
+
+}  // namespace blockattn

@@ -1,0 +1,310 @@
+// SPDX-License-Identifier: Apache-2.0
+// The block kernel: one team per (batch, head, query tile) loops over the key
+// tiles of one packed K/V block and owns the online-softmax state of its rows.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/micro_gemm.hpp>
+#include <blockattn/kernel/impl/pack.hpp>
+#include <blockattn/kernel/impl/softmax_state.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/policy/mask.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace blockattn::impl {
+
+/// Sizes of one forward problem, host side (CUTLASS "Arguments").
+struct ForwardExtents {
+  int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0, dim = 0;
+};
+
+/// The functor. StaticD > 0 fixes the (padded) head dim at compile time.
+///
+/// Loop nest of one team (see include/blockattn/README.md):
+///   for key tile j in block            <- operator()    (skips empty tiles)
+///     S = Q_i K_j^T                    <- micro_gemm    (register tiles)
+///     online softmax on rows of S      <- softmax_rows  (mask on partial tiles)
+///     O_i = diag(alpha) O_i + P V_j    <- micro_gemm
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+struct ForwardKernel {
+  using memory_space = typename ExecSpace::memory_space;
+  using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+  using member_type = typename policy_type::member_type;
+  using in_view = Kokkos::View<const T****, Kokkos::LayoutStride, memory_space,
+                               Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using out_view = Kokkos::View<T****, Kokkos::LayoutStride, memory_space,
+                                Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using lse_view = Kokkos::View<T***, Kokkos::LayoutStride, memory_space,
+                                Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using kt_view = typename PackedKV<T, memory_space>::kt_view;
+  using v_view = typename PackedKV<T, memory_space>::v_view;
+
+  using Gemm = typename Shape::tile_gemm;
+  static constexpr int BQ = Shape::block_q;
+  static constexpr int BK = Shape::block_k;
+  static constexpr int MR = Shape::micro_rows;
+  static constexpr int NR = Shape::micro_cols;
+  // Width of the P*V micro tile: the full micro tile for the compile-time head
+  // dims, one granule otherwise (the padded dim is a multiple of it).
+  static constexpr int NRO = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
+  // Granularity (keys) at which partial tiles trim the P*V reduction.
+  static constexpr int KG = Shape::dim_granule;
+  static_assert(StaticD % NRO == 0,
+                "BlockAttn: a static head dim must be a multiple of micro_cols");
+
+  /// The head dim as stored in scratch and in the packed K/V block.
+  static int pad_dim(int dim) { return padded_head_dim<Shape, StaticD>(dim); }
+
+  in_view q;   // (batch, queries, heads, dim)
+  kt_view kt;  // packed block, see PackedKV
+  v_view v;
+  out_view o;    // (batch, queries, heads, dim)
+  lse_view lse;  // (batch, heads, queries)
+  // Online-softmax state between calls over several K/V blocks (ring steps):
+  // resume = read O (unnormalised), m, l written by the previous call;
+  // finish = normalise into O and LSE (else write the state back).
+  using state_view = Kokkos::View<T***, Kokkos::LayoutRight, memory_space>;
+  state_view m_state, l_state;  // (batch, heads, queries), base-2 running max and sum
+  bool resume = false;
+  bool finish = true;
+  int league_begin = 0;  // first (batch, head, query tile) of this launch
+  Mask mask;
+  QPos qpos;
+  KPos kpos;
+  ForwardExtents ext;
+  int dim_padded = 0, q_tiles = 0, k_tiles = 0, group = 1;
+  T q_scale = T(1);  // softmax scale * log2(e): logits are kept in base 2
+
+  static std::size_t scratch_bytes(int dim_padded) {
+    // Q tile, O accumulator, S/P tile, and three row vectors (m, l, alpha).
+    const std::size_t elems = std::size_t(2) * BQ * dim_padded + std::size_t(BQ) * BK + 3 * BQ;
+    return elems * sizeof(T);
+  }
+
+  KOKKOS_INLINE_FUNCTION int padded_dim() const { return StaticD > 0 ? StaticD : dim_padded; }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int dp = padded_dim();
+    // Heavier (later) query tiles first: with causal masks they carry more tiles.
+    const int league = team.league_rank() + league_begin;
+    const int qt = q_tiles - 1 - league % q_tiles;
+    const int h = (league / q_tiles) % ext.heads;
+    const int b = league / (q_tiles * ext.heads);
+    const int hk = h / group;
+    const int q0 = qt * BQ;
+    const int q_rows = ext.queries - q0 < BQ ? ext.queries - q0 : BQ;
+
+    const int level = scratch_level;
+    T* const qs = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));
+    T* const os = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));
+    T* const ss = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * BK));
+    T* const m = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
+    T* const l = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
+    T* const alpha = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
+
+    // Q tile (BQ, dp), pre-scaled; the online-softmax state of its rows either
+    // fresh (O = 0, m = -inf, l = 0) or resumed from an earlier block.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+      const bool row_in = r < q_rows;
+      const bool load = resume && row_in;
+      for (int d = 0; d < dp; ++d) {
+        const bool col_in = row_in && d < ext.dim;
+        qs[r * dp + d] = col_in ? q_scale * q(b, q0 + r, h, d) : T(0);
+        os[r * dp + d] = (load && d < ext.dim) ? o(b, q0 + r, h, d) : T(0);
+      }
+      m[r] = load ? m_state(b, h, q0 + r) : -infinity<T>();
+      l[r] = load ? l_state(b, h, q0 + r) : T(0);
+    });
+    team.team_barrier();
+
+    const index_type q_begin = qpos(q0), q_end = qpos(q0 + q_rows - 1) + 1;
+    // Rows of micro tiles that hold a query (the last tile of a sequence is
+    // partial): the rest of the tile is never computed.
+    const int q_live = (q_rows + MR - 1) / MR * MR;
+    const T* const v_head = &v(b, hk, 0, 0);
+    for (int kb = 0; kb < k_tiles; ++kb) {
+      const int k0 = kb * BK;
+      const int k_rows = ext.keys - k0 < BK ? ext.keys - k0 : BK;
+      const TileKind kind = mask.classify(q_begin, q_end, kpos(k0), kpos(k0 + k_rows - 1) + 1);
+      if (kind == TileKind::empty) continue;
+
+      // S (BQ, BK) = Q (BQ, dp) * K^T (dp, BK)
+      const T* const kt_tile = &kt(b, hk, kb, 0, 0);
+      Kokkos::parallel_for(
+          Kokkos::TeamThreadRange(team, (q_live / MR) * (BK / NR)), [&](const int t) {
+            const int r0 = (t / (BK / NR)) * MR, c0 = (t % (BK / NR)) * NR;
+            // In a partial tile, a micro tile the mask rules out entirely is not
+            // computed: the mask pass below overwrites all of it with -inf.
+            if (kind == TileKind::partial && r0 < q_rows && c0 < k_rows) {
+              const int r1 = (r0 + MR < q_rows ? r0 + MR : q_rows) - 1;
+              const int c1 = (c0 + NR < k_rows ? c0 + NR : k_rows) - 1;
+              if (mask.classify(qpos(q0 + r0), qpos(q0 + r1) + 1, kpos(k0 + c0),
+                                kpos(k0 + c1) + 1) == TileKind::empty)
+                return;
+            }
+            Gemm::template apply<MR, NR, StaticD>(dp, qs + r0 * dp, dp, kt_tile + c0, BK,
+                                                  ss + r0 * BK + c0, BK,
+                                                  static_cast<const T*>(nullptr));
+          });
+      team.team_barrier();
+
+      const bool per_element = kind == TileKind::partial || k_rows < BK;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live), [&](const int r) {
+        T* const srow = ss + r * BK;
+        if (per_element) {
+          const index_type qg = qpos(q0 + r);
+          const bool check_mask = kind == TileKind::partial;
+          for (int c = 0; c < BK; ++c) {
+            const bool keep = c < k_rows && (!check_mask || mask.allowed(qg, kpos(k0 + c)));
+            srow[c] = keep_or_neg_inf(keep, srow[c]);
+          }
+        }
+        softmax_row(srow, m[r], l[r], alpha[r]);
+      });
+      team.team_barrier();
+
+      // O (BQ, dp) = diag(alpha) O + P (BQ, BK) * V (BK, dp)
+      const T* const v_tile = v_head + static_cast<std::ptrdiff_t>(k0) * dp;
+      const int o_tiles = (q_live / MR) * (dp / NRO);
+      if (kind == TileKind::full) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
+          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
+          Gemm::template apply<MR, NRO, BK>(BK, ss + r0 * BK, BK, v_tile + c0, dp,
+                                            os + r0 * dp + c0, dp, alpha + r0);
+        });
+      } else if (kind == TileKind::partial && tile_has_nonfinite(team, v_tile, k_rows * dp)) {
+        // A non-finite V row: P = 0 (masked) times inf / NaN must add nothing,
+        // so select instead of multiplying (rare; scalar loops).
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
+          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
+          for (int i = 0; i < MR; ++i) {
+            T* const orow = os + (r0 + i) * dp + c0;
+            const T* const prow = ss + (r0 + i) * BK;
+            for (int j = 0; j < NRO; ++j) orow[j] *= alpha[r0 + i];
+            for (int c = 0; c < k_rows; ++c)
+              if (prow[c] != T(0))
+                for (int j = 0; j < NRO; ++j) orow[j] += prow[c] * v_tile[c * dp + c0 + j];
+          }
+        });
+      } else {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
+          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
+          const KeyRange keys = live_keys(r0, q0, q_rows, k0, k_rows);
+          Gemm::template apply<MR, NRO, 0>(
+              keys.end - keys.begin, ss + r0 * BK + keys.begin, BK,
+              v_tile + static_cast<std::ptrdiff_t>(keys.begin) * dp + c0, dp, os + r0 * dp + c0, dp,
+              alpha + r0);
+        });
+      }
+      team.team_barrier();
+    }
+
+    if (!finish) {
+      // More blocks follow: keep the unnormalised O in `o` and (m, l) in the state.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+        for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d];
+        m_state(b, h, q0 + r) = m[r];
+        l_state(b, h, q0 + r) = l[r];
+      });
+      return;
+    }
+    // Normalise and write back. Rows that saw no allowed key: O = 0, LSE = -inf;
+    // rows whose allowed logits held a NaN (l = NaN): O and LSE NaN.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+      const T inv_l = SoftmaxRow<T>::inverse_sum(l[r]);
+      for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d] * inv_l;
+      lse(b, h, q0 + r) = SoftmaxRow<T>::lse(m[r], l[r]);
+    });
+  }
+
+  struct KeyRange {
+    int begin, end;
+  };
+
+  /// True (on every thread of the team) when n values from p hold an inf or NaN.
+  KOKKOS_INLINE_FUNCTION static bool tile_has_nonfinite(const member_type& team, const T* p,
+                                                        int n) {
+    int bad = 0;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, n),
+        [&](const int i, int& acc) { acc += is_nonfinite(p[i]) ? 1 : 0; }, bad);
+    return bad > 0;
+  }
+
+  /// In a partial tile, the keys [begin, end) (granularity KG) that some row
+  /// r0 .. r0 + MR - 1 may see: P is 0 outside, so P*V skips them. An empty
+  /// range only rescales the accumulator.
+  KOKKOS_INLINE_FUNCTION KeyRange live_keys(int r0, int q0, int q_rows, int k0, int k_rows) const {
+    if (r0 >= q_rows) return {0, 0};
+    const int r1 = (r0 + MR < q_rows ? r0 + MR : q_rows) - 1;
+    const index_type qb = qpos(q0 + r0), qe = qpos(q0 + r1) + 1;
+    auto empty = [&](int c) {
+      const int c1 = (c + KG < k_rows ? c + KG : k_rows) - 1;
+      return c >= k_rows ||
+             mask.classify(qb, qe, kpos(k0 + c), kpos(k0 + c1) + 1) == TileKind::empty;
+    };
+    int lo = 0, hi = BK;
+    while (lo < hi && empty(lo)) lo += KG;
+    while (hi > lo && empty(hi - KG)) hi -= KG;
+    return {lo, hi};
+  }
+
+  /// x if keep, else -inf, as integer masking: a float select under a
+  /// condition stays scalar with GCC's default -ftrapping-math.
+  KOKKOS_FORCEINLINE_FUNCTION static T keep_or_neg_inf(bool keep, T x) {
+    using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    const Bits m = Bits(0) - static_cast<Bits>(keep);
+    return bit_cast<T>((bit_cast<Bits>(x) & m) | (bit_cast<Bits>(-infinity<T>()) & ~m));
+  }
+
+  /// Online-softmax update of one row (base-2 logits in `s`, overwritten by P):
+  ///   m' = max(m, max_c s_c);  p_c = 2^(s_c - m');  alpha = 2^(m - m');  l' = alpha l + sum p.
+  /// A row with no allowed key so far keeps m = -inf, l = 0 and P = 0 (never
+  /// computes -inf - -inf). A NaN logit gives p = NaN and l = NaN.
+  /// The max and the sum run in `lanes` independent partial results so that
+  /// host compilers vectorise them without reassociating (no -ffast-math).
+  KOKKOS_FORCEINLINE_FUNCTION static void softmax_row(T* __restrict__ s, T& m, T& l, T& alpha) {
+    constexpr int lanes = Shape::dim_granule;
+    static_assert(BK % lanes == 0, "BlockAttn: block_k must be a multiple of dim_granule");
+    T part[lanes];
+    for (int j = 0; j < lanes; ++j) part[j] = -infinity<T>();
+    for (int c = 0; c < BK; c += lanes)
+      for (int j = 0; j < lanes; ++j) part[j] = s[c + j] > part[j] ? s[c + j] : part[j];
+    T row_max = m;
+    for (int j = 0; j < lanes; ++j) row_max = part[j] > row_max ? part[j] : row_max;
+    const T m_new = row_max;
+    if (m_new == -infinity<T>()) {
+      // No finite allowed logit: masked (-inf) or NaN (the max skips NaN).
+      // A NaN makes l NaN, which stays NaN through later tiles and blocks.
+      bool nan_seen = false;
+      for (int c = 0; c < BK; ++c) {
+        nan_seen = nan_seen || s[c] != s[c];
+        s[c] = T(0);
+      }
+      if (nan_seen) l = quiet_nan<T>();
+      alpha = T(1);
+      return;
+    }
+    // P and its row sum in one pass (0 + p is exactly p: the same sums as
+    // summing after the exp pass).
+    for (int j = 0; j < lanes; ++j) part[j] = T(0);
+    for (int c = 0; c < BK; c += lanes)
+      for (int j = 0; j < lanes; ++j) {
+        const T p = exp2_nonpositive(s[c + j] - m_new);
+        s[c + j] = p;
+        part[j] += p;
+      }
+    T sum = T(0);
+    for (int j = 0; j < lanes; ++j) sum += part[j];
+    alpha = exp2_nonpositive(m - m_new);
+    l = alpha * l + sum;
+    m = m_new;
+  }
+
+  int scratch_level = 0;
+};
+
+}  // namespace blockattn::impl

@@ -1,0 +1,254 @@
+// SPDX-License-Identifier: Apache-2.0
+// The single-device forward behind attention_forward(): view checks, the head-dim
+// and tile-shape dispatch, packing and the kernel launch. Also used by the
+// distributed step loop (one block pair per call, resumable softmax state).
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/kernel/impl/forward_kernel.hpp>
+#include <blockattn/kernel/impl/pack.hpp>
+#include <blockattn/kernel/impl/policy_check.hpp>
+#include <blockattn/kernel/impl/softmax_state.hpp>
+#include <blockattn/kernel/options.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/positions.hpp>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+namespace blockattn {
+
+namespace impl {
+
+template <class V>
+using value_of = typename V::non_const_value_type;
+
+/// True when q, k, v, o, lse are Views of the ranks and value types attention_forward takes.
+template <class QV, class KV, class VV, class OV, class LV>
+constexpr bool forward_views_ok() {
+  if constexpr (Kokkos::is_view<QV>::value && Kokkos::is_view<KV>::value &&
+                Kokkos::is_view<VV>::value && Kokkos::is_view<OV>::value &&
+                Kokkos::is_view<LV>::value) {
+    using T = value_of<OV>;
+    return QV::rank == 4 && KV::rank == 4 && VV::rank == 4 && OV::rank == 4 && LV::rank == 3 &&
+           (std::is_same<T, float>::value || std::is_same<T, double>::value) &&
+           std::is_same<value_of<QV>, T>::value && std::is_same<value_of<KV>, T>::value &&
+           std::is_same<value_of<VV>, T>::value && std::is_same<value_of<LV>, T>::value &&
+           !std::is_const<typename OV::value_type>::value &&
+           !std::is_const<typename LV::value_type>::value;
+  } else {
+    return false;
+  }
+}
+
+/// One static_assert per requirement, each naming the fix.
+template <class QV, class KV, class VV, class OV, class LV>
+constexpr void check_forward_view_types() {
+  constexpr bool views = Kokkos::is_view<QV>::value && Kokkos::is_view<KV>::value &&
+                         Kokkos::is_view<VV>::value && Kokkos::is_view<OV>::value &&
+                         Kokkos::is_view<LV>::value;
+  static_assert(views, "BlockAttn: attention_forward takes Kokkos::Views q, k, v, o, lse");
+  if constexpr (views) {
+    static_assert(QV::rank == 4 && KV::rank == 4 && VV::rank == 4 && OV::rank == 4,
+                  "BlockAttn: q, k, v and o must be rank-4 Views (batch, seq, heads, head_dim)");
+    static_assert(LV::rank == 3, "BlockAttn: lse must be a rank-3 View (batch, heads, seq)");
+    using T = value_of<OV>;
+    static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                  "BlockAttn: the value type must be float or double");
+    static_assert(std::is_same<value_of<QV>, T>::value && std::is_same<value_of<KV>, T>::value &&
+                      std::is_same<value_of<VV>, T>::value && std::is_same<value_of<LV>, T>::value,
+                  "BlockAttn: q, k, v, o and lse must have the same value type");
+    static_assert(!std::is_const<typename OV::value_type>::value &&
+                      !std::is_const<typename LV::value_type>::value,
+                  "BlockAttn: o and lse are outputs and must not be Views of const");
+  }
+}
+
+/// Validates shapes and spaces of a forward call; returns the extents.
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV>
+ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const VV& v, const OV& o,
+                                const LV& lse, double scale) {
+  require_accessible<ExecSpace, typename QV::memory_space>(fn, "q");
+  require_accessible<ExecSpace, typename KV::memory_space>(fn, "k");
+  require_accessible<ExecSpace, typename VV::memory_space>(fn, "v");
+  require_accessible<ExecSpace, typename OV::memory_space>(fn, "o");
+  require_accessible<ExecSpace, typename LV::memory_space>(fn, "lse");
+  const char* names[4] = {"batch", "seq", "heads", "head_dim"};
+  for (int d = 0; d < 4; ++d) {
+    require_positive_extent(fn, "q", q, d, names[d]);
+    require_positive_extent(fn, "k", k, d, names[d]);
+  }
+  require_extent(fn, "k", k, 0, "batch", q.extent(0), "the batch of q");
+  require_extent(fn, "k", k, 3, "head_dim", q.extent(3), "the head_dim of q");
+  for (int d = 0; d < 4; ++d)
+    require_extent(fn, "v", v, d, names[d], k.extent(d), "the same extent of k");
+  for (int d = 0; d < 4; ++d)
+    require_extent(fn, "o", o, d, names[d], q.extent(d), "the same extent of q");
+  require_extent(fn, "lse", lse, 0, "batch", q.extent(0), "q.extent(0)");
+  require_extent(fn, "lse", lse, 1, "heads", q.extent(2), "q.extent(2)");
+  require_extent(fn, "lse", lse, 2, "seq", q.extent(1), "q.extent(1)");
+  if (q.extent(2) % k.extent(2) != 0)
+    fail(fn, "argument 'k' has extent(2) (heads) = ", k.extent(2),
+         ", expected a divisor of the heads of q (", q.extent(2), ")");
+  if (q.extent(3) > std::size_t(max_head_dim))
+    fail(fn, "argument 'q' has extent(3) (head_dim) = ", q.extent(3), ", expected at most ",
+         max_head_dim);
+  constexpr std::size_t int_max = std::size_t(std::numeric_limits<int>::max());
+  if (q.extent(1) > int_max / 2 || k.extent(1) > int_max / 2)
+    fail(fn, "sequence length ", q.extent(1) > k.extent(1) ? q.extent(1) : k.extent(1),
+         " exceeds the per-call limit of ", int_max / 2, " rows");
+  if (!std::isnan(scale) && !(std::isfinite(scale) && scale != 0.0))
+    fail(fn, "argument 'scale' is ", scale, ", expected a finite non-zero value");
+  using T = value_of<OV>;
+  // The kernels multiply by scale * log2(e) in T: it must be a normal number of T.
+  const double limit = double(std::numeric_limits<T>::max()) / 1.4426950408889634;
+  if (!std::isnan(scale) && (std::abs(scale) > limit || std::abs(scale) * 1.4426950408889634 <
+                                                            double(std::numeric_limits<T>::min())))
+    fail(fn, "argument 'scale' is ", scale, ", which ", std::abs(scale) > limit ? "over" : "under",
+         "flows ", std::is_same<T, float>::value ? "float" : "double",
+         " (the value type) once multiplied by log2(e); expected ",
+         double(std::numeric_limits<T>::min()) / 1.4426950408889634, " <= |scale| <= ", limit);
+  ForwardExtents e;
+  e.batch = int(q.extent(0));
+  e.queries = int(q.extent(1));
+  e.heads = int(q.extent(2));
+  e.dim = int(q.extent(3));
+  e.keys = int(k.extent(1));
+  e.kv_heads = int(k.extent(2));
+  return e;
+}
+
+/// Global positions are bounded by +-2^62, so that differences of positions
+/// (masks compare k - q) never overflow 64-bit index_type.
+inline constexpr index_type max_position = index_type(1) << 62;
+
+/// The offsets of ForwardOptions: any sign, |offset| <= max_position.
+inline void require_offsets(const char* fn, const ForwardOptions& opts) {
+  const index_type off[2] = {opts.q_offset, opts.k_offset};
+  const char* names[2] = {"opts.q_offset", "opts.k_offset"};
+  for (int i = 0; i < 2; ++i)
+    if (off[i] > max_position || off[i] < -max_position)
+      fail(fn, "argument '", names[i], "' is ", off[i],
+           ", expected |offset| <= 2^62 = ", max_position,
+           " (global positions are bounded so that k - q never overflows)");
+}
+
+/// The softmax scale: the caller's, or 1 / sqrt(head_dim) when NaN (the default).
+template <class T>
+T softmax_scale(double requested, int head_dim) {
+  return std::isnan(requested) ? T(1) / std::sqrt(T(head_dim)) : T(requested);
+}
+
+/// How one kernel call relates to the calls before and after it over other
+/// K/V blocks of the same queries (the ring schedules make one call per step).
+template <class T, class MemorySpace>
+struct BlockStep {
+  SoftmaxState<T, MemorySpace> state;  // (m, l) of the rows between calls; O lives in o
+  bool resume = false;                 // continue from the state of an earlier call
+  bool finish = true;                  // normalise into o and lse
+  bool skip_keys = false;              // no key tile at all (only resume/finish)
+  // Launch only teams [league_begin, league_end) of (batch, head, query tile);
+  // league_end < 0: all. Schedules split a step to progress communication.
+  int league_begin = 0, league_end = -1;
+};
+
+/// Number of teams (batch x heads x query tiles) of a forward launch.
+template <class Shape>
+int forward_league_size(const ForwardExtents& e) {
+  return e.batch * e.heads * ((e.queries + Shape::block_q - 1) / Shape::block_q);
+}
+
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class QV, class OV, class LV>
+void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
+                    const PackedKV<T, typename ExecSpace::memory_space>& kv, const OV& o,
+                    const LV& lse, const Mask& mask, const QPos& qpos, const KPos& kpos, T scale,
+                    const BlockStep<T, typename ExecSpace::memory_space>& step = {}) {
+  using Kernel = ForwardKernel<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  Kernel f;
+  f.m_state = step.state.m;
+  f.l_state = step.state.l;
+  f.resume = step.resume;
+  f.finish = step.finish;
+  f.q = typename Kernel::in_view(q);
+  f.kt = kv.kt;
+  f.v = kv.v;
+  f.o = typename Kernel::out_view(o);
+  f.lse = typename Kernel::lse_view(lse);
+  f.mask = mask;
+  f.qpos = qpos;
+  f.kpos = kpos;
+  f.ext = e;
+  f.dim_padded = static_cast<int>(kv.kt.extent(3));
+  f.q_tiles = (e.queries + Shape::block_q - 1) / Shape::block_q;
+  f.k_tiles = step.skip_keys ? 0 : (e.keys + Shape::block_k - 1) / Shape::block_k;
+  f.group = e.heads / e.kv_heads;
+  f.q_scale = scale * log2e<T>;
+  const int full_league = e.batch * e.heads * f.q_tiles;
+  f.league_begin = step.league_begin;
+  const int league = (step.league_end < 0 ? full_league : step.league_end) - step.league_begin;
+  if (league <= 0) return;
+  // Chunk size 1: with dynamic scheduling, a thread takes one query tile at a
+  // time, so the uneven tiles of causal masks spread evenly over threads.
+  const std::size_t bytes = Kernel::scratch_bytes(f.dim_padded);
+  typename Kernel::policy_type policy =
+      is_host_space_v<ExecSpace> ? typename Kernel::policy_type(exec, league, 1)
+                                 : typename Kernel::policy_type(exec, league, Kokkos::AUTO);
+  policy.set_chunk_size(1);
+  f.scratch_level = bytes <= std::size_t(policy.scratch_size_max(0)) ? 0 : 1;
+  policy.set_scratch_size(f.scratch_level, Kokkos::PerTeam(bytes));
+  Kokkos::parallel_for("blockattn::forward", policy, f);
+}
+
+/// The forward after its compile-time checks passed: validates and launches.
+template <class Shape, class ExecSpace, class QV, class KV, class VV, class OV, class LV,
+          class Mask, class QPos, class KPos>
+void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
+                     const OV& o, const LV& lse, const Mask& mask, const QPos& qpos,
+                     const KPos& kpos, double scale, bool check_policies) {
+  using T = typename OV::non_const_value_type;
+  using mem = typename ExecSpace::memory_space;
+  const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale);
+  if (check_policies_always || check_policies)
+    check_mask_contract(fn, exec, mask, qpos(0), qpos(e.queries - 1) + 1, kpos(0),
+                        kpos(e.keys - 1) + 1);
+  const T s = softmax_scale<T>(scale, e.dim);
+  with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
+    constexpr int SD = decltype(static_d)::value;
+    using S = decltype(shape);
+    check_tile_shape<S>();
+    using Kernel = ForwardKernel<ExecSpace, T, SD, S, Mask, QPos, KPos>;
+    auto kv =
+        allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, Kernel::pad_dim(e.dim), S::block_k);
+    pack_kv(exec, k, v, kv);
+    launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, s);
+  });
+}
+
+/// Forward on one device for arbitrary (strictly increasing) position maps.
+template <class Shape, class ExecSpace, class QV, class KV, class VV, class OV, class LV,
+          class Mask, class QPos, class KPos>
+void forward(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
+             const OV& o, const LV& lse, const Mask& mask, const QPos& qpos, const KPos& kpos,
+             double scale, bool check_policies = false) {
+  check_forward_view_types<QV, KV, VV, OV, LV>();
+  check_mask_policy<Mask>();
+  check_position_map<QPos>();
+  check_position_map<KPos>();
+  // Stop here when a requirement failed: the static_assert above is the only
+  // diagnostic, not a backtrace from deeper templates.
+  if constexpr (forward_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask> &&
+                is_position_map<QPos>::value && is_position_map<KPos>::value) {
+    forward_checked<Shape>(fn, exec, q, k, v, o, lse, mask, qpos, kpos, scale, check_policies);
+  }
+}
+
+}  // namespace impl
+
+}  // namespace blockattn

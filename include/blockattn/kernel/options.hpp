@@ -1,0 +1,27 @@
+// SPDX-License-Identifier: Apache-2.0
+// Run-time options of the single-device calls and the largest head dim.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+
+#include <limits>
+
+namespace blockattn {
+
+/// Largest supported head dim.
+inline constexpr int max_head_dim = 256;
+
+/// Run-time options of a forward call.
+struct ForwardOptions {
+  /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  /// Global position of query row 0 and key row 0 (masks see global positions).
+  index_type q_offset = 0;
+  index_type k_offset = 0;
+  /// Check the mask's classify() against allowed() on a sample of boxes
+  /// before the work (impl/policy_check.hpp); always on with
+  /// -DBLOCKATTN_CHECK_POLICIES.
+  bool check_policies = false;
+};
+
+}  // namespace blockattn

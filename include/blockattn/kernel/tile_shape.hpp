@@ -1,0 +1,231 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tile shapes: the block sizes of the tile kernel and of its register micro tile.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/kernel/impl/micro_gemm.hpp>
+#include <blockattn/kernel/isa.hpp>
+
+#include <type_traits>
+
+namespace blockattn {
+
+namespace impl {
+
+/// Host tile constants per vector ISA (isa.hpp), value type and compile-time
+/// head dim (0: any other). See DefaultTileShape for what each one means.
+///
+/// The default, written for 32 AVX-512 registers: 64x64 tiles keep the Q tile,
+/// S tile and O accumulator of one team in L2, and the 4x64 fp32 micro tile is
+/// 16 AVX-512 accumulators (4x32 for fp64: also 16). fp64 uses it on every ISA.
+template <HostIsa Isa, class T, int HeadDim>
+struct HostTiles {
+  static constexpr int block_q = 64;
+  static constexpr int block_k = 64;
+  static constexpr int micro_rows = 4;
+  static constexpr int micro_cols = std::is_same<T, float>::value ? 64 : 32;
+  static constexpr int dim_granule = std::is_same<T, float>::value ? 16 : 8;
+};
+
+/// AVX-512, fp32, D = 128: 6x64 micro tiles (24 of 32 registers) and 128-key
+/// tiles halve the O-accumulator traffic per FMA; measured ~10 % faster than
+/// 64x64x4 on a Sapphire Rapids Xeon, while at D = 64 the smaller shape wins.
+template <>
+struct HostTiles<HostIsa::avx512, float, 128> : HostTiles<HostIsa::avx512, float, 0> {
+  static constexpr int block_q = 96;
+  static constexpr int block_k = 128;
+  static constexpr int micro_rows = 6;
+};
+
+/// AVX2 + FMA (16 registers of 8 floats): the BLIS-style 6x16 fp32 micro tile
+/// (12 accumulators, 2 B vectors, 1 broadcast) run by the explicit kernels of
+/// impl/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a Zen 3
+/// EPYC (1 thread, full mask): 96 query rows match 48 at N = 1024 and beat
+/// them by ~15 % at N = 16384 (each K/V tile is streamed from L3 half as
+/// often), 192 rows lose ~8 % at N = 1024 (a partial last tile) and gain
+/// ~8 % at N = 16384; 128 vs 256 keys made no difference.
+template <int HeadDim>
+struct HostTiles<HostIsa::avx2, float, HeadDim> {
+  static constexpr int block_q = 96;
+  static constexpr int block_k = 128;
+  static constexpr int micro_rows = 6;
+  static constexpr int micro_cols = 16;
+  static constexpr int dim_granule = 16;
+};
+
+// AVX2, fp64: the default shape and the portable kernel, unchanged, so that
+// fp64 results stay bitwise those of earlier releases (a 4x8 fp64 AVX2 tile
+// changed the last bits for head dims other than 64 and 128); fp64 is the
+// accuracy path, not the speed path.
+
+/// SSE2 (x86-64 baseline, 16 x 128-bit registers): 6x8 fp32 micro tiles
+/// (12 accumulators), the 128-bit kernel of impl/micro_gemm_simd.hpp, the
+/// AVX2 block sizes.
+template <int HeadDim>
+struct HostTiles<HostIsa::sse2, float, HeadDim> : HostTiles<HostIsa::avx2, float, 0> {
+  static constexpr int micro_cols = 8;
+  static constexpr int dim_granule = 8;
+};
+
+/// AArch64 NEON (32 x 128-bit registers): 6x16 fp32 micro tiles (24
+/// accumulators, as AVX-512's 6x64 uses 24 of 32), the 128-bit kernel, the
+/// AVX2 block sizes. Not measured: no Arm machine was available.
+template <int HeadDim>
+struct HostTiles<HostIsa::neon, float, HeadDim> : HostTiles<HostIsa::avx2, float, 0> {};
+
+/// Backward tiles (one shape for every head dim; the key tile is also cut into
+/// micro_rows-row micro tiles there, so block_k % micro_rows == 0).
+template <HostIsa Isa, class T>
+struct HostBackwardTiles : HostTiles<Isa, T, 0> {};
+
+/// AVX2, fp32: 48x96 with 6x16 micro tiles (of 48/96 query rows x 48/96/192
+/// keys on Zen 3, the one within noise of the best at N = 1024 and 16384,
+/// D = 64 and 128).
+template <>
+struct HostBackwardTiles<HostIsa::avx2, float> : HostTiles<HostIsa::avx2, float, 0> {
+  static constexpr int block_q = 48;
+  static constexpr int block_k = 96;
+};
+template <>
+struct HostBackwardTiles<HostIsa::sse2, float> : HostTiles<HostIsa::sse2, float, 0> {
+  static constexpr int block_q = 48;
+  static constexpr int block_k = 96;
+};
+template <>
+struct HostBackwardTiles<HostIsa::neon, float> : HostTiles<HostIsa::neon, float, 0> {
+  static constexpr int block_q = 48;
+  static constexpr int block_k = 96;
+};
+
+}  // namespace impl
+
+/// Block sizes of the forward tile kernel, chosen per value type, per kind of
+/// execution space and, on the host, per vector instruction set (host_isa(),
+/// from the compiler's target flags). A team owns one (batch, head, query
+/// tile); inside it one thread computes one `micro_rows x micro_cols` register
+/// tile at a time.
+///
+///   block_q     rows of a query tile              (divisible by micro_rows)
+///   block_k     rows of a key/value tile          (divisible by micro_cols)
+///   micro_rows  rows of a register micro tile
+///   micro_cols  columns of a register micro tile  (a multiple of the SIMD width
+///               on CPUs); the fast head dims 64 and 128 are multiples of it
+///   dim_granule other head dims are padded to a multiple of this and use
+///               micro tiles this wide for P*V
+///   tile_gemm   the policy that computes one micro tile (impl::RegisterTileGemm)
+template <class T, bool HostSpace, int HeadDim = 0>
+struct DefaultTileShape {
+  using tiles = impl::HostTiles<impl::host_isa, T, HeadDim>;
+  static constexpr int block_q = tiles::block_q;
+  static constexpr int block_k = tiles::block_k;
+  static constexpr int micro_rows = tiles::micro_rows;
+  static constexpr int micro_cols = tiles::micro_cols;
+  static constexpr int dim_granule = tiles::dim_granule;
+  using tile_gemm = impl::RegisterTileGemm;
+  /// The shape used for a given compile-time head dim (0: any other).
+  template <int D>
+  using for_head_dim = DefaultTileShape<T, HostSpace, D>;
+};
+
+template <class T, int HeadDim>
+struct DefaultTileShape<T, false, HeadDim> {
+  // GPUs: smaller tiles that fit level-0 scratch, many small micro tiles so
+  // that a team has enough threads.
+  static constexpr int block_q = 32;
+  static constexpr int block_k = 32;
+  static constexpr int micro_rows = 2;
+  static constexpr int micro_cols = 4;
+  static constexpr int dim_granule = 4;
+  using tile_gemm = impl::RegisterTileGemm;
+  template <int D>
+  using for_head_dim = DefaultTileShape<T, false, D>;
+};
+
+/// Backward tiles: one shape for every head dim.
+template <class T, bool HostSpace>
+struct BackwardTileShape : DefaultTileShape<T, HostSpace, 0> {
+  using tiles = impl::HostBackwardTiles<impl::host_isa, T>;
+  static constexpr int block_q = tiles::block_q;
+  static constexpr int block_k = tiles::block_k;
+  static constexpr int micro_rows = tiles::micro_rows;
+  static constexpr int micro_cols = tiles::micro_cols;
+  static constexpr int dim_granule = tiles::dim_granule;
+  template <int D>
+  using for_head_dim = BackwardTileShape;
+};
+template <class T>
+struct BackwardTileShape<T, false> : DefaultTileShape<T, false, 0> {
+  template <int D>
+  using for_head_dim = BackwardTileShape;
+};
+
+namespace impl {
+template <class ExecSpace>
+inline constexpr bool is_host_space_v =
+    Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible&&
+        std::is_same<typename ExecSpace::memory_space, Kokkos::HostSpace>::value;
+
+/// The concrete shape for compile-time head dim D (0 = generic): a shape may
+/// specialise per head dim through a member template `for_head_dim<D>`.
+template <class Shape, int D, class = void>
+struct shape_for_head_dim {
+  using type = Shape;
+};
+template <class Shape, int D>
+struct shape_for_head_dim<Shape, D, std::void_t<typename Shape::template for_head_dim<D>>> {
+  using type = typename Shape::template for_head_dim<D>;
+};
+template <class Shape, int D>
+using shape_for_head_dim_t = typename shape_for_head_dim<Shape, D>::type;
+
+/// The shape the kernels use for a run-time head dim.
+template <class Shape, class F>
+decltype(auto) with_shape_for(int head_dim, F&& f) {
+  if (head_dim == 64)
+    return f(std::integral_constant<int, 64>{}, shape_for_head_dim_t<Shape, 64>{});
+  if (head_dim == 128)
+    return f(std::integral_constant<int, 128>{}, shape_for_head_dim_t<Shape, 128>{});
+  return f(std::integral_constant<int, 0>{}, shape_for_head_dim_t<Shape, 0>{});
+}
+
+template <class Shape>
+constexpr void check_tile_shape();
+
+/// The head dim as the kernels store it: the compile-time dim, or the run-time
+/// dim rounded up to the shape's granule.
+template <class Shape, int StaticD>
+constexpr int padded_head_dim(int dim) {
+  return StaticD > 0 ? StaticD
+                     : (dim + Shape::dim_granule - 1) / Shape::dim_granule * Shape::dim_granule;
+}
+}  // namespace impl
+
+/// Query and key tile sizes of a kernel launch (for work accounting).
+struct TileSizes {
+  int block_q = 0;
+  int block_k = 0;
+};
+
+/// The tile sizes the forward kernel uses for value type T on ExecSpace.
+template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace,
+          class Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>>
+TileSizes forward_tile_sizes(int head_dim) {
+  return impl::with_shape_for<Shape>(head_dim, [](auto, auto shape) {
+    using S = decltype(shape);
+    return TileSizes{S::block_q, S::block_k};
+  });
+}
+
+namespace impl {
+template <class Shape>
+constexpr void check_tile_shape() {
+  static_assert(Shape::block_q % Shape::micro_rows == 0,
+                "BlockAttn: tile shape: block_q must be a multiple of micro_rows");
+  static_assert(Shape::block_k % Shape::micro_cols == 0,
+                "BlockAttn: tile shape: block_k must be a multiple of micro_cols");
+  static_assert(Shape::micro_cols % Shape::dim_granule == 0,
+                "BlockAttn: tile shape: micro_cols must be a multiple of dim_granule");
+}
+}  // namespace impl
+
+}  // namespace blockattn

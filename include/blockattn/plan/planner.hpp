@@ -1,0 +1,407 @@
+// SPDX-License-Identifier: Apache-2.0
+// Cost model and planner for the distributed forward: per rank and step, the
+// tiles the kernels compute (the kernels' own classifier, so the counts are
+// exact), the messages the schedule sends (the same sizes the run sends), and
+// a timing simulation of the double-buffered steps on given hardware (compute
+// rate F, link bandwidth B and latency). It predicts makespan, idle fraction,
+// bytes moved and peak memory per rank for any partition x mask x schedule,
+// and recommends the fastest combination that fits in memory.
+//
+//   plan::Problem pb = plan::problem_for<float, Kokkos::DefaultExecutionSpace>(N, P, batch, heads,
+//                                             kv_heads, dim);
+//   auto all = plan::compare(pb, CausalMask{}, plan::a100_nvlink());
+//   const plan::Prediction& best = all[plan::recommend(all)];
+//
+// Host only; no Kokkos kernels run here (calibration is the caller's: see
+// tools/plan.cpp).
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/kernel/work.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/partition.hpp>
+#include <blockattn/schedule/balanced.hpp>
+#include <blockattn/schedule/ring.hpp>
+#include <blockattn/schedule/schedule.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace blockattn {
+namespace plan {
+
+/// What one rank of the machine can do.
+struct Hardware {
+  std::string name = "custom";
+  double flops = 0;              // F: attention FLOP/s per rank on full tiles (4 D per pair)
+  double partial_tile_cost = 1;  // time of a partial (masked) tile over a full tile's
+  double bandwidth = 0;          // B: bytes/s per rank and direction (<= 0: free)
+  double latency = 0;            // seconds per message
+  double memory_bytes = 0;       // per rank (<= 0: unlimited)
+  double step_overhead = 0;      // seconds per step with work (launches, host)
+};
+
+/// Published per-host figures of Ring Attention (arXiv:2310.01889) Table 2 (FLOPS, HBM,
+/// unidirectional interconnect bandwidth between hosts).
+inline Hardware a100_nvlink() {
+  return {"A100 NVLink", 312e12, 1, 300e9, 0, 80e9, 0};
+}
+inline Hardware a100_infiniband() {
+  return {"A100 InfiniBand", 312e12, 1, 12.5e9, 0, 80e9, 0};
+}
+inline Hardware tpu_v3() {
+  return {"TPU v3", 123e12, 1, 112e9, 0, 16e9, 0};
+}
+inline Hardware tpu_v4() {
+  return {"TPU v4", 275e12, 1, 268e9, 0, 32e9, 0};
+}
+inline Hardware tpu_v5e() {
+  return {"TPU v5e", 196e12, 1, 186e9, 0, 16e9, 0};
+}
+
+/// The attention problem as the kernels see it.
+struct Problem {
+  index_type N = 0;  // global sequence length
+  int P = 1;         // ranks
+  int batch = 1, heads = 1, kv_heads = 1, dim = 128;
+  int dtype_bytes = 4;
+  int block_q = 64, block_k = 64;  // kernel tile sizes
+  int dim_padded = 0;              // head dim as stored in packed blocks (0: dim)
+  index_type local() const { return N / P; }
+  int stored_dim() const { return dim_padded > 0 ? dim_padded : dim; }
+};
+
+/// A Problem with the tile sizes and padded head dim that DistributedAttention
+/// uses for value type T on ExecSpace.
+template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace,
+          class Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>>
+Problem problem_for(index_type N, int P, int batch, int heads, int kv_heads, int dim) {
+  Problem p;
+  p.N = N;
+  p.P = P;
+  p.batch = batch;
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.dim = dim;
+  p.dtype_bytes = int(sizeof(T));
+  impl::with_shape_for<Shape>(dim, [&](auto static_d, auto shape) {
+    using S = decltype(shape);
+    p.block_q = S::block_q;
+    p.block_k = S::block_k;
+    p.dim_padded = impl::padded_head_dim<S, decltype(static_d)::value>(dim);
+  });
+  return p;
+}
+
+/// Ring Attention (arXiv:2310.01889) §3: the smallest block (tokens per rank) whose compute,
+/// 4 d c^2 FLOPs per head, hides the transfer of its K and V, 2 c d bytes each
+/// per KV head: c = F * kv_heads * dtype_bytes / (2 * heads * B). For bf16 and
+/// heads = kv_heads this is the paper's c = F / B.
+inline double overlap_block_size(const Hardware& hw, int dtype_bytes = 2, int heads = 1,
+                                 int kv_heads = 1) {
+  return hw.flops * kv_heads * dtype_bytes / (2.0 * heads * hw.bandwidth);
+}
+/// Ring Attention (arXiv:2310.01889) Table 2: the minimal sequence length per device, s = 6 c.
+inline double ring_min_sequence(const Hardware& hw, int dtype_bytes = 2) {
+  return 6.0 * overlap_block_size(hw, dtype_bytes);
+}
+
+/// One rank at one step.
+struct StepPlan {
+  BlockTask task;    // the block pair computed (task.idle(): none)
+  TileCounts tiles;  // per (batch, head)
+  double flops = 0;  // 4 D per pair of computed tiles (masked pairs of partial tiles included)
+  double compute_s = 0;
+  double comm_s = 0;  // busy time of this rank's links for the messages completing at this step
+  double start_s = 0, end_s = 0;
+  std::int64_t bytes_sent = 0, bytes_received = 0;
+  bool idle() const { return tiles.computed() == 0; }
+};
+
+struct RankPlan {
+  std::vector<StepPlan> steps;
+  std::int64_t input_bytes = 0;      // the caller's q, k, v, o, lse on this rank
+  std::int64_t workspace_bytes = 0;  // what the schedule allocates (RunStats::workspace_bytes)
+  std::int64_t peak_bytes() const { return input_bytes + workspace_bytes; }
+  double busy_s() const {
+    double b = 0;
+    for (const auto& s : steps) b += s.compute_s;
+    return b;
+  }
+  std::int64_t bytes_sent() const {
+    std::int64_t b = 0;
+    for (const auto& s : steps) b += s.bytes_sent;
+    return b;
+  }
+};
+
+/// The prediction for one partition x mask x schedule.
+struct Prediction {
+  std::string partition, schedule;
+  bool valid = true;
+  std::string why_not;  // when !valid
+  std::vector<RankPlan> ranks;
+  double makespan_s = 0;
+  double single_device_s = 0;  // the whole sequence on one rank, same kernel model
+  double ring_makespan_s = 0;  // the contiguous ring on the same problem (set by compare)
+  bool fits = true;
+  int steps() const { return ranks.empty() ? 0 : int(ranks[0].steps.size()); }
+  /// Rank-steps without work.
+  int idle_steps() const {
+    int n = 0;
+    for (const auto& r : ranks)
+      for (const auto& s : r.steps) n += s.idle() ? 1 : 0;
+    return n;
+  }
+  /// DistFlashAttn (arXiv:2310.03294) eq. (2): idle rank-steps over P^2 (the P steps of the
+  /// ring on P ranks).
+  double idle_step_fraction() const {
+    const double P = double(ranks.size());
+    return double(idle_steps()) / (P * P);
+  }
+  /// 1 - (sum of compute time) / (P * makespan).
+  double idle_time_fraction() const {
+    double busy = 0;
+    for (const auto& r : ranks) busy += r.busy_s();
+    return makespan_s > 0 ? 1.0 - busy / (double(ranks.size()) * makespan_s) : 0.0;
+  }
+  std::int64_t peak_bytes() const {
+    std::int64_t b = 0;
+    for (const auto& r : ranks) b = std::max(b, r.peak_bytes());
+    return b;
+  }
+  std::int64_t max_bytes_sent() const {
+    std::int64_t b = 0;
+    for (const auto& r : ranks) b = std::max(b, r.bytes_sent());
+    return b;
+  }
+  std::int64_t total_bytes_sent() const {
+    std::int64_t b = 0;
+    for (const auto& r : ranks) b += r.bytes_sent();
+    return b;
+  }
+  double speedup_over_ring() const { return ring_makespan_s / makespan_s; }
+  double speedup_over_single() const { return single_device_s / makespan_s; }
+};
+
+namespace detail {
+
+struct Message {
+  int src = 0, dst = 0;
+  std::int64_t bytes = 0;
+  int src_step = 0, dst_step = 0;  // steps at whose start both sides post it
+  bool after_compute = false;      // the sender posts it after its compute of src_step
+  int done_step = 0;               // both sides wait for it at the end of this step
+};
+
+inline std::int64_t packed_kv_bytes(const Problem& p) {
+  const std::int64_t keys_padded =
+      (p.local() + p.block_k - 1) / p.block_k * std::int64_t(p.block_k);
+  return 2 * std::int64_t(p.batch) * p.kv_heads * keys_padded * p.stored_dim() * p.dtype_bytes;
+}
+inline std::int64_t rows_bytes(const Problem& p, int heads, int dim) {
+  return std::int64_t(p.batch) * p.local() * heads * dim * p.dtype_bytes;
+}
+inline std::int64_t state_bytes(const Problem& p) {
+  return std::int64_t(p.batch) * p.heads * p.local() * p.dtype_bytes;
+}
+
+inline double tile_seconds(const Problem& p, const Hardware& hw, const TileCounts& t) {
+  if (hw.flops <= 0) return 0;
+  const double per_tile = 4.0 * p.block_q * p.block_k * p.dim * double(p.batch) * p.heads;
+  return (double(t.full) + hw.partial_tile_cost * double(t.partial)) * per_tile / hw.flops;
+}
+
+/// Bytes of one transfer's payload (the sizes DistributedAttention sends).
+inline std::int64_t payload_bytes(const Problem& p, Payload what) {
+  switch (what) {
+    case Payload::kv:
+      return packed_kv_bytes(p);
+    case Payload::q:
+      return rows_bytes(p, p.heads, p.dim);
+    case Payload::result:
+      return rows_bytes(p, p.heads, p.dim) + state_bytes(p);
+    case Payload::dq:
+    case Payload::dkv:
+      break;  // backward payloads: the planner models the forward
+  }
+  return 0;
+}
+
+/// Messages and per-rank workspace, read from the schedule's own description
+/// (blockattn/schedule/schedule.hpp): the transfers its step() lists and the buffers
+/// forward_slots() derives from them, at the sizes the run allocates.
+template <class Schedule>
+void schedule_plan(const Problem& p, const ScheduleContext& c, std::vector<Message>& msgs,
+                   std::vector<std::int64_t>& ws) {
+  const int P = p.P;
+  for (const ScheduledTransfer& t : schedule_transfers<Schedule>(c))
+    msgs.push_back({t.src, t.dst, payload_bytes(p, t.payload), t.src_step, t.dst_step,
+                    t.after_compute, t.done_step});
+  ws.assign(std::size_t(P), 0);
+  const std::int64_t q = payload_bytes(p, Payload::q), res = payload_bytes(p, Payload::result);
+  for (int r = 0; r < P; ++r) {
+    const ForwardSlots u = forward_slots<Schedule>(c, r);
+    ws[std::size_t(r)] = u.kv * packed_kv_bytes(p) + 2 * state_bytes(p) +
+                         (u.q - 1 + (u.q_copy ? 1 : 0)) * q + (u.results_out + u.results_in) * res;
+  }
+}
+
+}  // namespace detail
+
+/// Predicts one partition x mask x schedule. Work per rank and step comes from
+/// the kernels' tile classifier on the partition's global positions; the
+/// timing simulation runs the steps as DistributedAttention does: the
+/// transfers a step needs are posted at the start of the step before and
+/// complete at its end, a rank's link sends and receives one message at a
+/// time per direction, and a message starts when both sides have posted it.
+/// count_pairs: also count allowed pairs (cost ~ pairs of partial tiles).
+template <class Partition, class Schedule, class Mask>
+Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
+                   bool count_pairs = false) {
+  Prediction pr;
+  pr.partition = Partition::name();
+  pr.schedule = Schedule::name();
+  const int P = p.P;
+  if (P < 1 || p.N <= 0 || p.N % Partition::multiple_of(P) != 0) {
+    pr.valid = false;
+    pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
+    return pr;
+  }
+  static_assert(impl::check_schedule<Schedule>(), "BlockAttn: predict needs a complete schedule");
+  if constexpr (!Schedule::template supports<Partition, Mask>) {
+    pr.valid = false;
+    pr.why_not = std::string("the ") + Schedule::name() + " schedule does not support the " +
+                 Partition::name() + " partition with this mask";
+    return pr;
+  } else {
+    const std::string why = Schedule::template can_implement<Partition>(mask, p.N, P);
+    if (!why.empty()) {
+      pr.valid = false;
+      pr.why_not = why;
+      return pr;
+    }
+  }
+  const int steps = schedule_steps<Schedule>(P);
+  std::vector<detail::Message> msgs;
+  std::vector<std::int64_t> ws;
+  const ScheduleContext ctx = schedule_context<Partition>(mask, p.N, P);
+  detail::schedule_plan<Schedule>(p, ctx, msgs, ws);
+  pr.ranks.resize(std::size_t(P));
+  const std::int64_t inputs =
+      detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
+  for (int r = 0; r < P; ++r) {
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    rp.input_bytes = inputs;
+    rp.workspace_bytes = ws[std::size_t(r)];
+    for (int s = 0; s < steps; ++s) {
+      StepPlan st;
+      st.task = schedule_task<Schedule>(ctx, r, s);
+      st.tiles = task_work<Partition>(mask, p.N, P, st.task, p.block_q, p.block_k, count_pairs);
+      st.flops =
+          4.0 * double(st.tiles.computed()) * p.block_q * p.block_k * p.dim * p.batch * p.heads;
+      st.compute_s = detail::tile_seconds(p, hw, st.tiles) + (st.idle() ? 0.0 : hw.step_overhead);
+      rp.steps.push_back(st);
+    }
+  }
+  // Timing: steps in order; a virtual last step holds what completes after the loop.
+  const int total = steps + 1;
+  std::vector<double> start(std::size_t(P) * total), cend(std::size_t(P) * total),
+      end(std::size_t(P) * total);
+  auto at = [&](std::vector<double>& v, int r, int s) -> double& {
+    return v[std::size_t(r) * total + std::size_t(s)];
+  };
+  std::vector<double> out_free(std::size_t(P), 0.0), in_free(std::size_t(P), 0.0);
+  for (int s = 0; s < total; ++s) {
+    std::vector<double> done(std::size_t(P), 0.0);
+    for (int r = 0; r < P; ++r) {
+      at(start, r, s) = s == 0 ? 0.0 : at(end, r, s - 1);
+      at(cend, r, s) =
+          at(start, r, s) + (s < steps ? pr.ranks[std::size_t(r)].steps[s].compute_s : 0.0);
+      done[std::size_t(r)] = at(cend, r, s);
+    }
+    std::vector<std::pair<double, const detail::Message*>> due;
+    for (const auto& m : msgs)
+      if (std::min(m.done_step, steps) == s) {
+        const double src_post =
+            m.after_compute ? at(cend, m.src, m.src_step) : at(start, m.src, m.src_step);
+        due.push_back({std::max(src_post, at(start, m.dst, m.dst_step)), &m});
+      }
+    std::sort(due.begin(), due.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (const auto& [ready, m] : due) {
+      const double dt = hw.latency + (hw.bandwidth > 0 ? double(m->bytes) / hw.bandwidth : 0.0);
+      const double begin =
+          std::max({ready, out_free[std::size_t(m->src)], in_free[std::size_t(m->dst)]});
+      const double fin = begin + dt;
+      out_free[std::size_t(m->src)] = in_free[std::size_t(m->dst)] = fin;
+      done[std::size_t(m->src)] = std::max(done[std::size_t(m->src)], fin);
+      done[std::size_t(m->dst)] = std::max(done[std::size_t(m->dst)], fin);
+      const int step_src = std::min(m->src_step, steps - 1);
+      auto& ss = pr.ranks[std::size_t(m->src)].steps[std::size_t(step_src)];
+      ss.bytes_sent += m->bytes;
+      ss.comm_s += dt;
+      auto& sd = pr.ranks[std::size_t(m->dst)].steps[std::size_t(std::min(m->dst_step, steps - 1))];
+      sd.bytes_received += m->bytes;
+      sd.comm_s += dt;
+    }
+    for (int r = 0; r < P; ++r) at(end, r, s) = done[std::size_t(r)];
+  }
+  for (int r = 0; r < P; ++r) {
+    for (int s = 0; s < steps; ++s) {
+      auto& st = pr.ranks[std::size_t(r)].steps[std::size_t(s)];
+      st.start_s = at(start, r, s);
+      st.end_s = s + 1 < steps ? at(end, r, s) : at(end, r, steps);
+    }
+    pr.makespan_s = std::max(pr.makespan_s, at(end, r, steps));
+  }
+  pr.single_device_s =
+      detail::tile_seconds(p, hw, count_tiles(mask, p.N, p.N, p.block_q, p.block_k, {}, {}, false));
+  pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
+  return pr;
+}
+
+/// Every built-in combination for this mask: contiguous, striped and zigzag
+/// with the KV ring, and contiguous with the balanced schedule (causal masks).
+/// The first entry is the contiguous ring, the baseline of speedup_over_ring().
+template <class Mask>
+std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardware& hw,
+                                bool count_pairs = false) {
+  std::vector<Prediction> all;
+  all.push_back(predict<ContiguousPartition, RingSchedule>(p, mask, hw, count_pairs));
+  all.push_back(predict<StripedPartition, RingSchedule>(p, mask, hw, count_pairs));
+  all.push_back(predict<ZigzagPartition, RingSchedule>(p, mask, hw, count_pairs));
+  if constexpr (!std::is_same<Mask, FullMask>::value)
+    all.push_back(predict<ContiguousPartition, BalancedSchedule>(p, mask, hw, count_pairs));
+  for (auto& x : all) x.ring_makespan_s = all[0].makespan_s;
+  return all;
+}
+
+/// Index of the fastest valid prediction that fits in memory (ties: less
+/// memory, then fewer bytes sent); -1 when none does.
+inline int recommend(const std::vector<Prediction>& all) {
+  int best = -1;
+  for (int i = 0; i < int(all.size()); ++i) {
+    const Prediction& x = all[std::size_t(i)];
+    if (!x.valid || !x.fits) continue;
+    if (best < 0) {
+      best = i;
+      continue;
+    }
+    const Prediction& b = all[std::size_t(best)];
+    const double tol = 1e-9 * b.makespan_s;
+    if (x.makespan_s < b.makespan_s - tol ||
+        (x.makespan_s <= b.makespan_s + tol &&
+         (x.peak_bytes() < b.peak_bytes() ||
+          (x.peak_bytes() == b.peak_bytes() && x.max_bytes_sent() < b.max_bytes_sent()))))
+      best = i;
+  }
+  return best;
+}
+
+}  // namespace plan
+}  // namespace blockattn

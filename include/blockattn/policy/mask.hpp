@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: Apache-2.0
+// Mask policies on *global* token positions.
+//
+// A mask policy is a small, trivially copyable struct with two members:
+//
+//   KOKKOS_FUNCTION TileKind classify(index_type q_begin, index_type q_end,
+//                                     index_type k_begin, index_type k_end) const;
+//   KOKKOS_FUNCTION bool allowed(index_type q, index_type k) const;
+//
+// classify() receives half-open ranges that *bound* the global positions of
+// the queries and keys of one tile (a partition may leave gaps inside them) and
+// must be conservative: answer `empty` only if no pair in the box is allowed,
+// `full` only if every pair is. When unsure, answer `partial`: the kernel then
+// calls allowed() for every pair of the tile. Empty tiles are never loaded.
+//
+// Optional: a host member `parameters()` returning a std::array (or any range)
+// of numbers. The distributed entry points compare the mask's type on every
+// rank, and with parameters() also its values (e.g. a window of 32 on one
+// rank and 64 on another is an error on every rank, not a wrong result).
+#pragma once
+
+#include <blockattn/core/config.hpp>
+
+#include <array>
+#include <type_traits>
+#include <utility>
+
+namespace blockattn {
+
+enum class TileKind : int { empty = 0, partial = 1, full = 2 };
+
+/// No masking: every query sees every key.
+struct FullMask {
+  KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type, index_type, index_type,
+                                                     index_type) const {
+    return TileKind::full;
+  }
+  KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type, index_type) const { return true; }
+};
+
+/// Query q sees keys k with q - left <= k <= q + right (global positions).
+/// `left` / `right` may be very large to mean "unbounded".
+struct SlidingWindowMask {
+  index_type left = 0;
+  index_type right = 0;
+
+  KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type q, index_type k) const {
+    const index_type d = k - q;  // positions are bounded by 2^62: no overflow
+    return d >= -left && d <= right;
+  }
+  KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type q_begin, index_type q_end,
+                                                     index_type k_begin, index_type k_end) const {
+    const index_type q_last = q_end - 1, k_last = k_end - 1;
+    // The allowed band is k - q in [-left, right].
+    const index_type lo = k_begin - q_last;  // smallest k - q in the box
+    const index_type hi = k_last - q_begin;  // largest k - q in the box
+    if (hi < -left || lo > right) return TileKind::empty;
+    if (lo >= -left && hi <= right) return TileKind::full;
+    return TileKind::partial;
+  }
+  /// Compared across ranks by the distributed entry points (see below).
+  std::array<index_type, 2> parameters() const { return {{left, right}}; }
+};
+
+/// Causal (autoregressive): query q sees keys k <= q.
+struct CausalMask {
+  KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type q, index_type k) const { return k <= q; }
+  KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type q_begin, index_type q_end,
+                                                     index_type k_begin, index_type k_end) const {
+    if (k_begin > q_end - 1) return TileKind::empty;
+    if (k_end - 1 <= q_begin) return TileKind::full;
+    return TileKind::partial;
+  }
+};
+
+/// Prefix-LM (T5 / UniLM style): the keys before `prefix` are seen by every
+/// query (a bidirectional prefix), causal after it. classify() is exact.
+struct PrefixLMMask {
+  index_type prefix = 0;
+
+  KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type q, index_type k) const {
+    return k < prefix || k <= q;
+  }
+  KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type q_begin, index_type q_end,
+                                                     index_type k_begin, index_type k_end) const {
+    // Some pair is allowed iff k_begin < prefix or k_begin <= the last query;
+    // every pair iff no key reaches max(prefix, q_begin + 1).
+    if (k_begin >= prefix && k_begin > q_end - 1) return TileKind::empty;
+    const index_type first_unseen = prefix > q_begin + 1 ? prefix : q_begin + 1;
+    if (k_end - 1 < first_unseen) return TileKind::full;
+    return TileKind::partial;
+  }
+  std::array<index_type, 1> parameters() const { return {{prefix}}; }
+};
+
+/// A sliding window of `window` keys ending at the query (causal local attention).
+KOKKOS_INLINE_FUNCTION constexpr SlidingWindowMask causal_window(index_type window) {
+  return SlidingWindowMask{window - 1, 0};
+}
+
+namespace impl {
+
+template <class M, class = void>
+struct has_classify : std::false_type {};
+template <class M>
+struct has_classify<M, std::void_t<decltype(std::declval<const M&>().classify(
+                           index_type{}, index_type{}, index_type{}, index_type{}))>>
+    : std::is_same<decltype(std::declval<const M&>().classify(index_type{}, index_type{},
+                                                              index_type{}, index_type{})),
+                   TileKind> {};
+
+template <class M, class = void>
+struct has_allowed : std::false_type {};
+template <class M>
+struct has_allowed<
+    M, std::void_t<decltype(std::declval<const M&>().allowed(index_type{}, index_type{}))>>
+    : std::is_convertible<decltype(std::declval<const M&>().allowed(index_type{}, index_type{})),
+                          bool> {};
+
+}  // namespace impl
+
+/// True when M models the mask-policy concept described at the top of this file.
+template <class M>
+inline constexpr bool is_mask_policy_v = impl::has_classify<M>::value&&
+    impl::has_allowed<M>::value&& std::is_trivially_copyable<M>::value;
+
+namespace impl {
+/// One readable static_assert per requirement; called by every entry point.
+template <class M>
+constexpr void check_mask_policy() {
+  static_assert(has_classify<M>::value,
+                "BlockAttn: the mask policy must have a const member "
+                "`TileKind classify(index_type q_begin, index_type q_end, index_type k_begin, "
+                "index_type k_end) const` (see blockattn/policy/mask.hpp)");
+  static_assert(has_allowed<M>::value,
+                "BlockAttn: the mask policy must have a const member "
+                "`bool allowed(index_type q, index_type k) const` (see blockattn/policy/mask.hpp)");
+  static_assert(std::is_trivially_copyable<M>::value,
+                "BlockAttn: the mask policy must be trivially copyable, because it is "
+                "copied into device kernels; hold Kokkos::Views, not std:: containers");
+}
+}  // namespace impl
+
+}  // namespace blockattn

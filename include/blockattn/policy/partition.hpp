@@ -1,0 +1,289 @@
+// SPDX-License-Identifier: Apache-2.0
+// Partition policies: which tokens of a global sequence of length N each of P
+// ranks holds, in which local order.
+//
+// A partition policy is a stateless struct with
+//   static constexpr const char* name();
+//   static index_type multiple_of(int P);            // N must be a multiple of this
+//   using position_map = ...;                        // see positions.hpp (strictly increasing)
+//   static position_map positions(index_type N, int P, int rank);  // local i -> global position
+//   static Owner owner(index_type N, int P, index_type t);         // global t -> (rank, local i)
+// Every rank holds N / P tokens. Local order follows global order (the map is
+// strictly increasing), so a mask's tile classification stays meaningful.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/policy/positions.hpp>
+
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace blockattn {
+
+/// Where a global token lives.
+struct Owner {
+  int rank = 0;
+  index_type local = 0;
+};
+
+/// Ring Attention: rank r owns the contiguous chunk [r N/P, (r+1) N/P).
+struct ContiguousPartition {
+  static constexpr const char* name() { return "contiguous"; }
+  static index_type multiple_of(int P) { return P; }
+  using position_map = OffsetPositions;
+  static position_map positions(index_type N, int P, int rank) {
+    return OffsetPositions{rank * (N / P)};
+  }
+  static Owner owner(index_type N, int P, index_type t) {
+    const index_type c = N / P;
+    return Owner{static_cast<int>(t / c), t % c};
+  }
+};
+
+/// Striped Attention: token t lives on rank t mod P (arXiv:2311.09431, Figure 1).
+struct StripedPartition {
+  static constexpr const char* name() { return "striped"; }
+  static index_type multiple_of(int P) { return P; }
+  using position_map = StridedPositions;
+  static position_map positions(index_type, int P, int rank) { return StridedPositions{rank, P}; }
+  static Owner owner(index_type, int P, index_type t) {
+    return Owner{static_cast<int>(t % P), t / P};
+  }
+};
+
+/// Position map of the zigzag partition: chunk `rank` then chunk `2P - 1 - rank`,
+/// each of `chunk` tokens.
+struct ZigzagPositions {
+  index_type chunk = 1;
+  index_type first = 0;   // global start of the first chunk
+  index_type second = 0;  // global start of the second chunk
+  KOKKOS_INLINE_FUNCTION constexpr index_type operator()(index_type i) const {
+    return i < chunk ? first + i : second + (i - chunk);
+  }
+};
+
+/// Zigzag / head-tail: 2P equal chunks; rank r owns chunks r and 2P - 1 - r, so
+/// every rank holds one early and one late piece of a causal sequence.
+struct ZigzagPartition {
+  static constexpr const char* name() { return "zigzag"; }
+  static index_type multiple_of(int P) { return 2 * index_type(P); }
+  using position_map = ZigzagPositions;
+  static position_map positions(index_type N, int P, int rank) {
+    const index_type c = N / (2 * index_type(P));
+    return ZigzagPositions{c, rank * c, (2 * index_type(P) - 1 - rank) * c};
+  }
+  static Owner owner(index_type N, int P, index_type t) {
+    const index_type c = N / (2 * index_type(P));
+    const index_type k = t / c;
+    return k < P ? Owner{static_cast<int>(k), t % c}
+                 : Owner{static_cast<int>(2 * index_type(P) - 1 - k), c + t % c};
+  }
+};
+
+namespace impl {
+template <class P, class = void>
+struct has_partition_members : std::false_type {};
+template <class P>
+struct has_partition_members<
+    P, std::void_t<decltype(P::name()), decltype(P::multiple_of(1)), typename P::position_map,
+                   decltype(P::positions(index_type{}, 1, 0)),
+                   decltype(P::owner(index_type{}, 1, index_type{}))>>
+    : std::bool_constant<
+          std::is_same<decltype(P::positions(index_type{}, 1, 0)),
+                       typename P::position_map>::value &&
+          std::is_same<decltype(P::owner(index_type{}, 1, index_type{})), Owner>::value> {};
+}  // namespace impl
+
+namespace impl {
+template <class P, bool = has_partition_members<P>::value>
+struct is_partition_policy : std::false_type {};
+template <class P>
+struct is_partition_policy<P, true> : is_position_map<typename P::position_map> {};
+}  // namespace impl
+
+/// True when P models the partition-policy concept described at the top of this file.
+template <class P>
+inline constexpr bool is_partition_policy_v = impl::is_partition_policy<P>::value;
+
+namespace impl {
+template <class P>
+constexpr void check_partition_policy() {
+  static_assert(has_partition_members<P>::value,
+                "BlockAttn: a partition policy must have static members name(), "
+                "multiple_of(int P), positions(index_type N, int P, int rank) returning its "
+                "`position_map`, and owner(index_type N, int P, index_type t) returning "
+                "blockattn::Owner (see blockattn/policy/partition.hpp)");
+}
+}  // namespace impl
+
+/// Throws unless N can be split by Partition over P ranks.
+template <class Partition>
+void require_partitionable(const char* function, index_type N, int P) {
+  impl::check_partition_policy<Partition>();
+  if (P < 1) impl::fail(function, "communicator size is ", P, ", expected at least 1");
+  const index_type m = Partition::multiple_of(P);
+  if (N <= 0 || N % m != 0)
+    impl::fail(function, "global sequence length N = ", N, " cannot be split by the ",
+               Partition::name(), " partition over P = ", P,
+               " ranks: N must be a positive multiple of ", m);
+}
+
+/// Checks the partition contract for (N, P) on the host: every rank's
+/// position map is strictly increasing (the kernels bound the positions of a
+/// tile by those of its first and last row), stays in [0, N), and owner()
+/// inverts positions(), so that the ranks together hold every token of
+/// 0 .. N-1 exactly once. O(N) host work, done once per (Partition, N, P)
+/// and process; throws naming the partition and the first offending token.
+template <class Partition>
+void check_partition_contract(const char* function, index_type N, int P) {
+  static std::mutex mutex;
+  static std::set<std::pair<index_type, int>> checked;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (checked.count({N, P})) return;
+  }
+  const index_type n = N / P;
+  std::vector<int> holder(std::size_t(N), -1);
+  for (int r = 0; r < P; ++r) {
+    const auto map = Partition::positions(N, P, r);
+    index_type prev = 0;
+    for (index_type i = 0; i < n; ++i) {
+      const index_type t = map(i);
+      const auto where = [&] {
+        std::ostringstream s;
+        s << "the " << Partition::name() << " partition (N = " << N << ", P = " << P
+          << "): positions(N, P, " << r << ")(" << i << ") = " << t;
+        return s.str();
+      };
+      if (t < 0 || t >= N) impl::fail(function, where(), ", expected 0 <= position < N");
+      if (i > 0 && t <= prev)
+        impl::fail(function, where(), " after ", prev, " for local index ", i - 1,
+                   "; expected strictly increasing positions on every rank (the kernels bound "
+                   "a tile by the positions of its first and last row; reorder the rank's "
+                   "tokens by global position)");
+      if (holder[std::size_t(t)] >= 0)
+        impl::fail(function, where(), ", a position rank ", holder[std::size_t(t)],
+                   " holds too; expected every global position on exactly one rank");
+      holder[std::size_t(t)] = r;
+      const Owner o = Partition::owner(N, P, t);
+      if (o.rank != r || o.local != i)
+        impl::fail(function, where(), " but owner(N, P, ", t, ") = {rank ", o.rank, ", local ",
+                   o.local, "}, expected {rank ", r, ", local ", i,
+                   "}: owner() must invert positions()");
+      prev = t;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  checked.insert({N, P});
+}
+
+/// Global positions of the local tokens of `rank` (e.g. position ids for RoPE).
+template <class Partition, class MemorySpace = Kokkos::HostSpace>
+Kokkos::View<index_type*, MemorySpace> local_positions(index_type N, int P, int rank) {
+  require_partitionable<Partition>("local_positions", N, P);
+  check_partition_contract<Partition>("local_positions", N, P);
+  Kokkos::View<index_type*, MemorySpace> ids("blockattn::position_ids", N / P);
+  auto h = Kokkos::create_mirror_view(ids);
+  const auto map = Partition::positions(N, P, rank);
+  for (index_type i = 0; i < N / P; ++i) h(i) = map(i);
+  Kokkos::deep_copy(ids, h);
+  return ids;
+}
+
+namespace impl {
+/// The sequence dimension of the Views the permutation helpers take.
+template <class View>
+constexpr int seq_dim() {
+  // rank 1: (seq); rank 2: (batch, seq); rank 3: (batch, heads, seq) like LSE;
+  // rank 4: (batch, seq, heads, dim) like q, k, v, o.
+  return View::rank == 3 ? 2 : (View::rank == 1 ? 0 : 1);
+}
+
+/// One work item per (outer index, local row); inner dimensions looped. A
+/// functor rather than a lambda: nvcc's extended lambdas cannot first-capture
+/// inside `if constexpr`.
+template <bool ToLocal, class GV, class LV, class Map>
+struct PermuteFunctor {
+  GV global;
+  LV local;
+  Map map;
+  index_type n_local;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const index_type w) const {
+    const index_type i = w % n_local, a = w / n_local, g = map(i);
+    if constexpr (GV::rank == 1) {
+      if constexpr (ToLocal)
+        local(i) = global(g);
+      else
+        global(g) = local(i);
+    } else if constexpr (GV::rank == 2) {
+      if constexpr (ToLocal)
+        local(a, i) = global(a, g);
+      else
+        global(a, g) = local(a, i);
+    } else if constexpr (GV::rank == 3) {
+      for (std::size_t h = 0; h < global.extent(1); ++h) {
+        if constexpr (ToLocal)
+          local(a, h, i) = global(a, h, g);
+        else
+          global(a, h, g) = local(a, h, i);
+      }
+    } else {
+      for (std::size_t h = 0; h < global.extent(2); ++h)
+        for (std::size_t d = 0; d < global.extent(3); ++d) {
+          if constexpr (ToLocal)
+            local(a, i, h, d) = global(a, g, h, d);
+          else
+            global(a, g, h, d) = local(a, i, h, d);
+        }
+    }
+  }
+};
+
+template <bool ToLocal, class Partition, class ExecSpace, class GV, class LV>
+void permute(const char* fn, const ExecSpace& exec, int P, int rank, const GV& global,
+             const LV& local) {
+  static_assert(GV::rank == LV::rank && GV::rank >= 1 && GV::rank <= 4,
+                "BlockAttn: the global and local Views must have the same rank (1 to 4)");
+  constexpr int sd = seq_dim<GV>();
+  const index_type N = static_cast<index_type>(global.extent(sd));
+  require_partitionable<Partition>(fn, N, P);
+  if (rank < 0 || rank >= P) fail(fn, "rank = ", rank, ", expected 0 <= rank < ", P);
+  check_partition_contract<Partition>(fn, N, P);
+  for (int d = 0; d < int(GV::rank); ++d) {
+    const std::size_t want = d == sd ? std::size_t(N / P) : global.extent(d);
+    if (local.extent(d) != want)
+      fail(fn, "argument 'local' has extent(", d, ") = ", local.extent(d), ", expected ", want,
+           d == sd ? " (N / P)" : " (the same extent of 'global')");
+  }
+  const auto map = Partition::positions(N, P, rank);
+  const index_type n_local = N / P;
+  const index_type outer = sd == 0 ? 1 : index_type(global.extent(0));
+  Kokkos::parallel_for(
+      "blockattn::permute",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<index_type>>(exec, 0, outer * n_local),
+      PermuteFunctor<ToLocal, GV, LV, std::decay_t<decltype(map)>>{global, local, map, n_local});
+}
+}  // namespace impl
+
+/// Copies this rank's tokens of a global sequence into its local View.
+/// Sequence dimension by rank: (seq), (batch, seq), (batch, heads, seq) as for
+/// LSE, (batch, seq, heads, dim) as for q, k, v, o.
+template <class Partition, class ExecSpace, class GV, class LV>
+void to_local(const ExecSpace& exec, int P, int rank, const GV& global, const LV& local) {
+  impl::permute<true, Partition>("to_local", exec, P, rank, global, local);
+}
+
+/// Writes this rank's local tokens back to their places in a global View.
+template <class Partition, class ExecSpace, class GV, class LV>
+void from_local(const ExecSpace& exec, int P, int rank, const LV& local, const GV& global) {
+  impl::permute<false, Partition>("from_local", exec, P, rank, global, local);
+}
+
+}  // namespace blockattn

@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+// The ring schedules (Ring Attention, BurstAttention), described for the
+// schedule concept (blockattn/schedule/schedule.hpp), and the host-side work model of
+// the KV ring: which key/value block a rank holds at each step and what the
+// tile classifier makes of it. The run, the planner and the tests all read
+// this description.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/kernel/work.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/partition.hpp>
+#include <blockattn/schedule/schedule.hpp>
+
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace blockattn {
+
+/// The rank whose K/V block `rank` holds at `step` of the ring.
+inline int ring_source(int rank, int step, int P) {
+  return ((rank - step) % P + P) % P;
+}
+
+/// Backward variants of the ring schedules, described for the schedule
+/// concept (BackwardStep, blockattn/schedule/schedule.hpp).
+///
+/// KV ring (Ring Attention, arXiv:2310.01889, `_ring_attention_bwd`): K, V
+/// travel as in the forward (slot s mod 2), each step writes the dK, dV of the
+/// keys it holds into a fresh partial (slot s mod 2), adds the partial of the
+/// same keys that the previous rank summed one step earlier, and passes the
+/// sum on; after P steps the complete dK, dV travel one hop home. dQ stays
+/// home.
+struct KVRingBackward {
+  static constexpr const char* name() { return "kv-ring"; }
+  static int steps(int P) { return P; }
+  static void step(const ScheduleContext& c, int rank, int s, BackwardStep& out) {
+    const int P = c.P;
+    out.task = {rank, ring_source(rank, s, P)};
+    if (P == 1) return;  // the own block: straight into the own gradients
+    out.kv_slot = s % 2;
+    out.dkv_slot = s % 2;
+    ring_partials(rank, s, P, Payload::kv, Payload::dkv, out.transfers);
+  }
+  /// The transfers of both rings: `block` (K/V or packed Q) moves on like
+  /// the forward's K/V, the partial gradient `partial` of the block held at
+  /// step s is summed along the ring and goes home after the last step.
+  static void ring_partials(int rank, int s, int P, Payload block, Payload partial,
+                            std::vector<ScheduledTransfer>& x) {
+    const int next = (rank + 1) % P, prev = (rank + P - 1) % P;
+    if (s + 1 < P) {
+      x.push_back({rank, next, block, s, s, false, s, s % 2, (s + 1) % 2});
+      x.push_back({prev, rank, block, s, s, false, s, s % 2, (s + 1) % 2});
+    }
+    // The partial the previous rank summed at step s - 1 is for the block we
+    // hold now: add it into ours (in-slot 0) once both are there.
+    if (s > 0) x.push_back({prev, rank, partial, s - 1, s, true, s, (s - 1) % 2, 0, s % 2});
+    if (s + 1 < P) {
+      x.push_back({rank, next, partial, s, s + 1, true, s + 1, s % 2, 0, (s + 1) % 2});
+    } else {
+      // Last step: we hold the block of the next rank; its complete partial
+      // goes home, ours arrives from the previous rank (in-slot 1).
+      x.push_back({rank, next, partial, s, s, true, P, s % 2, 1, -1});
+      x.push_back({prev, rank, partial, s, s, true, P, s % 2, 1, -1});
+    }
+  }
+};
+/// Q ring (BurstAttention, arXiv:2403.09347, Algorithm 2, GAO backward): the
+/// packed Q, dO, LSE, D travel (slot s mod 2, slot 0 starts with our own)
+/// and the dQ partial is summed along the ring like the KV ring's dK, dV; K,
+/// V, dK, dV stay home.
+struct QRingBackward {
+  static constexpr const char* name() { return "q-ring"; }
+  static int steps(int P) { return P; }
+  static void step(const ScheduleContext& c, int rank, int s, BackwardStep& out) {
+    const int P = c.P;
+    out.task = {ring_source(rank, s, P), rank};
+    if (P == 1) return;
+    out.q_slot = s % 2;
+    out.dq_slot = s % 2;
+    KVRingBackward::ring_partials(rank, s, P, Payload::q, Payload::dq, out.transfers);
+  }
+};
+
+/// The KV ring forward (Ring Attention, arXiv:2310.01889, Algorithm 1;
+/// Striped Attention uses it with the striped partition): Q stays, K/V blocks
+/// travel to the next rank each step; step s on rank r holds the block of rank
+/// (r - s) mod P in K/V slot s mod 2. The transfer of the next block (into the
+/// other slot) is posted before a step's compute and completed after it
+/// (double buffering). `Backward` picks the backward's ring.
+template <class Backward>
+struct BasicRingSchedule {
+  using schedule_type = BasicRingSchedule;
+  using backward_type = Backward;
+  static constexpr const char* name() {
+    return std::is_same<Backward, KVRingBackward>::value ? "ring" : "burst";
+  }
+  /// Every partition and mask work with the ring.
+  template <class Partition, class Mask>
+  static constexpr bool supports = true;
+  template <class Partition, class Mask>
+  static std::string can_implement(const Mask&, index_type, int) {
+    return {};
+  }
+  static int steps(int P) { return P; }
+  static void step(const ScheduleContext& c, int rank, int s, ForwardStep& out) {
+    const int P = c.P;
+    out.task = {rank, ring_source(rank, s, P)};
+    out.kv_slot = s % 2;
+    if (s + 1 >= P) return;
+    const int next = (rank + 1) % P, prev = (rank + P - 1) % P;
+    // Send the block held now to the next rank; receive the next step's
+    // block from the previous one. Both done by the end of this step.
+    out.transfers.push_back({rank, next, Payload::kv, s, s, false, s, s % 2, (s + 1) % 2});
+    out.transfers.push_back({prev, rank, Payload::kv, s, s, false, s, s % 2, (s + 1) % 2});
+  }
+};
+
+/// Ring Attention: KV ring forward and backward.
+using RingSchedule = BasicRingSchedule<KVRingBackward>;
+/// BurstAttention: KV ring forward, Q ring backward.
+using BurstSchedule = BasicRingSchedule<QRingBackward>;
+
+namespace impl {
+/// Schedules whose forward is the KV ring (RingSchedule, BurstSchedule).
+template <class S>
+struct is_kv_ring_forward : std::false_type {};
+template <class B>
+struct is_kv_ring_forward<BasicRingSchedule<B>>
+    : std::bool_constant<std::is_same<B, KVRingBackward>::value ||
+                         std::is_same<B, QRingBackward>::value> {};
+}  // namespace impl
+
+/// Tiles and (optionally) allowed pairs that `rank` computes at `step` of the
+/// ring for a global sequence of N tokens split by Partition over P ranks.
+template <class Partition, class Mask>
+TileCounts ring_step_work(const Mask& mask, index_type N, int P, int rank, int step, int block_q,
+                          int block_k, bool count_pairs = true) {
+  const index_type n = N / P;
+  return count_tiles(mask, n, n, block_q, block_k, Partition::positions(N, P, rank),
+                     Partition::positions(N, P, ring_source(rank, step, P)), count_pairs);
+}
+
+/// True when the whole block of `source` is masked out for the queries of `rank`.
+template <class Partition, class Mask>
+bool block_is_empty(const Mask& mask, index_type N, int P, int rank, int source) {
+  const index_type n = N / P;
+  const auto qp = Partition::positions(N, P, rank);
+  const auto kp = Partition::positions(N, P, source);
+  return mask.classify(qp(0), qp(n - 1) + 1, kp(0), kp(n - 1) + 1) == TileKind::empty;
+}
+
+/// The context of a schedule's description for a run: P and the block pairs
+/// that `mask` leaves empty under Partition (block_is_empty).
+template <class Partition, class Mask>
+ScheduleContext schedule_context(const Mask& mask, index_type N, int P) {
+  ScheduleContext c;
+  c.P = P;
+  c.empty_pair = [mask, N, P](int q_rank, int k_rank) {
+    return block_is_empty<Partition>(mask, N, P, q_rank, k_rank);
+  };
+  return c;
+}
+
+}  // namespace blockattn
