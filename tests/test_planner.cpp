@@ -159,7 +159,9 @@ TEST_CASE("planner: balanced beats the ring for causal, recommendation respects 
       plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(65536, 8, 1, 8, 8, 128);
   plan::Hardware hw = plan::a100_nvlink();
   auto all = plan::compare(p, CausalMask{}, hw);
-  REQUIRE(all.size() == 4);
+  REQUIRE(all.size() == 5);
+  CHECK(all[4].schedule == std::string("all-gather"));
+  CHECK(all[4].partition == std::string("zigzag"));
   for (const auto& x : all) CHECK(x.valid);
   // Contiguous ring is the slowest; the others are within a few % of each other.
   for (std::size_t i = 1; i < all.size(); ++i) CHECK(all[i].speedup_over_ring() > 1.5);
@@ -168,19 +170,33 @@ TEST_CASE("planner: balanced beats the ring for causal, recommendation respects 
   // The balanced schedule needs more workspace; with memory for the ring's
   // peak only, it is never recommended.
   CHECK(all[3].peak_bytes() > all[0].peak_bytes());
+  // The all-gather holds every K/V block (P of them; the ring 2), and sends
+  // what the zigzag ring sends: its block to every other rank once.
+  CHECK(all[4].peak_bytes() > all[3].peak_bytes());
+  CHECK(all[4].max_bytes_sent() == all[2].max_bytes_sent());
   hw.memory_bytes = double(all[0].peak_bytes());
   all = plan::compare(p, CausalMask{}, hw);
   const int best2 = plan::recommend(all);
   REQUIRE(best2 >= 0);
   CHECK(all[std::size_t(best2)].schedule == std::string("ring"));
   CHECK_FALSE(all[3].fits);
+  CHECK_FALSE(all[4].fits);
   // Nothing fits in too little memory.
   hw.memory_bytes = 1;
   CHECK(plan::recommend(plan::compare(p, CausalMask{}, hw)) == -1);
   // Full mask: no balanced candidate, and every partition does the same work.
   const auto full = plan::compare(p, FullMask{}, plan::a100_nvlink());
-  CHECK(full.size() == 3);
-  for (const auto& x : full) CHECK(x.makespan_s == doctest::Approx(full[0].makespan_s));
+  CHECK(full.size() == 4);
+  for (std::size_t i = 0; i < 3; ++i)
+    CHECK(full[i].makespan_s == doctest::Approx(full[0].makespan_s));
+  // The all-gather computes the same tiles (its order differs).
+  auto total_flops = [](const plan::Prediction& x) {
+    double f = 0;
+    for (const auto& r : x.ranks)
+      for (const auto& st : r.steps) f += st.flops;
+    return f;
+  };
+  CHECK(total_flops(full[3]) == doctest::Approx(total_flops(full[0])));
   // A zigzag partition needs N to be a multiple of 2P.
   plan::Problem odd = p;
   odd.N = 8 * 1001;

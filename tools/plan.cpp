@@ -191,16 +191,16 @@ int run(const Args& a, const Mask& mask) {
       "Ring Attention (arXiv:2310.01889): overlap needs c >= %.0f tokens per rank (c = N/P = "
       "%lld)\n\n",
       plan::overlap_block_size(hw, a.dtype, a.heads, a.kv_heads), (long long)(a.n / a.p));
-  std::printf("%-11s %-9s %12s %8s %8s %6s %9s %12s %12s %5s\n", "partition", "schedule",
+  std::printf("%-11s %-10s %12s %8s %8s %6s %9s %12s %12s %5s\n", "partition", "schedule",
               "makespan", "vs ring", "vs 1 dev", "idle", "idle(t)", "sent/rank", "peak/rank",
               "fits");
   for (const auto& x : all) {
     if (!x.valid) {
-      std::printf("%-11s %-9s   not possible: %s\n", x.partition.c_str(), x.schedule.c_str(),
+      std::printf("%-11s %-10s   not possible: %s\n", x.partition.c_str(), x.schedule.c_str(),
                   x.why_not.c_str());
       continue;
     }
-    std::printf("%-11s %-9s %10.3f ms %7.2fx %7.2fx %6.3f %9.3f %12s %12s %5s\n",
+    std::printf("%-11s %-10s %10.3f ms %7.2fx %7.2fx %6.3f %9.3f %12s %12s %5s\n",
                 x.partition.c_str(), x.schedule.c_str(), x.makespan_s * 1e3, x.speedup_over_ring(),
                 x.speedup_over_single(), x.idle_step_fraction(), x.idle_time_fraction(),
                 human(double(x.max_bytes_sent())).c_str(), human(double(x.peak_bytes())).c_str(),

@@ -21,6 +21,7 @@
 #include <blockattn/kernel/work.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/partition.hpp>
+#include <blockattn/schedule/allgather.hpp>
 #include <blockattn/schedule/balanced.hpp>
 #include <blockattn/schedule/ring.hpp>
 #include <blockattn/schedule/schedule.hpp>
@@ -366,8 +367,9 @@ Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
 }
 
 /// Every built-in combination for this mask: contiguous, striped and zigzag
-/// with the KV ring, and contiguous with the balanced schedule (causal masks).
-/// The first entry is the contiguous ring, the baseline of speedup_over_ring().
+/// with the KV ring, contiguous with the balanced schedule (masks other than
+/// full), and zigzag with the all-gather (Llama 3's layout; last). The first
+/// entry is the contiguous ring, the baseline of speedup_over_ring().
 template <class Mask>
 std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardware& hw,
                                 bool count_pairs = false) {
@@ -377,6 +379,7 @@ std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardwa
   all.push_back(predict<ZigzagPartition, RingSchedule>(p, mask, hw, count_pairs));
   if constexpr (!std::is_same<Mask, FullMask>::value)
     all.push_back(predict<ContiguousPartition, BalancedSchedule>(p, mask, hw, count_pairs));
+  all.push_back(predict<ZigzagPartition, AllGatherSchedule>(p, mask, hw, count_pairs));
   for (auto& x : all) x.ring_makespan_s = all[0].makespan_s;
   return all;
 }
