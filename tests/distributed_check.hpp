@@ -211,36 +211,4 @@ void check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_t se
   check(dv, ref.dv, "dv");
 }
 
-/// The planner's per-rank, per-step model against what the run did.
-template <class Partition, class Schedule, class Mask>
-void check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask) {
-  const int P = comm.size(), rank = comm.rank();
-  const index_type N = index_type(c.n_local) * P;
-  V4<float> q("q", c.b, c.n_local, c.h, c.d), k("k", c.b, c.n_local, c.hkv, c.d),
-      o("o", c.b, c.n_local, c.h, c.d);
-  V3<float> lse("lse", c.b, c.h, c.n_local);
-  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
-  DistributedOptions opts;
-  opts.count_pairs = true;
-  const RunStats run = attn.forward(q, k, k, o, lse, opts);
-  const plan::Problem pb = plan::problem_for<float, ExecSpace>(N, P, c.b, c.h, c.hkv, c.d);
-  plan::Hardware hw;
-  const plan::Prediction pr = plan::predict<Partition, Schedule>(pb, mask, hw, true);
-  REQUIRE(pr.valid);
-  const plan::RankPlan& mine = pr.ranks[std::size_t(rank)];
-  INFO("rank ", rank, "/", P, " ", Partition::name(), " ", Schedule::name());
-  CHECK(pb.block_q == run.block_q);
-  CHECK(pb.block_k == run.block_k);
-  CHECK(mine.workspace_bytes == run.workspace_bytes);
-  REQUIRE(mine.steps.size() == run.steps.size());
-  for (std::size_t s = 0; s < run.steps.size(); ++s) {
-    INFO("step ", s);
-    CHECK(mine.steps[s].bytes_sent == run.steps[s].bytes_sent);
-    CHECK(mine.steps[s].bytes_received == run.steps[s].bytes_received);
-    CHECK(mine.steps[s].tiles.full == run.steps[s].tiles.full);
-    CHECK(mine.steps[s].tiles.partial == run.steps[s].tiles.partial);
-    CHECK(mine.steps[s].tiles.allowed_pairs == run.steps[s].tiles.allowed_pairs);
-    CHECK(mine.steps[s].idle() == !run.steps[s].computed);
-  }
-}
 }  // namespace blockattn::test

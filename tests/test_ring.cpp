@@ -78,15 +78,6 @@ TEST_CASE("accounting: bytes and steps match the ring") {
   }
 }
 
-TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (ring)") {
-  Mpi comm(MPI_COMM_WORLD);
-  for (const Case& c : cases) {
-    check_plan_matches_run<ContiguousPartition, RingSchedule>(comm, c, CausalMask{});
-    check_plan_matches_run<StripedPartition, RingSchedule>(comm, c, CausalMask{});
-    check_plan_matches_run<ZigzagPartition, RingSchedule>(comm, c, causal_window(40));
-  }
-}
-
 // Bad arguments and configurations that differ between ranks: test_consensus.cpp.
 
 namespace {
