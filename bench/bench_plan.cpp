@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -43,10 +44,14 @@ struct Args {
 };
 
 /// One forward of a partition x schedule on its own local Views; returns the
-/// slowest rank's time.
+/// slowest rank's time and keeps the run's step count and the most bytes any
+/// rank sent; `predict` is the planner's view of the same run.
 struct Runner {
   std::function<double()> once;
+  std::function<plan::Prediction(const plan::Problem&, const plan::Hardware&)> predict;
   const char *partition, *schedule;
+  std::shared_ptr<int> steps = std::make_shared<int>(0);
+  std::shared_ptr<std::int64_t> max_sent = std::make_shared<std::int64_t>(0);
 };
 
 template <class Partition, class Schedule, class Mask>
@@ -60,14 +65,25 @@ Runner make_runner(Comm& comm, const Args& a, const Mask& mask) {
   using Attn = DistributedAttention<Partition, Mask, Schedule, Comm>;
   auto attn = std::make_shared<Attn>(comm, mask);
   Comm* c = &comm;
-  return {[=]() {
-            c->barrier();
-            const double t0 = now();
-            attn->forward(q, k, v, o, lse);
-            Kokkos::fence();
-            return c->allreduce(now() - t0, ReduceOp::max);
-          },
-          Partition::name(), Schedule::name()};
+  Runner r;
+  r.partition = Partition::name();
+  r.schedule = Schedule::name();
+  r.predict = [mask](const plan::Problem& pb, const plan::Hardware& hw) {
+    return plan::predict<Partition, Schedule>(pb, mask, hw);
+  };
+  auto steps = r.steps;
+  auto max_sent = r.max_sent;
+  r.once = [=]() {
+    c->barrier();
+    const double t0 = now();
+    const RunStats s = attn->forward(q, k, v, o, lse);
+    Kokkos::fence();
+    const double t = c->allreduce(now() - t0, ReduceOp::max);
+    *steps = int(s.steps.size());
+    *max_sent = c->allreduce(s.bytes_sent(), ReduceOp::max);
+    return t;
+  };
+  return r;
 }
 
 /// Ring exchange of `bytes` with both neighbours at once (what a ring step
@@ -128,6 +144,7 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   runners.push_back(make_runner<ZigzagPartition, RingSchedule>(comm, a, mask));
   if constexpr (!std::is_same<Mask, FullMask>::value)
     runners.push_back(make_runner<ContiguousPartition, BalancedSchedule>(comm, a, mask));
+  runners.push_back(make_runner<ContiguousPartition, AllGatherSchedule>(comm, a, mask));
   std::vector<double> best(runners.size(), 1e300);
   plan::Calibration cal;
   cal.full_seconds = cal.causal_seconds = 1e300;
@@ -156,22 +173,15 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   struct Row {
     const char *partition, *schedule;
     double measured, predicted;
+    int steps, predicted_steps;
+    std::int64_t sent, predicted_sent;
   };
   std::vector<Row> rows;
-  auto predicted = [&](std::size_t i) {
-    switch (i) {
-      case 0:
-        return plan::predict<ContiguousPartition, RingSchedule>(pb, mask, hw).makespan_s;
-      case 1:
-        return plan::predict<StripedPartition, RingSchedule>(pb, mask, hw).makespan_s;
-      case 2:
-        return plan::predict<ZigzagPartition, RingSchedule>(pb, mask, hw).makespan_s;
-      default:
-        return plan::predict<ContiguousPartition, BalancedSchedule>(pb, mask, hw).makespan_s;
-    }
-  };
-  for (std::size_t i = 0; i < runners.size(); ++i)
-    rows.push_back({runners[i].partition, runners[i].schedule, best[i], predicted(i)});
+  for (std::size_t i = 0; i < runners.size(); ++i) {
+    const plan::Prediction pr = runners[i].predict(pb, hw);
+    rows.push_back({runners[i].partition, runners[i].schedule, best[i], pr.makespan_s,
+                    *runners[i].steps, pr.steps(), *runners[i].max_sent, pr.max_bytes_sent()});
+  }
 
   if (comm.rank() != 0) return;
   std::printf(
@@ -183,17 +193,22 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
       "calibrated: F = %.1f GFLOP/s on full tiles, partial tile = %.2f full tiles, "
       "B = %.2f GB/s (ring exchange of one K/V block), latency %.1f us\n",
       F / 1e9, kappa, B / 1e9, lat * 1e6);
-  std::printf("%-11s %-9s %12s %12s %10s %14s %14s\n", "partition", "schedule", "measured",
-              "predicted", "pred/meas", "meas vs ring", "pred vs ring");
+  std::printf("%-11s %-10s %12s %12s %10s %13s %13s %11s %21s\n", "partition", "schedule",
+              "measured", "predicted", "pred/meas", "meas vs ring", "pred vs ring", "steps m/p",
+              "max sent/rank m/p MB");
   for (const Row& r : rows)
-    std::printf("%-11s %-9s %9.2f ms %9.2f ms %10.3f %13.2fx %13.2fx\n", r.partition, r.schedule,
-                r.measured * 1e3, r.predicted * 1e3, r.predicted / r.measured,
-                rows[0].measured / r.measured, rows[0].predicted / r.predicted);
+    std::printf("%-11s %-10s %9.2f ms %9.2f ms %10.3f %12.2fx %12.2fx %5d/%-5d %10.2f/%-10.2f\n",
+                r.partition, r.schedule, r.measured * 1e3, r.predicted * 1e3,
+                r.predicted / r.measured, rows[0].measured / r.measured,
+                rows[0].predicted / r.predicted, r.steps, r.predicted_steps, double(r.sent) / 1e6,
+                double(r.predicted_sent) / 1e6);
   for (const Row& r : rows)
     std::printf(
         "{\"bench\":\"plan\",\"P\":%d,\"n_local\":%d,\"partition\":\"%s\",\"schedule\":"
-        "\"%s\",\"measured_s\":%.6g,\"predicted_s\":%.6g,\"ratio\":%.4f}\n",
-        P, a.n_local, r.partition, r.schedule, r.measured, r.predicted, r.predicted / r.measured);
+        "\"%s\",\"measured_s\":%.6g,\"predicted_s\":%.6g,\"ratio\":%.4f,\"steps\":%d,"
+        "\"predicted_steps\":%d,\"max_sent\":%lld,\"predicted_max_sent\":%lld}\n",
+        P, a.n_local, r.partition, r.schedule, r.measured, r.predicted, r.predicted / r.measured,
+        r.steps, r.predicted_steps, (long long)r.sent, (long long)r.predicted_sent);
 }
 
 }  // namespace

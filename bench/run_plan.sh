@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Planner prediction vs measurement at P = 2 (one rank per core of this
-# machine), causal mask, for two local block sizes and a causal window.
+# machine), causal mask, for two local block sizes and a causal window; then the
+# steps and bytes of a window at P = 4.
 #   bench/run_plan.sh <path to blockattn_bench_plan> [--reps R]
 set -euo pipefail
 bin=$1
@@ -12,3 +13,7 @@ for n in 2048 4096; do
   echo
 done
 mpiexec -n 2 --oversubscribe "$bin" --n-local 4096 --mask window:3000 "$@"
+echo
+# P = 4 on 2 cores: the times mean nothing, the steps and bytes do (a causal
+# window of 4096 over 8192 tokens per rank: the ring stops after 2 steps).
+mpiexec -n 4 --oversubscribe "$bin" --n-local 8192 --mask window:4096 --reps 1

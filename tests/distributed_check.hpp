@@ -107,7 +107,8 @@ RunStats check_against_single(Comm comm, const Case& c, const Mask& mask, std::u
   CHECK(eo <= dist_tol<T>());
   CHECK(el <= dist_tol<T>());
   CHECK_FALSE(inf_mismatch);
-  CHECK(int(stats.steps.size()) == schedule_steps<Schedule>(P));
+  CHECK(int(stats.steps.size()) ==
+        schedule_steps<Schedule>(schedule_context<Partition>(mask, N, P)));
 
   // Gathering the local outputs back into global order gives the global output.
   V4<T> back("back", c.b, N, c.h, c.d);
@@ -146,8 +147,10 @@ inline HostTensor host_of(const V4<double>& v) {
 
 /// Distributed backward of one (schedule, partition, mask) against the fp64
 /// naive gradients of the global sequence, on this rank's rows.
+/// The distributed backward (after its forward) against the fp64 gradients of
+/// the global sequence; returns the backward's RunStats.
 template <class T, class Schedule, class Partition, class Mask>
-void check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_t seed) {
+RunStats check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_t seed) {
   const int P = comm.size(), rank = comm.rank(), N = c.n_local * P;
   // Global inputs (same on all ranks), rounded to T.
   V4<double> gq("q", c.b, N, c.h, c.d), gk("k", c.b, N, c.hkv, c.d), gv("v", c.b, N, c.hkv, c.d),
@@ -183,8 +186,10 @@ void check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_t se
   to_local<Partition>(ExecSpace{}, P, rank, tdo, dout);
   DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
   attn.forward(q, k, v, o, lse);
-  attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
+  const RunStats stats = attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
   Kokkos::fence();
+  CHECK(int(stats.steps.size()) ==
+        Schedule::backward_type::steps(schedule_context<Partition>(mask, N, P)));
   // Compare with the reference rows this rank owns.
   const auto map = Partition::positions(N, P, rank);
   auto check = [&](const V4<T>& got, const HostTensor& want, const char* name) {
@@ -209,6 +214,7 @@ void check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_t se
   check(dq, ref.dq, "dq");
   check(dk, ref.dk, "dk");
   check(dv, ref.dv, "dv");
+  return stats;
 }
 
 }  // namespace blockattn::test

@@ -65,6 +65,9 @@ TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (every s
     check_plan_matches_run<ContiguousPartition, BalancedSchedule>(comm, c, causal_window(40));
     check_plan_matches_run<ContiguousPartition, AllGatherSchedule>(comm, c, CausalMask{});
     check_plan_matches_run<ZigzagPartition, AllGatherSchedule>(comm, c, causal_window(40));
+    // A window the ring and the all-gather stop early for (fewer steps).
+    check_plan_matches_run<ContiguousPartition, RingSchedule>(comm, c, causal_window(20));
+    check_plan_matches_run<ContiguousPartition, AllGatherSchedule>(comm, c, causal_window(20));
     check_plan_matches_run<StripedPartition, AllGatherSchedule>(comm, c, FullMask{});
   }
 }

@@ -9,6 +9,7 @@
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -125,6 +126,74 @@ TEST_CASE_TEMPLATE("KV ring backward with packed documents and a window (zigzag)
     check_backward<T, RingSchedule, ZigzagPartition>(comm, c, docs.mask(false, N / 3, N / 4),
                                                      seed += 50);
   }
+}
+
+namespace {
+
+/// The ring reach by brute force on the mask's allowed() (not its classify):
+/// the largest d such that some query of a rank x sees a key of rank x - d mod P.
+template <class Partition, class Mask>
+int brute_reach(const Mask& mask, index_type N, int P) {
+  const index_type n = N / P;
+  for (int d = P - 1; d > 0; --d)
+    for (int x = 0; x < P; ++x) {
+      const auto qp = Partition::positions(N, P, x);
+      const auto kp = Partition::positions(N, P, ring_source(x, d, P));
+      for (index_type i = 0; i < n; ++i)
+        for (index_type j = 0; j < n; ++j)
+          if (mask.allowed(qp(i), kp(j))) return d;
+    }
+  return 0;
+}
+
+/// A ring on a mask that reaches `reach` ranks back: forward and backward vs
+/// the fp64 reference, reach + 1 steps, and each K/V block (or query block)
+/// sent reach times.
+template <class T, class Schedule, class Mask>
+void check_short_ring(Mpi& comm, const Case& c, const Mask& mask, int reach, std::uint64_t seed) {
+  const int P = comm.size();
+  INFO(Schedule::name(), " P = ", P, " reach ", reach);
+  const RunStats f = check_against_single<T, ContiguousPartition, Schedule>(comm, c, mask, seed);
+  REQUIRE(int(f.steps.size()) == reach + 1);
+  for (int s = 0; s <= reach; ++s) {
+    CHECK(f.steps[std::size_t(s)].source == ring_source(comm.rank(), s, P));
+    CHECK((f.steps[std::size_t(s)].bytes_sent > 0) == (s < reach));
+  }
+  if (reach > 0) CHECK(f.bytes_sent() == reach * f.steps[0].bytes_sent);
+  const RunStats b = check_backward<T, Schedule, ContiguousPartition>(comm, c, mask, seed + 1);
+  CHECK(int(b.steps.size()) == reach + 1);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("the rings stop where the mask stops: windows and documents", T, double, float) {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  const Case c{1, 48, 2, 1, 40};
+  const index_type N = index_type(c.n_local) * P;
+  std::uint64_t seed = 9100;
+  // Causal windows of half a block, one block plus one token, two blocks.
+  for (const index_type w :
+       {index_type(c.n_local / 2), index_type(c.n_local + 1), index_type(2 * c.n_local)}) {
+    const auto mask = causal_window(w);
+    const int reach = brute_reach<ContiguousPartition>(mask, N, P);
+    // Ring Attention's bound: ceil(w / c) + 1 steps at most.
+    CHECK(reach + 1 <= std::min<index_type>(P, (w + c.n_local - 1) / c.n_local + 1));
+    check_short_ring<T, RingSchedule>(comm, c, mask, reach, seed += 10);
+    check_short_ring<T, BurstSchedule>(comm, c, mask, reach, seed += 10);
+  }
+  // Packed documents no longer than a block (lengths 1, 5, 48, 30, ...): the
+  // K/V of a block go one rank on at most.
+  std::vector<index_type> offsets{0};
+  const index_type pattern[] = {1, 5, 48, 30, 17, 40};
+  for (int i = 0; offsets.back() < N; ++i)
+    offsets.push_back(std::min(offsets.back() + pattern[i % 6], N));
+  const Documents<MemSpace> docs(offsets);
+  const auto mask = docs.mask();
+  const int reach = brute_reach<ContiguousPartition>(mask, N, P);
+  CHECK(reach <= 1);
+  check_short_ring<T, RingSchedule>(comm, c, mask, reach, seed += 10);
+  check_short_ring<T, BurstSchedule>(comm, c, mask, reach, seed += 10);
 }
 
 TEST_CASE("backward bytes per rank: BurstAttention Table 1") {

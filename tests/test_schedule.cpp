@@ -3,8 +3,8 @@
 // model against the properties the papers state, for P = 2..8.
 #include <doctest/doctest.h>
 
-#include <blockattn/schedule/allgather.hpp>
 #include <blockattn/blockattn.hpp>
+#include <blockattn/schedule/allgather.hpp>
 
 #include <algorithm>
 #include <map>
@@ -180,7 +180,7 @@ template <class Schedule>
 void check_description(const ScheduleContext& c, const std::set<std::pair<int, int>>& expected) {
   const int P = c.P;
   INFO(Schedule::name(), " P=", P);
-  const int steps = Schedule::steps(P);
+  const int steps = Schedule::steps(c);
   REQUIRE(steps >= 1);
   std::vector<std::vector<ForwardStep>> desc(static_cast<std::size_t>(P));
   for (int r = 0; r < P; ++r)
@@ -341,7 +341,7 @@ void check_backward_description(const ScheduleContext& c,
   INFO(B::name(), " P=", P);
   using Pair = std::pair<int, int>;
   using Sum = std::vector<Pair>;
-  const int steps = B::steps(P);
+  const int steps = B::steps(c);
   std::vector<std::vector<BackwardStep>> desc(static_cast<std::size_t>(P));
   for (int r = 0; r < P; ++r)
     for (int s = 0; s < steps; ++s) desc[std::size_t(r)].push_back(backward_step<B>(c, r, s));
@@ -503,6 +503,43 @@ TEST_CASE("backward descriptions: race-free, every partial gradient home exactly
     check_backward_description<KVRingBackward>(dense, every);
     check_backward_description<QRingBackward>(dense, every);
     check_backward_description<BalancedBackward>(dense, causal);
+  }
+}
+
+TEST_CASE("the rings stop at the mask's reach: fewer steps and hops, race-free (P = 1..9)") {
+  for (int P = 1; P <= 9; ++P) {
+    const ScheduleContext causal{P, [](int q, int k) { return k > q; }};
+    const ScheduleContext band{P, [](int q, int k) { return q - k > 1 || k > q; }};
+    const ScheduleContext diagonal{P, [](int q, int k) { return q != k; }};
+    // Reaches further than its neighbour only through the wrap-around pair (0, P - 1).
+    const ScheduleContext wrap{P,
+                               [P](int q, int k) { return !(q == k || (q == 0 && k == P - 1)); }};
+    CHECK(causal.ring_reach() == P - 1);
+    CHECK(band.ring_reach() == (P > 1 ? 1 : 0));
+    CHECK(diagonal.ring_reach() == 0);
+    CHECK(wrap.ring_reach() == (P > 1 ? 1 : 0));
+    for (const ScheduleContext* c : {&causal, &band, &diagonal, &wrap}) {
+      const int S = c->ring_reach() + 1;
+      INFO("P = ", P, " reach ", S - 1);
+      std::set<std::pair<int, int>> scheduled;  // distance < S: every pair the mask leaves
+      for (int x = 0; x < P; ++x)
+        for (int d = 0; d < S; ++d) scheduled.insert({x, ring_source(x, d, P)});
+      for (int i = 0; i < P; ++i)
+        for (int j = 0; j < P; ++j)
+          if (!c->empty(i, j)) CHECK(scheduled.count({i, j}) == 1);
+      check_description<RingSchedule>(*c, scheduled);
+      check_description<BurstSchedule>(*c, scheduled);
+      check_backward_description<KVRingBackward>(*c, scheduled);
+      check_backward_description<QRingBackward>(*c, scheduled);
+      CHECK(schedule_steps<RingSchedule>(*c) == S);
+      CHECK(schedule_steps<AllGatherSchedule>(*c) == S);
+      // Each rank sends its K/V block S - 1 hops on (none when S = 1).
+      int kv = 0;
+      for (const auto& t : schedule_transfers<RingSchedule>(*c)) kv += t.payload == Payload::kv;
+      CHECK(kv == P * (S - 1));
+      // Two K/V slots while the ring moves, one when it does not.
+      for (int r = 0; r < P; ++r) CHECK(forward_slots<RingSchedule>(*c, r).kv == (S > 1 ? 2 : 1));
+    }
   }
 }
 

@@ -239,8 +239,8 @@ class DistributedAttention {
     const index_type N = index_type(e.queries) * P;
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
-    const int steps = B::steps(P);
     const ScheduleContext ctx = schedule_context<Partition>(m_mask, N, P);
+    const int steps = B::steps(ctx);
     std::vector<BackwardStep> desc(static_cast<std::size_t>(steps));
     for (int s = 0; s < steps; ++s) B::step(ctx, rank, s, desc[std::size_t(s)]);
     const BackwardSlots slots = backward_slots<B>(ctx, rank);
@@ -535,8 +535,8 @@ class DistributedAttention {
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const bool comm = opts.communicate;
-    const int steps = Schedule::steps(P);
     const ScheduleContext ctx = schedule_context<Partition>(m_mask, N, P);
+    const int steps = Schedule::steps(ctx);
     std::vector<ForwardStep> desc(static_cast<std::size_t>(steps));
     int last_own = -1;  // the last step that computes on this rank's queries
     for (int s = 0; s < steps; ++s) {

@@ -287,10 +287,10 @@ Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
       return pr;
     }
   }
-  const int steps = schedule_steps<Schedule>(P);
+  const ScheduleContext ctx = schedule_context<Partition>(mask, p.N, P);
+  const int steps = schedule_steps<Schedule>(ctx);
   std::vector<detail::Message> msgs;
   std::vector<std::int64_t> ws;
-  const ScheduleContext ctx = schedule_context<Partition>(mask, p.N, P);
   detail::schedule_plan<Schedule>(p, ctx, msgs, ws);
   pr.ranks.resize(std::size_t(P));
   const std::int64_t inputs =

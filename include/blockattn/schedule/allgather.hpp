@@ -36,7 +36,9 @@ struct AllGatherSchedule {
     return {};
   }
 
-  static int steps(int P) { return P; }
+  /// Step s computes the block of rank (r - s) mod P; beyond the ring reach
+  /// every such pair is empty, so the steps stop there.
+  static int steps(const ScheduleContext& c) { return ring_steps(c); }
 
   /// The rank whose block `rank` attends to at step s.
   static int source(int rank, int s, int P) { return ring_source(rank, s, P); }
@@ -78,7 +80,7 @@ struct AllGatherSchedule {
 
   struct Backward {
     static constexpr const char* name() { return "all-gather"; }
-    static int steps(int P) { return P; }
+    static int steps(const ScheduleContext& c) { return ring_steps(c); }
     static void step(const ScheduleContext& c, int rank, int s, BackwardStep& out) {
       const int P = c.P, j = source(rank, s, P), in = slot(c, rank, s);
       if (in >= 0) {

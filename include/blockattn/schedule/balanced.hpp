@@ -84,7 +84,7 @@ inline BalancedRoles balanced_roles(int rank, int P) {
 /// travel during the next step and are added at its end.
 struct BalancedBackward {
   static constexpr const char* name() { return "balanced"; }
-  static int steps(int P) { return balanced_steps(P); }
+  static int steps(const ScheduleContext& c) { return balanced_steps(c.P); }
   static void step(const ScheduleContext& c, int rank, int t, BackwardStep& out) {
     const int P = c.P;
     const BlockTask task = balanced_task(rank, t, P);
@@ -142,7 +142,7 @@ struct BalancedSchedule {
                  "use RingSchedule for this mask";
     return {};
   }
-  static int steps(int P) { return balanced_steps(P); }
+  static int steps(const ScheduleContext& c) { return balanced_steps(c.P); }
   static void step(const ScheduleContext& c, int rank, int t, ForwardStep& out) {
     const int P = c.P;
     const BlockTask task = balanced_task(rank, t, P);

@@ -23,6 +23,15 @@ inline int ring_source(int rank, int step, int P) {
   return ((rank - step) % P + P) % P;
 }
 
+/// Steps of a ring in context c: ring_reach() + 1. Step s computes the block
+/// pairs at ring distance s, (x, x - s mod P); beyond the reach they are all
+/// empty, so K/V (or queries) travel only as far as the mask needs them
+/// (a causal window of w tokens on a contiguous partition of c tokens per
+/// rank: at most ceil(w / c) + 1 steps and that many - 1 hops instead of P).
+inline int ring_steps(const ScheduleContext& c) {
+  return c.ring_reach() + 1;
+}
+
 /// Backward variants of the ring schedules, described for the schedule
 /// concept (BackwardStep, blockattn/schedule/schedule.hpp).
 ///
@@ -30,56 +39,63 @@ inline int ring_source(int rank, int step, int P) {
 /// travel as in the forward (slot s mod 2), each step writes the dK, dV of the
 /// keys it holds into a fresh partial (slot s mod 2), adds the partial of the
 /// same keys that the previous rank summed one step earlier, and passes the
-/// sum on; after P steps the complete dK, dV travel one hop home. dQ stays
-/// home.
+/// sum on; after the last step (S = ring_steps()) the complete dK, dV go
+/// straight home: one hop when S = P, S - 1 ranks back when the mask stops
+/// the ring early. dQ stays home.
 struct KVRingBackward {
   static constexpr const char* name() { return "kv-ring"; }
-  static int steps(int P) { return P; }
+  static int steps(const ScheduleContext& c) { return ring_steps(c); }
   static void step(const ScheduleContext& c, int rank, int s, BackwardStep& out) {
-    const int P = c.P;
+    const int P = c.P, S = steps(c);
     out.task = {rank, ring_source(rank, s, P)};
-    if (P == 1) return;  // the own block: straight into the own gradients
+    if (S == 1) return;  // the own block only: straight into the own gradients
     out.kv_slot = s % 2;
     out.dkv_slot = s % 2;
-    ring_partials(rank, s, P, Payload::kv, Payload::dkv, out.transfers);
+    ring_partials(rank, s, S, P, +1, Payload::kv, Payload::dkv, out.transfers);
   }
-  /// The transfers of both rings: `block` (K/V or packed Q) moves on like
-  /// the forward's K/V, the partial gradient `partial` of the block held at
-  /// step s is summed along the ring and goes home after the last step.
-  static void ring_partials(int rank, int s, int P, Payload block, Payload partial,
+  /// The transfers of both rings over S steps: `block` (K/V or packed Q)
+  /// moves `dir` ranks on each step (+1: to rank + 1) like the forward's K/V;
+  /// the partial gradient `partial` of the block held at step s is summed
+  /// along the ring and goes home after the last step.
+  static void ring_partials(int rank, int s, int S, int P, int dir, Payload block, Payload partial,
                             std::vector<ScheduledTransfer>& x) {
-    const int next = (rank + 1) % P, prev = (rank + P - 1) % P;
-    if (s + 1 < P) {
+    const auto at = [P, rank](int offset) { return ((rank + offset) % P + P) % P; };
+    const int next = at(dir), prev = at(-dir);
+    if (s + 1 < S) {
       x.push_back({rank, next, block, s, s, false, s, s % 2, (s + 1) % 2});
       x.push_back({prev, rank, block, s, s, false, s, s % 2, (s + 1) % 2});
     }
     // The partial the previous rank summed at step s - 1 is for the block we
     // hold now: add it into ours (in-slot 0) once both are there.
     if (s > 0) x.push_back({prev, rank, partial, s - 1, s, true, s, (s - 1) % 2, 0, s % 2});
-    if (s + 1 < P) {
+    if (s + 1 < S) {
       x.push_back({rank, next, partial, s, s + 1, true, s + 1, s % 2, 0, (s + 1) % 2});
     } else {
-      // Last step: we hold the block of the next rank; its complete partial
-      // goes home, ours arrives from the previous rank (in-slot 1).
-      x.push_back({rank, next, partial, s, s, true, P, s % 2, 1, -1});
-      x.push_back({prev, rank, partial, s, s, true, P, s % 2, 1, -1});
+      // Last step: we hold the block of the rank S - 1 places back; its
+      // complete partial goes home, ours arrives from the rank S - 1 places
+      // on (in-slot 1). S = P: the next and the previous rank.
+      x.push_back({rank, at(-dir * (S - 1)), partial, s, s, true, S, s % 2, 1, -1});
+      x.push_back({at(dir * (S - 1)), rank, partial, s, s, true, S, s % 2, 1, -1});
     }
   }
 };
 /// Q ring (BurstAttention, arXiv:2403.09347, Algorithm 2, GAO backward): the
-/// packed Q, dO, LSE, D travel (slot s mod 2, slot 0 starts with our own)
-/// and the dQ partial is summed along the ring like the KV ring's dK, dV; K,
-/// V, dK, dV stay home.
+/// packed Q, dO, LSE, D travel (slot s mod 2, slot 0 starts with our own) and
+/// the dQ partial is summed along the ring like the KV ring's dK, dV; K, V,
+/// dK, dV stay home. The queries travel the other way round (to rank - 1),
+/// so that step s holds the same block pairs as the KV ring's step s — the
+/// queries of rank x + s against our keys — and a mask that stops the KV ring
+/// early stops this one as early.
 struct QRingBackward {
   static constexpr const char* name() { return "q-ring"; }
-  static int steps(int P) { return P; }
+  static int steps(const ScheduleContext& c) { return ring_steps(c); }
   static void step(const ScheduleContext& c, int rank, int s, BackwardStep& out) {
-    const int P = c.P;
-    out.task = {ring_source(rank, s, P), rank};
-    if (P == 1) return;
+    const int P = c.P, S = steps(c);
+    out.task = {(rank + s) % P, rank};
+    if (S == 1) return;
     out.q_slot = s % 2;
     out.dq_slot = s % 2;
-    KVRingBackward::ring_partials(rank, s, P, Payload::q, Payload::dq, out.transfers);
+    KVRingBackward::ring_partials(rank, s, S, P, -1, Payload::q, Payload::dq, out.transfers);
   }
 };
 
@@ -88,7 +104,9 @@ struct QRingBackward {
 /// travel to the next rank each step; step s on rank r holds the block of rank
 /// (r - s) mod P in K/V slot s mod 2. The transfer of the next block (into the
 /// other slot) is posted before a step's compute and completed after it
-/// (double buffering). `Backward` picks the backward's ring.
+/// (double buffering). The ring stops after ring_steps() steps: the block
+/// pairs further round are empty under the mask. `Backward` picks the
+/// backward's ring.
 template <class Backward>
 struct BasicRingSchedule {
   using schedule_type = BasicRingSchedule;
@@ -103,12 +121,12 @@ struct BasicRingSchedule {
   static std::string can_implement(const Mask&, index_type, int) {
     return {};
   }
-  static int steps(int P) { return P; }
+  static int steps(const ScheduleContext& c) { return ring_steps(c); }
   static void step(const ScheduleContext& c, int rank, int s, ForwardStep& out) {
     const int P = c.P;
     out.task = {rank, ring_source(rank, s, P)};
     out.kv_slot = s % 2;
-    if (s + 1 >= P) return;
+    if (s + 1 >= steps(c)) return;
     const int next = (rank + 1) % P, prev = (rank + P - 1) % P;
     // Send the block held now to the next rank; receive the next step's
     // block from the previous one. Both done by the end of this step.
@@ -152,7 +170,8 @@ bool block_is_empty(const Mask& mask, index_type N, int P, int rank, int source)
 }
 
 /// The context of a schedule's description for a run: P and the block pairs
-/// that `mask` leaves empty under Partition (block_is_empty).
+/// that `mask` leaves empty under Partition (block_is_empty), with the ring
+/// reach computed once (O(P^2) block classifications at most).
 template <class Partition, class Mask>
 ScheduleContext schedule_context(const Mask& mask, index_type N, int P) {
   ScheduleContext c;
@@ -160,6 +179,7 @@ ScheduleContext schedule_context(const Mask& mask, index_type N, int P) {
   c.empty_pair = [mask, N, P](int q_rank, int k_rank) {
     return block_is_empty<Partition>(mask, N, P, q_rank, k_rank);
   };
+  c.reach = c.ring_reach();
   return c;
 }
 

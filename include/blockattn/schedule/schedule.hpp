@@ -12,10 +12,10 @@
 //   template <class Partition, class Mask>
 //   std::string can_implement(const Mask&, index_type N, int P);    // run time; "" = yes,
 //                                                                    // else the reason
-//   int steps(int P);                                  // steps of the forward
+//   int steps(const ScheduleContext&);                 // steps of the forward
 //   void step(const ScheduleContext&, int rank, int s, ForwardStep&);
 //                                  // what rank does at step s: block pair, buffers, transfers
-//   using backward_type = B;       // the backward's description: B::steps(P) and
+//   using backward_type = B;       // the backward's description: B::steps(context) and
 //                                  // B::step(const ScheduleContext&, int rank, int s,
 //                                  //         BackwardStep&)
 // Everything else is derived from these: the workspace (forward_slots), the
@@ -42,7 +42,22 @@ struct ScheduleContext {
   /// empty(q_rank, k_rank): the keys of rank k_rank are all masked out for
   /// the queries of rank q_rank. Unset: no pair is empty.
   std::function<bool(int, int)> empty_pair;
+  /// ring_reach(), cached (schedule_context() fills it in); < 0: computed on demand.
+  int reach = -1;
   bool empty(int q_rank, int k_rank) const { return empty_pair && empty_pair(q_rank, k_rank); }
+  /// The largest ring distance d (0 <= d < P) at which some block pair
+  /// (x, (x - d) mod P) is not empty. A ring that moves K/V (or queries) one
+  /// rank per step is done after ring_reach() + 1 steps: with a sliding window
+  /// of w tokens on a contiguous partition of c tokens per rank that is at most
+  /// ceil(w / c) + 1 instead of P.
+  int ring_reach() const {
+    if (reach >= 0) return reach;
+    if (!empty_pair) return P - 1;
+    for (int d = P - 1; d > 0; --d)
+      for (int x = 0; x < P; ++x)
+        if (!empty(x, ((x - d) % P + P) % P)) return d;
+    return 0;
+  }
 };
 
 /// One step of one rank: attention of the queries of rank `q_rank` against the
@@ -176,11 +191,12 @@ namespace impl {
   struct trait : std::false_type {};           \
   template <class S>                           \
   struct trait<S, std::void_t<decltype(expr)>> : std::true_type {};
-BLOCKATTN_SCHEDULE_MEMBER(has_steps, int(S::steps(1)))
+BLOCKATTN_SCHEDULE_MEMBER(has_steps, int(S::steps(std::declval<const ScheduleContext&>())))
 BLOCKATTN_SCHEDULE_MEMBER(has_step, S::step(std::declval<const ScheduleContext&>(), 0, 0,
                                             std::declval<ForwardStep&>()))
 BLOCKATTN_SCHEDULE_MEMBER(has_backward_type, std::declval<typename S::backward_type>())
-BLOCKATTN_SCHEDULE_MEMBER(has_backward_steps, int(S::backward_type::steps(1)))
+BLOCKATTN_SCHEDULE_MEMBER(has_backward_steps,
+                          int(S::backward_type::steps(std::declval<const ScheduleContext&>())))
 BLOCKATTN_SCHEDULE_MEMBER(has_backward_step,
                           S::backward_type::step(std::declval<const ScheduleContext&>(), 0, 0,
                                                  std::declval<BackwardStep&>()))
@@ -190,7 +206,8 @@ BLOCKATTN_SCHEDULE_MEMBER(has_backward_step,
 template <class S>
 constexpr bool check_schedule() {
   static_assert(has_steps<S>::value,
-                "BlockAttn: a schedule must describe its steps: static int steps(int P)");
+                "BlockAttn: a schedule must describe its steps: static int steps(const "
+                "blockattn::ScheduleContext& c)");
   static_assert(has_step<S>::value,
                 "BlockAttn: a schedule must describe what each rank does at each step (block "
                 "pair, buffers, transfers): static void step(const blockattn::ScheduleContext& c, "
@@ -200,7 +217,8 @@ constexpr bool check_schedule() {
                 "backward_type = ... (e.g. KVRingBackward, QRingBackward, BalancedBackward)");
   static_assert(has_backward_steps<S>::value && has_backward_step<S>::value,
                 "BlockAttn: a schedule's backward_type must describe its steps: static int "
-                "steps(int P) and static void step(const blockattn::ScheduleContext& c, int "
+                "steps(const blockattn::ScheduleContext& c) and static void step(const "
+                "blockattn::ScheduleContext& c, int "
                 "rank, int s, blockattn::BackwardStep& out)");
   return has_steps<S>::value && has_step<S>::value && has_backward_type<S>::value &&
          has_backward_steps<S>::value && has_backward_step<S>::value;
@@ -208,10 +226,15 @@ constexpr bool check_schedule() {
 
 }  // namespace impl
 
-/// Number of steps of a schedule over P ranks.
+/// Number of steps of a schedule's forward in context c.
+template <class Schedule>
+int schedule_steps(const ScheduleContext& c) {
+  return Schedule::steps(c);
+}
+/// Same, when no block pair is empty.
 template <class Schedule>
 int schedule_steps(int P) {
-  return Schedule::steps(P);
+  return Schedule::steps(ScheduleContext{P, {}});
 }
 
 /// What `rank` does at `step`.
@@ -238,7 +261,7 @@ template <class Schedule>
 std::vector<ScheduledTransfer> schedule_transfers(const ScheduleContext& c) {
   std::vector<ScheduledTransfer> all;
   ForwardStep f;
-  const int steps = Schedule::steps(c.P);
+  const int steps = Schedule::steps(c);
   for (int r = 0; r < c.P; ++r)
     for (int s = 0; s < steps; ++s) {
       f.clear();
@@ -255,7 +278,8 @@ ForwardSlots forward_slots(const ScheduleContext& c, int rank) {
   ForwardSlots u;
   ForwardStep f;
   const auto grow = [](int& n, int slot) { n = slot + 1 > n ? slot + 1 : n; };
-  for (int s = 0; s < Schedule::steps(c.P); ++s) {
+  const int steps = Schedule::steps(c);
+  for (int s = 0; s < steps; ++s) {
     f.clear();
     Schedule::step(c, rank, s, f);
     if (!f.task.idle()) {
@@ -299,7 +323,8 @@ BackwardSlots backward_slots(const ScheduleContext& c, int rank) {
   BackwardSlots u;
   BackwardStep f;
   const auto grow = [](int& n, int slot) { n = slot + 1 > n ? slot + 1 : n; };
-  for (int s = 0; s < B::steps(c.P); ++s) {
+  const int steps = B::steps(c);
+  for (int s = 0; s < steps; ++s) {
     f.clear();
     B::step(c, rank, s, f);
     if (!f.task.idle()) {
