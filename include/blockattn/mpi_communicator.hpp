@@ -15,6 +15,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 namespace blockattn {
 
@@ -110,9 +111,113 @@ class MpiCommunicator {
     check(MPI_Allreduce(in, out, count, mpi_type<T>(), mpi_op(op), m_comm), "MPI_Allreduce");
   }
 
+  /// All-to-all with equal counts (MPI_Alltoall): chunk j of `send` (`count`
+  /// elements) to rank j, rank i's chunk for us into chunk i of `recv`. The
+  /// Views were written by / are read next by work on `exec` (host-staged:
+  /// copies through host mirrors on that instance).
+  template <class ExecSpace, class SendView, class RecvView,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  void alltoall(const ExecSpace& exec, const SendView& send, const RecvView& recv,
+                std::int64_t count) {
+    const char* fn = "MpiCommunicator::alltoall";
+    impl::check_alltoall_args(fn, m_size, send, recv, count);
+    const int n = element_count(fn, count);
+    collective(exec, send, recv, [&](const void* s, void* r, MPI_Datatype t) {
+      check(MPI_Alltoall(s, n, t, r, n, t, m_comm), "MPI_Alltoall");
+    });
+  }
+
+  /// All-to-all with unequal counts (MPI_Alltoallv), in elements.
+  template <class ExecSpace, class SendView, class RecvView,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  void alltoallv(const ExecSpace& exec, const SendView& send,
+                 const impl::alltoall_counts& send_counts,
+                 const impl::alltoall_counts& send_offsets, const RecvView& recv,
+                 const impl::alltoall_counts& recv_counts,
+                 const impl::alltoall_counts& recv_offsets) {
+    static_assert(std::is_same<typename SendView::non_const_value_type,
+                               typename RecvView::non_const_value_type>::value,
+                  "BlockAttn: alltoallv: send and recv must have the same value type");
+    const char* fn = "MpiCommunicator::alltoallv";
+    impl::check_alltoallv_side(fn, "send", "send_counts", "send_offsets", m_size, send, send_counts,
+                               send_offsets);
+    impl::check_alltoallv_side(fn, "recv", "recv_counts", "recv_offsets", m_size, recv, recv_counts,
+                               recv_offsets);
+    const std::size_t P = std::size_t(m_size);
+    std::vector<int> sc(P), so(P), rc(P), ro(P);
+    for (std::size_t j = 0; j < P; ++j) {
+      sc[j] = element_count(fn, send_counts[j]);
+      so[j] = element_count(fn, send_offsets[j]);
+      rc[j] = element_count(fn, recv_counts[j]);
+      ro[j] = element_count(fn, recv_offsets[j]);
+    }
+    collective(exec, send, recv, [&](const void* s, void* r, MPI_Datatype t) {
+      check(MPI_Alltoallv(s, sc.data(), so.data(), t, r, rc.data(), ro.data(), t, m_comm),
+            "MPI_Alltoallv");
+    });
+  }
+
+  /// The ranks with the same color (>= 0) as a communicator of their own
+  /// (MPI_Comm_split), ordered by key; collective over this communicator. The
+  /// new MPI_Comm belongs to the returned handle and its copies (freed with the
+  /// last one, unless MPI is finalized by then).
+  MpiCommunicator split(int color, int key) const {
+    if (color < 0)
+      impl::fail("MpiCommunicator::split", "argument 'color' = ", color, ", expected >= 0");
+    MPI_Comm c = MPI_COMM_NULL;
+    check(MPI_Comm_split(m_comm, color, key, &c), "MPI_Comm_split");
+    std::shared_ptr<MPI_Comm> owned(new MPI_Comm(c), [](MPI_Comm* x) {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized && *x != MPI_COMM_NULL) MPI_Comm_free(x);
+      delete x;
+    });
+    return MpiCommunicator(std::move(owned));
+  }
+
  private:
   MPI_Comm m_comm;
   int m_rank = 0, m_size = 1;
+  std::shared_ptr<MPI_Comm> m_owned;  // set for communicators made by split()
+
+  explicit MpiCommunicator(std::shared_ptr<MPI_Comm> owned)
+      : m_comm(*owned), m_owned(std::move(owned)) {
+    MPI_Comm_rank(m_comm, &m_rank);
+    MPI_Comm_size(m_comm, &m_size);
+  }
+
+  static int element_count(const char* fn, std::int64_t n) {
+    if (n > std::int64_t(std::numeric_limits<int>::max()))
+      impl::fail(fn, "count or offset of ", n, " elements exceeds MPI's int; expected at most ",
+                 std::numeric_limits<int>::max());
+    return int(n);
+  }
+
+  /// Runs a collective `op(send_ptr, recv_ptr, element_type)` on host
+  /// pointers (host-staged device Views) or the Views' own (host or GPU-aware).
+  template <class ExecSpace, class SendView, class RecvView, class Op>
+  void collective(const ExecSpace& exec, const SendView& send, const RecvView& recv, Op&& op) {
+    using T = typename RecvView::non_const_value_type;
+    MPI_Datatype t = MPI_DATATYPE_NULL;
+    check(MPI_Type_contiguous(int(sizeof(T)), MPI_BYTE, &t), "MPI_Type_contiguous");
+    check(MPI_Type_commit(&t), "MPI_Type_commit");
+    if constexpr (needs_staging<SendView>() || needs_staging<RecvView>()) {
+      auto s = impl::flat_view(send);
+      auto r = impl::flat_view(recv);
+      const auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::alltoall");
+      Kokkos::View<T*, Kokkos::HostSpace> hs(alloc, s.extent(0)), hr(alloc, r.extent(0));
+      Kokkos::deep_copy(exec, hs, s);
+      Kokkos::deep_copy(exec, hr, r);  // what is not received stays as it was
+      exec.fence();
+      op(hs.data(), hr.data(), t);
+      Kokkos::deep_copy(exec, r, hr);
+      exec.fence();
+    } else {
+      exec.fence();
+      op(send.data(), recv.data(), t);
+    }
+    MPI_Type_free(&t);
+  }
 
   template <class ExecSpace, class View>
   request_type post_send(const char* fn, const ExecSpace& exec, const View& v, int dest, int tag) {

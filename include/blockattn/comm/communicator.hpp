@@ -20,6 +20,25 @@
 // communicator orders the transfer after that instance only (exec.fence(),
 // staging copies on exec), not after all of Kokkos. Without them the schedules
 // fence their instance before isend and after a receive completes.
+// Optional collectives for head-parallel (all-to-all) schedules; a schedule
+// that needs them checks is_alltoall_communicator_v / impl::check_alltoall_communicator
+// at compile time:
+//   void alltoall(const ExecSpace& exec, const View& send, const View& recv,
+//                 std::int64_t count);
+//     send holds size() chunks of `count` elements, chunk j for rank j; chunk
+//     i of recv receives rank i's chunk for us. Elements of the Views'
+//     contiguous spans, in order (any rank of View); nothing else in recv changes.
+//   void alltoallv(const ExecSpace& exec, const View& send, const Counts& send_counts,
+//                  const Counts& send_offsets, const View& recv, const Counts& recv_counts,
+//                  const Counts& recv_offsets);
+//     unequal counts (Counts = std::vector<std::int64_t>, size() entries, in
+//     elements): send_counts[j] elements from send_offsets[j] go to rank j and
+//     arrive at its recv_offsets[our rank]; recv_counts[i] must equal what rank
+//     i sends us.
+//   communicator_type split(int color, int key) const;
+//     collective: the ranks of each color >= 0 form a communicator of the same
+//     type, ordered by key (ties: by rank), e.g. the rows and columns of a 2D
+//     grid of ranks.
 // Ring neighbours come from ring_next() / ring_prev(). MpiCommunicator lives in
 // blockattn/mpi_communicator.hpp, the only header that includes <mpi.h>.
 #pragma once
@@ -27,6 +46,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -54,6 +74,57 @@ void require_contiguous(const char* fn, const char* arg, const View& v) {
   if (!v.span_is_contiguous())
     fail(fn, "argument '", arg,
          "' is not contiguous; expected a contiguous View (e.g. LayoutRight)");
+}
+
+/// The contiguous span of a View as a 1-D unmanaged View of its elements.
+template <class View>
+auto flat_view(const View& v) {
+  return Kokkos::View<typename View::value_type*, typename View::memory_space,
+                      Kokkos::MemoryTraits<Kokkos::Unmanaged>>(v.data(), v.span());
+}
+
+using alltoall_counts = std::vector<std::int64_t>;
+
+/// Arguments of an all-to-all with equal counts: contiguous Views whose spans
+/// hold `size` chunks of `count` elements.
+template <class SendView, class RecvView>
+void check_alltoall_args(const char* fn, int size, const SendView& send, const RecvView& recv,
+                         std::int64_t count) {
+  static_assert(std::is_same<typename SendView::non_const_value_type,
+                             typename RecvView::non_const_value_type>::value,
+                "BlockAttn: alltoall: send and recv must have the same value type");
+  require_contiguous(fn, "send", send);
+  require_contiguous(fn, "recv", recv);
+  if (count < 0) fail(fn, "argument 'count' = ", count, ", expected >= 0");
+  const std::int64_t need = count * size;
+  if (std::int64_t(send.span()) < need)
+    fail(fn, "argument 'send' holds ", send.span(),
+         " elements, expected at least size() * count = ", need);
+  if (std::int64_t(recv.span()) < need)
+    fail(fn, "argument 'recv' holds ", recv.span(),
+         " elements, expected at least size() * count = ", need);
+}
+
+/// Arguments of an all-to-all with unequal counts: `size` counts and offsets
+/// per side, each chunk inside the View's span.
+template <class View>
+void check_alltoallv_side(const char* fn, const char* view_arg, const char* counts_arg,
+                          const char* offsets_arg, int size, const View& v,
+                          const alltoall_counts& counts, const alltoall_counts& offsets) {
+  require_contiguous(fn, view_arg, v);
+  if (int(counts.size()) != size)
+    fail(fn, "argument '", counts_arg, "' has ", counts.size(),
+         " entries, expected size() = ", size);
+  if (int(offsets.size()) != size)
+    fail(fn, "argument '", offsets_arg, "' has ", offsets.size(),
+         " entries, expected size() = ", size);
+  for (int j = 0; j < size; ++j) {
+    const auto c = counts[std::size_t(j)], o = offsets[std::size_t(j)];
+    if (c < 0 || o < 0 || o + c > std::int64_t(v.span()))
+      fail(fn, "arguments '", counts_arg, "'[", j, "] = ", c, " and '", offsets_arg, "'[", j,
+           "] = ", o, " do not lie in '", view_arg, "' of ", v.span(),
+           " elements; expected 0 <= offset, 0 <= count, offset + count <= its span");
+  }
 }
 
 template <class T>
@@ -138,7 +209,49 @@ class SelfCommunicator {
     for (int i = 0; i < count; ++i) out[i] = in[i];
   }
 
+  /// All-to-all with one rank: chunk 0 of send to chunk 0 of recv.
+  template <class ExecSpace, class SendView, class RecvView>
+  void alltoall(const ExecSpace& exec, const SendView& send, const RecvView& recv,
+                std::int64_t count) {
+    impl::check_alltoall_args("SelfCommunicator::alltoall", 1, send, recv, count);
+    copy_chunk(exec, send, 0, recv, 0, count);
+  }
+  template <class ExecSpace, class SendView, class RecvView>
+  void alltoallv(const ExecSpace& exec, const SendView& send,
+                 const impl::alltoall_counts& send_counts,
+                 const impl::alltoall_counts& send_offsets, const RecvView& recv,
+                 const impl::alltoall_counts& recv_counts,
+                 const impl::alltoall_counts& recv_offsets) {
+    const char* fn = "SelfCommunicator::alltoallv";
+    impl::check_alltoallv_side(fn, "send", "send_counts", "send_offsets", 1, send, send_counts,
+                               send_offsets);
+    impl::check_alltoallv_side(fn, "recv", "recv_counts", "recv_offsets", 1, recv, recv_counts,
+                               recv_offsets);
+    if (send_counts[0] != recv_counts[0])
+      impl::fail(fn, "argument 'recv_counts'[0] = ", recv_counts[0],
+                 ", expected what rank 0 sends: send_counts[0] = ", send_counts[0]);
+    copy_chunk(exec, send, send_offsets[0], recv, recv_offsets[0], send_counts[0]);
+  }
+  /// Every color gives the same one-rank communicator.
+  SelfCommunicator split(int color, int /*key*/) const {
+    if (color < 0)
+      impl::fail("SelfCommunicator::split", "argument 'color' = ", color, ", expected >= 0");
+    return SelfCommunicator{};
+  }
+
  private:
+  template <class ExecSpace, class SendView, class RecvView>
+  static void copy_chunk(const ExecSpace& exec, const SendView& send, std::int64_t from,
+                         const RecvView& recv, std::int64_t to, std::int64_t count) {
+    if (count == 0) return;
+    const auto s = impl::flat_view(send);
+    const auto r = impl::flat_view(recv);
+    using range = Kokkos::pair<std::size_t, std::size_t>;
+    Kokkos::deep_copy(exec, Kokkos::subview(r, range(std::size_t(to), std::size_t(to + count))),
+                      Kokkos::subview(s, range(std::size_t(from), std::size_t(from + count))));
+    exec.fence();
+  }
+
   struct State {
     std::map<int, std::vector<char>> sent;
   };
@@ -217,6 +330,34 @@ inline constexpr bool is_communicator_v = impl::has_comm_basics<C>::value&&
     impl::has_comm_p2p<C>::value&& impl::has_comm_allreduce<C>::value;
 
 namespace impl {
+using probe_exec = Kokkos::DefaultHostExecutionSpace;
+template <class C, class = void>
+struct has_comm_alltoall : std::false_type {};
+template <class C>
+struct has_comm_alltoall<
+    C,
+    std::void_t<decltype(std::declval<C&>().alltoall(
+                    std::declval<const probe_exec&>(), std::declval<const probe_view&>(),
+                    std::declval<const probe_view&>(), std::int64_t(0))),
+                decltype(std::declval<C&>().alltoallv(
+                    std::declval<const probe_exec&>(), std::declval<const probe_view&>(),
+                    std::declval<const alltoall_counts&>(), std::declval<const alltoall_counts&>(),
+                    std::declval<const probe_view&>(), std::declval<const alltoall_counts&>(),
+                    std::declval<const alltoall_counts&>()))>> : std::true_type {};
+template <class C, class = void>
+struct has_comm_split : std::false_type {};
+template <class C>
+struct has_comm_split<C, std::void_t<decltype(std::declval<const C&>().split(0, 0))>>
+    : std::is_same<decltype(std::declval<const C&>().split(0, 0)), C> {};
+}  // namespace impl
+
+/// A communicator with the optional all-to-all collectives and split() (see
+/// the top of this file): what head-parallel and 2D schedules need.
+template <class C>
+inline constexpr bool is_alltoall_communicator_v =
+    is_communicator_v<C>&& impl::has_comm_alltoall<C>::value&& impl::has_comm_split<C>::value;
+
+namespace impl {
 template <class C>
 constexpr void check_communicator() {
   static_assert(
@@ -231,6 +372,22 @@ constexpr void check_communicator() {
   static_assert(has_comm_allreduce<C>::value,
                 "BlockAttn: a communicator must have `T allreduce(T value, ReduceOp op)` for "
                 "double and std::int64_t");
+}
+
+/// For schedules that need all-to-all: one readable static_assert per missing
+/// capability.
+template <class C>
+constexpr bool check_alltoall_communicator() {
+  check_communicator<C>();
+  static_assert(has_comm_alltoall<C>::value,
+                "BlockAttn: this schedule needs a communicator with all-to-all: "
+                "alltoall(exec, send, recv, count) and alltoallv(exec, send, send_counts, "
+                "send_offsets, recv, recv_counts, recv_offsets) (see "
+                "blockattn/comm/communicator.hpp; MpiCommunicator and SelfCommunicator have them)");
+  static_assert(has_comm_split<C>::value,
+                "BlockAttn: this schedule needs a communicator with sub-communicators: "
+                "communicator_type split(int color, int key) const");
+  return has_comm_alltoall<C>::value && has_comm_split<C>::value;
 }
 }  // namespace impl
 
