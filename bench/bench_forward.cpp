@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Forward and backward throughput of the tile kernels vs an fp32 GEMM of the
-// same size and vs PyTorch's CPU scaled_dot_product_attention, in one run.
+// same size and vs PyTorch's CPU scaled_dot_product_attention, in one run,
+// for each value type of --dtype=fp32,bf16,fp16 (default fp32,bf16: 16-bit
+// storage, fp32 compute; the 16-bit rates are also given relative to fp32).
 //
 // GFLOP/s counts 4 * D per *allowed* query-key pair (masked pairs are not
 // work). The reference GEMM is cblas_sgemm of the Q K^T shape (N x N x D) and
@@ -17,12 +19,14 @@
 #include <blockattn/kokkos_kernels_gemm.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 extern "C" void openblas_set_num_threads(int);
@@ -34,20 +38,24 @@ constexpr bool host = blockattn::impl::is_host_space_v<Exec>;
 
 enum MaskId { full = 0, causal = 1 };
 
-template <class Shape>
+/// Uniform [-1, 1) values, rounded to the View's value type.
+template <class View>
+void fill(const View& view, unsigned seed) {
+  using V = typename View::non_const_value_type;
+  auto h = Kokkos::create_mirror_view(view);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = V(u(rng));
+  Kokkos::deep_copy(view, h);
+}
+
+template <class Shape, class V>
 void bm_attention(benchmark::State& state) {
   const int n = int(state.range(0)), d = int(state.range(1));
   const MaskId mask = MaskId(state.range(2));
-  Kokkos::View<float****> q("q", 1, n, 1, d), k("k", 1, n, 1, d), v("v", 1, n, 1, d),
+  Kokkos::View<V****> q("q", 1, n, 1, d), k("k", 1, n, 1, d), v("v", 1, n, 1, d),
       o("o", 1, n, 1, d);
-  Kokkos::View<float***> lse("lse", 1, 1, n);
-  auto fill = [](auto view, unsigned seed) {
-    auto h = Kokkos::create_mirror_view(view);
-    std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> u(-1.f, 1.f);
-    for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = u(rng);
-    Kokkos::deep_copy(view, h);
-  };
+  Kokkos::View<blockattn::compute_t<V>***> lse("lse", 1, 1, n);
   fill(q, 1);
   fill(k, 2);
   fill(v, 3);
@@ -77,23 +85,25 @@ void bm_attention(benchmark::State& state) {
       benchmark::Counter(blockattn::forward_flops(tiles.allowed_pairs, d) * 1e-9,
                          benchmark::Counter::kIsIterationInvariantRate);
   state.counters["threads"] = Exec().concurrency();
-  state.SetLabel(std::string(mask == causal ? "causal" : "full") + " " + Shape::tile_gemm::name());
+  state.SetLabel(std::string(mask == causal ? "causal " : "full ") +
+                 blockattn::value_type_name<V>() + " " + Shape::tile_gemm::name());
 }
 
 /// Backward: dQ, dK, dV from the saved O and LSE. GFLOP/s counts 2.5x the
 /// forward's FLOPs on allowed pairs (FlashAttention's convention: 5 of the
 /// forward's 2 tile products), although our two-kernel backward computes 7.
+template <class V>
 void bm_backward(benchmark::State& state) {
   const int n = int(state.range(0)), d = int(state.range(1));
   const MaskId mask = MaskId(state.range(2));
-  Kokkos::View<float****> q("q", 1, n, 1, d), k("k", 1, n, 1, d), v("v", 1, n, 1, d),
+  Kokkos::View<V****> q("q", 1, n, 1, d), k("k", 1, n, 1, d), v("v", 1, n, 1, d),
       o("o", 1, n, 1, d), dout("do", 1, n, 1, d), dq("dq", 1, n, 1, d), dk("dk", 1, n, 1, d),
       dv("dv", 1, n, 1, d);
-  Kokkos::View<float***> lse("lse", 1, 1, n);
-  Kokkos::deep_copy(q, 0.01f);
-  Kokkos::deep_copy(k, 0.02f);
-  Kokkos::deep_copy(v, 1.0f);
-  Kokkos::deep_copy(dout, 0.5f);
+  Kokkos::View<blockattn::compute_t<V>***> lse("lse", 1, 1, n);
+  fill(q, 1);
+  fill(k, 2);
+  fill(v, 3);
+  fill(dout, 4);
   auto run = [&](bool backward) {
     if (mask == causal) {
       if (backward)
@@ -121,7 +131,8 @@ void bm_backward(benchmark::State& state) {
   state.counters["GFLOP/s"] = benchmark::Counter(2.5 * blockattn::forward_flops(pairs, d) * 1e-9,
                                                  benchmark::Counter::kIsIterationInvariantRate);
   state.counters["threads"] = Exec().concurrency();
-  state.SetLabel(mask == causal ? "causal backward" : "full backward");
+  state.SetLabel(std::string(mask == causal ? "causal backward " : "full backward ") +
+                 blockattn::value_type_name<V>());
 }
 
 void bm_sgemm(benchmark::State& state) {
@@ -168,13 +179,13 @@ using BatchedShape = blockattn::KokkosBatchedTileShape<float, host>;
 const std::vector<int> lengths = {512, 1024, 2048, 4096, 16384};
 const std::vector<int> dims = {64, 128};
 
-std::string attn_name(const char* variant, int n, int d, int mask) {
-  return std::string("attention/") + variant + "/N:" + std::to_string(n) +
+std::string attn_name(const char* variant, const std::string& dtype, int n, int d, int mask) {
+  return std::string("attention/") + variant + "/" + dtype + "/N:" + std::to_string(n) +
          "/D:" + std::to_string(d) + (mask == causal ? "/causal" : "/full");
 }
 
-std::string bwd_name(int n, int d, int mask) {
-  return "backward/N:" + std::to_string(n) + "/D:" + std::to_string(d) +
+std::string bwd_name(const std::string& dtype, int n, int d, int mask) {
+  return "backward/" + dtype + "/N:" + std::to_string(n) + "/D:" + std::to_string(d) +
          (mask == causal ? "/causal" : "/full");
 }
 
@@ -182,33 +193,46 @@ std::string gemm_name(int n, int d) {
   return "sgemm/M:" + std::to_string(n) + "/N:" + std::to_string(n) + "/K:" + std::to_string(d);
 }
 
-void register_all(bool quick) {
+template <class V>
+void register_dtype(int n, int d) {
+  const std::string dt = blockattn::value_type_name<V>();
+  for (int mask : {full, causal}) {
+    benchmark::RegisterBenchmark(attn_name("register", dt, n, d, mask).c_str(),
+                                 bm_attention<RegisterShape, V>)
+        ->Args({n, d, mask})
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond)
+        ->MinTime(0.3);
+#ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
+    if (n <= 1024 && std::is_same<V, float>::value)  // the slower variant: one size is enough
+      benchmark::RegisterBenchmark(attn_name("kokkos_batched", dt, n, d, mask).c_str(),
+                                   bm_attention<BatchedShape, V>)
+          ->Args({n, d, mask})
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(0.3);
+#endif
+  }
+  for (int mask : {full, causal})
+    benchmark::RegisterBenchmark(bwd_name(dt, n, d, mask).c_str(), bm_backward<V>)
+        ->Args({n, d, mask})
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond)
+        ->MinTime(0.3);
+}
+
+void register_all(bool quick, const std::vector<std::string>& dtypes) {
   for (int d : dims)
     for (int n : lengths) {
       if (quick && n > 4096) continue;
-      for (int mask : {full, causal}) {
-        benchmark::RegisterBenchmark(attn_name("register", n, d, mask).c_str(),
-                                     bm_attention<RegisterShape>)
-            ->Args({n, d, mask})
-            ->UseManualTime()
-            ->Unit(benchmark::kMillisecond)
-            ->MinTime(0.3);
-#ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
-        if (n <= 1024)  // the slower variant: one size is enough to compare
-          benchmark::RegisterBenchmark(attn_name("kokkos_batched", n, d, mask).c_str(),
-                                       bm_attention<BatchedShape>)
-              ->Args({n, d, mask})
-              ->UseManualTime()
-              ->Unit(benchmark::kMillisecond)
-              ->MinTime(0.3);
-#endif
+      for (const std::string& dt : dtypes) {
+        if (dt == "fp32")
+          register_dtype<float>(n, d);
+        else if (dt == "bf16")
+          register_dtype<blockattn::bf16>(n, d);
+        else if (dt == "fp16")
+          register_dtype<blockattn::fp16>(n, d);
       }
-      for (int mask : {full, causal})
-        benchmark::RegisterBenchmark(bwd_name(n, d, mask).c_str(), bm_backward)
-            ->Args({n, d, mask})
-            ->UseManualTime()
-            ->Unit(benchmark::kMillisecond)
-            ->MinTime(0.3);
       benchmark::RegisterBenchmark(gemm_name(n, d).c_str(), bm_sgemm)
           ->Args({n, n, d})
           ->UseManualTime()
@@ -230,13 +254,25 @@ std::map<std::string, double> read_torch(const std::string& path) {
   int n = 0, d = 0;
   double g = 0;
   while (in >> op >> n >> d >> mask >> dtype >> g)
-    if (dtype == "fp32") r[op + "/" + std::to_string(n) + "/" + std::to_string(d) + "/" + mask] = g;
+    r[op + "/" + dtype + "/" + std::to_string(n) + "/" + std::to_string(d) + "/" + mask] = g;
   return r;
 }
 
-std::string torch_key(const char* op, int n, int d, int mask) {
-  return std::string(op) + "/" + std::to_string(n) + "/" + std::to_string(d) +
+std::string torch_key(const char* op, const std::string& dtype, int n, int d, int mask) {
+  return std::string(op) + "/" + dtype + "/" + std::to_string(n) + "/" + std::to_string(d) +
          (mask == causal ? "/causal" : "/full");
+}
+
+/// Comma-separated list.
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t b = 0;
+  while (b <= s.size()) {
+    const std::size_t e = std::min(s.find(',', b), s.size());
+    if (e > b) out.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
 }
 
 }  // namespace
@@ -246,6 +282,7 @@ int main(int argc, char** argv) {
   {
     bool quick = false;
     std::map<std::string, double> torch;
+    std::vector<std::string> dtypes = {"fp32", "bf16"};
     std::vector<char*> args;
     for (int i = 0; i < argc; ++i) {
       const std::string a = argv[i];
@@ -253,57 +290,78 @@ int main(int argc, char** argv) {
         quick = true;
       else if (a.rfind("--torch=", 0) == 0)
         torch = read_torch(a.substr(8));
+      else if (a.rfind("--dtype=", 0) == 0)
+        dtypes = split(a.substr(8));
       else
         args.push_back(argv[i]);
     }
+    for (const std::string& dt : dtypes)
+      if (dt != "fp32" && dt != "bf16" && dt != "fp16") {
+        std::fprintf(stderr, "--dtype: '%s' is not one of fp32, bf16, fp16\n", dt.c_str());
+        return 2;
+      }
     int bargc = int(args.size());
     benchmark::Initialize(&bargc, args.data());
-    register_all(quick);
+    register_all(quick, dtypes);
     RatioReporter reporter;
     benchmark::RunSpecifiedBenchmarks(&reporter);
 
     const int threads = Exec().concurrency();
     const double peak = reporter.rate["sgemm/4096^3"];
+    auto rate = [&](const std::string& name) {
+      auto it = reporter.rate.find(name);
+      return it == reporter.rate.end() ? 0.0 : it->second;
+    };
+    auto torch_rate = [&](const std::string& key) {
+      auto it = torch.find(key);
+      return it == torch.end() ? 0.0 : it->second;
+    };
     std::printf(
         "\nRatios measured in this run (%s, %d thread%s; host ISA %s; sgemm 4096^3 = %.1f "
-        "GFLOP/s; PyTorch: %s)\n",
+        "GFLOP/s; PyTorch: %s; 16-bit types are stored in 16 bits and computed in fp32, "
+        "\"/ fp32\" is our rate over our fp32 rate on the same case)\n",
         Exec::name(), threads, threads == 1 ? "" : "s", blockattn::host_isa_name(), peak,
-        torch.empty() ? "not run" : "same run, same threads");
-    std::printf("%-16s %5s %5s %7s %10s %14s %14s %14s %10s %9s\n", "variant", "N", "D", "mask",
-                "GFLOP/s", "/ sgemm(NxNxD)", "/ sgemm 4096^3", "causal / full", "torch", "/ torch");
+        torch.empty() ? "not run" : "same run, same threads, same dtype");
+    std::printf("%-15s %5s %5s %5s %7s %9s %8s %9s %8s %7s %9s %8s\n", "variant", "dtype", "N", "D",
+                "mask", "GFLOP/s", "/sgemm", "/sgemm4k", "c/f", "/ fp32", "torch", "/ torch");
     for (const char* variant : {"register", "kokkos_batched"})
       for (int d : dims)
         for (int n : lengths)
-          for (int mask : {full, causal}) {
-            auto it = reporter.rate.find(attn_name(variant, n, d, mask));
-            if (it == reporter.rate.end()) continue;
-            const double g = reporter.rate[gemm_name(n, d)];
-            const double f = reporter.rate[attn_name(variant, n, d, full)];
-            const auto t = torch.find(torch_key("fwd", n, d, mask));
-            const double tr = t == torch.end() ? 0.0 : t->second;
-            std::printf("%-16s %5d %5d %7s %10.1f %14.2f %14.2f %14s %10.1f %9.2f\n", variant, n, d,
-                        mask == causal ? "causal" : "full", it->second, it->second / g,
-                        peak > 0 ? it->second / peak : 0.0,
-                        mask == causal ? std::to_string(it->second / f).substr(0, 4).c_str() : "",
-                        tr, tr > 0 ? it->second / tr : 0.0);
-          }
+          for (int mask : {full, causal})
+            for (const std::string& dt : dtypes) {
+              const double r = rate(attn_name(variant, dt, n, d, mask));
+              if (r == 0.0) continue;
+              const double g = rate(gemm_name(n, d));
+              const double f = rate(attn_name(variant, dt, n, d, full));
+              const double r32 = rate(attn_name(variant, "fp32", n, d, mask));
+              const double tr = torch_rate(torch_key("fwd", dt, n, d, mask));
+              std::printf(
+                  "%-15s %5s %5d %5d %7s %9.1f %8.2f %9.2f %8s %7s %9.1f %8s\n", variant,
+                  dt.c_str(), n, d, mask == causal ? "causal" : "full", r, r / g,
+                  peak > 0 ? r / peak : 0.0,
+                  mask == causal ? std::to_string(r / f).substr(0, 4).c_str() : "",
+                  dt != "fp32" && r32 > 0 ? std::to_string(r / r32).substr(0, 4).c_str() : "", tr,
+                  tr > 0 ? std::to_string(r / tr).substr(0, 4).c_str() : "-");
+            }
     std::printf("\nBackward (dQ, dK, dV; GFLOP/s = 2.5 x forward FLOPs on allowed pairs)\n");
-    std::printf("%5s %5s %7s %10s %14s %14s %12s %10s %9s\n", "N", "D", "mask", "GFLOP/s",
-                "/ sgemm(NxNxD)", "/ sgemm 4096^3", "bwd/fwd time", "torch", "/ torch");
+    std::printf("%5s %5s %5s %7s %9s %8s %9s %8s %7s %9s %8s\n", "dtype", "N", "D", "mask",
+                "GFLOP/s", "/sgemm", "/sgemm4k", "b/f time", "/ fp32", "torch", "/ torch");
     for (int d : dims)
       for (int n : lengths)
-        for (int mask : {full, causal}) {
-          auto it = reporter.rate.find(bwd_name(n, d, mask));
-          if (it == reporter.rate.end()) continue;
-          const double g = reporter.rate[gemm_name(n, d)];
-          const double f = reporter.rate[attn_name("register", n, d, mask)];
-          const auto t = torch.find(torch_key("bwd", n, d, mask));
-          const double tr = t == torch.end() ? 0.0 : t->second;
-          std::printf("%5d %5d %7s %10.1f %14.2f %14.2f %12.2f %10.1f %9.2f\n", n, d,
-                      mask == causal ? "causal" : "full", it->second, it->second / g,
-                      peak > 0 ? it->second / peak : 0.0, f > 0 ? 2.5 * f / it->second : 0.0, tr,
-                      tr > 0 ? it->second / tr : 0.0);
-        }
+        for (int mask : {full, causal})
+          for (const std::string& dt : dtypes) {
+            const double r = rate(bwd_name(dt, n, d, mask));
+            if (r == 0.0) continue;
+            const double g = rate(gemm_name(n, d));
+            const double f = rate(attn_name("register", dt, n, d, mask));
+            const double r32 = rate(bwd_name("fp32", n, d, mask));
+            const double tr = torch_rate(torch_key("bwd", dt, n, d, mask));
+            std::printf("%5s %5d %5d %7s %9.1f %8.2f %9.2f %8.2f %7s %9.1f %8s\n", dt.c_str(), n, d,
+                        mask == causal ? "causal" : "full", r, r / g, peak > 0 ? r / peak : 0.0,
+                        f > 0 ? 2.5 * f / r : 0.0,
+                        dt != "fp32" && r32 > 0 ? std::to_string(r / r32).substr(0, 4).c_str() : "",
+                        tr, tr > 0 ? std::to_string(r / tr).substr(0, 4).c_str() : "-");
+          }
     benchmark::Shutdown();
   }
   Kokkos::finalize();

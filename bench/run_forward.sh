@@ -3,7 +3,9 @@
 # OpenMP threads = OpenBLAS threads = PyTorch threads), each run printing its
 # own ratios: vs OpenBLAS sgemm and, when torch imports, vs PyTorch's CPU
 # scaled_dot_product_attention measured just before with the same threads.
-#   bench/run_forward.sh <path to blockattn_bench_forward> [--quick] [google-benchmark flags]
+#   bench/run_forward.sh <path to blockattn_bench_forward> [--quick] [--dtype=fp32,bf16,fp16]
+#                        [google-benchmark flags]
+# (--dtype: the value types to run, ours and PyTorch's; default fp32,bf16.)
 # Environment: BLOCKATTN_PYTHON  a python with torch (default: .deps/torch-venv's
 #              python if present, else python3); THREADS  thread counts (default "1 nproc").
 set -euo pipefail
@@ -31,7 +33,11 @@ if "$py" -c 'import torch' 2>/dev/null; then have_torch=1; else
   echo "PyTorch: not importable by $py; no PyTorch column (cmake/blockattn.sh torch installs it into .deps/torch-venv)"
 fi
 quick=0
-for a in "$@"; do [ "$a" = --quick ] && quick=1; done
+dtypes=fp32,bf16
+for a in "$@"; do
+  [ "$a" = --quick ] && quick=1
+  case $a in --dtype=*) dtypes=${a#--dtype=} ;; esac
+done
 lengths=512,1024,2048,4096,16384
 [ $quick = 1 ] && lengths=512,1024,2048,4096
 
@@ -40,7 +46,8 @@ for t in ${THREADS:-1 $(nproc)}; do
   torch_arg=()
   if [ $have_torch = 1 ]; then
     out=$(mktemp)
-    OMP_NUM_THREADS=$t "$py" "$here/torch_sdpa.py" --threads "$t" --lengths "$lengths" --out "$out"
+    OMP_NUM_THREADS=$t "$py" "$here/torch_sdpa.py" --threads "$t" --lengths "$lengths" \
+      --dtypes "$dtypes" --out "$out"
     torch_arg=(--torch="$out")
   fi
   OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "$@" "${torch_arg[@]}"

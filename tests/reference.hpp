@@ -97,10 +97,13 @@ struct ReferenceGrads {
 /// Gradients of L = sum(dO o O) in fp64 straight from the definition:
 /// P = softmax(masked scale Q K^T), dV = P^T dO, dP = dO V^T,
 /// dS = P o (dP - rowsum(P o dP)), dQ = scale dS K, dK = scale dS^T Q.
+/// With `o_used`, rowsum(P o dP) = rowsum(dO o O) is formed from that O
+/// instead (the O a 16-bit forward returned, rounded, as the kernels use it).
 template <class Mask>
 ReferenceGrads reference_backward(const HostTensor& q, const HostTensor& k, const HostTensor& v,
                                   const HostTensor& dout, const Mask& mask, double scale,
-                                  index_type q_offset = 0, index_type k_offset = 0) {
+                                  index_type q_offset = 0, index_type k_offset = 0,
+                                  const HostTensor* o_used = nullptr) {
   ReferenceGrads g;
   g.dq = HostTensor(q.b, q.n, q.h, q.d);
   g.dk = HostTensor(k.b, k.n, k.h, k.d);
@@ -136,6 +139,10 @@ ReferenceGrads reference_backward(const HostTensor& q, const HostTensor& k, cons
           for (int x = 0; x < q.d; ++x) acc += dout(b, i, h, x) * v(b, j, hk, x);
           dp[j] = acc;
           drow += p[j] * acc;
+        }
+        if (o_used != nullptr) {
+          drow = 0.0;
+          for (int x = 0; x < q.d; ++x) drow += dout(b, i, h, x) * (*o_used)(b, i, h, x);
         }
         for (int j = 0; j < k.n; ++j) {
           if (p[j] == 0.0) continue;

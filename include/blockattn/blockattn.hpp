@@ -5,6 +5,7 @@
 #include <blockattn/comm/communicator.hpp>
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
+#include <blockattn/core/half.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>

@@ -78,6 +78,7 @@ struct bf16 {
   KOKKOS_INLINE_FUNCTION explicit operator float() const {
     return impl::bits_float(std::uint32_t(bits) << 16);
   }
+  KOKKOS_INLINE_FUNCTION explicit operator double() const { return double(float(*this)); }
   KOKKOS_INLINE_FUNCTION static bf16 from_bits(std::uint16_t b) {
     bf16 x;
     x.bits = b;
@@ -93,6 +94,7 @@ struct fp16 {
   fp16() = default;
   KOKKOS_INLINE_FUNCTION explicit fp16(float f) : bits(impl::fp16_bits(f)) {}
   KOKKOS_INLINE_FUNCTION explicit operator float() const { return impl::fp16_to_float(bits); }
+  KOKKOS_INLINE_FUNCTION explicit operator double() const { return double(float(*this)); }
   KOKKOS_INLINE_FUNCTION static fp16 from_bits(std::uint16_t b) {
     fp16 x;
     x.bits = b;
@@ -113,5 +115,42 @@ static_assert(sizeof(fp16) == 2 && std::is_trivially_copyable<fp16>::value &&
 template <class T>
 inline constexpr bool is_half_storage_v =
     std::is_same<T, bf16>::value || std::is_same<T, fp16>::value;
+
+/// The value types the kernels take for Q, K, V, O and the gradients.
+template <class T>
+inline constexpr bool is_value_type_v =
+    std::is_same<T, float>::value || std::is_same<T, double>::value || is_half_storage_v<T>;
+
+/// The type a storage type is computed in: fp32 for bf16 and fp16 (LSE, the
+/// softmax state and every accumulator), the type itself for float and double.
+template <class T>
+struct compute_type {
+  using type = T;
+};
+template <>
+struct compute_type<bf16> {
+  using type = float;
+};
+template <>
+struct compute_type<fp16> {
+  using type = float;
+};
+template <class T>
+using compute_t = typename compute_type<T>::type;
+
+/// The name of a value type, for messages and benches.
+template <class T>
+constexpr const char* value_type_name() {
+  if constexpr (std::is_same<T, float>::value)
+    return "fp32";
+  else if constexpr (std::is_same<T, double>::value)
+    return "fp64";
+  else if constexpr (std::is_same<T, bf16>::value)
+    return "bf16";
+  else if constexpr (std::is_same<T, fp16>::value)
+    return "fp16";
+  else
+    return "unsupported";
+}
 
 }  // namespace blockattn

@@ -138,7 +138,12 @@ class DistributedAttention {
   RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
                    const DistributedOptions& opts = {}) {
     impl::check_forward_view_types<QV, KV, VV, OV, LV>();
-    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
+    static_assert(
+        !is_half_storage_v<typename OV::non_const_value_type>,
+        "BlockAttn: DistributedAttention takes float and double values; bf16 and fp16 run on "
+        "one device (attention_forward, attention_backward) in this release");
+    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
+                  !is_half_storage_v<typename OV::non_const_value_type>) {
       const impl::ForwardExtents e = validate(fn, q, k, v, o, lse, opts);
       using T = typename OV::non_const_value_type;
       using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
@@ -165,9 +170,14 @@ class DistributedAttention {
     static_assert(impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
                   "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
                   "(batch, seq, heads, head_dim)");
+    static_assert(
+        !is_half_storage_v<typename OV::non_const_value_type>,
+        "BlockAttn: DistributedAttention takes float and double values; bf16 and fp16 run on "
+        "one device (attention_forward, attention_backward) in this release");
     RunStats stats;
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
-                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
+                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>() &&
+                  !is_half_storage_v<typename OV::non_const_value_type>) {
       const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
         impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
       });

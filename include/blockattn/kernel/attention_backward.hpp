@@ -27,12 +27,18 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
                 "(batch, seq, heads, head_dim)");
   if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask> &&
                 impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
-    using T = typename OV::non_const_value_type;
-    static_assert(std::is_same<typename DQV::non_const_value_type, T>::value &&
-                      std::is_same<typename DKV::non_const_value_type, T>::value &&
-                      std::is_same<typename DVV::non_const_value_type, T>::value &&
-                      std::is_same<typename DOV::non_const_value_type, T>::value,
+    using V = typename OV::non_const_value_type;
+    static_assert(std::is_same<typename DQV::non_const_value_type, V>::value &&
+                      std::is_same<typename DKV::non_const_value_type, V>::value &&
+                      std::is_same<typename DVV::non_const_value_type, V>::value &&
+                      std::is_same<typename DOV::non_const_value_type, V>::value,
                   "BlockAttn: dout, dq, dk and dv must have the value type of q");
+    static_assert(!std::is_const<typename DQV::value_type>::value &&
+                      !std::is_const<typename DKV::value_type>::value &&
+                      !std::is_const<typename DVV::value_type>::value,
+                  "BlockAttn: dq, dk and dv are outputs and must not be Views of const");
+    // Tiles and every sum in the compute type (fp32 for bf16 and fp16).
+    using T = compute_t<V>;
     using mem = typename ExecSpace::memory_space;
     using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
     const char* fn = "attention_backward";

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/core/half.hpp>
 #include <blockattn/kernel/impl/forward_launch.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
@@ -25,6 +26,10 @@ namespace blockattn {
 ///   lse (batch, heads,   queries)              output, natural log; -inf for a row
 ///                                              with no allowed key (its o row is 0)
 ///
+/// Value types: q, k, v, o all float, all double, all blockattn::bf16 or all
+/// blockattn::fp16; lse is compute_t of it (float for the 16-bit types, which
+/// are computed in fp32 and rounded once into o).
+///
 /// The mask sees global positions `opts.q_offset + i` and `opts.k_offset + j`.
 /// Offsets may be negative (positions are signed: e.g. queries at -3 .. under
 /// a causal mask see no key at 0 ..: those rows get O = 0, LSE = -inf); they
@@ -35,7 +40,8 @@ template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, cla
           class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
 void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV& v, const OV& o,
                        const LV& lse, const Mask& mask = {}, const ForwardOptions& opts = {}) {
-  using T = typename OV::non_const_value_type;
+  // Tiles of the compute type: bf16 and fp16 are converted to fp32 when packed.
+  using T = compute_t<typename OV::non_const_value_type>;
   using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
   impl::require_offsets("attention_forward", opts);
   impl::forward<Shape>("attention_forward", exec, q, k, v, o, lse, mask,

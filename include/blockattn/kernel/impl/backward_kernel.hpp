@@ -142,14 +142,16 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
 
 /// What both backward kernels share: views, extents, and the tile step that
 /// turns S and dP of one (query tile, key tile) into P and dS in scratch.
-template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class GS = T>
 struct BackwardCommon {
   using memory_space = typename ExecSpace::memory_space;
   using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_type = typename policy_type::member_type;
   using Unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
   using in4 = Kokkos::View<const T****, Kokkos::LayoutStride, memory_space, Unmanaged>;
-  using out4 = Kokkos::View<T****, Kokkos::LayoutStride, memory_space, Unmanaged>;
+  // Gradients in their storage type GS (T, or bf16/fp16 rounded once from T).
+  using out4 = Kokkos::View<GS****, Kokkos::LayoutStride, memory_space, Unmanaged>;
   using in3 = Kokkos::View<const T***, Kokkos::LayoutStride, memory_space, Unmanaged>;
 
   static constexpr int BQ = Shape::block_q, BK = Shape::block_k, MR = Shape::micro_rows,
@@ -289,9 +291,10 @@ struct BackwardCommon {
 };
 
 /// dK and dV of one key tile (kv head hk) over all query tiles of its group.
-template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
-struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
-  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class GS = T>
+struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS>;
   using Base::BK;
   using Base::BQ;
   using Base::MR;
@@ -357,17 +360,18 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
       for (int d = 0; d < this->dim; ++d) {
         const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
-        dk(b, k0 + c, hk, d) = acc ? dk(b, k0 + c, hk, d) + kval : kval;
-        dv(b, k0 + c, hk, d) = acc ? dv(b, k0 + c, hk, d) + vval : vval;
+        dk(b, k0 + c, hk, d) = GS(acc ? T(dk(b, k0 + c, hk, d)) + kval : kval);
+        dv(b, k0 + c, hk, d) = GS(acc ? T(dv(b, k0 + c, hk, d)) + vval : vval);
       }
     });
   }
 };
 
 /// dQ of one query tile over all key tiles.
-template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
-struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
-  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class GS = T>
+struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS>;
   using Base::BK;
   using Base::BQ;
   using Base::MR;
@@ -424,7 +428,7 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
       for (int d = 0; d < this->dim; ++d) {
         const T val = sc * dqa[r * p + d];
-        dq(b, q0 + r, h, d) = acc ? dq(b, q0 + r, h, d) + val : val;
+        dq(b, q0 + r, h, d) = GS(acc ? T(dq(b, q0 + r, h, d)) + val : val);
       }
     });
   }
@@ -437,9 +441,10 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
 /// order of QueryKernel (dQ: key tiles ascending) and KeyKernel (dK, dV: heads,
 /// then query tiles ascending) with the same micro tiles, so the results are
 /// bitwise those of the two-kernel path.
-template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
-struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos> {
-  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class GS = T>
+struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS> {
+  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS>;
   using Base::BK;
   using Base::BQ;
   using Base::MR;
@@ -525,8 +530,8 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
         for (int d = 0; d < this->dim; ++d) {
           const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
-          dk(b, k0 + c, hk, d) = acc ? dk(b, k0 + c, hk, d) + kval : kval;
-          dv(b, k0 + c, hk, d) = acc ? dv(b, k0 + c, hk, d) + vval : vval;
+          dk(b, k0 + c, hk, d) = GS(acc ? T(dk(b, k0 + c, hk, d)) + kval : kval);
+          dv(b, k0 + c, hk, d) = GS(acc ? T(dv(b, k0 + c, hk, d)) + vval : vval);
         }
       });
       team.team_barrier();
@@ -538,6 +543,7 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
 template <class ExecSpace, class T, class AccView, class DQV>
 void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, T scale,
                bool accumulate) {
+  using GS = typename DQV::non_const_value_type;
   const int heads = int(dq.extent(2)), queries = int(dq.extent(1)), dim = int(dq.extent(3));
   const std::int64_t rows = std::int64_t(dq.extent(0)) * heads * queries;
   Kokkos::parallel_for(
@@ -548,7 +554,7 @@ void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, T sca
                   b = int(row / (std::int64_t(queries) * heads));
         for (int d = 0; d < dim; ++d) {
           const T val = scale * dqacc(b, h, i, d);
-          dq(b, i, h, d) = accumulate ? dq(b, i, h, d) + val : val;
+          dq(b, i, h, d) = GS(accumulate ? T(dq(b, i, h, d)) + val : val);
         }
       });
 }

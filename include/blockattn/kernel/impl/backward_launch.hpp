@@ -37,8 +37,10 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
                      const PackedKeys<T, typename ExecSpace::memory_space>& keys, const DQV& dq,
                      const DKV& dk, const DVV& dv, const Mask& mask, const QPos& qpos,
                      const KPos& kpos, T scale, const BackwardBlock& blk) {
-  using QK = QueryKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
-  using KK = KeyKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
+  using QK = QueryKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos, value_of<DQV>>;
+  using KK = KeyKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos, value_of<DKV>>;
+  static_assert(std::is_same<value_of<DKV>, value_of<DVV>>::value,
+                "BlockAttn: dk and dv must have the same value type");
   auto setup = [&](auto& f) {
     f.qrows = queries.q;
     f.dorows = queries.dout;
@@ -80,7 +82,7 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
   using K = BackwardBlock::Kernels;
   if (is_host_space_v<ExecSpace> && blk.run_dq && blk.run_dkv && blk.kernels != K::split &&
       (busy || blk.kernels == K::fused)) {
-    using FK = FusedKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos>;
+    using FK = FusedKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos, value_of<DKV>>;
     FK f;
     setup(f);
     f.dk = typename FK::out4(dk);

@@ -22,20 +22,26 @@ struct ForwardExtents {
 };
 
 /// The functor. StaticD > 0 fixes the (padded) head dim at compile time.
+/// T is the compute type (fp32 for bf16/fp16 storage); QS and OS are the
+/// storage types of q and o. The unnormalised O between calls (resume /
+/// !finish) lives in `o_acc`, of type T: the caller's o when OS is T.
 ///
 /// Loop nest of one team (see include/blockattn/README.md):
 ///   for key tile j in block            <- operator()    (skips empty tiles)
 ///     S = Q_i K_j^T                    <- micro_gemm    (register tiles)
 ///     online softmax on rows of S      <- softmax_rows  (mask on partial tiles)
 ///     O_i = diag(alpha) O_i + P V_j    <- micro_gemm
-template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos>
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class QS = T, class OS = T>
 struct ForwardKernel {
   using memory_space = typename ExecSpace::memory_space;
   using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_type = typename policy_type::member_type;
-  using in_view = Kokkos::View<const T****, Kokkos::LayoutStride, memory_space,
+  using in_view = Kokkos::View<const QS****, Kokkos::LayoutStride, memory_space,
                                Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-  using out_view = Kokkos::View<T****, Kokkos::LayoutStride, memory_space,
+  using out_view = Kokkos::View<OS****, Kokkos::LayoutStride, memory_space,
+                                Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using acc_view = Kokkos::View<T****, Kokkos::LayoutStride, memory_space,
                                 Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   using lse_view = Kokkos::View<T***, Kokkos::LayoutStride, memory_space,
                                 Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
@@ -61,8 +67,9 @@ struct ForwardKernel {
   in_view q;   // (batch, queries, heads, dim)
   kt_view kt;  // packed block, see PackedKV
   v_view v;
-  out_view o;    // (batch, queries, heads, dim)
-  lse_view lse;  // (batch, heads, queries)
+  out_view o;      // (batch, queries, heads, dim)
+  acc_view o_acc;  // unnormalised O between calls (batch, queries, heads, dim)
+  lse_view lse;    // (batch, heads, queries)
   // Online-softmax state between calls over several K/V blocks (ring steps):
   // resume = read O (unnormalised), m, l written by the previous call;
   // finish = normalise into O and LSE (else write the state back).
@@ -112,8 +119,8 @@ struct ForwardKernel {
       const bool load = resume && row_in;
       for (int d = 0; d < dp; ++d) {
         const bool col_in = row_in && d < ext.dim;
-        qs[r * dp + d] = col_in ? q_scale * q(b, q0 + r, h, d) : T(0);
-        os[r * dp + d] = (load && d < ext.dim) ? o(b, q0 + r, h, d) : T(0);
+        qs[r * dp + d] = col_in ? q_scale * T(q(b, q0 + r, h, d)) : T(0);
+        os[r * dp + d] = (load && d < ext.dim) ? o_acc(b, q0 + r, h, d) : T(0);
       }
       m[r] = load ? m_state(b, h, q0 + r) : -infinity<T>();
       l[r] = load ? l_state(b, h, q0 + r) : T(0);
@@ -205,7 +212,7 @@ struct ForwardKernel {
     if (!finish) {
       // More blocks follow: keep the unnormalised O in `o` and (m, l) in the state.
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
-        for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d];
+        for (int d = 0; d < ext.dim; ++d) o_acc(b, q0 + r, h, d) = os[r * dp + d];
         m_state(b, h, q0 + r) = m[r];
         l_state(b, h, q0 + r) = l[r];
       });
@@ -215,7 +222,7 @@ struct ForwardKernel {
     // rows whose allowed logits held a NaN (l = NaN): O and LSE NaN.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
       const T inv_l = SoftmaxRow<T>::inverse_sum(l[r]);
-      for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = os[r * dp + d] * inv_l;
+      for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = OS(os[r * dp + d] * inv_l);
       lse(b, h, q0 + r) = SoftmaxRow<T>::lse(m[r], l[r]);
     });
   }

@@ -6,6 +6,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
+#include <blockattn/core/half.hpp>
 #include <blockattn/kernel/impl/forward_kernel.hpp>
 #include <blockattn/kernel/impl/pack.hpp>
 #include <blockattn/kernel/impl/policy_check.hpp>
@@ -14,10 +15,6 @@
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
-#include <cmath>
-#include <limits>
-#include <type_traits>
-
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -37,9 +34,9 @@ constexpr bool forward_views_ok() {
                 Kokkos::is_view<LV>::value) {
     using T = value_of<OV>;
     return QV::rank == 4 && KV::rank == 4 && VV::rank == 4 && OV::rank == 4 && LV::rank == 3 &&
-           (std::is_same<T, float>::value || std::is_same<T, double>::value) &&
-           std::is_same<value_of<QV>, T>::value && std::is_same<value_of<KV>, T>::value &&
-           std::is_same<value_of<VV>, T>::value && std::is_same<value_of<LV>, T>::value &&
+           is_value_type_v<T> && std::is_same<value_of<QV>, T>::value &&
+           std::is_same<value_of<KV>, T>::value && std::is_same<value_of<VV>, T>::value &&
+           std::is_same<value_of<LV>, compute_t<T>>::value &&
            !std::is_const<typename OV::value_type>::value &&
            !std::is_const<typename LV::value_type>::value;
   } else {
@@ -59,11 +56,16 @@ constexpr void check_forward_view_types() {
                   "BlockAttn: q, k, v and o must be rank-4 Views (batch, seq, heads, head_dim)");
     static_assert(LV::rank == 3, "BlockAttn: lse must be a rank-3 View (batch, heads, seq)");
     using T = value_of<OV>;
-    static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                  "BlockAttn: the value type must be float or double");
+    static_assert(is_value_type_v<T>,
+                  "BlockAttn: the value type of o must be float, double, blockattn::bf16 or "
+                  "blockattn::fp16");
     static_assert(std::is_same<value_of<QV>, T>::value && std::is_same<value_of<KV>, T>::value &&
-                      std::is_same<value_of<VV>, T>::value && std::is_same<value_of<LV>, T>::value,
-                  "BlockAttn: q, k, v, o and lse must have the same value type");
+                      std::is_same<value_of<VV>, T>::value,
+                  "BlockAttn: q, k, v and o must have the same value type (mixed storage types "
+                  "are not supported: convert the inputs)");
+    static_assert(std::is_same<value_of<LV>, compute_t<T>>::value,
+                  "BlockAttn: lse must have the compute type of the values: float for float, "
+                  "bf16 and fp16, double for double");
     static_assert(!std::is_const<typename OV::value_type>::value &&
                       !std::is_const<typename LV::value_type>::value,
                   "BlockAttn: o and lse are outputs and must not be Views of const");
@@ -105,14 +107,14 @@ ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const 
          " exceeds the per-call limit of ", int_max / 2, " rows");
   if (!std::isnan(scale) && !(std::isfinite(scale) && scale != 0.0))
     fail(fn, "argument 'scale' is ", scale, ", expected a finite non-zero value");
-  using T = value_of<OV>;
+  using T = compute_t<value_of<OV>>;
   // The kernels multiply by scale * log2(e) in T: it must be a normal number of T.
   const double limit = double(std::numeric_limits<T>::max()) / 1.4426950408889634;
   if (!std::isnan(scale) && (std::abs(scale) > limit || std::abs(scale) * 1.4426950408889634 <
                                                             double(std::numeric_limits<T>::min())))
     fail(fn, "argument 'scale' is ", scale, ", which ", std::abs(scale) > limit ? "over" : "under",
          "flows ", std::is_same<T, float>::value ? "float" : "double",
-         " (the value type) once multiplied by log2(e); expected ",
+         " (the compute type) once multiplied by log2(e); expected ",
          double(std::numeric_limits<T>::min()) / 1.4426950408889634, " <= |scale| <= ", limit);
   ForwardExtents e;
   e.batch = int(q.extent(0));
@@ -156,6 +158,9 @@ struct BlockStep {
   // Launch only teams [league_begin, league_end) of (batch, head, query tile);
   // league_end < 0: all. Schedules split a step to progress communication.
   int league_begin = 0, league_end = -1;
+  // Where the unnormalised O lives between calls (resume / !finish): empty
+  // means the caller's o, which then must have value type T.
+  Kokkos::View<T****, Kokkos::LayoutStride, MemorySpace> o_acc;
 };
 
 /// Number of teams (batch x heads x query tiles) of a forward launch.
@@ -170,7 +175,8 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
                     const PackedKV<T, typename ExecSpace::memory_space>& kv, const OV& o,
                     const LV& lse, const Mask& mask, const QPos& qpos, const KPos& kpos, T scale,
                     const BlockStep<T, typename ExecSpace::memory_space>& step = {}) {
-  using Kernel = ForwardKernel<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos>;
+  using Kernel =
+      ForwardKernel<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, value_of<QV>, value_of<OV>>;
   Kernel f;
   f.m_state = step.state.m;
   f.l_state = step.state.l;
@@ -180,6 +186,14 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.kt = kv.kt;
   f.v = kv.v;
   f.o = typename Kernel::out_view(o);
+  if constexpr (std::is_same<value_of<OV>, T>::value) {
+    f.o_acc = step.o_acc.data() != nullptr ? typename Kernel::acc_view(step.o_acc)
+                                           : typename Kernel::acc_view(o);
+  } else {
+    if ((step.resume || !step.finish) && step.o_acc.data() == nullptr)
+      throw std::logic_error("BlockAttn: a forward step over 16-bit o needs an fp32 accumulator");
+    f.o_acc = typename Kernel::acc_view(step.o_acc);
+  }
   f.lse = typename Kernel::lse_view(lse);
   f.mask = mask;
   f.qpos = qpos;
@@ -212,7 +226,7 @@ template <class Shape, class ExecSpace, class QV, class KV, class VV, class OV, 
 void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
                      const OV& o, const LV& lse, const Mask& mask, const QPos& qpos,
                      const KPos& kpos, double scale, bool check_policies) {
-  using T = typename OV::non_const_value_type;
+  using T = compute_t<value_of<OV>>;
   using mem = typename ExecSpace::memory_space;
   const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale);
   if (check_policies_always || check_policies)
@@ -223,7 +237,7 @@ void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const K
     constexpr int SD = decltype(static_d)::value;
     using S = decltype(shape);
     check_tile_shape<S>();
-    using Kernel = ForwardKernel<ExecSpace, T, SD, S, Mask, QPos, KPos>;
+    using Kernel = ForwardKernel<ExecSpace, T, SD, S, Mask, QPos, KPos, value_of<QV>, value_of<OV>>;
     auto kv =
         allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, Kernel::pad_dim(e.dim), S::block_k);
     pack_kv(exec, k, v, kv);

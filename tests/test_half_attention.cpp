@@ -1,0 +1,322 @@
+// SPDX-License-Identifier: Apache-2.0
+// Single-device forward and backward with bf16 / fp16 storage (fp32 compute):
+// against the fp64 reference of the rounded inputs within the documented
+// bound, and bitwise against the fp32 kernels rounded once.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "backend.hpp"
+#include "forward_check.hpp"
+#include "reference.hpp"
+
+using namespace blockattn;
+using namespace blockattn::test;
+
+namespace {
+
+template <class S>
+using V4 = Kokkos::View<S****, MemSpace>;
+using L3 = Kokkos::View<float***, MemSpace>;
+
+/// The largest error of rounding a value to S beyond u16 * |x|: half of the
+/// smallest subnormal (fp16: 2^-25; bf16's subnormals are fp32's: 2^-134).
+template <class S>
+constexpr double subnormal_error() {
+  return std::is_same<S, fp16>::value ? 2.9802322387695312e-08 : 2.2958874039497803e-41;
+}
+
+/// Bound on |fl16(x~) - x| when x~ (fp32) is within e32 of x: e32 + u16 (|x| + e32) + tiny.
+template <class S>
+double rounded_bound(double e32, double x) {
+  return e32 + S::unit_roundoff * (std::abs(x) + e32) + subnormal_error<S>();
+}
+
+template <class View>
+HostTensor download(const View& v) {
+  auto h = to_host(v);
+  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
+  for (int a = 0; a < t.b; ++a)
+    for (int n = 0; n < t.n; ++n)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = static_cast<double>(h(a, n, x, d));
+  return t;
+}
+
+/// max over elements of |got - want| / rounded_bound(e32, want); false when got is not finite.
+template <class S>
+double worst_ratio(const HostTensor& got, const HostTensor& want, double e32, bool& finite) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < got.data.size(); ++i) {
+    if (!std::isfinite(got.data[i])) finite = false;
+    worst =
+        std::max(worst, std::abs(got.data[i] - want.data[i]) / rounded_bound<S>(e32, want.data[i]));
+  }
+  return worst;
+}
+
+/// Copies a host tensor into a fresh View of T (no rounding beyond T's).
+template <class T>
+V4<T> make_view(const HostTensor& t, const char* name) {
+  V4<T> v(std::string(name), t.b, t.n, t.h, t.d);
+  HostTensor copy = t;
+  upload(copy, v);
+  return v;
+}
+
+enum class Layout { right, strided };
+
+/// Forward in S: O within the bound of one rounding of an fp32 result, LSE
+/// within the fp32 bound, masked rows exact; and bitwise the fp32 forward on
+/// the same (rounded) inputs, rounded once.
+template <class S, class Mask>
+ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::uint64_t seed,
+                        ForwardOptions opts = {}) {
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  HostTensor k = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  HostTensor v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  const double scale = std::isnan(opts.scale) ? 1.0 / std::sqrt(double(s.d)) : opts.scale;
+  V4<S> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
+      vd("v", s.b, s.nk, s.hkv, s.d);
+  upload(q, qd);  // q, k, v now hold the rounded values
+  upload(k, kd);
+  upload(v, vd);
+  HostTensor o16;
+  Kokkos::View<float***, Kokkos::HostSpace> lse16;
+  if (layout == Layout::right) {
+    V4<S> od("o", s.b, s.nq, s.h, s.d);
+    L3 ld("lse", s.b, s.h, s.nq);
+    attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+    o16 = download(od);
+    lse16 = to_host(ld);
+  } else {
+    // Strided sub-views of larger allocations, inputs and outputs.
+    const auto all = Kokkos::ALL;
+    const auto dims = std::make_pair(0, s.d);
+    V4<S> qb("q", s.b, s.nq, s.h + 1, s.d + 3), kb("k", s.b, s.nk, s.hkv + 2, s.d + 1),
+        vb("v", s.b, s.nk, s.hkv + 1, s.d + 2), ob("o", s.b, s.nq, s.h + 2, s.d + 1);
+    L3 lb("lse", s.b, s.h + 1, s.nq + 3);
+    auto qs = Kokkos::subview(qb, all, all, std::make_pair(1, 1 + s.h), dims);
+    auto ks = Kokkos::subview(kb, all, all, std::make_pair(2, 2 + s.hkv), dims);
+    auto vs = Kokkos::subview(vb, all, all, std::make_pair(0, s.hkv), dims);
+    auto os = Kokkos::subview(ob, all, all, std::make_pair(1, 1 + s.h), dims);
+    auto ls = Kokkos::subview(lb, all, std::make_pair(1, 1 + s.h), std::make_pair(2, 2 + s.nq));
+    auto qc = contiguous_like(qs), kc = contiguous_like(ks), vc = contiguous_like(vs);
+    Kokkos::deep_copy(qc, qd);
+    Kokkos::deep_copy(kc, kd);
+    Kokkos::deep_copy(vc, vd);
+    Kokkos::deep_copy(qs, qc);
+    Kokkos::deep_copy(ks, kc);
+    Kokkos::deep_copy(vs, vc);
+    attention_forward(ExecSpace{}, qs, ks, vs, os, ls, mask, opts);
+    o16 = download(os);
+    lse16 = to_host(ls);
+  }
+  Kokkos::fence();
+  const ReferenceResult ref =
+      reference_attention(q, k, v, mask, scale, opts.q_offset, opts.k_offset);
+  ErrorReport err;
+  {
+    // The same comparison as the fp32/fp64 tests, for LSE and masked rows.
+    V4<double> oh("o", s.b, s.nq, s.h, s.d);
+    HostTensor copy = o16;
+    upload(copy, oh);
+    err = compare(ref, oh, lse16);
+  }
+  const double e32 = tolerance<float>(ref, s.d, s.nk);
+  bool finite = true;
+  const double ratio = worst_ratio<S>(o16, ref.o, e32, finite);
+  INFO(value_type_name<S>(), " ", describe(s), (layout == Layout::right ? " right" : " strided"),
+       " e32=", e32, " O err/bound=", ratio, " lse_err=", err.lse_err);
+  CHECK(err.finite);
+  CHECK(finite);
+  CHECK(err.masked_rows_exact);
+  CHECK(ratio <= 1.0);
+  CHECK(err.lse_err <= e32);
+
+  // Bitwise: the fp32 forward of the same inputs, rounded once.
+  V4<float> o32("o32", s.b, s.nq, s.h, s.d);
+  L3 l32("lse32", s.b, s.h, s.nq);
+  attention_forward(ExecSpace{}, make_view<float>(q, "q32"), make_view<float>(k, "k32"),
+                    make_view<float>(v, "v32"), o32, l32, mask, opts);
+  const HostTensor o32h = download(o32);
+  auto l32h = to_host(l32);
+  std::size_t o_diff = 0, l_diff = 0;
+  for (std::size_t i = 0; i < o32h.data.size(); ++i)
+    o_diff += static_cast<double>(S(float(o32h.data[i]))) != o16.data[i];
+  for (int a = 0; a < s.b; ++a)
+    for (int h = 0; h < s.h; ++h)
+      for (int n = 0; n < s.nq; ++n) {
+        const float x = l32h(a, h, n), y = lse16(a, h, n);
+        l_diff += !(x == y || (std::isnan(x) && std::isnan(y)));
+      }
+  CHECK(o_diff == 0);
+  CHECK(l_diff == 0);
+  return err;
+}
+
+const Shape shapes[] = {
+    {1, 1, 1, 1, 1, 64},     {1, 17, 33, 1, 1, 40},  {2, 64, 64, 2, 1, 64},
+    {1, 130, 63, 4, 2, 128}, {1, 97, 97, 1, 1, 256}, {1, 193, 257, 2, 1, 128},
+};
+
+/// Documents of uneven lengths (1-token ones too) over [0, length).
+std::vector<index_type> document_offsets(index_type length) {
+  std::vector<index_type> off{0};
+  for (index_type cut : {1, 2, 7, 40, 41, 100, 101, 190})
+    if (cut < length) off.push_back(cut);
+  off.push_back(length);
+  return off;
+}
+
+/// Backward in S: every gradient within the bound of one rounding of the fp32
+/// result (the fp32 bound: 1e-4 of the largest entry), against the fp64
+/// gradients of the rounded inputs with rowsum(dO o O) formed from the O the
+/// forward returned (as the kernels do); and bitwise the fp32 backward of the
+/// same inputs (and the same O), rounded once.
+template <class S, class Mask>
+void run_backward(const Shape& s, const Mask& mask, std::uint64_t seed, ForwardOptions opts = {},
+                  Layout layout = Layout::right) {
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng),
+             k = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+             v = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+             dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  V4<S> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
+      vd("v", s.b, s.nk, s.hkv, s.d), od("o", s.b, s.nq, s.h, s.d), dod("do", s.b, s.nq, s.h, s.d);
+  L3 ld("lse", s.b, s.h, s.nq);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  upload(dout, dod);
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+  HostTensor g16[3];
+  if (layout == Layout::right) {
+    V4<S> dqd("dq", s.b, s.nq, s.h, s.d), dkd("dk", s.b, s.nk, s.hkv, s.d),
+        dvd("dv", s.b, s.nk, s.hkv, s.d);
+    attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, mask, opts);
+    g16[0] = download(dqd);
+    g16[1] = download(dkd);
+    g16[2] = download(dvd);
+  } else {
+    // Gradients into strided sub-views.
+    const auto all = Kokkos::ALL;
+    const auto dims = std::make_pair(1, 1 + s.d);
+    V4<S> dqb("dq", s.b, s.nq, s.h + 1, s.d + 2), dkb("dk", s.b, s.nk, s.hkv + 2, s.d + 1),
+        dvb("dv", s.b, s.nk, s.hkv + 1, s.d + 3);
+    auto dqs = Kokkos::subview(dqb, all, all, std::make_pair(1, 1 + s.h), dims);
+    auto dks = Kokkos::subview(dkb, all, all, std::make_pair(0, s.hkv), dims);
+    auto dvs = Kokkos::subview(dvb, all, all, std::make_pair(1, 1 + s.hkv), dims);
+    attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqs, dks, dvs, mask, opts);
+    g16[0] = download(dqs);
+    g16[1] = download(dks);
+    g16[2] = download(dvs);
+  }
+  Kokkos::fence();
+  const HostTensor o16 = download(od);
+  const double scale = std::isnan(opts.scale) ? 1.0 / std::sqrt(double(s.d)) : opts.scale;
+  const ReferenceGrads ref =
+      reference_backward(q, k, v, dout, mask, scale, opts.q_offset, opts.k_offset, &o16);
+  const HostTensor* want[3] = {&ref.dq, &ref.dk, &ref.dv};
+  const char* names[3] = {"dq", "dk", "dv"};
+
+  // fp32 backward of the same inputs and the same O and LSE.
+  V4<float> q32 = make_view<float>(q, "q32"), k32 = make_view<float>(k, "k32"),
+            v32 = make_view<float>(v, "v32"), o32 = make_view<float>(o16, "o32"),
+            do32 = make_view<float>(dout, "do32"), dq32("dq32", s.b, s.nq, s.h, s.d),
+            dk32("dk32", s.b, s.nk, s.hkv, s.d), dv32("dv32", s.b, s.nk, s.hkv, s.d);
+  attention_backward(ExecSpace{}, q32, k32, v32, o32, ld, do32, dq32, dk32, dv32, mask, opts);
+  const HostTensor g32[3] = {download(dq32), download(dk32), download(dv32)};
+
+  for (int w = 0; w < 3; ++w) {
+    double largest = 0.0;
+    for (double x : want[w]->data) largest = std::max(largest, std::abs(x));
+    const double e32 = 1e-4 * largest;  // the fp32 gradient bound (test_backward.cpp)
+    bool finite = true;
+    const double ratio = worst_ratio<S>(g16[w], *want[w], e32, finite);
+    std::size_t diff = 0;
+    for (std::size_t i = 0; i < g32[w].data.size(); ++i)
+      diff += static_cast<double>(S(float(g32[w].data[i]))) != g16[w].data[i];
+    INFO(value_type_name<S>(), " ", describe(s), " ", names[w], " err/bound=", ratio,
+         " differing from rounded fp32: ", diff);
+    CHECK(finite);
+    CHECK(ratio <= 1.0);
+    CHECK(diff == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("16-bit forward: every mask and layout, within one rounding of fp32", S, bf16,
+                   fp16) {
+  std::uint64_t seed = 300;
+  for (const Shape& s : shapes) {
+    ++seed;
+    const Layout layout = seed % 2 ? Layout::strided : Layout::right;
+    run_forward<S>(s, FullMask{}, layout, seed);
+    run_forward<S>(s, CausalMask{}, layout, seed);
+    run_forward<S>(s, SlidingWindowMask{20, 5}, layout, seed);
+    run_forward<S>(s, PrefixLMMask{40}, layout, seed);
+    const Documents<MemSpace> docs(document_offsets(s.nq > s.nk ? s.nq : s.nk));
+    run_forward<S>(s, docs.mask(), layout, seed);
+  }
+  // Offsets (decode-like chunk), and rows that see no key.
+  ForwardOptions opts;
+  opts.q_offset = 150;
+  run_forward<S>({1, 50, 200, 2, 1, 64}, CausalMask{}, Layout::right, 7, opts);
+  opts.q_offset = 0;
+  opts.k_offset = 100;
+  const ErrorReport e =
+      run_forward<S>({1, 180, 70, 2, 1, 64}, CausalMask{}, Layout::strided, 9, opts);
+  CHECK(e.masked_rows == 2 * 100);
+}
+
+TEST_CASE_TEMPLATE("16-bit backward: every mask, within one rounding of fp32", S, bf16, fp16) {
+  std::uint64_t seed = 700;
+  const Shape bshapes[] = {{1, 1, 1, 1, 1, 64},
+                           {1, 70, 45, 2, 1, 40},
+                           {2, 64, 64, 2, 2, 64},
+                           {1, 97, 130, 4, 2, 128},
+                           {1, 50, 80, 1, 1, 200}};
+  for (const Shape& s : bshapes) {
+    run_backward<S>(s, FullMask{}, ++seed);
+    run_backward<S>(s, CausalMask{}, ++seed);
+    run_backward<S>(s, SlidingWindowMask{17, 9}, ++seed, {}, Layout::strided);
+    run_backward<S>(s, PrefixLMMask{30}, ++seed);
+    const Documents<MemSpace> docs(document_offsets(s.nq > s.nk ? s.nq : s.nk));
+    run_backward<S>(s, docs.mask(), ++seed, {}, Layout::strided);
+  }
+  ForwardOptions opts;
+  opts.q_offset = 100;
+  opts.k_offset = 60;
+  run_backward<S>({1, 66, 90, 2, 1, 64}, CausalMask{}, 77, opts);
+}
+
+TEST_CASE_TEMPLATE("16-bit NaN inputs give NaN exactly where they are visible", S, bf16, fp16) {
+  // One NaN in K at key 30, causal: rows >= 30 get NaN in O and LSE, rows < 30 are finite.
+  const int n = 70, d = 64;
+  std::mt19937_64 rng(5);
+  HostTensor q = random_tensor(1, n, 1, d, rng), k = random_tensor(1, n, 1, d, rng),
+             v = random_tensor(1, n, 1, d, rng);
+  k(0, 30, 0, 7) = std::numeric_limits<double>::quiet_NaN();
+  V4<S> qd("q", 1, n, 1, d), kd("k", 1, n, 1, d), vd("v", 1, n, 1, d), od("o", 1, n, 1, d);
+  L3 ld("lse", 1, 1, n);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, CausalMask{});
+  const HostTensor o = download(od);
+  auto l = to_host(ld);
+  int wrong = 0;
+  for (int i = 0; i < n; ++i) {
+    const bool want_nan = i >= 30;
+    wrong += std::isnan(l(0, 0, i)) != want_nan;
+    for (int x = 0; x < d; ++x) wrong += std::isnan(o(0, i, 0, x)) != want_nan;
+  }
+  CHECK(wrong == 0);
+}
