@@ -2,9 +2,13 @@
 // Seeded random configurations against the independent fp64 reference
 // (reference.hpp): shape (batch, local length, heads, kv heads / GQA, head
 // dim), mask (full, causal, window, prefix-LM, causal documents, random
-// block-sparse; one run-time mask type), partition, schedule, value type,
-// forward and backward through DistributedAttention on this communicator's P
-// ranks, plus a single-device forward/backward with random offsets. Every
+// block-sparse; one run-time mask type), partition, schedule, value type
+// (fp64, fp32, bf16, fp16), forward and backward through DistributedAttention
+// on this communicator's P ranks, plus a single-device forward/backward with
+// random offsets (in fp32 for the 16-bit types: the single-device 16-bit
+// path has its own tests, test_half_attention.cpp). bf16 runs every schedule
+// x partition; fp16, the same code with another conversion, a sample of them
+// (one per schedule), so that the instantiations stay few. Every
 // configuration goes through a small fixed set of instantiations, so the
 // number of configurations costs run time, not compile time.
 //
@@ -113,7 +117,7 @@ struct Config {
   std::uint64_t seed = 0;
   int partition = 0;  // 0 contiguous, 1 striped, 2 zigzag
   int schedule = 0;   // 0 ring, 1 burst, 2 balanced, 3 all-gather
-  bool fp32 = false;
+  int type = 0;       // 0 fp64, 1 fp32, 2 bf16, 3 fp16
   int b = 1, n_local = 1, h = 1, hkv = 1, d = 8;
   index_type q_offset = 0, k_offset = 0;  // single-device call
   RandomMask mask;
@@ -121,21 +125,25 @@ struct Config {
   std::string describe(int P) const {
     const char* parts[] = {"contiguous", "striped", "zigzag"};
     const char* scheds[] = {"ring", "burst", "balanced", "all-gather"};
+    const char* types[] = {"fp64", "fp32", "bf16", "fp16"};
     std::ostringstream s;
     s << "seed " << seed << ": P=" << P << " " << parts[partition] << " " << scheds[schedule] << " "
-      << (fp32 ? "fp32" : "fp64") << " B=" << b << " n_local=" << n_local << " H=" << h
-      << " Hkv=" << hkv << " D=" << d << " mask=" << mask.describe() << " offsets=(" << q_offset
-      << ", " << k_offset << ")";
+      << types[type] << " B=" << b << " n_local=" << n_local << " H=" << h << " Hkv=" << hkv
+      << " D=" << d << " mask=" << mask.describe() << " offsets=(" << q_offset << ", " << k_offset
+      << ")";
     return s.str();
   }
 };
+
+/// The partition fp16 runs with each schedule (ring, burst, balanced, all-gather).
+constexpr int fp16_partition[4] = {2, 0, 0, 1};
 
 Config draw(std::uint64_t seed, int P) {
   std::mt19937_64 rng(seed);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   Config c;
   c.seed = seed;
-  c.fp32 = pick(0, 1) == 1;
+  c.type = pick(0, 3);
   c.b = pick(1, 2);
   const int heads[] = {1, 2, 3, 4};
   c.h = heads[pick(0, 3)];
@@ -146,6 +154,7 @@ Config draw(std::uint64_t seed, int P) {
   c.n_local = pick(1, 96);
   c.schedule = pick(0, 3);
   c.partition = c.schedule == 2 ? 0 : pick(0, 2);
+  if (c.type == 3) c.partition = fp16_partition[c.schedule];
   if (c.partition == 2 && c.n_local % 2) ++c.n_local;  // zigzag: N a multiple of 2P
   const index_type N = index_type(c.n_local) * P;
   for (;;) {
@@ -178,10 +187,14 @@ V4<T> upload(const HostTensor& t) {
   return v;
 }
 
-/// Inputs rounded to T, so that the reference sees exactly the kernel's inputs.
-HostTensor rounded(HostTensor t, bool fp32) {
-  if (fp32)
-    for (auto& x : t.data) x = double(float(x));
+/// Inputs rounded to the value type, so that the reference sees exactly the
+/// kernel's inputs.
+HostTensor rounded(HostTensor t, int type) {
+  for (auto& x : t.data) {
+    if (type == 1) x = double(float(x));
+    if (type == 2) x = double(bf16(float(x)));
+    if (type == 3) x = double(fp16(float(x)));
+  }
   return t;
 }
 
@@ -218,7 +231,7 @@ Errors run_distributed(Mpi& comm, const Config& c, const HostTensor& q, const Ho
   V4<T> ql("q", c.b, n, c.h, c.d), kl("k", c.b, n, c.hkv, c.d), vl("v", c.b, n, c.hkv, c.d),
       dol("do", c.b, n, c.h, c.d), ol("o", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d),
       dk("dk", c.b, n, c.hkv, c.d), dv("dv", c.b, n, c.hkv, c.d);
-  V3<T> ll("lse", c.b, c.h, n);
+  V3<compute_t<T>> ll("lse", c.b, c.h, n);
   to_local<Partition>(ExecSpace{}, P, rank, gq, ql);
   to_local<Partition>(ExecSpace{}, P, rank, gk, kl);
   to_local<Partition>(ExecSpace{}, P, rank, gv, vl);
@@ -291,6 +304,15 @@ Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTen
   if (c.schedule == 2)
     return run_distributed<T, ContiguousPartition, BalancedSchedule>(comm, c, q, k, v, dout, ref,
                                                                      grads);
+  if constexpr (std::is_same<T, fp16>::value) {  // one partition per schedule (fp16_partition)
+    if (c.schedule == 0)
+      return run_distributed<T, ZigzagPartition, RingSchedule>(comm, c, q, k, v, dout, ref, grads);
+    if (c.schedule == 1)
+      return run_distributed<T, ContiguousPartition, BurstSchedule>(comm, c, q, k, v, dout, ref,
+                                                                    grads);
+    return run_distributed<T, StripedPartition, AllGatherSchedule>(comm, c, q, k, v, dout, ref,
+                                                                   grads);
+  }
   auto with = [&](auto schedule) {
     using S = decltype(schedule);
     switch (c.partition) {
@@ -325,10 +347,10 @@ TEST_CASE("random configurations against the fp64 reference") {
     const Config c = draw(seed, P);
     const int N = c.n_local * P;
     std::mt19937_64 rng(seed ^ 0x5DEECE66Dull);
-    const HostTensor q = rounded(test::random_tensor(c.b, N, c.h, c.d, rng), c.fp32),
-                     k = rounded(test::random_tensor(c.b, N, c.hkv, c.d, rng), c.fp32),
-                     v = rounded(test::random_tensor(c.b, N, c.hkv, c.d, rng), c.fp32),
-                     dout = rounded(test::random_tensor(c.b, N, c.h, c.d, rng), c.fp32);
+    const HostTensor q = rounded(test::random_tensor(c.b, N, c.h, c.d, rng), c.type),
+                     k = rounded(test::random_tensor(c.b, N, c.hkv, c.d, rng), c.type),
+                     v = rounded(test::random_tensor(c.b, N, c.hkv, c.d, rng), c.type),
+                     dout = rounded(test::random_tensor(c.b, N, c.h, c.d, rng), c.type);
     const double scale = 1.0 / std::sqrt(double(c.d));
     const auto ref = test::reference_attention(q, k, v, c.mask, scale);
     const auto grads = test::reference_backward(q, k, v, dout, c.mask, scale);
@@ -341,11 +363,22 @@ TEST_CASE("random configurations against the fp64 reference") {
     Errors dist, single;
     std::string error;
     try {
-      dist = c.fp32 ? run_config<float>(comm, c, q, k, v, dout, ref, grads)
-                    : run_config<double>(comm, c, q, k, v, dout, ref, grads);
+      switch (c.type) {
+        case 0:
+          dist = run_config<double>(comm, c, q, k, v, dout, ref, grads);
+          break;
+        case 1:
+          dist = run_config<float>(comm, c, q, k, v, dout, ref, grads);
+          break;
+        case 2:
+          dist = run_config<bf16>(comm, c, q, k, v, dout, ref, grads);
+          break;
+        default:
+          dist = run_config<fp16>(comm, c, q, k, v, dout, ref, grads);
+      }
       if (single_here)
-        single = c.fp32 ? run_single<float>(c, q, k, v, dout, ref_off, grads_off)
-                        : run_single<double>(c, q, k, v, dout, ref_off, grads_off);
+        single = c.type == 0 ? run_single<double>(c, q, k, v, dout, ref_off, grads_off)
+                             : run_single<float>(c, q, k, v, dout, ref_off, grads_off);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -356,24 +389,34 @@ TEST_CASE("random configurations against the fp64 reference") {
       for (double x : t->data) gmax = std::max(gmax, std::abs(x));
     // Forward: the bound of forward_check.hpp (random-walk rounding of the
     // logits, the row sums and P*V); backward: test_backward.cpp's, relative
-    // to the largest gradient entry.
+    // to the largest gradient entry. 16-bit storage: the fp32 bound e32 plus
+    // one rounding of the result, e32 + u16 (max|x| + e32) + half the
+    // smallest fp16 subnormal (test_half_attention.cpp); LSE stays fp32.
+    const bool fp64 = c.type == 0;
     auto tol = [&](const test::ReferenceResult& r) {
-      return c.fp32 ? test::tolerance<float>(r, c.d, N) : test::tolerance<double>(r, c.d, N);
+      return fp64 ? test::tolerance<double>(r, c.d, N) : test::tolerance<float>(r, c.d, N);
     };
     const double tol_f = tol(ref), tol_s = single_here ? tol(ref_off) : 0.0;
-    const double tol_g = c.fp32 ? 1e-4 : 1e-11;
-    const bool ok = error.empty() && dist.pattern_ok && single.pattern_ok && dist.o <= tol_f &&
+    const double tol_g = fp64 ? 1e-11 : 1e-4;
+    const double u16 = c.type == 2 ? bf16::unit_roundoff : fp16::unit_roundoff;
+    const auto round16 = [&](double e32, double largest) {
+      return c.type < 2 ? e32 : e32 + u16 * (largest + e32) + 2.9802322387695312e-08;
+    };
+    double omax = 0.0;
+    for (double x : ref.o.data) omax = std::max(omax, std::abs(x));
+    const double tol_o = round16(tol_f, omax), tol_dg = round16(tol_g * gmax, gmax);
+    const bool ok = error.empty() && dist.pattern_ok && single.pattern_ok && dist.o <= tol_o &&
                     dist.lse <= tol_f && single.o <= tol_s && single.lse <= tol_s &&
-                    dist.grad <= tol_g * gmax && single.grad <= tol_g * gmax;
+                    dist.grad <= tol_dg && single.grad <= tol_g * gmax;
     if (!ok) {
       ++failed;
       std::ostringstream s;
       s << "rank " << comm.rank() << ": FAILED " << c.describe(P) << "\n  distributed: o " << dist.o
         << " lse " << dist.lse << " grad " << dist.grad / gmax << " pattern " << dist.pattern_ok
         << "; single device: o " << single.o << " lse " << single.lse << " grad "
-        << single.grad / gmax << " pattern " << single.pattern_ok << "; tolerances " << tol_f
-        << " / " << tol_s << " / " << tol_g << (error.empty() ? "" : "; threw: ") << error
-        << "\n  reproduce: BLOCKATTN_RANDOM_SEED=" << seed
+        << single.grad / gmax << " pattern " << single.pattern_ok << "; tolerances " << tol_o
+        << " / " << tol_f << " / " << tol_s << " / " << tol_dg << (error.empty() ? "" : "; threw: ")
+        << error << "\n  reproduce: BLOCKATTN_RANDOM_SEED=" << seed
         << " BLOCKATTN_RANDOM_COUNT=1 mpiexec -n " << P
         << " --oversubscribe build/tests/blockattn_test_random";
       FAIL_CHECK(s.str());

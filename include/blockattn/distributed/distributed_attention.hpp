@@ -138,14 +138,9 @@ class DistributedAttention {
   RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
                    const DistributedOptions& opts = {}) {
     impl::check_forward_view_types<QV, KV, VV, OV, LV>();
-    static_assert(
-        !is_half_storage_v<typename OV::non_const_value_type>,
-        "BlockAttn: DistributedAttention takes float and double values; bf16 and fp16 run on "
-        "one device (attention_forward, attention_backward) in this release");
-    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
-                  !is_half_storage_v<typename OV::non_const_value_type>) {
+    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
       const impl::ForwardExtents e = validate(fn, q, k, v, o, lse, opts);
-      using T = typename OV::non_const_value_type;
+      using T = compute_t<typename OV::non_const_value_type>;
       using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
       RunStats stats;
       impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
@@ -170,18 +165,19 @@ class DistributedAttention {
     static_assert(impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
                   "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
                   "(batch, seq, heads, head_dim)");
-    static_assert(
-        !is_half_storage_v<typename OV::non_const_value_type>,
-        "BlockAttn: DistributedAttention takes float and double values; bf16 and fp16 run on "
-        "one device (attention_forward, attention_backward) in this release");
     RunStats stats;
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
-                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>() &&
-                  !is_half_storage_v<typename OV::non_const_value_type>) {
+                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
+      using V = typename OV::non_const_value_type;
+      static_assert(std::is_same<typename DQV::non_const_value_type, V>::value &&
+                        std::is_same<typename DKV::non_const_value_type, V>::value &&
+                        std::is_same<typename DVV::non_const_value_type, V>::value &&
+                        std::is_same<typename DOV::non_const_value_type, V>::value,
+                    "BlockAttn: dout, dq, dk and dv must have the value type of q");
       const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
         impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
       });
-      using T = typename OV::non_const_value_type;
+      using T = compute_t<V>;
       using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
       impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
         constexpr int SD = decltype(static_d)::value;
@@ -208,6 +204,21 @@ class DistributedAttention {
     return std::int64_t(v.span()) * std::int64_t(sizeof(typename V::value_type));
   }
 
+  /// The View that holds the unnormalised O: the caller's o, or the fp32
+  /// accumulator of 16-bit storage.
+  template <bool Half, class OV, class A>
+  static const auto& accumulator(const OV& o, const A& acc) {
+    if constexpr (Half)
+      return acc;
+    else
+      return o;
+  }
+
+  template <class A, class B>
+  static bool same_memory(const A& a, const B& b) {
+    return static_cast<const void*>(a.data()) == static_cast<const void*>(b.data());
+  }
+
   template <class T, class DKV>
   static Buffer4<T> buffer_like(const DKV& x, const char* label) {
     return Buffer4<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
@@ -215,12 +226,14 @@ class DistributedAttention {
   }
 
   /// A rank's own gradient as a LayoutRight View of the memory space: the
-  /// caller's View itself when it is one (LayoutRight, contiguous), else a
-  /// workspace buffer copied out after the loop. One View type for every
+  /// caller's View itself when it is one (LayoutRight, contiguous, of the
+  /// compute type), else a workspace buffer copied out after the loop (for
+  /// bf16 / fp16 gradients: an fp32 sum over the steps, rounded once). One View type for every
   /// gradient target keeps one instantiation of the backward kernels.
   template <class T, class G>
   static Buffer4<T> own_gradient(const G& g, const char* label) {
-    if constexpr (std::is_same<typename G::array_layout, Kokkos::LayoutRight>::value) {
+    if constexpr (std::is_same<typename G::array_layout, Kokkos::LayoutRight>::value &&
+                  std::is_same<typename G::non_const_value_type, T>::value) {
       if (g.span_is_contiguous())
         return Buffer4<T>(g.data(), g.extent(0), g.extent(1), g.extent(2), g.extent(3));
     }
@@ -241,7 +254,11 @@ class DistributedAttention {
                     const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
                     const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
     using B = typename Schedule::backward_type;
-    using T = typename OV::non_const_value_type;
+    // V: the storage type (what travels: K, V, Q, dO); T: the compute type
+    // (the kernels, LSE, D, and the gradient partials and sums).
+    using V = typename OV::non_const_value_type;
+    using T = compute_t<V>;
+    constexpr bool half = !std::is_same<V, T>::value;
     using mem = typename ExecSpace::memory_space;
     using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
     impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
@@ -257,19 +274,28 @@ class DistributedAttention {
 
     // Buffers: K/V slots (slot 0 a copy of k, v when it travels), packed
     // query slots (slot 0: ours), one packed key block, partial gradients.
-    std::vector<std::array<Buffer4<T>, 2>> kv(std::size_t(slots.kv));
+    std::vector<std::array<Buffer4<V>, 2>> kv(std::size_t(slots.kv));
     for (std::size_t i = (slots.kv_copy ? 0 : 1); i < kv.size(); ++i) {
-      kv[i][0] = buffer_like<T>(k, "blockattn::k_slot");
-      kv[i][1] = buffer_like<T>(v, "blockattn::v_slot");
+      kv[i][0] = buffer_like<V>(k, "blockattn::k_slot");
+      kv[i][1] = buffer_like<V>(v, "blockattn::v_slot");
     }
     if (slots.kv_copy) {
       Kokkos::deep_copy(m_exec, kv[0][0], k);
       Kokkos::deep_copy(m_exec, kv[0][1], v);
     }
-    std::vector<impl::PackedQueries<T, mem>> qs(std::size_t(slots.q));
+    // Query slots hold Q and dO in the storage type (what the Q ring moves);
+    // with 16-bit storage the kernels read `wide`, widened from the slot in use.
+    std::vector<impl::PackedQueries<T, mem, V>> qs(std::size_t(slots.q));
     for (auto& b : qs)
-      b = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
+      b = impl::allocate_packed_queries<T, mem, V>(e.batch, e.heads, e.queries, dp, Shape::block_q);
     impl::pack_queries(m_exec, q, dout, o, lse, qs[0]);
+    impl::PackedQueries<T, mem> wide;
+    if constexpr (half) {
+      wide = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
+      wide.lse2 = {};
+      wide.drow = {};
+    }
+    int widened = -1;  // the query slot whose rows `wide` holds (-1: none)
     auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
     int packed = -1;  // the K/V slot whose block `keys` holds (-1: none)
     const auto slot_buffers = [&](int n, const auto& like, const char* label) {
@@ -290,24 +316,25 @@ class DistributedAttention {
                      own_dk = own_gradient<T>(dk, "blockattn::dk"),
                      own_dv = own_gradient<T>(dv, "blockattn::dv");
     bool dq_written = false, dkv_written = false;
-    // Bytes of the (contiguous) blocks that travel: the caller's Views may be strided.
-    const std::int64_t kv_bytes = 2 * std::int64_t(e.batch) * e.keys * e.kv_heads * e.dim *
-                                  std::int64_t(sizeof(T)),
-                       dkv_bytes = kv_bytes;
+    // Bytes of the (contiguous) blocks that travel: the caller's Views may be
+    // strided. K, V in the storage type; their gradient partials in T.
+    const std::int64_t kv_elems = 2 * std::int64_t(e.batch) * e.keys * e.kv_heads * e.dim;
+    const std::int64_t kv_bytes = kv_elems * std::int64_t(sizeof(V)),
+                       dkv_bytes = kv_elems * std::int64_t(sizeof(T));
     const std::int64_t q_bytes =
         bytes_of(qs[0].q) + bytes_of(qs[0].dout) + bytes_of(qs[0].lse2) + bytes_of(qs[0].drow);
     const std::int64_t dq_bytes =
         std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
     stats.block_q = Shape::block_q;
     stats.block_k = Shape::block_k;
-    stats.workspace_bytes = std::int64_t(kv.size() - (slots.kv_copy ? 0 : 1)) * kv_bytes +
-                            std::int64_t(qs.size()) * q_bytes + bytes_of(keys.kt) +
-                            bytes_of(keys.vt) + bytes_of(keys.k) +
-                            std::int64_t(dq_out.size() + dq_in.size()) * dq_bytes +
-                            std::int64_t(dkv_out.size() + dkv_in.size()) * dkv_bytes +
-                            (own_dq.data() != dq.data() ? dq_bytes : 0) +
-                            (own_dk.data() != dk.data() ? dkv_bytes / 2 : 0) +
-                            (own_dv.data() != dv.data() ? dkv_bytes / 2 : 0);
+    stats.workspace_bytes =
+        std::int64_t(kv.size() - (slots.kv_copy ? 0 : 1)) * kv_bytes +
+        std::int64_t(qs.size()) * q_bytes + (half ? bytes_of(wide.q) + bytes_of(wide.dout) : 0) +
+        bytes_of(keys.kt) + bytes_of(keys.vt) + bytes_of(keys.k) +
+        std::int64_t(dq_out.size() + dq_in.size()) * dq_bytes +
+        std::int64_t(dkv_out.size() + dkv_in.size()) * dkv_bytes +
+        (same_memory(own_dq, dq) ? 0 : dq_bytes) + (same_memory(own_dk, dk) ? 0 : dkv_bytes / 2) +
+        (same_memory(own_dv, dv) ? 0 : dkv_bytes / 2);
 
     struct Arrival {
       Payload what;
@@ -361,6 +388,7 @@ class DistributedAttention {
       for (auto& r : due[std::size_t(s)]) x.wait(r);
       for (const Arrival& a : arrive[std::size_t(s)]) {
         if (a.what == Payload::kv && a.slot == packed) packed = -1;  // a new block in the slot
+        if (a.what == Payload::q && a.slot == widened) widened = -1;
         if (a.what == Payload::dq) {
           const auto& in = dq_in[std::size_t(a.slot)];
           if (a.add_to >= 0) {
@@ -414,9 +442,17 @@ class DistributedAttention {
         impl::BackwardBlock blk;
         blk.accumulate_dq = f.dq_slot < 0 && dq_written;
         blk.accumulate_dkv = f.dkv_slot < 0 && dkv_written;
-        impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, qs[std::size_t(f.q_slot)], keys,
-                                                       dqt, dkt, dvt, m_mask, pos(task.q_rank),
-                                                       pos(task.k_rank), scale, blk);
+        const impl::PackedQueries<T, mem>* rows = nullptr;
+        if constexpr (half) {
+          if (widened != f.q_slot) impl::widen_queries(m_exec, qs[std::size_t(f.q_slot)], wide);
+          widened = f.q_slot;
+          rows = &wide;
+        } else {
+          rows = &qs[std::size_t(f.q_slot)];
+        }
+        impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, *rows, keys, dqt, dkt, dvt,
+                                                       m_mask, pos(task.q_rank), pos(task.k_rank),
+                                                       scale, blk);
         dq_written = dq_written || f.dq_slot < 0;
         dkv_written = dkv_written || f.dkv_slot < 0;
       } else if (!task.idle()) {
@@ -445,9 +481,17 @@ class DistributedAttention {
       Kokkos::deep_copy(m_exec, own_dk, T(0));
       Kokkos::deep_copy(m_exec, own_dv, T(0));
     }
-    if (own_dq.data() != dq.data()) Kokkos::deep_copy(m_exec, dq, own_dq);
-    if (own_dk.data() != dk.data()) Kokkos::deep_copy(m_exec, dk, own_dk);
-    if (own_dv.data() != dv.data()) Kokkos::deep_copy(m_exec, dv, own_dv);
+    // The caller's gradients from the sums: copied, or rounded once to 16 bits.
+    const auto out = [&](const auto& target, const Buffer4<T>& sum) {
+      if (same_memory(sum, target)) return;
+      if constexpr (half)
+        impl::convert_into(m_exec, target, sum);
+      else
+        Kokkos::deep_copy(m_exec, target, sum);
+    };
+    out(dq, own_dq);
+    out(dk, own_dk);
+    out(dv, own_dv);
     m_exec.fence();
   }
   Communicator m_comm;
@@ -536,7 +580,11 @@ class DistributedAttention {
   template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV>
   void run_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
                    const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
-    using T = typename OV::non_const_value_type;
+    // V: the storage type (what travels: K, V, Q); T: the compute type (the
+    // kernels, the softmax state, the unnormalised O, partial results).
+    using V = typename OV::non_const_value_type;
+    using T = compute_t<V>;
+    constexpr bool half = !std::is_same<V, T>::value;
     using mem = typename ExecSpace::memory_space;
     using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
     impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, fn, opts.timeout_seconds);
@@ -556,17 +604,24 @@ class DistributedAttention {
     const ForwardSlots slots = forward_slots<Schedule>(ctx, rank);
     const bool merges = comm && slots.merges;
 
-    // Buffers: the packed K/V slots (slot 0: own), query copies, results.
-    std::vector<impl::PackedKV<T, mem>> kv(std::size_t(slots.kv));
+    // Buffers: the packed K/V slots (slot 0: own) in the storage type, query
+    // copies, results (fp32 for 16-bit storage). With 16-bit storage the
+    // kernels read `wide`, the slot in use widened to T.
+    std::vector<impl::PackedKV<V, mem>> kv(std::size_t(slots.kv));
     for (auto& b : kv)
-      b = impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+      b = impl::allocate_packed_kv<V, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
     impl::pack_kv(m_exec, k, v, kv[0]);
-    std::vector<Buffer4<T>> qs(std::size_t(slots.q)), rout(std::size_t(slots.results_in)),
+    impl::PackedKV<T, mem> wide;
+    if constexpr (half)
+      wide = impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+    int widened = -1;  // the K/V slot whose block `wide` holds (-1: none)
+    std::vector<Buffer4<V>> qs(std::size_t(slots.q));
+    std::vector<Buffer4<T>> rout(std::size_t(slots.results_in)),
         hout(std::size_t(slots.results_out));
     std::vector<LseBuffer<T>> rlse(rout.size()), hlse(hout.size());
-    for (std::size_t i = 1; i < qs.size(); ++i) qs[i] = buffer_like<T>(q, "blockattn::q_in");
+    for (std::size_t i = 1; i < qs.size(); ++i) qs[i] = buffer_like<V>(q, "blockattn::q_in");
     if (slots.q_copy) {
-      qs[0] = buffer_like<T>(q, "blockattn::q_copy");
+      qs[0] = buffer_like<V>(q, "blockattn::q_copy");
       Kokkos::deep_copy(m_exec, qs[0], q);
     }
     const auto lse_buffer = [&](const char* label) {
@@ -583,16 +638,23 @@ class DistributedAttention {
     }
     impl::BlockStep<T, mem> state;
     state.state = impl::SoftmaxState<T, mem>(e.batch, e.heads, e.queries, "blockattn::forward");
+    // 16-bit o: the unnormalised O between steps lives in an fp32 accumulator.
+    Buffer4<T> acc;
+    if constexpr (half) {
+      acc = buffer_like<T>(o, "blockattn::o_accumulator");
+      state.o_acc = acc;
+    }
     const std::int64_t kv_bytes = bytes_of(kv[0].kt) + bytes_of(kv[0].v);
-    const std::int64_t q_bytes =
-        std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
+    const std::int64_t q_elems = std::int64_t(e.batch) * e.queries * e.heads * e.dim;
+    const std::int64_t q_bytes = q_elems * std::int64_t(sizeof(V));
     const std::int64_t res_bytes =
-        q_bytes + std::int64_t(e.batch) * e.heads * e.queries * std::int64_t(sizeof(T));
+        (q_elems + std::int64_t(e.batch) * e.heads * e.queries) * std::int64_t(sizeof(T));
     stats.block_q = Shape::block_q;
     stats.block_k = Shape::block_k;
     stats.workspace_bytes = slots.kv * kv_bytes + state.state.bytes() +
                             (slots.q - 1 + (slots.q_copy ? 1 : 0)) * q_bytes +
-                            std::int64_t(hout.size() + rout.size()) * res_bytes;
+                            std::int64_t(hout.size() + rout.size()) * res_bytes +
+                            (half ? bytes_of(wide.kt) + bytes_of(wide.v) + bytes_of(acc) : 0);
 
     // A transfer of the description, posted: the buffer of its payload and slot.
     std::vector<std::vector<request>> due(static_cast<std::size_t>(steps) + 1);   // by done_step
@@ -606,6 +668,7 @@ class DistributedAttention {
         list.push_back(send ? x.send(view, peer, named, m) : x.receive(view, peer, named, m));
       };
       if (t.payload == Payload::kv) {
+        if (!send && slot == widened) widened = -1;  // a new block in the slot
         go(kv[std::size_t(slot)].kt, impl::Message::k);
         go(kv[std::size_t(slot)].v, impl::Message::v);
       } else if (t.payload == Payload::q) {
@@ -623,8 +686,9 @@ class DistributedAttention {
 
     const auto pos = [&](int r) { return Partition::positions(N, P, r); };
     bool opened = false;  // the own queries' state holds keys or was initialised
+    const auto& o_sum = accumulator<half>(o, acc);  // where the unnormalised O lives
     const auto open_state = [&] {
-      if (!opened) state.state.init(m_exec, o, e.dim);
+      if (!opened) state.state.init(m_exec, o_sum, e.dim);
       opened = true;
     };
     for (int s = 0; s < steps; ++s) {
@@ -640,7 +704,18 @@ class DistributedAttention {
         for (auto& r : due[d]) in_flight.push_back(&r);
       st.computed =
           !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
-      const auto& keys = kv[std::size_t(comm ? f.kv_slot : 0)];
+      const int kv_slot = comm ? f.kv_slot : 0;
+      const impl::PackedKV<T, mem>* kp = nullptr;
+      if constexpr (half) {
+        if (st.computed && widened != kv_slot) {
+          impl::widen_kv(m_exec, kv[std::size_t(kv_slot)], wide);
+          widened = kv_slot;
+        }
+        kp = &wide;
+      } else {
+        kp = &kv[std::size_t(kv_slot)];
+      }
+      const auto& keys = *kp;
       if (task.q_rank == rank) {
         const bool finish = s == last_own && !merges;
         if (st.computed || finish) {
@@ -658,6 +733,7 @@ class DistributedAttention {
         b.resume = false;
         b.finish = true;
         b.skip_keys = !st.computed;
+        b.o_acc = {};  // a fresh, finished result: no accumulator
         const std::size_t out = std::size_t(f.result_slot);
         if (comm)
           launch_chunked<SD, Shape>(x, e, qs[std::size_t(f.q_slot)], keys, hout[out], hlse[out],
@@ -675,7 +751,8 @@ class DistributedAttention {
       if (!merge_at[std::size_t(s)].empty()) {
         open_state();
         for (const int i : merge_at[std::size_t(s)])
-          state.state.merge_partial(m_exec, o, rout[std::size_t(i)], rlse[std::size_t(i)], e.dim);
+          state.state.merge_partial(m_exec, o_sum, rout[std::size_t(i)], rlse[std::size_t(i)],
+                                    e.dim);
         m_exec.fence();
       }
       st.step = s;
@@ -692,8 +769,8 @@ class DistributedAttention {
       for (auto& r : due[std::size_t(steps)]) x.wait(r);
       open_state();
       for (const int i : merge_at[std::size_t(steps)])
-        state.state.merge_partial(m_exec, o, rout[std::size_t(i)], rlse[std::size_t(i)], e.dim);
-      state.state.finalize(m_exec, o, lse, e.dim);
+        state.state.merge_partial(m_exec, o_sum, rout[std::size_t(i)], rlse[std::size_t(i)], e.dim);
+      state.state.finalize(m_exec, o_sum, o, lse, e.dim);
       m_exec.fence();
       stats.steps.back().seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

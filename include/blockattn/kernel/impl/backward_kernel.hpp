@@ -83,19 +83,22 @@ void pack_keys(const ExecSpace& exec, const KView& k, const VView& v,
 ///   q, dout (batch, head, queries_padded, head_dim_padded)   rows contiguous
 ///   lse2, drow (batch, head, queries_padded)                  LSE * log2(e) (-inf on
 ///                                                              padding), rowsum(dO o O)
-template <class T, class MemorySpace>
+/// T is the compute type. S is the type of the q and dout rows: T for the
+/// kernels; the 16-bit storage type for the copy that travels on the Q ring
+/// (widened to T on arrival, widen_queries). lse2 and drow are always T.
+template <class T, class MemorySpace, class S = T>
 struct PackedQueries {
-  using row_view = Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace>;
+  using row_view = Kokkos::View<S****, Kokkos::LayoutRight, MemorySpace>;
   using vec_view = Kokkos::View<T***, Kokkos::LayoutRight, MemorySpace>;
   row_view q, dout;
   vec_view lse2, drow;
   int queries = 0;
 };
 
-template <class T, class MemorySpace>
-PackedQueries<T, MemorySpace> allocate_packed_queries(int batch, int heads, int queries,
-                                                      int dim_padded, int block_q) {
-  using P = PackedQueries<T, MemorySpace>;
+template <class T, class MemorySpace, class S = T>
+PackedQueries<T, MemorySpace, S> allocate_packed_queries(int batch, int heads, int queries,
+                                                         int dim_padded, int block_q) {
+  using P = PackedQueries<T, MemorySpace, S>;
   const int padded = (queries + block_q - 1) / block_q * block_q;
   auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_queries");
   P p;
@@ -108,10 +111,11 @@ PackedQueries<T, MemorySpace> allocate_packed_queries(int batch, int heads, int 
 }
 
 /// Fills `p` from user views q, dout, o (batch, queries, heads, dim) and lse
-/// (batch, heads, queries); computes D = rowsum(dO o O) on the way.
-template <class ExecSpace, class T, class MemorySpace, class QV, class DOV, class OV, class LV>
+/// (batch, heads, queries); computes D = rowsum(dO o O) on the way (in T).
+template <class ExecSpace, class T, class MemorySpace, class S, class QV, class DOV, class OV,
+          class LV>
 void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV& o, const LV& lse,
-                  const PackedQueries<T, MemorySpace>& p) {
+                  const PackedQueries<T, MemorySpace, S>& p) {
   const int heads = int(p.q.extent(1)), padded = int(p.q.extent(2)),
             dim_padded = int(p.q.extent(3));
   const int dim = int(q.extent(3)), queries = p.queries;
@@ -131,13 +135,33 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
         for (int d = 0; d < dim_padded; ++d) {
           const bool inside = in && d < dim;
           const T dov = inside ? T(dout(b, i, h, d)) : T(0);
-          qp(b, h, i, d) = inside ? T(q(b, i, h, d)) : T(0);
-          dop(b, h, i, d) = dov;
+          qp(b, h, i, d) = inside ? S(q(b, i, h, d)) : S(T(0));
+          dop(b, h, i, d) = S(dov);
           if (inside) acc += dov * T(o(b, i, h, d));
         }
         l2(b, h, i) = in ? T(lse(b, h, i)) * log2e<T> : -infinity<T>();
         dr(b, h, i) = acc;
       });
+}
+
+/// The kernels' packed queries from a travelling copy in storage type S: q
+/// and dout widened (exactly) into `to`; lse2 and drow shared with `from`.
+template <class ExecSpace, class T, class MemorySpace, class S>
+void widen_queries(const ExecSpace& exec, const PackedQueries<T, MemorySpace, S>& from,
+                   PackedQueries<T, MemorySpace>& to) {
+  const std::int64_t n = std::int64_t(from.q.span());
+  const S *fq = from.q.data(), *fd = from.dout.data();
+  T *tq = to.q.data(), *td = to.dout.data();
+  Kokkos::parallel_for(
+      "blockattn::widen_queries",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, n),
+      KOKKOS_LAMBDA(const std::int64_t i) {
+        tq[i] = T(fq[i]);
+        td[i] = T(fd[i]);
+      });
+  to.lse2 = from.lse2;
+  to.drow = from.drow;
+  to.queries = from.queries;
 }
 
 /// What both backward kernels share: views, extents, and the tile step that

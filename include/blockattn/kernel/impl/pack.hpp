@@ -69,4 +69,21 @@ void pack_kv(const ExecSpace& exec, const KView& k, const VView& v,
       });
 }
 
+/// The kernels' packed block (compute type T) from a packed block in storage
+/// type S (bf16 / fp16: what travels on a ring), widened exactly; same layout.
+template <class ExecSpace, class T, class S, class MemorySpace>
+void widen_kv(const ExecSpace& exec, const PackedKV<S, MemorySpace>& from,
+              const PackedKV<T, MemorySpace>& to) {
+  const std::int64_t nk = std::int64_t(from.kt.span()), nv = std::int64_t(from.v.span());
+  const S *fk = from.kt.data(), *fv = from.v.data();
+  T *tk = to.kt.data(), *tv = to.v.data();
+  Kokkos::parallel_for(
+      "blockattn::widen_kv",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, nk > nv ? nk : nv),
+      KOKKOS_LAMBDA(const std::int64_t i) {
+        if (i < nk) tk[i] = T(fk[i]);
+        if (i < nv) tv[i] = T(fv[i]);
+      });
+}
+
 }  // namespace blockattn::impl

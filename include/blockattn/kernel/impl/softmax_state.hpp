@@ -124,11 +124,19 @@ struct SoftmaxState {
   /// Normalises the state into o and lse (natural log); closes the state.
   template <class ExecSpace, class OV, class LV>
   void finalize(const ExecSpace& exec, const OV& o, const LV& lse, int dim) const {
+    finalize(exec, o, o, lse, dim);
+  }
+
+  /// Same, with the unnormalised O in `acc` (type T) and the normalised O
+  /// written to `o` in its storage type (rounded once: bf16 / fp16 storage).
+  template <class ExecSpace, class AV, class OV, class LV>
+  void finalize(const ExecSpace& exec, const AV& acc, const OV& o, const LV& lse, int dim) const {
+    using OS = typename OV::non_const_value_type;
     const view_type ms = m, ls = l;
     for_each_row(
         exec, "blockattn::softmax_finalize", o, KOKKOS_LAMBDA(int b, int i, int h) {
           const T inv_l = SoftmaxRow<T>::inverse_sum(ls(b, h, i));
-          for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * inv_l;
+          for (int d = 0; d < dim; ++d) o(b, i, h, d) = OS(acc(b, i, h, d) * inv_l);
           lse(b, h, i) = SoftmaxRow<T>::lse(ms(b, h, i), ls(b, h, i));
         });
   }
