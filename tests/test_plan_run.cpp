@@ -18,23 +18,24 @@ using namespace blockattn::test;
 namespace {
 
 /// The planner's per-rank, per-step model against what the run did.
-template <class Partition, class Schedule, class Mask>
-void check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask) {
+template <class Partition, class Schedule, class Mask, class T = float>
+RunStats check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask, T = {}) {
   const int P = comm.size(), rank = comm.rank();
   const index_type N = index_type(c.n_local) * P;
-  V4<float> q("q", c.b, c.n_local, c.h, c.d), k("k", c.b, c.n_local, c.hkv, c.d),
+  V4<T> q("q", c.b, c.n_local, c.h, c.d), k("k", c.b, c.n_local, c.hkv, c.d),
       o("o", c.b, c.n_local, c.h, c.d);
-  V3<float> lse("lse", c.b, c.h, c.n_local);
+  V3<compute_t<T>> lse("lse", c.b, c.h, c.n_local);
   DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
   DistributedOptions opts;
   opts.count_pairs = true;
   const RunStats run = attn.forward(q, k, k, o, lse, opts);
-  const plan::Problem pb = plan::problem_for<float, ExecSpace>(N, P, c.b, c.h, c.hkv, c.d);
+  const plan::Problem pb = plan::problem_for<T, ExecSpace>(N, P, c.b, c.h, c.hkv, c.d);
   plan::Hardware hw;
   const plan::Prediction pr = plan::predict<Partition, Schedule>(pb, mask, hw, true);
   REQUIRE(pr.valid);
   const plan::RankPlan& mine = pr.ranks[std::size_t(rank)];
-  INFO("rank ", rank, "/", P, " ", Partition::name(), " ", Schedule::name());
+  INFO("rank ", rank, "/", P, " ", Partition::name(), " ", Schedule::name(), " ",
+       std::string(value_type_name<T>()));
   CHECK(pb.block_q == run.block_q);
   CHECK(pb.block_k == run.block_k);
   CHECK(mine.workspace_bytes == run.workspace_bytes);
@@ -48,6 +49,7 @@ void check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask) {
     CHECK(mine.steps[s].tiles.allowed_pairs == run.steps[s].tiles.allowed_pairs);
     CHECK(mine.steps[s].idle() == !run.steps[s].computed);
   }
+  return run;
 }
 
 // Local lengths are even (zigzag) and not multiples of the tile sizes.
@@ -69,5 +71,24 @@ TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (every s
     check_plan_matches_run<ContiguousPartition, RingSchedule>(comm, c, causal_window(20));
     check_plan_matches_run<ContiguousPartition, AllGatherSchedule>(comm, c, causal_window(20));
     check_plan_matches_run<StripedPartition, AllGatherSchedule>(comm, c, FullMask{});
+  }
+}
+
+TEST_CASE("planner: bf16 storage, and ring bytes per step halve against fp32") {
+  Mpi comm(MPI_COMM_WORLD);
+  for (const Case& c : cases) {
+    const RunStats f32 =
+        check_plan_matches_run<ZigzagPartition, RingSchedule>(comm, c, CausalMask{});
+    const RunStats b16 =
+        check_plan_matches_run<ZigzagPartition, RingSchedule>(comm, c, CausalMask{}, bf16{});
+    check_plan_matches_run<ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{}, bf16{});
+    check_plan_matches_run<ContiguousPartition, AllGatherSchedule>(comm, c, causal_window(40),
+                                                                   bf16{});
+    // K/V travel in 16 bits: each step sends half the bytes of the fp32 run.
+    REQUIRE(f32.steps.size() == b16.steps.size());
+    for (std::size_t s = 0; s < f32.steps.size(); ++s) {
+      CHECK(2 * b16.steps[s].bytes_sent == f32.steps[s].bytes_sent);
+      CHECK(2 * b16.steps[s].bytes_received == f32.steps[s].bytes_received);
+    }
   }
 }

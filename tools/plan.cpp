@@ -7,7 +7,8 @@
 //
 // Options (defaults in brackets):
 //   --n N  --p P  --batch B [1]  --heads H [8]  --kv-heads Hkv [H]  --dim D [128]
-//   --dtype fp32|fp64|bf16|fp16 [fp32]   element size of the transferred blocks
+//   --dtype fp32|fp64|bf16|fp16 [fp32]   storage type: K/V and Q travel in it; partial
+//                                        results, LSE and sums in fp32 for bf16 / fp16
 //   --mask full|causal|window:W [causal] (window: causal sliding window of W keys)
 //   --tile BQxBK          tile sizes [the kernels' own: GPU shape for GPU/TPU
 //                         presets, host shape when calibrating]
@@ -169,6 +170,7 @@ int run(const Args& a, const Mask& mask) {
           : plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(a.n, a.p, a.batch, a.heads,
                                                                         a.kv_heads, a.dim);
   pb.dtype_bytes = a.dtype;
+  pb.compute_bytes = a.dtype < 4 ? 4 : a.dtype;  // bf16 / fp16 compute (and merge) in fp32
   if (a.block_q > 0) {
     pb.block_q = a.block_q;
     pb.block_k = a.block_k;

@@ -69,17 +69,21 @@ struct Problem {
   index_type N = 0;  // global sequence length
   int P = 1;         // ranks
   int batch = 1, heads = 1, kv_heads = 1, dim = 128;
-  int dtype_bytes = 4;
+  int dtype_bytes = 4;    // storage type: what q, k, v, o hold and K/V, Q travel in
+  int compute_bytes = 0;  // compute type: LSE, softmax state, partial results (0: dtype_bytes;
+                          // 4 for bf16 / fp16, whose blocks are widened to fp32 to compute)
   int block_q = 64, block_k = 64;  // kernel tile sizes
   int dim_padded = 0;              // head dim as stored in packed blocks (0: dim)
   index_type local() const { return N / P; }
   int stored_dim() const { return dim_padded > 0 ? dim_padded : dim; }
+  int accumulator_bytes() const { return compute_bytes > 0 ? compute_bytes : dtype_bytes; }
+  bool widens() const { return accumulator_bytes() != dtype_bytes; }
 };
 
 /// A Problem with the tile sizes and padded head dim that DistributedAttention
 /// uses for value type T on ExecSpace.
 template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace,
-          class Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>>
+          class Shape = DefaultTileShape<compute_t<T>, impl::is_host_space_v<ExecSpace>>>
 Problem problem_for(index_type N, int P, int batch, int heads, int kv_heads, int dim) {
   Problem p;
   p.N = N;
@@ -89,6 +93,7 @@ Problem problem_for(index_type N, int P, int batch, int heads, int kv_heads, int
   p.kv_heads = kv_heads;
   p.dim = dim;
   p.dtype_bytes = int(sizeof(T));
+  p.compute_bytes = int(sizeof(compute_t<T>));
   impl::with_shape_for<Shape>(dim, [&](auto static_d, auto shape) {
     using S = decltype(shape);
     p.block_q = S::block_q;
@@ -199,16 +204,20 @@ struct Message {
   int done_step = 0;               // both sides wait for it at the end of this step
 };
 
-inline std::int64_t packed_kv_bytes(const Problem& p) {
+/// A packed K/V block, in the storage type (bytes = 0) or another.
+inline std::int64_t packed_kv_bytes(const Problem& p, int bytes = 0) {
   const std::int64_t keys_padded =
       (p.local() + p.block_k - 1) / p.block_k * std::int64_t(p.block_k);
-  return 2 * std::int64_t(p.batch) * p.kv_heads * keys_padded * p.stored_dim() * p.dtype_bytes;
+  return 2 * std::int64_t(p.batch) * p.kv_heads * keys_padded * p.stored_dim() *
+         (bytes > 0 ? bytes : p.dtype_bytes);
 }
-inline std::int64_t rows_bytes(const Problem& p, int heads, int dim) {
-  return std::int64_t(p.batch) * p.local() * heads * dim * p.dtype_bytes;
+/// Local rows of `heads` heads, in the storage type (bytes = 0) or another.
+inline std::int64_t rows_bytes(const Problem& p, int heads, int dim, int bytes = 0) {
+  return std::int64_t(p.batch) * p.local() * heads * dim * (bytes > 0 ? bytes : p.dtype_bytes);
 }
+/// One value per local query row and head, in the compute type (LSE, m, l).
 inline std::int64_t state_bytes(const Problem& p) {
-  return std::int64_t(p.batch) * p.heads * p.local() * p.dtype_bytes;
+  return std::int64_t(p.batch) * p.heads * p.local() * p.accumulator_bytes();
 }
 
 inline double tile_seconds(const Problem& p, const Hardware& hw, const TileCounts& t) {
@@ -224,8 +233,8 @@ inline std::int64_t payload_bytes(const Problem& p, Payload what) {
       return packed_kv_bytes(p);
     case Payload::q:
       return rows_bytes(p, p.heads, p.dim);
-    case Payload::result:
-      return rows_bytes(p, p.heads, p.dim) + state_bytes(p);
+    case Payload::result:  // partial O and LSE travel in the compute type
+      return rows_bytes(p, p.heads, p.dim, p.accumulator_bytes()) + state_bytes(p);
     case Payload::dq:
     case Payload::dkv:
       break;  // backward payloads: the planner models the forward
@@ -249,6 +258,10 @@ void schedule_plan(const Problem& p, const ScheduleContext& c, std::vector<Messa
     const ForwardSlots u = forward_slots<Schedule>(c, r);
     ws[std::size_t(r)] = u.kv * packed_kv_bytes(p) + 2 * state_bytes(p) +
                          (u.q - 1 + (u.q_copy ? 1 : 0)) * q + (u.results_out + u.results_in) * res;
+    // 16-bit storage: the block in use widened to fp32, and the fp32 O sum.
+    if (p.widens())
+      ws[std::size_t(r)] += packed_kv_bytes(p, p.accumulator_bytes()) +
+                            rows_bytes(p, p.heads, p.dim, p.accumulator_bytes());
   }
 }
 
