@@ -10,6 +10,9 @@
 //   (compute of a step >= transfer of a block: c >= F * bytes_per_token / (4 d)).
 // --memory: per-rank memory at a fixed block size: what the schedule allocates
 //   (workspace), the local Q, K, V, O, LSE, and the process' peak RSS.
+// --bytes: the backward rings' bytes per step and times for a few head shapes.
+// --dtype fp32|bf16|fp16 [fp32]: the value type of Q, K, V, O (bf16 / fp16:
+//   K/V and Q travel in 16 bits; LSE, partial results and sums in fp32).
 #include <sys/resource.h>
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
@@ -23,9 +26,10 @@
 
 namespace {
 
-using T = float;
+template <class T>
 using V4 = Kokkos::View<T****>;
-using V3 = Kokkos::View<T***>;
+template <class T>
+using V3 = Kokkos::View<blockattn::compute_t<T>***>;
 using Comm = blockattn::MpiCommunicator<>;
 using Attn = blockattn::DistributedAttention<blockattn::ContiguousPartition, blockattn::FullMask,
                                              blockattn::RingSchedule, Comm>;
@@ -34,32 +38,34 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+template <class T>
 struct Local {
-  V4 q, k, v, o;
-  V3 lse;
+  V4<T> q, k, v, o;
+  V3<T> lse;
   Local(int c, int h, int d)
       : q("q", 1, c, h, d),
         k("k", 1, c, h, d),
         v("v", 1, c, h, d),
         o("o", 1, c, h, d),
         lse("lse", 1, h, c) {
-    Kokkos::deep_copy(q, 0.01f);
-    Kokkos::deep_copy(k, 0.02f);
-    Kokkos::deep_copy(v, 1.0f);
+    Kokkos::deep_copy(q, T(0.01f));
+    Kokkos::deep_copy(k, T(0.02f));
+    Kokkos::deep_copy(v, T(1.0f));
   }
 };
 
+template <class T>
 void overlap(Comm& comm, int reps) {
   const int d = 128, h = 1;
   const int P = comm.size();
   if (comm.rank() == 0) {
-    std::printf("KV ring overlap, P = %d, full mask, fp32, D = %d, %d thread(s) per rank\n", P, d,
-                Kokkos::DefaultExecutionSpace().concurrency());
+    std::printf("KV ring overlap, P = %d, full mask, %s, D = %d, %d thread(s) per rank\n", P,
+                blockattn::value_type_name<T>(), d, Kokkos::DefaultExecutionSpace().concurrency());
     std::printf("%8s %12s %12s %10s %12s %12s %10s\n", "c", "ring[ms]", "compute[ms]", "ring/comp",
                 "F[GFLOP/s]", "B[GB/s]", "c_min=F/B'");
   }
   for (int c : {256, 512, 1024, 2048, 4096}) {
-    Local x(c, h, d);
+    Local<T> x(c, h, d);
     Attn attn(comm);
     blockattn::DistributedOptions ring, compute;
     compute.communicate = false;
@@ -97,34 +103,36 @@ void overlap(Comm& comm, int reps) {
   }
 }
 
+template <class T>
 void memory(Comm& comm, int c) {
   const int d = 128, h = 1;
-  Local x(c, h, d);
+  Local<T> x(c, h, d);
   Attn attn(comm);
   const auto stats = attn.forward(x.q, x.k, x.v, x.o, x.lse);
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
   const double block = double(c) * d * h * sizeof(T);  // one (c x d) block
-  const double inputs = 4 * block + double(x.lse.span()) * sizeof(T);
+  const double inputs =
+      4 * block + double(x.lse.span()) * sizeof(typename decltype(x.lse)::value_type);
   const double peak_rss = comm.allreduce(double(ru.ru_maxrss) * 1024.0, blockattn::ReduceOp::max);
   const double ws = comm.allreduce(double(stats.workspace_bytes), blockattn::ReduceOp::max);
   if (comm.rank() == 0)
     std::printf(
-        "memory: P=%d N=%lld c=%d D=%d | per rank: workspace %.2f MiB (%.2f blocks), "
+        "memory: %s P=%d N=%lld c=%d D=%d | per rank: workspace %.2f MiB (%.2f blocks), "
         "q/k/v/o/lse %.2f MiB (%.2f blocks), peak RSS %.1f MiB\n",
-        comm.size(), (long long)c * comm.size(), c, d, ws / 1048576.0, ws / block,
-        inputs / 1048576.0, inputs / block, peak_rss / 1048576.0);
+        blockattn::value_type_name<T>(), comm.size(), (long long)c * comm.size(), c, d,
+        ws / 1048576.0, ws / block, inputs / 1048576.0, inputs / block, peak_rss / 1048576.0);
 }
 
 /// Backward bytes per step of the two rings (max over steps and ranks, per
 /// rank) for a few head shapes, and their backward times on this machine.
-template <class Schedule>
+template <class T, class Schedule>
 std::pair<std::int64_t, double> backward_run(Comm& comm, int c, int h, int hkv, int d, int reps) {
-  V4 q("q", 1, c, h, d), k("k", 1, c, hkv, d), o("o", 1, c, h, d), dq("dq", 1, c, h, d),
+  V4<T> q("q", 1, c, h, d), k("k", 1, c, hkv, d), o("o", 1, c, h, d), dq("dq", 1, c, h, d),
       dk("dk", 1, c, hkv, d), dv("dv", 1, c, hkv, d);
-  V3 lse("lse", 1, h, c);
-  Kokkos::deep_copy(q, 0.01f);
-  Kokkos::deep_copy(k, 0.02f);
+  V3<T> lse("lse", 1, h, c);
+  Kokkos::deep_copy(q, T(0.01f));
+  Kokkos::deep_copy(k, T(0.02f));
   blockattn::DistributedAttention<blockattn::StripedPartition, blockattn::CausalMask, Schedule,
                                   Comm>
       attn(comm);
@@ -141,20 +149,21 @@ std::pair<std::int64_t, double> backward_run(Comm& comm, int c, int h, int hkv, 
   return {comm.allreduce(per_step, blockattn::ReduceOp::max), best};
 }
 
+template <class T>
 void bytes(Comm& comm, int reps) {
   const int c = 1024;
   if (comm.rank() == 0) {
     std::printf(
-        "Backward rings, P = %d, striped causal, fp32, %d tokens per rank: bytes per step "
+        "Backward rings, P = %d, striped causal, %s, %d tokens per rank: bytes per step "
         "(per rank) and time\n",
-        comm.size(), c);
+        comm.size(), blockattn::value_type_name<T>(), c);
     std::printf("%4s %4s %4s %14s %14s %10s %12s %12s\n", "H", "Hkv", "D", "KV ring [B]",
                 "Q ring [B]", "KV/Q", "KV ring[ms]", "Q ring[ms]");
   }
   const int shapes[][3] = {{8, 8, 64}, {8, 2, 64}, {8, 1, 64}, {4, 4, 128}, {4, 1, 128}};
   for (const auto& s : shapes) {
-    const auto kv = backward_run<blockattn::RingSchedule>(comm, c, s[0], s[1], s[2], reps);
-    const auto qr = backward_run<blockattn::BurstSchedule>(comm, c, s[0], s[1], s[2], reps);
+    const auto kv = backward_run<T, blockattn::RingSchedule>(comm, c, s[0], s[1], s[2], reps);
+    const auto qr = backward_run<T, blockattn::BurstSchedule>(comm, c, s[0], s[1], s[2], reps);
     if (comm.rank() == 0)
       std::printf("%4d %4d %4d %14lld %14lld %10.2f %12.2f %12.2f\n", s[0], s[1], s[2],
                   (long long)kv.first, (long long)qr.first, double(kv.first) / double(qr.first),
@@ -171,18 +180,32 @@ int main(int argc, char** argv) {
     Comm comm(MPI_COMM_WORLD);
     bool mem = false, byt = false;
     int c = 4096, reps = 5;
+    std::string dtype = "fp32";
     for (int i = 1; i < argc; ++i) {
       if (!std::strcmp(argv[i], "--memory")) mem = true;
       if (!std::strcmp(argv[i], "--bytes")) byt = true;
       if (!std::strcmp(argv[i], "--c") && i + 1 < argc) c = std::atoi(argv[++i]);
       if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+      if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc) dtype = argv[++i];
     }
-    if (mem)
-      memory(comm, c);
-    else if (byt)
-      bytes(comm, reps);
-    else
-      overlap(comm, reps);
+    const auto run = [&](auto value) {
+      using T = decltype(value);
+      if (mem)
+        memory<T>(comm, c);
+      else if (byt)
+        bytes<T>(comm, reps);
+      else
+        overlap<T>(comm, reps);
+    };
+    if (dtype == "fp32")
+      run(float{});
+    else if (dtype == "bf16")
+      run(blockattn::bf16{});
+    else if (dtype == "fp16")
+      run(blockattn::fp16{});
+    else if (comm.rank() == 0)
+      std::fprintf(stderr, "bench_ring: --dtype must be fp32, bf16 or fp16, not %s\n",
+                   dtype.c_str());
   }
   Kokkos::finalize();
   MPI_Finalize();

@@ -6,7 +6,10 @@
 // time, per-step work imbalance (max / mean over ranks of the computed tiles,
 // averaged over steps), tiles skipped, bytes moved, max error; then JSON lines.
 //
-//   mpiexec -n 2 ./blockattn_demo [--n N] [--d D] [--heads H] [--batch B] [--fp64] [--reps R]
+//   mpiexec -n 2 ./blockattn_demo [--n N] [--d D] [--heads H] [--batch B] [--reps R]
+//                                 [--dtype fp32|fp64|bf16|fp16] (--fp64: --dtype fp64)
+// bf16 / fp16: Q, K, V, O in 16 bits, K/V blocks travel in 16 bits (the bytes
+// column halves), LSE and all sums in fp32.
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
@@ -16,14 +19,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 struct Args {
   int n = 8192, d = 128, heads = 2, batch = 1, reps = 3;
-  bool fp64 = false;
+  std::string dtype = "fp32";
 };
 
 Args parse(int argc, char** argv) {
@@ -41,7 +46,9 @@ Args parse(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--reps"))
       a.reps = value();
     else if (!std::strcmp(argv[i], "--fp64"))
-      a.fp64 = true;
+      a.dtype = "fp64";
+    else if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc)
+      a.dtype = argv[++i];
   }
   return a;
 }
@@ -55,7 +62,7 @@ struct Row {
 template <class T, class Partition>
 Row run(blockattn::MpiCommunicator<>& comm, const Args& a) {
   using V4 = Kokkos::View<T****>;
-  using V3 = Kokkos::View<T***>;
+  using V3 = Kokkos::View<blockattn::compute_t<T>***>;
   const int P = comm.size(), rank = comm.rank(), n = a.n / P;
   const Kokkos::DefaultExecutionSpace exec;
   // The global sequence (same on every rank) and its single-device result.
@@ -128,15 +135,19 @@ int run_all(blockattn::MpiCommunicator<>& comm, const Args& a) {
                            run<T, blockattn::StripedPartition>(comm, a),
                            run<T, blockattn::ZigzagPartition>(comm, a)};
   // Distributed vs single device differ by rounding only (keys merged in
-  // another order): fp64 1e-12, fp32 1e-5, as in tests/test_distributed.cpp.
-  const double tol = a.fp64 ? 1e-12 : 1e-5;
+  // another order): fp64 1e-12, fp32 1e-5, as in tests/test_distributed.cpp;
+  // 16 bits: both are fp32 results rounded once, so they may also sit on the
+  // two sides of a rounding boundary: one ulp at |O| <= 1 (2 u16) more.
+  double tol = std::is_same<T, double>::value ? 1e-12 : 1e-5;
+  if constexpr (blockattn::is_half_storage_v<T>) tol += 2 * T::unit_roundoff;
+  const char* dtype = blockattn::value_type_name<T>();
   int failures = 0;
   if (comm.rank() == 0) {
     std::printf(
         "BlockAttn demo: causal attention, KV ring over %d MPI ranks x %d %s thread(s), "
         "%s, B=%d H=%d N=%d D=%d (N/P=%d per rank)\n",
         comm.size(), Kokkos::DefaultExecutionSpace().concurrency(),
-        Kokkos::DefaultExecutionSpace::name(), a.fp64 ? "fp64" : "fp32", a.batch, a.heads, a.n, a.d,
+        Kokkos::DefaultExecutionSpace::name(), dtype, a.batch, a.heads, a.n, a.d,
         a.n / comm.size());
     std::printf("%-11s %10s %10s %10s %10s %12s %10s %s\n", "partition", "time[ms]", "imbalance",
                 "computed", "skipped", "bytes", "max_err", "check");
@@ -156,9 +167,8 @@ int run_all(blockattn::MpiCommunicator<>& comm, const Args& a) {
           "\"n\":%d,\"d\":%d,\"heads\":%d,\"batch\":%d,\"dtype\":\"%s\",\"seconds\":%.6g,"
           "\"imbalance\":%.4f,\"tiles_computed\":%lld,\"tiles_skipped\":%lld,"
           "\"bytes\":%lld,\"max_err\":%.3g}\n",
-          r.partition.c_str(), comm.size(), a.n, a.d, a.heads, a.batch, a.fp64 ? "fp64" : "fp32",
-          r.seconds, r.imbalance, (long long)r.computed, (long long)r.skipped, (long long)r.bytes,
-          r.max_err);
+          r.partition.c_str(), comm.size(), a.n, a.d, a.heads, a.batch, dtype, r.seconds,
+          r.imbalance, (long long)r.computed, (long long)r.skipped, (long long)r.bytes, r.max_err);
   return failures;
 }
 
@@ -172,7 +182,17 @@ int main(int argc, char** argv) {
     blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
     try {
       const Args a = parse(argc, argv);
-      failures = a.fp64 ? run_all<double>(comm, a) : run_all<float>(comm, a);
+      if (a.dtype == "fp64")
+        failures = run_all<double>(comm, a);
+      else if (a.dtype == "bf16")
+        failures = run_all<blockattn::bf16>(comm, a);
+      else if (a.dtype == "fp16")
+        failures = run_all<blockattn::fp16>(comm, a);
+      else if (a.dtype == "fp32")
+        failures = run_all<float>(comm, a);
+      else
+        throw std::invalid_argument("--dtype: expected fp32, fp64, bf16 or fp16, got '" + a.dtype +
+                                    "'");
     } catch (const std::exception& e) {
       std::fprintf(stderr, "rank %d: error: %s\n", comm.rank(), e.what());
       failures = 1;
