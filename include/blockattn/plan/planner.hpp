@@ -17,6 +17,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/core/half.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>
 #include <blockattn/policy/mask.hpp>
