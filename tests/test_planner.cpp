@@ -159,9 +159,10 @@ TEST_CASE("planner: balanced beats the ring for causal, recommendation respects 
       plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(65536, 8, 1, 8, 8, 128);
   plan::Hardware hw = plan::a100_nvlink();
   auto all = plan::compare(p, CausalMask{}, hw);
-  REQUIRE(all.size() == 5);
+  REQUIRE(all.size() == 6);
   CHECK(all[4].schedule == std::string("all-gather"));
   CHECK(all[4].partition == std::string("zigzag"));
+  CHECK(all[5].schedule == std::string("ulysses"));
   for (const auto& x : all) CHECK(x.valid);
   // Contiguous ring is the slowest; the others are within a few % of each other.
   for (std::size_t i = 1; i < all.size(); ++i) CHECK(all[i].speedup_over_ring() > 1.5);
@@ -181,12 +182,13 @@ TEST_CASE("planner: balanced beats the ring for causal, recommendation respects 
   CHECK(all[std::size_t(best2)].schedule == std::string("ring"));
   CHECK_FALSE(all[3].fits);
   CHECK_FALSE(all[4].fits);
+  CHECK_FALSE(all[5].fits);
   // Nothing fits in too little memory.
   hw.memory_bytes = 1;
   CHECK(plan::recommend(plan::compare(p, CausalMask{}, hw)) == -1);
   // Full mask: no balanced candidate, and every partition does the same work.
   const auto full = plan::compare(p, FullMask{}, plan::a100_nvlink());
-  CHECK(full.size() == 4);
+  CHECK(full.size() == 5);
   for (std::size_t i = 0; i < 3; ++i)
     CHECK(full[i].makespan_s == doctest::Approx(full[0].makespan_s));
   // The all-gather computes the same tiles (its order differs).
@@ -201,4 +203,41 @@ TEST_CASE("planner: balanced beats the ring for causal, recommendation respects 
   plan::Problem odd = p;
   odd.N = 8 * 1001;
   CHECK_FALSE(plan::compare(odd, CausalMask{}, plan::a100_nvlink())[2].valid);
+}
+
+TEST_CASE("planner: Ulysses (head-parallel all-to-all)") {
+  // 8 heads over 8 ranks: one head each, the whole sequence per rank.
+  plan::Problem p =
+      plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(65536, 8, 1, 8, 8, 128);
+  const plan::Hardware hw = plan::a100_nvlink();
+  const auto all = plan::compare(p, CausalMask{}, hw);
+  const plan::Prediction& u = all.back();
+  REQUIRE(u.schedule == std::string("ulysses"));
+  REQUIRE(u.valid);
+  // Every rank the same work: total / P, so no idle time beyond the all-to-alls.
+  for (const auto& r : u.ranks) {
+    REQUIRE(r.steps.size() == 1);
+    CHECK(r.steps[0].flops == doctest::Approx(u.ranks[0].steps[0].flops));
+  }
+  CHECK(u.makespan_s > u.single_device_s / 8);
+  // It moves Q, K, V, O once ((P-1)/P of 4 blocks), the zigzag ring K and V
+  // P-1 times: 2 (P-1) blocks against 4 (P-1)/P.
+  const double block = double(p.local()) * p.heads * p.dim * p.dtype_bytes;
+  CHECK(double(u.max_bytes_sent()) ==
+        doctest::Approx(4 * block * 7 / 8 + double(p.local()) * p.heads * 7 / 8 * 4));
+  CHECK(u.max_bytes_sent() < all[2].max_bytes_sent() / 3);
+  // Heads that P does not divide, and K/V groups that cut across ranks: invalid.
+  plan::Problem q = p;
+  q.heads = q.kv_heads = 12;
+  CHECK_FALSE(plan::predict_ulysses<ContiguousPartition>(q, CausalMask{}, hw).valid);
+  q.heads = 24;
+  q.kv_heads = 2;
+  q.P = 8;  // 3 heads per rank, K/V groups of 12: valid (replicated)
+  CHECK(plan::predict_ulysses<ContiguousPartition>(q, CausalMask{}, hw).valid);
+  q.kv_heads = 4;  // groups of 6, 3 heads per rank: valid
+  CHECK(plan::predict_ulysses<ContiguousPartition>(q, CausalMask{}, hw).valid);
+  q.kv_heads = 3;  // groups of 8 against 3 per rank: neither divides
+  const auto bad = plan::predict_ulysses<ContiguousPartition>(q, CausalMask{}, hw);
+  CHECK_FALSE(bad.valid);
+  CHECK(bad.why_not.find("kv heads") != std::string::npos);
 }

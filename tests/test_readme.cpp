@@ -14,14 +14,14 @@
 
 #include <readme_snippets.hpp>
 
-static_assert(BLOCKATTN_README_SNIPPETS == 7,
+static_assert(BLOCKATTN_README_SNIPPETS == 8,
               "README.md's ```cpp blocks changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
-// Snippet 6: a user mask, at namespace scope as a user would write it.
-namespace snippet6 {
-#include <readme_snippet_6.inc>
-}  // namespace snippet6
+// Snippet 7: a user mask, at namespace scope as a user would write it.
+namespace snippet7 {
+#include <readme_snippet_7.inc>
+}  // namespace snippet7
 
 namespace {
 
@@ -122,23 +122,37 @@ TEST_CASE("README snippet 4: the balanced schedule") {
   CHECK(all_finite(dk));
 }
 
-TEST_CASE("README snippet 5: the planner") {
+TEST_CASE("README snippet 5: Ulysses") {
+  Local x;
+  auto &q = x.q, &k = x.k, &v = x.v, &o = x.o, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
+  auto& lse = x.lse;
+  blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
+  if (Local::H % comm.size() == 0) {
+#include <readme_snippet_5.inc>
+    Kokkos::fence();
+    CHECK(all_finite(o));
+    CHECK(all_finite(dq));
+    CHECK(all_finite(dk));
+  }
+}
+
+TEST_CASE("README snippet 6: the planner") {
   const blockattn::index_type N = 262144;
   const int P = 8, batch = 1, heads = 32, kv_heads = 32, dim = 128;
-#include <readme_snippet_5.inc>
+#include <readme_snippet_6.inc>
   CHECK(best.makespan_s > 0);
   CHECK(!best.partition.empty());
   CHECK(!best.schedule.empty());
 }
 
-TEST_CASE("README snippets 6 and 7: a user mask and packed documents") {
+TEST_CASE("README snippets 7 and 8: a user mask and packed documents") {
   const int N = 4096, H = 2, D = 16;
   V4 q("q", 1, N, H, D), k("k", 1, N, H, D), v("v", 1, N, H, D), o("o", 1, N, H, D);
   V3 lse("lse", 1, H, N);
-  blockattn::attention_forward(q, k, v, o, lse, snippet6::PrefixLM{100});
+  blockattn::attention_forward(q, k, v, o, lse, snippet7::PrefixLM{100});
   Kokkos::fence();
   CHECK(all_finite(lse));
-#include <readme_snippet_7.inc>
+#include <readme_snippet_8.inc>
   blockattn::attention_forward(q, k, v, o, lse, mask);
   blockattn::attention_forward(q, k, v, o, lse, local);
   blockattn::attention_forward(q, k, v, o, lse, bidir);

@@ -7,6 +7,7 @@
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
+#include <blockattn/distributed/ulysses.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/tile_shape.hpp>

@@ -26,6 +26,7 @@
 #include <blockattn/schedule/balanced.hpp>
 #include <blockattn/schedule/ring.hpp>
 #include <blockattn/schedule/schedule.hpp>
+#include <blockattn/schedule/ulysses.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -380,10 +381,82 @@ Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
   return pr;
 }
 
+/// Predicts UlyssesAttention (head-parallel all-to-all, arXiv:2309.14509) on
+/// the partition's layout: every rank computes the whole sequence for H / P
+/// heads (the same work on every rank, whatever the mask), after the
+/// all-to-alls of Q, K, V and before those of O and LSE, which do not overlap
+/// with the compute. An all-to-all costs each rank P - 1 messages per
+/// direction, one at a time (latency + bytes / B each). Bytes and workspace
+/// are those of ulysses_forward_volume() (blockattn/schedule/ulysses.hpp),
+/// which the run reports in RunStats.
+template <class Partition, class Mask>
+Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& hw,
+                           bool count_pairs = false) {
+  Prediction pr;
+  pr.partition = Partition::name();
+  pr.schedule = "ulysses";
+  const int P = p.P;
+  if (P < 1 || p.N <= 0 || p.N % Partition::multiple_of(P) != 0) {
+    pr.valid = false;
+    pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
+    return pr;
+  }
+  if (const std::string why = UlyssesHeads::why_not(p.heads, p.kv_heads, P); !why.empty()) {
+    pr.valid = false;
+    pr.why_not = why;
+    return pr;
+  }
+  const UlyssesHeads u = UlyssesHeads::make(p.heads, p.kv_heads, P);
+  const int cs = p.accumulator_bytes();
+  const std::int64_t keys_padded = (p.N + p.block_k - 1) / p.block_k * std::int64_t(p.block_k);
+  const std::int64_t packed =
+      2 * std::int64_t(p.batch) * u.kv_heads_per_rank * keys_padded * p.stored_dim() * cs;
+  const UlyssesForwardVolume vol =
+      ulysses_forward_volume(u, p.batch, p.N, p.dim, p.dtype_bytes, cs, packed);
+  // Time: the all-to-alls in (Q, K, V) and out (O, LSE), P - 1 chunks each.
+  const std::int64_t n = p.local(), chunk_row = std::int64_t(p.batch) * n * p.dim;
+  const auto a2a = [&](std::int64_t chunk_bytes) {
+    return (P - 1) * (hw.latency + (hw.bandwidth > 0 ? double(chunk_bytes) / hw.bandwidth : 0.0));
+  };
+  const std::int64_t s = p.dtype_bytes;
+  const double in = a2a(chunk_row * u.heads_per_rank * s) +
+                    2 * a2a(chunk_row * u.kv_heads_per_rank * s),
+               out = a2a(chunk_row * u.heads_per_rank * s) +
+                     a2a(std::int64_t(p.batch) * n * u.heads_per_rank * cs);
+  Problem local = p;
+  local.heads = u.heads_per_rank;
+  StepPlan st;
+  st.task = BlockTask{};
+  st.tiles = count_tiles(mask, p.N, p.N, p.block_q, p.block_k, {}, {}, count_pairs);
+  st.flops = 4.0 * double(st.tiles.computed()) * p.block_q * p.block_k * p.dim * p.batch *
+             u.heads_per_rank;
+  st.compute_s = detail::tile_seconds(local, hw, st.tiles) + hw.step_overhead;
+  st.comm_s = in + out;
+  st.bytes_sent = st.bytes_received = vol.sent;
+  st.start_s = 0;
+  st.end_s = in + st.compute_s + out;
+  const std::int64_t inputs =
+      detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
+  pr.ranks.resize(std::size_t(P));
+  for (int r = 0; r < P; ++r) {
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    rp.input_bytes = inputs;
+    rp.workspace_bytes = vol.workspace;
+    st.task.q_rank = st.task.k_rank = r;
+    rp.steps.push_back(st);
+  }
+  pr.makespan_s = st.end_s;
+  pr.single_device_s =
+      detail::tile_seconds(p, hw, count_tiles(mask, p.N, p.N, p.block_q, p.block_k, {}, {}, false));
+  pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
+  return pr;
+}
+
 /// Every built-in combination for this mask: contiguous, striped and zigzag
 /// with the KV ring, contiguous with the balanced schedule (masks other than
-/// full), and zigzag with the all-gather (Llama 3's layout; last). The first
-/// entry is the contiguous ring, the baseline of speedup_over_ring().
+/// full), zigzag with the all-gather (Llama 3's layout), and the head-parallel
+/// all-to-all (Ulysses; last, invalid when P does not divide the heads). The
+/// first entry is the contiguous ring, the baseline of speedup_over_ring().
 template <class Mask>
 std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardware& hw,
                                 bool count_pairs = false) {
@@ -394,6 +467,7 @@ std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardwa
   if constexpr (!std::is_same<Mask, FullMask>::value)
     all.push_back(predict<ContiguousPartition, BalancedSchedule>(p, mask, hw, count_pairs));
   all.push_back(predict<ZigzagPartition, AllGatherSchedule>(p, mask, hw, count_pairs));
+  all.push_back(predict_ulysses<ContiguousPartition>(p, mask, hw, count_pairs));
   for (auto& x : all) x.ring_makespan_s = all[0].makespan_s;
   return all;
 }

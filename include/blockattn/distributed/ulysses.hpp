@@ -1,0 +1,551 @@
+// SPDX-License-Identifier: Apache-2.0
+// Head-parallel distributed attention (DeepSpeed-Ulysses, arXiv:2309.14509):
+// the ranks hold the sequence split by a partition (any built-in or user
+// partition, as for DistributedAttention); one all-to-all turns that into the
+// whole sequence for H / P heads on every rank, attention runs on one device
+// over global positions (so every mask, custom ones included, just works),
+// and one all-to-all brings O (and LSE) back to the sequence split. The
+// backward does the same with Q, K, V, O, dO, LSE in and dQ, dK, dV out.
+//
+//   blockattn::UlyssesAttention<blockattn::ZigzagPartition, blockattn::CausalMask,
+//                               blockattn::MpiCommunicator<>> attn(comm);
+//   attn.forward(q, k, v, o, lse);                       // local Views: N / P tokens each
+//   attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
+//
+// Heads: rank r computes query heads [r H/P, (r+1) H/P), so P must divide H.
+// K/V heads (GQA): with G = H / H_kv query heads per K/V head, rank r needs
+// the K/V heads of its query heads; when H/P is a multiple of G each rank gets
+// H_kv / P of them, when G is a multiple of H/P (fewer K/V heads than ranks)
+// one K/V head goes to the G / (H/P) ranks that share it (replicated, as
+// users of Ulysses do) and their dK, dV are summed on the way back. Other
+// shapes are rejected on every rank.
+//
+// Bytes per rank and call (B batch, n = N/P local tokens, d head dim, s the
+// storage size, c the compute size): forward sends (P-1)/P of Q, K, V (with
+// replication, K and V for every receiving rank) and of O, plus the LSE in c;
+// the backward sends Q, K, V, O, dO in s and LSE in c, and returns dQ in s and
+// dK, dV in c (partials of a replicated head are summed in fp32 for 16-bit
+// storage). RunStats reports them in one step.
+#pragma once
+
+#include <blockattn/comm/communicator.hpp>
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/distributed/distributed_attention.hpp>
+#include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/kernel/attention_backward.hpp>
+#include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/kernel/work.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/partition.hpp>
+#include <blockattn/schedule/ulysses.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace blockattn {
+
+namespace impl {
+
+/// Workspace in use and its peak (RunStats::workspace_bytes of Ulysses is
+/// the peak: its buffers live in phases).
+struct UlyssesLive {
+  std::int64_t now = 0, peak = 0;
+  void add(std::int64_t b) {
+    now += b;
+    peak = now > peak ? now : peak;
+  }
+  void sub(std::int64_t b) { now -= b; }
+};
+
+template <class MemorySpace>
+using UlyssesIndex = Kokkos::View<index_type**, Kokkos::LayoutRight, MemorySpace>;  // (rank, local)
+template <class T, class ExecSpace>
+using UlyssesBuf5 = Kokkos::View<T*****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
+template <class T, class ExecSpace>
+using UlyssesBuf4 = Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
+template <class T, class ExecSpace>
+using UlyssesBuf3 = Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
+template <class ExecSpace>
+using UlyssesRange = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>;
+
+/// where(i, t): the global position of rank i's local token t.
+template <class Partition, class ExecSpace>
+UlyssesIndex<typename ExecSpace::memory_space> ulysses_index(const ExecSpace& exec, index_type N,
+                                                             int P, int n) {
+  using Index = UlyssesIndex<typename ExecSpace::memory_space>;
+  Index w(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::ulysses_index"), P, n);
+  auto h = Kokkos::create_mirror_view(w);
+  for (int i = 0; i < P; ++i) {
+    const auto map = Partition::positions(N, P, i);
+    for (int t = 0; t < n; ++t) h(i, t) = map(t);
+  }
+  Kokkos::deep_copy(exec, w, h);
+  exec.fence();  // h is a temporary
+  return w;
+}
+
+/// First head of each rank's chunk, on the device.
+template <class ExecSpace>
+Kokkos::View<int*, typename ExecSpace::memory_space> ulysses_firsts(const ExecSpace& exec,
+                                                                    const UlyssesHeads& u,
+                                                                    bool kv) {
+  Kokkos::View<int*, typename ExecSpace::memory_space> f("blockattn::ulysses_first", u.P);
+  auto h = Kokkos::create_mirror_view(f);
+  for (int r = 0; r < u.P; ++r) h(r) = kv ? u.first_kv_head(r) : u.first_head(r);
+  Kokkos::deep_copy(exec, f, h);
+  exec.fence();
+  return f;
+}
+
+template <class View>
+std::int64_t ulysses_bytes(const View& v) {
+  return std::int64_t(v.span()) * std::int64_t(sizeof(typename View::value_type));
+}
+
+/// Sequence-sharded x (batch, n, H, d) -> head-sharded (batch, N, hl, d) of
+/// this rank's heads [first(r), first(r) + hl), in global order. Adds the
+/// bytes sent to other ranks to `sent`.
+template <class T, class Comm, class ExecSpace, class X>
+UlyssesBuf4<T, ExecSpace> ulysses_to_heads(
+    Comm& comm, const ExecSpace& exec, const X& x, int hl,
+    const Kokkos::View<int*, typename ExecSpace::memory_space>& first,
+    const UlyssesIndex<typename ExecSpace::memory_space>& where, std::int64_t& sent,
+    UlyssesLive& live) {
+  const int P = comm.size(), b = int(x.extent(0)), n = int(x.extent(1)), d = int(x.extent(3));
+  const index_type N = index_type(n) * P;
+  auto alloc = [](const char* label) {
+    return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
+  };
+  UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, n, hl, d),
+      recv(alloc("blockattn::ulysses_recv"), P, b, n, hl, d);
+  UlyssesBuf4<T, ExecSpace> full(alloc("blockattn::ulysses_full"), b, N, hl, d);
+  const std::int64_t chunk = std::int64_t(b) * n * hl * d;
+  Kokkos::parallel_for(
+      "blockattn::ulysses_pack", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
+      KOKKOS_LAMBDA(const std::int64_t idx) {
+        const int dd = int(idx % d), hh = int((idx / d) % hl), t = int((idx / (d * hl)) % n);
+        const int bb = int((idx / (std::int64_t(d) * hl * n)) % b), j = int(idx / chunk);
+        send(j, bb, t, hh, dd) = T(x(bb, t, first(j) + hh, dd));
+      });
+  comm.alltoall(exec, send, recv, chunk);
+  Kokkos::parallel_for(
+      "blockattn::ulysses_unpack", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
+      KOKKOS_LAMBDA(const std::int64_t idx) {
+        const int dd = int(idx % d), hh = int((idx / d) % hl), t = int((idx / (d * hl)) % n);
+        const int bb = int((idx / (std::int64_t(d) * hl * n)) % b), i = int(idx / chunk);
+        full(bb, where(i, t), hh, dd) = recv(i, bb, t, hh, dd);
+      });
+  sent += chunk * (P - 1) * std::int64_t(sizeof(T));
+  live.add(ulysses_bytes(send) + ulysses_bytes(recv) + ulysses_bytes(full));
+  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return; `full` is the caller's
+  return full;
+}
+
+/// LSE (batch, H, n) -> (batch, hl, N) of this rank's heads, global order.
+template <class Comm, class ExecSpace, class L>
+UlyssesBuf3<typename L::non_const_value_type, ExecSpace> ulysses_lse_to_heads(
+    Comm& comm, const ExecSpace& exec, const L& lse, int hl,
+    const Kokkos::View<int*, typename ExecSpace::memory_space>& first,
+    const UlyssesIndex<typename ExecSpace::memory_space>& where, std::int64_t& sent,
+    UlyssesLive& live) {
+  using C = typename L::non_const_value_type;
+  const int P = comm.size(), b = int(lse.extent(0)), n = int(lse.extent(2));
+  const index_type N = index_type(n) * P;
+  auto alloc = [](const char* label) {
+    return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
+  };
+  Kokkos::View<C****, Kokkos::LayoutRight, typename ExecSpace::memory_space> send(
+      alloc("blockattn::ulysses_send"), P, b, hl, n),
+      recv(alloc("blockattn::ulysses_recv"), P, b, hl, n);
+  UlyssesBuf3<C, ExecSpace> full(alloc("blockattn::ulysses_lse"), b, hl, N);
+  const std::int64_t chunk = std::int64_t(b) * hl * n;
+  Kokkos::parallel_for(
+      "blockattn::ulysses_pack_lse", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
+      KOKKOS_LAMBDA(const std::int64_t idx) {
+        const int t = int(idx % n), hh = int((idx / n) % hl), bb = int((idx / (n * hl)) % b),
+                  j = int(idx / chunk);
+        send(j, bb, hh, t) = lse(bb, first(j) + hh, t);
+      });
+  comm.alltoall(exec, send, recv, chunk);
+  Kokkos::parallel_for(
+      "blockattn::ulysses_unpack_lse", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
+      KOKKOS_LAMBDA(const std::int64_t idx) {
+        const int t = int(idx % n), hh = int((idx / n) % hl), bb = int((idx / (n * hl)) % b),
+                  i = int(idx / chunk);
+        full(bb, hh, where(i, t)) = recv(i, bb, hh, t);
+      });
+  sent += chunk * (P - 1) * std::int64_t(sizeof(C));
+  live.add(ulysses_bytes(send) + ulysses_bytes(recv) + ulysses_bytes(full));
+  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return; `full` is the caller's
+  return full;
+}
+
+/// Head-sharded full (batch, N, hl, d) -> this rank's rows of `out` (batch,
+/// n, H, d): out(b, t, h, :) = the sum, in compute type C, over the ranks j
+/// whose chunk [first(j), first(j) + hl) holds h (one rank, or every rank
+/// that shares a replicated K/V head), rounded once to out's type.
+template <class C, class T, class Comm, class ExecSpace, class Out>
+void ulysses_from_heads(Comm& comm, const ExecSpace& exec, const UlyssesBuf4<T, ExecSpace>& full,
+                        const Out& out, int hl,
+                        const Kokkos::View<int*, typename ExecSpace::memory_space>& first,
+                        const UlyssesIndex<typename ExecSpace::memory_space>& where,
+                        std::int64_t& sent, UlyssesLive& live) {
+  using OS = typename Out::non_const_value_type;
+  const int P = comm.size(), b = int(out.extent(0)), n = int(out.extent(1)), H = int(out.extent(2)),
+            d = int(out.extent(3));
+  auto alloc = [](const char* label) {
+    return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
+  };
+  UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, n, hl, d),
+      recv(alloc("blockattn::ulysses_recv"), P, b, n, hl, d);
+  const std::int64_t chunk = std::int64_t(b) * n * hl * d;
+  Kokkos::parallel_for(
+      "blockattn::ulysses_pack_back", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
+      KOKKOS_LAMBDA(const std::int64_t idx) {
+        const int dd = int(idx % d), hh = int((idx / d) % hl), t = int((idx / (d * hl)) % n);
+        const int bb = int((idx / (std::int64_t(d) * hl * n)) % b), i = int(idx / chunk);
+        send(i, bb, t, hh, dd) = full(bb, where(i, t), hh, dd);
+      });
+  comm.alltoall(exec, send, recv, chunk);
+  const std::int64_t total = std::int64_t(b) * n * H * d;
+  Kokkos::parallel_for(
+      "blockattn::ulysses_unpack_back", UlyssesRange<ExecSpace>(exec, 0, total),
+      KOKKOS_LAMBDA(const std::int64_t idx) {
+        const int dd = int(idx % d), h = int((idx / d) % H), t = int((idx / (d * H)) % n);
+        const int bb = int(idx / (std::int64_t(d) * H * n));
+        C s = C(0);
+        for (int j = 0; j < P; ++j)
+          if (h >= first(j) && h < first(j) + hl) s += C(recv(j, bb, t, h - first(j), dd));
+        out(bb, t, h, dd) = OS(s);
+      });
+  sent += chunk * (P - 1) * std::int64_t(sizeof(T));
+  live.add(ulysses_bytes(send) + ulysses_bytes(recv));
+  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return
+}
+
+template <class Comm, class ExecSpace, class LFull, class L>
+void ulysses_lse_from_heads(Comm& comm, const ExecSpace& exec, const LFull& full, const L& lse,
+                            int hl,
+                            const Kokkos::View<int*, typename ExecSpace::memory_space>& first,
+                            const UlyssesIndex<typename ExecSpace::memory_space>& where,
+                            std::int64_t& sent, UlyssesLive& live) {
+  using C = typename L::non_const_value_type;
+  const int P = comm.size(), b = int(lse.extent(0)), n = int(lse.extent(2));
+  auto alloc = [](const char* label) {
+    return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
+  };
+  Kokkos::View<C****, Kokkos::LayoutRight, typename ExecSpace::memory_space> send(
+      alloc("blockattn::ulysses_send"), P, b, hl, n),
+      recv(alloc("blockattn::ulysses_recv"), P, b, hl, n);
+  const std::int64_t chunk = std::int64_t(b) * hl * n;
+  Kokkos::parallel_for(
+      "blockattn::ulysses_pack_lse_back", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
+      KOKKOS_LAMBDA(const std::int64_t idx) {
+        const int t = int(idx % n), hh = int((idx / n) % hl), bb = int((idx / (n * hl)) % b),
+                  i = int(idx / chunk);
+        send(i, bb, hh, t) = full(bb, hh, where(i, t));
+      });
+  comm.alltoall(exec, send, recv, chunk);
+  Kokkos::parallel_for(
+      "blockattn::ulysses_unpack_lse_back", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
+      KOKKOS_LAMBDA(const std::int64_t idx) {
+        const int t = int(idx % n), hh = int((idx / n) % hl), bb = int((idx / (n * hl)) % b),
+                  j = int(idx / chunk);
+        lse(bb, first(j) + hh, t) = recv(j, bb, hh, t);
+      });
+  sent += chunk * (P - 1) * std::int64_t(sizeof(C));
+  live.add(ulysses_bytes(send) + ulysses_bytes(recv));
+  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return
+}
+
+}  // namespace impl
+
+template <class Partition, class Mask, class Communicator,
+          class ExecSpace = Kokkos::DefaultExecutionSpace>
+class UlyssesAttention {
+  static_assert(Kokkos::is_execution_space<ExecSpace>::value,
+                "BlockAttn: UlyssesAttention<Partition, Mask, Communicator, ExecSpace>: ExecSpace "
+                "must be a Kokkos execution space (e.g. Kokkos::OpenMP)");
+  static_assert(is_partition_policy_v<Partition>,
+                "BlockAttn: UlyssesAttention: the first parameter must be a partition policy "
+                "(ContiguousPartition, StripedPartition, ZigzagPartition, or your own)");
+  static_assert(is_mask_policy_v<Mask>,
+                "BlockAttn: UlyssesAttention: the second parameter must be a mask policy");
+  static_assert(is_communicator_v<Communicator>,
+                "BlockAttn: UlyssesAttention: the third parameter must be a communicator "
+                "(MpiCommunicator<>, SelfCommunicator; see blockattn/comm/communicator.hpp)");
+  static_assert(!is_communicator_v<Communicator> || is_alltoall_communicator_v<Communicator>,
+                "BlockAttn: UlyssesAttention needs a communicator with the optional alltoall() "
+                "collective (MpiCommunicator<> and SelfCommunicator have it; see "
+                "blockattn/comm/communicator.hpp)");
+
+ public:
+  using partition_type = Partition;
+  using mask_type = Mask;
+  using communicator_type = Communicator;
+  using execution_space = ExecSpace;
+
+  explicit UlyssesAttention(Communicator comm, const Mask& mask = {}, const ExecSpace& exec = {})
+      : m_comm(std::move(comm)), m_mask(mask), m_exec(exec) {}
+
+  Communicator& communicator() { return m_comm; }
+  const Mask& mask() const { return m_mask; }
+
+  /// O and LSE of this rank's queries; the same arguments and results as
+  /// DistributedAttention::forward. Collective.
+  template <class QV, class KV, class VV, class OV, class LV>
+  RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                   const DistributedOptions& opts = {}) {
+    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+    RunStats stats;
+    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const impl::ForwardExtents e = validate(fn, q, k, v, o, lse, opts);
+      run_forward(e, q, k, v, o, lse, opts, stats);
+      m_exec.fence();
+      stats.steps.back().seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    return stats;
+  }
+
+  /// dQ, dK, dV of this rank's rows; the same arguments as
+  /// DistributedAttention::backward. Collective.
+  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+            class DVV>
+  RunStats backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                    const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
+                    const DistributedOptions& opts = {}) {
+    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+    static_assert(impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
+                  "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
+                  "(batch, seq, heads, head_dim)");
+    RunStats stats;
+    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
+                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
+      using V = typename OV::non_const_value_type;
+      static_assert(std::is_same<typename DQV::non_const_value_type, V>::value &&
+                        std::is_same<typename DKV::non_const_value_type, V>::value &&
+                        std::is_same<typename DVV::non_const_value_type, V>::value &&
+                        std::is_same<typename DOV::non_const_value_type, V>::value,
+                    "BlockAttn: dout, dq, dk and dv must have the value type of q");
+      const auto t0 = std::chrono::steady_clock::now();
+      const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
+        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
+      });
+      run_backward(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+      m_exec.fence();
+      stats.steps.back().seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    return stats;
+  }
+
+ private:
+  static constexpr const char* fn = "UlyssesAttention::forward";
+  static constexpr const char* bfn = "UlyssesAttention::backward";
+  using mem = typename ExecSpace::memory_space;
+  template <class T>
+  using Buf4 = impl::UlyssesBuf4<T, ExecSpace>;
+  template <class T>
+  using Buf3 = impl::UlyssesBuf3<T, ExecSpace>;
+
+  Communicator m_comm;
+  Mask m_mask;
+  ExecSpace m_exec;
+
+  /// Per-rank checks, then one consensus step (as DistributedAttention).
+  template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
+  impl::ForwardExtents validate(
+      const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+      const DistributedOptions& opts, Extra extra = [] {}) {
+    using T = typename OV::non_const_value_type;
+    std::string error;
+    impl::ForwardExtents e;
+    try {
+      e = impl::validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale);
+      if (k.extent(1) != q.extent(1))
+        impl::fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ",
+                   q.extent(1),
+                   " (the local length of q: each rank holds N / P tokens of q, k, v)");
+      extra();
+    } catch (const invalid_argument& ex) {
+      error = ex.what();
+    }
+    impl::Fingerprint f;
+    f.text("call", name)
+        .text("schedule", "ulysses")
+        .text("partition",
+              std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
+    impl::add_mask(f, m_mask);
+    f.text("value type", impl::type_name<T>())
+        .number("batch (q.extent(0))", e.batch)
+        .number("local length (q.extent(1))", e.queries)
+        .number("heads (q.extent(2))", e.heads)
+        .number("kv heads (k.extent(2))", e.kv_heads)
+        .number("head_dim (q.extent(3))", e.dim)
+        .real("options.scale", opts.scale,
+              std::isnan(opts.scale) ? std::string("default (1/sqrt(head_dim))")
+                                     : impl::to_text(opts.scale))
+        .number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
+                impl::check_policies_always || opts.check_policies ? 1 : 0);
+    impl::reach_consensus(m_comm, name, error, f);
+    // Every rank holds the same configuration now: these throw on all or none.
+    const int P = m_comm.size();
+    const index_type N = index_type(e.queries) * P;
+    require_partitionable<Partition>(name, N, P);
+    check_partition_contract<Partition>(name, N, P);
+    if (const std::string why = UlyssesHeads::why_not(e.heads, e.kv_heads, P); !why.empty())
+      impl::fail(name, why);
+    if (impl::check_policies_always || opts.check_policies)
+      impl::check_mask_contract(name, m_exec, m_mask, 0, N, 0, N);
+    return e;
+  }
+
+  /// The one "step" of RunStats: the local attention's tiles (per batch and
+  /// head, over the whole sequence) and the bytes of the all-to-alls.
+  template <class Shape>
+  StepStats step_stats(const impl::ForwardExtents& e, const DistributedOptions& opts,
+                       std::int64_t sent) const {
+    const int P = m_comm.size(), rank = m_comm.rank();
+    const index_type N = index_type(e.queries) * P;
+    StepStats st;
+    st.step = 0;
+    st.source = rank;
+    st.query_source = rank;
+    st.computed = true;
+    st.tiles = count_tiles(m_mask, N, N, Shape::block_q, Shape::block_k, OffsetPositions{},
+                           OffsetPositions{}, opts.count_pairs);
+    st.bytes_sent = sent;
+    st.bytes_received = sent;  // every rank sends and receives the same amounts
+    return st;
+  }
+
+  template <class QV, class KV, class VV, class OV, class LV>
+  void run_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
+    using V = typename OV::non_const_value_type;
+    using C = compute_t<V>;
+    const int P = m_comm.size();
+    const index_type N = index_type(e.queries) * P;
+    const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, P);
+    const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
+    const auto where = impl::ulysses_index<Partition>(m_exec, N, P, e.queries);
+    const auto fq = impl::ulysses_firsts(m_exec, u, false),
+               fkv = impl::ulysses_firsts(m_exec, u, true);
+    std::int64_t sent = 0;
+    impl::UlyssesLive live;
+    live.add(impl::ulysses_bytes(where));
+    // Phase 1: Q, K, V to the head split (whole sequence, global order).
+    const Buf4<V> qf = impl::ulysses_to_heads<V>(m_comm, m_exec, q, hl, fq, where, sent, live);
+    const Buf4<V> kf = impl::ulysses_to_heads<V>(m_comm, m_exec, k, kl, fkv, where, sent, live);
+    const Buf4<V> vf = impl::ulysses_to_heads<V>(m_comm, m_exec, v, kl, fkv, where, sent, live);
+    // Phase 2: attention over global positions on this rank's heads.
+    auto alloc = [](const char* label) {
+      return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
+    };
+    Buf4<V> of(alloc("blockattn::ulysses_o"), e.batch, N, hl, e.dim);
+    Buf3<C> lf(alloc("blockattn::ulysses_lse"), e.batch, hl, N);
+    live.add(impl::ulysses_bytes(of) + impl::ulysses_bytes(lf));
+    impl::ForwardExtents fe = e;
+    fe.queries = fe.keys = int(N);
+    fe.heads = hl;
+    fe.kv_heads = kl;
+    using Shape = DefaultTileShape<C, impl::is_host_space_v<ExecSpace>>;
+    const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
+    impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
+      constexpr int SD = decltype(static_d)::value;
+      using S = decltype(shape);
+      impl::check_tile_shape<S>();
+      const int dp = impl::padded_head_dim<S, SD>(e.dim);
+      const auto kv = impl::allocate_packed_kv<C, mem>(e.batch, kl, int(N), dp, S::block_k);
+      const std::int64_t packed = impl::ulysses_bytes(kv.kt) + impl::ulysses_bytes(kv.v);
+      live.add(packed);
+      impl::pack_kv(m_exec, kf, vf, kv);
+      impl::launch_forward<ExecSpace, C, SD, S>(m_exec, fe, qf, kv, of, lf, m_mask,
+                                                OffsetPositions{}, OffsetPositions{}, scale);
+      m_exec.fence();  // the packed block is freed here
+      live.sub(packed);
+    });
+    // Phase 3: O and LSE back to the sequence split.
+    impl::ulysses_from_heads<C>(m_comm, m_exec, of, o, hl, fq, where, sent, live);
+    impl::ulysses_lse_from_heads(m_comm, m_exec, lf, lse, hl, fq, where, sent, live);
+    stats.block_q = Shape::block_q;
+    stats.block_k = Shape::block_k;
+    stats.workspace_bytes = live.peak;
+    stats.steps.push_back(step_stats<Shape>(e, opts, sent));
+  }
+
+  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+            class DVV>
+  void run_backward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+    using V = typename OV::non_const_value_type;
+    using C = compute_t<V>;
+    const int P = m_comm.size();
+    const index_type N = index_type(e.queries) * P;
+    const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, P);
+    const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
+    const auto where = impl::ulysses_index<Partition>(m_exec, N, P, e.queries);
+    const auto fq = impl::ulysses_firsts(m_exec, u, false),
+               fkv = impl::ulysses_firsts(m_exec, u, true);
+    std::int64_t sent = 0;
+    impl::UlyssesLive live;
+    live.add(impl::ulysses_bytes(where));
+    const Buf4<V> qf = impl::ulysses_to_heads<V>(m_comm, m_exec, q, hl, fq, where, sent, live);
+    const Buf4<V> kf = impl::ulysses_to_heads<V>(m_comm, m_exec, k, kl, fkv, where, sent, live);
+    const Buf4<V> vf = impl::ulysses_to_heads<V>(m_comm, m_exec, v, kl, fkv, where, sent, live);
+    const Buf4<V> of = impl::ulysses_to_heads<V>(m_comm, m_exec, o, hl, fq, where, sent, live);
+    const Buf4<V> dof = impl::ulysses_to_heads<V>(m_comm, m_exec, dout, hl, fq, where, sent, live);
+    const auto lf = impl::ulysses_lse_to_heads(m_comm, m_exec, lse, hl, fq, where, sent, live);
+    // dQ in the storage type (one rank computes each head); dK, dV in the
+    // compute type: a replicated K/V head's partials are summed on the way back.
+    auto alloc = [](const char* label) {
+      return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
+    };
+    Buf4<V> dqf(alloc("blockattn::ulysses_dq"), e.batch, N, hl, e.dim);
+    Buf4<C> dkf(alloc("blockattn::ulysses_dk"), e.batch, N, kl, e.dim),
+        dvf(alloc("blockattn::ulysses_dv"), e.batch, N, kl, e.dim);
+    live.add(impl::ulysses_bytes(dqf) + impl::ulysses_bytes(dkf) + impl::ulysses_bytes(dvf));
+    impl::ForwardExtents fe = e;
+    fe.queries = fe.keys = int(N);
+    fe.heads = hl;
+    fe.kv_heads = kl;
+    using Shape = BackwardTileShape<C, impl::is_host_space_v<ExecSpace>>;
+    const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
+    impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
+      constexpr int SD = decltype(static_d)::value;
+      using S = decltype(shape);
+      const int dp = impl::padded_head_dim<S, SD>(e.dim);
+      auto keys = impl::allocate_packed_keys<C, mem>(e.batch, kl, int(N), dp, S::block_k);
+      auto rows = impl::allocate_packed_queries<C, mem>(e.batch, hl, int(N), dp, S::block_q);
+      const std::int64_t packed = impl::ulysses_bytes(keys.kt) + impl::ulysses_bytes(keys.vt) +
+                                  impl::ulysses_bytes(keys.k) + impl::ulysses_bytes(rows.q) +
+                                  impl::ulysses_bytes(rows.dout) + impl::ulysses_bytes(rows.lse2) +
+                                  impl::ulysses_bytes(rows.drow);
+      live.add(packed);
+      impl::pack_keys(m_exec, kf, vf, keys);
+      impl::pack_queries(m_exec, qf, dof, of, lf, rows);
+      impl::launch_backward<ExecSpace, C, SD, S>(m_exec, fe, rows, keys, dqf, dkf, dvf, m_mask,
+                                                 OffsetPositions{}, OffsetPositions{}, scale,
+                                                 impl::BackwardBlock{});
+      m_exec.fence();  // the packed buffers are freed here
+      live.sub(packed);
+    });
+    impl::ulysses_from_heads<C>(m_comm, m_exec, dqf, dq, hl, fq, where, sent, live);
+    impl::ulysses_from_heads<C>(m_comm, m_exec, dkf, dk, kl, fkv, where, sent, live);
+    impl::ulysses_from_heads<C>(m_comm, m_exec, dvf, dv, kl, fkv, where, sent, live);
+    stats.block_q = Shape::block_q;
+    stats.block_k = Shape::block_k;
+    stats.workspace_bytes = live.peak;
+    stats.steps.push_back(step_stats<Shape>(e, opts, sent));
+  }
+};
+
+}  // namespace blockattn

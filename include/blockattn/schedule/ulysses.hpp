@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// The description of the head-parallel all-to-all (DeepSpeed-Ulysses,
+// arXiv:2309.14509): which heads each rank computes, and what its all-to-alls
+// move and allocate. The driver is UlyssesAttention
+// (blockattn/distributed/ulysses.hpp); the planner reads the same description.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace blockattn {
+
+/// Which heads each rank computes under UlyssesAttention.
+struct UlyssesHeads {
+  int heads = 0, kv_heads = 0, P = 1;
+  int heads_per_rank = 0;     // query heads per rank: H / P
+  int kv_heads_per_rank = 0;  // K/V heads each rank receives
+  bool replicated = false;    // a K/V head goes to more than one rank
+  int first_head(int r) const { return r * heads_per_rank; }
+  int first_kv_head(int r) const { return r * heads_per_rank / (heads / kv_heads); }
+  /// Empty when the shape works, else why not.
+  static std::string why_not(int heads, int kv_heads, int P) {
+    if (heads % P != 0)
+      return "heads (q.extent(2)) = " + std::to_string(heads) +
+             " is not a multiple of the number of ranks P = " + std::to_string(P) +
+             " (Ulysses gives every rank H / P query heads)";
+    const int hp = heads / P, g = heads / kv_heads;
+    if (hp % g != 0 && g % hp != 0)
+      return "kv heads (k.extent(2)) = " + std::to_string(kv_heads) + " with " +
+             std::to_string(heads) + " heads over P = " + std::to_string(P) + " ranks: a rank's " +
+             std::to_string(hp) + " query heads must cover whole K/V groups of " +
+             std::to_string(g) +
+             " heads, or lie inside one (expected H/P a multiple of H/H_kv, or H/H_kv a "
+             "multiple of H/P)";
+    return {};
+  }
+  static UlyssesHeads make(int heads, int kv_heads, int P) {
+    UlyssesHeads u;
+    u.heads = heads;
+    u.kv_heads = kv_heads;
+    u.P = P;
+    u.heads_per_rank = heads / P;
+    const int g = heads / kv_heads;
+    u.kv_heads_per_rank = u.heads_per_rank % g == 0 ? u.heads_per_rank / g : 1;
+    u.replicated = u.kv_heads_per_rank * P > kv_heads;
+    return u;
+  }
+};
+
+/// What one forward call of UlyssesAttention moves and allocates per rank
+/// (every rank the same): batch b, N tokens over P ranks (n = N / P local),
+/// head dim d, storage bytes s, compute bytes cs, and `packed` = the bytes of
+/// the packed K/V block of the local attention (compute type).
+///   sent: (P-1)/P of Q, K, V (K/V once per receiving rank) and O in s, LSE in cs;
+///   peak workspace: the rank/position index (8 N), Q, K, V, O of this rank's
+///   heads over N tokens in s, their LSE in cs, plus the largest transient of
+///   the phases: the packed block, or O's / the LSE's send and receive buffers.
+struct UlyssesForwardVolume {
+  std::int64_t sent = 0, workspace = 0;
+};
+
+inline UlyssesForwardVolume ulysses_forward_volume(const UlyssesHeads& u, int batch, index_type N,
+                                                   int dim, int s, int cs, std::int64_t packed) {
+  const std::int64_t P = u.P, n = N / P, hq = u.heads_per_rank, hk = u.kv_heads_per_rank;
+  const std::int64_t rows = std::int64_t(batch) * n * dim * (P - 1);  // one head, to P-1 ranks
+  UlyssesForwardVolume v;
+  v.sent = rows * s * (2 * hq + 2 * hk) + std::int64_t(batch) * n * (P - 1) * hq * cs;
+  const std::int64_t full = std::int64_t(batch) * N * dim * s;  // one head, all N tokens
+  const std::int64_t lse = std::int64_t(batch) * hq * N * cs;
+  std::int64_t transient = packed;
+  if (2 * full * hq > transient) transient = 2 * full * hq;
+  if (2 * lse > transient) transient = 2 * lse;
+  // During the K/V all-to-alls (Q held, K or V with its send and receive buffers):
+  const std::int64_t before = full * (hq + hk + 3 * hk);
+  const std::int64_t after = full * (2 * hq + 2 * hk) + lse + transient;
+  v.workspace = 8 * std::int64_t(N) + (before > after ? before : after);
+  return v;
+}
+
+}  // namespace blockattn

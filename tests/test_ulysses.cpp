@@ -1,0 +1,258 @@
+// SPDX-License-Identifier: Apache-2.0
+// UlyssesAttention (head-parallel all-to-all) under MPI, P = 1 ... 4: forward
+// and backward against the fp64 reference of the global sequence for every
+// partition, masks over global positions (causal, a two-sided window,
+// prefix-LM, a user document mask), GQA with K/V heads sharded and replicated,
+// fp64, fp32 and bf16; shapes Ulysses cannot shard are rejected on every rank;
+// RunStats' bytes are the all-to-all volumes.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+#include <blockattn/mpi_communicator.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "backend.hpp"
+#include "distributed_check.hpp"
+#include "forward_check.hpp"
+#include "reference.hpp"
+#include "user_masks.hpp"
+
+using namespace blockattn;
+using namespace blockattn::test;
+
+namespace {
+
+/// The inputs rounded to S (exactly what the kernels see).
+template <class S>
+HostTensor rounded_to(HostTensor t) {
+  if constexpr (!std::is_same<S, double>::value)
+    for (double& x : t.data) x = double(S(float(x)));
+  return t;
+}
+
+template <class S, class Partition>
+V4<S> local_rows(const HostTensor& t, int P, int rank) {
+  const index_type N = t.n;
+  const int n = int(N / P);
+  V4<S> v("local", t.b, n, t.h, t.d);
+  auto h = Kokkos::create_mirror_view(v);
+  const auto map = Partition::positions(N, P, rank);
+  for (int b = 0; b < t.b; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) h(b, i, x, d) = S(t(b, int(map(i)), x, d));
+  Kokkos::deep_copy(v, h);
+  return v;
+}
+
+template <class View, class Map>
+double max_error(const View& got, const HostTensor& want, const Map& map, bool& finite) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
+  double err = 0.0;
+  for (int b = 0; b < want.b; ++b)
+    for (int i = 0; i < int(got.extent(1)); ++i)
+      for (int x = 0; x < want.h; ++x)
+        for (int d = 0; d < want.d; ++d) {
+          const double g = double(h(b, i, x, d));
+          finite = finite && std::isfinite(g);
+          err = std::max(err, std::abs(g - want(b, int(map(i)), x, d)));
+        }
+  return err;
+}
+
+double largest(const HostTensor& t) {
+  double m = 1e-300;
+  for (double x : t.data) m = std::max(m, std::abs(x));
+  return m;
+}
+
+struct UCase {
+  int b, n_local, h, hkv, d;
+};
+
+/// Forward and backward of one partition x mask in value type S on this
+/// communicator, against the fp64 reference of the inputs rounded to S.
+/// Bounds: forward_check.hpp's (fp64/fp32), gradients 1e-11 / 1e-4 of the
+/// largest entry; bf16 adds one rounding of the result (test_half_attention.cpp).
+template <class S, class Partition, class Mask>
+void check(Mpi& comm, const UCase& c, const Mask& mask, std::uint64_t seed) {
+  using C = compute_t<S>;
+  const int P = comm.size(), rank = comm.rank(), n = c.n_local;
+  const int N = n * P;
+  std::mt19937_64 rng(seed);
+  const HostTensor q = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng)),
+                   k = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
+                   v = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
+                   dout = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng));
+  const double scale = 1.0 / std::sqrt(double(c.d));
+  const ReferenceResult ref = reference_attention(q, k, v, mask, scale);
+  const ReferenceGrads grads = reference_backward(q, k, v, dout, mask, scale);
+
+  const V4<S> ql = local_rows<S, Partition>(q, P, rank), kl = local_rows<S, Partition>(k, P, rank),
+              vl = local_rows<S, Partition>(v, P, rank),
+              dol = local_rows<S, Partition>(dout, P, rank);
+  V4<S> o("o", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d), dk("dk", c.b, n, c.hkv, c.d),
+      dv("dv", c.b, n, c.hkv, c.d);
+  V3<C> lse("lse", c.b, c.h, n);
+  UlyssesAttention<Partition, Mask, Mpi, ExecSpace> attn(comm, mask);
+  const RunStats fs = attn.forward(ql, kl, vl, o, lse);
+  const RunStats bs = attn.backward(ql, kl, vl, o, lse, dol, dq, dk, dv);
+  Kokkos::fence();
+
+  const auto map = Partition::positions(N, P, rank);
+  bool finite = true;
+  const double eo = max_error(o, ref.o, map, finite);
+  double el = 0.0;
+  bool lse_pattern = true;
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  for (int b = 0; b < c.b; ++b)
+    for (int x = 0; x < c.h; ++x)
+      for (int i = 0; i < n; ++i) {
+        const double g = double(lh(b, x, i)),
+                     w = ref.lse[(std::size_t(b) * c.h + x) * std::size_t(N) + map(i)];
+        if (std::isinf(w) || std::isinf(g)) {
+          lse_pattern = lse_pattern && g == w;
+          continue;
+        }
+        el = std::max(el, std::abs(g - w));
+      }
+  const double eg =
+      std::max({max_error(dq, grads.dq, map, finite), max_error(dk, grads.dk, map, finite),
+                max_error(dv, grads.dv, map, finite)});
+  const double gmax = std::max({largest(grads.dq), largest(grads.dk), largest(grads.dv)});
+  const bool fp64 = std::is_same<S, double>::value;
+  const double tf = fp64 ? tolerance<double>(ref, c.d, N) : tolerance<float>(ref, c.d, N);
+  double to = tf, tg = (fp64 ? 1e-11 : 1e-4) * gmax;
+  if constexpr (is_half_storage_v<S>) {
+    to += S::unit_roundoff * (largest(ref.o) + tf);
+    tg += S::unit_roundoff * (gmax + tg);
+  }
+  INFO("rank ", rank, "/", P, " ", std::string(value_type_name<S>()), " ",
+       std::string(Partition::name()), " H=", c.h, " Hkv=", c.hkv, " D=", c.d, " n=", n, ": o ", eo,
+       "/", to, " lse ", el, "/", tf, " grads ", eg, "/", tg);
+  CHECK(finite);
+  CHECK(lse_pattern);
+  CHECK(eo <= to);
+  CHECK(el <= tf);
+  CHECK(eg <= tg);
+
+  // One step each; the bytes are the all-to-all volumes: (P-1)/P of what
+  // travels. Forward: Q, K, V in (K/V once per receiving rank), O in S and
+  // LSE in the compute type back. Backward: Q, K, V, O, dO in S and LSE in
+  // the compute type in; dQ in S, dK and dV in the compute type back.
+  REQUIRE(fs.steps.size() == 1);
+  REQUIRE(bs.steps.size() == 1);
+  const UlyssesHeads u = UlyssesHeads::make(c.h, c.hkv, P);
+  const std::int64_t rows = std::int64_t(c.b) * n * c.d * (P - 1);  // per head of a chunk
+  const std::int64_t s = sizeof(S), cs = sizeof(C);
+  const std::int64_t hq = u.heads_per_rank, hk = u.kv_heads_per_rank;
+  CHECK(fs.steps[0].bytes_sent ==
+        rows * s * (2 * hq + 2 * hk) + std::int64_t(c.b) * n * (P - 1) * hq * cs);
+  CHECK(bs.steps[0].bytes_sent == rows * s * (3 * hq + 2 * hk) +
+                                      std::int64_t(c.b) * n * (P - 1) * hq * cs +
+                                      rows * (hq * s + 2 * hk * cs));
+  CHECK(fs.steps[0].computed);
+
+  // The planner reads the same description: bytes, peak workspace, tiles.
+  const plan::Problem pb = plan::problem_for<S, ExecSpace>(N, P, c.b, c.h, c.hkv, c.d);
+  const plan::Prediction pr = plan::predict_ulysses<Partition>(pb, mask, plan::Hardware{});
+  REQUIRE(pr.valid);
+  const plan::RankPlan& mine = pr.ranks[std::size_t(rank)];
+  CHECK(pb.block_q == fs.block_q);
+  CHECK(pb.block_k == fs.block_k);
+  CHECK(mine.workspace_bytes == fs.workspace_bytes);
+  REQUIRE(mine.steps.size() == 1);
+  CHECK(mine.steps[0].bytes_sent == fs.steps[0].bytes_sent);
+  CHECK(mine.steps[0].tiles.full == fs.steps[0].tiles.full);
+  CHECK(mine.steps[0].tiles.partial == fs.steps[0].tiles.partial);
+}
+
+template <class S, class Partition>
+void check_masks(Mpi& comm, const UCase& c, std::uint64_t seed) {
+  const index_type N = index_type(c.n_local) * comm.size();
+  check<S, Partition>(comm, c, CausalMask{}, seed);
+  check<S, Partition>(comm, c, SlidingWindowMask{N / 5, N / 7}, seed + 1);
+  check<S, Partition>(comm, c, PrefixLMMask{N / 3}, seed + 2);
+  check<S, Partition>(comm, c, DocumentCausalMask{N / 3 + 1}, seed + 3);
+}
+
+}  // namespace
+
+TEST_CASE("ulysses: every partition and mask, fp64, sharded and replicated K/V heads") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  // 12 query heads divide by P = 1 ... 4. K/V heads: 12 (no GQA) down to 1
+  // (one K/V head replicated to every rank); the shapes Ulysses cannot shard
+  // at this P are skipped here and rejected in the test case below.
+  int run = 0, replicated = 0;
+  for (const int hkv : {12, 6, 4, 2, 1}) {
+    if (!UlyssesHeads::why_not(12, hkv, P).empty()) continue;
+    const UCase c{1, 10, 12, hkv, 24};
+    check_masks<double, ContiguousPartition>(comm, c, 100 + hkv);
+    check_masks<double, StripedPartition>(comm, c, 200 + hkv);
+    check_masks<double, ZigzagPartition>(comm, c, 300 + hkv);
+    ++run;
+    replicated += UlyssesHeads::make(12, hkv, P).replicated ? 1 : 0;
+  }
+  CHECK(run >= 3);
+  if (P > 1) CHECK(replicated >= 1);
+}
+
+TEST_CASE("ulysses: fp32 and bf16, batch 2, padded head dim") {
+  Mpi comm(MPI_COMM_WORLD);
+  const UCase c{2, 38, 12, 2, 40};
+  const int P = comm.size();
+  if (UlyssesHeads::why_not(c.h, c.hkv, P).empty()) {
+    check<float, ZigzagPartition>(comm, c, CausalMask{}, 400);
+    check<bf16, StripedPartition>(comm, c, SlidingWindowMask{64, 0}, 401);
+    check<bf16, ContiguousPartition>(comm, c, CausalMask{}, 402);
+  } else {
+    // P = 3: 4 query heads per rank, K/V groups of 6: neither covers the other.
+    CHECK(P == 3);
+  }
+}
+
+TEST_CASE("ulysses: shapes it cannot shard are rejected on every rank") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  auto run = [&](int h, int hkv) {
+    V4<float> q("q", 1, 8, h, 16), k("k", 1, 8, hkv, 16), o("o", 1, 8, h, 16);
+    V3<float> lse("lse", 1, h, 8);
+    UlyssesAttention<ContiguousPartition, CausalMask, Mpi, ExecSpace> attn(comm);
+    std::string what;
+    try {
+      attn.forward(q, k, k, o, lse);
+    } catch (const invalid_argument& e) {
+      what = e.what();
+    }
+    return what;
+  };
+  if (P == 3) {
+    const std::string a = run(4, 4);
+    CHECK(a.find("UlyssesAttention::forward") != std::string::npos);
+    CHECK(a.find("is not a multiple of the number of ranks P = 3") != std::string::npos);
+    const std::string b = run(12, 2);
+    CHECK(b.find("kv heads (k.extent(2)) = 2") != std::string::npos);
+  } else {
+    CHECK(run(4, 4).empty());
+    if (P == 4) CHECK(run(6, 6).find("heads (q.extent(2)) = 6") != std::string::npos);
+  }
+  // A local length that differs on one rank: the consensus names it on every rank.
+  if (P > 1) {
+    const int n = comm.rank() == 0 ? 8 : 6;
+    V4<float> q("q", 1, n, 4, 16), o("o", 1, n, 4, 16);
+    V3<float> lse("lse", 1, 4, n);
+    UlyssesAttention<ContiguousPartition, CausalMask, Mpi, ExecSpace> attn(comm);
+    std::string what;
+    try {
+      attn.forward(q, q, q, o, lse);
+    } catch (const invalid_argument& e) {
+      what = e.what();
+    }
+    CHECK(what.find("local length") != std::string::npos);
+  }
+}
