@@ -329,11 +329,7 @@ class UlyssesAttention {
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
                   impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
       using V = typename OV::non_const_value_type;
-      static_assert(std::is_same<typename DQV::non_const_value_type, V>::value &&
-                        std::is_same<typename DKV::non_const_value_type, V>::value &&
-                        std::is_same<typename DVV::non_const_value_type, V>::value &&
-                        std::is_same<typename DOV::non_const_value_type, V>::value,
-                    "BlockAttn: dout, dq, dk and dv must have the value type of q");
+      impl::check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
       const auto t0 = std::chrono::steady_clock::now();
       const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
         impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);

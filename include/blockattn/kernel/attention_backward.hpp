@@ -28,11 +28,7 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
   if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask> &&
                 impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
     using V = typename OV::non_const_value_type;
-    static_assert(std::is_same<typename DQV::non_const_value_type, V>::value &&
-                      std::is_same<typename DKV::non_const_value_type, V>::value &&
-                      std::is_same<typename DVV::non_const_value_type, V>::value &&
-                      std::is_same<typename DOV::non_const_value_type, V>::value,
-                  "BlockAttn: dout, dq, dk and dv must have the value type of q");
+    impl::check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
     static_assert(!std::is_const<typename DQV::value_type>::value &&
                       !std::is_const<typename DKV::value_type>::value &&
                       !std::is_const<typename DVV::value_type>::value,

@@ -133,6 +133,16 @@ ForwardExtents validate_backward(const char* fn, const QV& q, const KV& k, const
   return e;
 }
 
+/// dout, dq, dk and dv hold the value type V of q (one message for every entry point).
+template <class V, class DOV, class DQV, class DKV, class DVV>
+constexpr void check_backward_grad_types() {
+  static_assert(std::is_same<typename DQV::non_const_value_type, V>::value &&
+                    std::is_same<typename DKV::non_const_value_type, V>::value &&
+                    std::is_same<typename DVV::non_const_value_type, V>::value &&
+                    std::is_same<typename DOV::non_const_value_type, V>::value,
+                "BlockAttn: dout, dq, dk and dv must have the value type of q");
+}
+
 template <class... Vs>
 constexpr bool backward_grad_views_ok() {
   return (... && (Kokkos::is_view<Vs>::value && Vs::rank == 4));
