@@ -73,6 +73,25 @@ using UlyssesBuf3 = Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::
 template <class ExecSpace>
 using UlyssesRange = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>;
 
+/// f(i, bb, t, hh, dd) for i < P, bb < b, t < n, hh < inner, dd < d: one
+/// team per row (i, bb, t), its threads over hh and vector lanes over dd, so
+/// that a row's index arithmetic is done once per row, not per element.
+template <class ExecSpace, class F>
+void ulysses_rows(const char* label, const ExecSpace& exec, int P, int b, int n, int inner, int d,
+                  const F& f) {
+  using Team = Kokkos::TeamPolicy<ExecSpace>;
+  Kokkos::parallel_for(
+      label, Team(exec, P * b * n, Kokkos::AUTO),
+      KOKKOS_LAMBDA(const typename Team::member_type& m) {
+        const int row = m.league_rank();
+        const int t = row % n, bb = (row / n) % b, i = row / (n * b);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, inner), [&](const int hh) {
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(m, d),
+                               [&](const int dd) { f(i, bb, t, hh, dd); });
+        });
+      });
+}
+
 /// where(i, t): the global position of rank i's local token t.
 template <class Partition, class ExecSpace>
 UlyssesIndex<typename ExecSpace::memory_space> ulysses_index(const ExecSpace& exec, index_type N,
@@ -125,19 +144,15 @@ UlyssesBuf4<T, ExecSpace> ulysses_to_heads(
       recv(alloc("blockattn::ulysses_recv"), P, b, n, hl, d);
   UlyssesBuf4<T, ExecSpace> full(alloc("blockattn::ulysses_full"), b, N, hl, d);
   const std::int64_t chunk = std::int64_t(b) * n * hl * d;
-  Kokkos::parallel_for(
-      "blockattn::ulysses_pack", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
-      KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int dd = int(idx % d), hh = int((idx / d) % hl), t = int((idx / (d * hl)) % n);
-        const int bb = int((idx / (std::int64_t(d) * hl * n)) % b), j = int(idx / chunk);
+  ulysses_rows(
+      "blockattn::ulysses_pack", exec, P, b, n, hl, d,
+      KOKKOS_LAMBDA(const int j, const int bb, const int t, const int hh, const int dd) {
         send(j, bb, t, hh, dd) = T(x(bb, t, first(j) + hh, dd));
       });
   comm.alltoall(exec, send, recv, chunk);
-  Kokkos::parallel_for(
-      "blockattn::ulysses_unpack", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
-      KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int dd = int(idx % d), hh = int((idx / d) % hl), t = int((idx / (d * hl)) % n);
-        const int bb = int((idx / (std::int64_t(d) * hl * n)) % b), i = int(idx / chunk);
+  ulysses_rows(
+      "blockattn::ulysses_unpack", exec, P, b, n, hl, d,
+      KOKKOS_LAMBDA(const int i, const int bb, const int t, const int hh, const int dd) {
         full(bb, where(i, t), hh, dd) = recv(i, bb, t, hh, dd);
       });
   sent += chunk * (P - 1) * std::int64_t(sizeof(T));
@@ -204,20 +219,15 @@ void ulysses_from_heads(Comm& comm, const ExecSpace& exec, const UlyssesBuf4<T, 
   UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, n, hl, d),
       recv(alloc("blockattn::ulysses_recv"), P, b, n, hl, d);
   const std::int64_t chunk = std::int64_t(b) * n * hl * d;
-  Kokkos::parallel_for(
-      "blockattn::ulysses_pack_back", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
-      KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int dd = int(idx % d), hh = int((idx / d) % hl), t = int((idx / (d * hl)) % n);
-        const int bb = int((idx / (std::int64_t(d) * hl * n)) % b), i = int(idx / chunk);
+  ulysses_rows(
+      "blockattn::ulysses_pack_back", exec, P, b, n, hl, d,
+      KOKKOS_LAMBDA(const int i, const int bb, const int t, const int hh, const int dd) {
         send(i, bb, t, hh, dd) = full(bb, where(i, t), hh, dd);
       });
   comm.alltoall(exec, send, recv, chunk);
-  const std::int64_t total = std::int64_t(b) * n * H * d;
-  Kokkos::parallel_for(
-      "blockattn::ulysses_unpack_back", UlyssesRange<ExecSpace>(exec, 0, total),
-      KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int dd = int(idx % d), h = int((idx / d) % H), t = int((idx / (d * H)) % n);
-        const int bb = int(idx / (std::int64_t(d) * H * n));
+  ulysses_rows(
+      "blockattn::ulysses_unpack_back", exec, 1, b, n, H, d,
+      KOKKOS_LAMBDA(const int, const int bb, const int t, const int h, const int dd) {
         C s = C(0);
         for (int j = 0; j < P; ++j)
           if (h >= first(j) && h < first(j) + hl) s += C(recv(j, bb, t, h - first(j), dd));
