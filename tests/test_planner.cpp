@@ -241,3 +241,58 @@ TEST_CASE("planner: Ulysses (head-parallel all-to-all)") {
   CHECK_FALSE(bad.valid);
   CHECK(bad.why_not.find("kv heads") != std::string::npos);
 }
+
+TEST_CASE("planner: two link levels and the 2D hybrid") {
+  plan::Problem p =
+      plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(65536, 16, 1, 32, 8, 128);
+  plan::Hardware hw = plan::h100_cluster();  // 8 ranks per node
+  CHECK(hw.same_node(0, 7));
+  CHECK_FALSE(hw.same_node(7, 8));
+  CHECK(hw.transfer_seconds(0, 1, 450e9) == doctest::Approx(1.0));
+  CHECK(hw.transfer_seconds(0, 8, 50e9) == doctest::Approx(1.0));
+
+  // The grid's two ends are the other schedules: P_a = 1 is the ring on P
+  // ranks, P_a = P is Ulysses over a contiguous split (same bytes and time).
+  const auto ring = plan::predict<ZigzagPartition, RingSchedule>(p, CausalMask{}, hw);
+  const auto h1 = plan::predict_hybrid<ZigzagPartition, RingSchedule>(p, CausalMask{}, hw, 1);
+  REQUIRE(h1.valid);
+  CHECK(h1.makespan_s == doctest::Approx(ring.makespan_s));
+  CHECK(h1.max_bytes_sent() == ring.max_bytes_sent());
+  CHECK(h1.ranks[0].alltoall_bytes == 0);
+  plan::Problem p8 = p;
+  p8.P = 8;  // one node
+  const auto u = plan::predict_ulysses<ContiguousPartition>(p8, CausalMask{}, hw);
+  const auto h8 = plan::predict_hybrid<ContiguousPartition, RingSchedule>(p8, CausalMask{}, hw, 8);
+  REQUIRE(h8.valid);
+  CHECK(h8.makespan_s == doctest::Approx(u.makespan_s));
+  CHECK(h8.max_bytes_sent() == u.max_bytes_sent());
+
+  // Ulysses over two nodes: 7 of a rank's 15 messages on NVLink, 8 on the network.
+  const auto u16 = plan::predict_ulysses<ContiguousPartition>(p, CausalMask{}, hw);
+  const double q_chunk = double(p.local()) * (32 / 16) * 128 * 4;
+  CHECK(plan::detail::alltoall_seconds(hw, 0, 16, 1, std::int64_t(q_chunk)) ==
+        doctest::Approx(7 * q_chunk / 450e9 + 8 * q_chunk / 50e9));
+  // The hybrid 8 x 2 keeps its all-to-alls on NVLink and sends only its ring
+  // across the network: fewer bytes over the slow links than Ulysses on 16.
+  const auto all = plan::compare(p, CausalMask{}, hw);
+  std::vector<std::string> names;
+  for (const auto& x : all) names.push_back(x.schedule);
+  REQUIRE(std::find(names.begin(), names.end(), "hybrid 8x2 ring") != names.end());
+  CHECK(std::find(names.begin(), names.end(), "hybrid 2x8 ring") != names.end());
+  CHECK(std::find(names.begin(), names.end(), "hybrid 4x4 ring") != names.end());
+  const auto& h82 = *std::find_if(all.begin(), all.end(),
+                                  [](const auto& x) { return x.schedule == "hybrid 8x2 ring"; });
+  REQUIRE(h82.valid);
+  CHECK(h82.ulysses == 8);
+  CHECK(h82.ranks[3].alltoall_s ==
+        doctest::Approx(h82.ranks[3].alltoall_s));  // same on every rank of a group
+  const double a2a_in_node = plan::detail::alltoall_seconds(hw, 0, 8, 2, std::int64_t(q_chunk * 2));
+  CHECK(a2a_in_node == doctest::Approx(7 * q_chunk * 2 / 450e9));
+  CHECK(h82.makespan_s < u16.makespan_s);
+  // One level (no ranks_per_node): no hybrid candidates.
+  CHECK(plan::compare(p, CausalMask{}, plan::a100_nvlink()).size() == 6);
+  // Bad grids are named.
+  const auto bad = plan::predict_hybrid<ZigzagPartition, RingSchedule>(p, CausalMask{}, hw, 3);
+  CHECK_FALSE(bad.valid);
+  CHECK(bad.why_not.find("does not divide the number of ranks P = 16") != std::string::npos);
+}

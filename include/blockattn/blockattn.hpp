@@ -7,6 +7,7 @@
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
+#include <blockattn/distributed/hybrid.hpp>
 #include <blockattn/distributed/ulysses.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
@@ -19,6 +20,7 @@
 #include <blockattn/policy/positions.hpp>
 #include <blockattn/schedule/allgather.hpp>
 #include <blockattn/schedule/balanced.hpp>
+#include <blockattn/schedule/hybrid.hpp>
 #include <blockattn/schedule/ring.hpp>
 #include <blockattn/schedule/schedule.hpp>
 

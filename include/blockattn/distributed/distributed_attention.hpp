@@ -50,8 +50,12 @@ struct RunStats {
   std::vector<StepStats> steps;
   int block_q = 0, block_k = 0;      // tile sizes used
   std::int64_t workspace_bytes = 0;  // memory the schedule allocated on this rank
+  /// HybridAttention: bytes this rank sent in the all-to-alls inside its group
+  /// (the steps hold the ring's across groups), and their wall time.
+  std::int64_t alltoall_bytes = 0;
+  double alltoall_seconds = 0.0;
   std::int64_t bytes_sent() const {
-    std::int64_t b = 0;
+    std::int64_t b = alltoall_bytes;
     for (const auto& s : steps) b += s.bytes_sent;
     return b;
   }

@@ -24,6 +24,7 @@
 #include <blockattn/policy/partition.hpp>
 #include <blockattn/schedule/allgather.hpp>
 #include <blockattn/schedule/balanced.hpp>
+#include <blockattn/schedule/hybrid.hpp>
 #include <blockattn/schedule/ring.hpp>
 #include <blockattn/schedule/schedule.hpp>
 #include <blockattn/schedule/ulysses.hpp>
@@ -46,6 +47,22 @@ struct Hardware {
   double latency = 0;            // seconds per message
   double memory_bytes = 0;       // per rank (<= 0: unlimited)
   double step_overhead = 0;      // seconds per step with work (launches, host)
+  /// Two link levels: ranks r and s with r / ranks_per_node == s / ranks_per_node
+  /// share a node and talk over intra_bandwidth / intra_latency (NVLink,
+  /// shared memory), all others over bandwidth / latency (the network).
+  /// ranks_per_node <= 0: one level, every link is bandwidth / latency.
+  int ranks_per_node = 0;
+  double intra_bandwidth = 0;  // bytes/s per rank and direction inside a node (<= 0: free)
+  double intra_latency = 0;    // seconds per message inside a node
+  bool same_node(int r, int s) const {
+    return ranks_per_node > 0 && r / ranks_per_node == s / ranks_per_node;
+  }
+  /// Time of one message of `bytes` from rank r to rank s.
+  double transfer_seconds(int r, int s, double bytes) const {
+    const bool near = same_node(r, s);
+    const double bw = near ? intra_bandwidth : bandwidth, lat = near ? intra_latency : latency;
+    return lat + (bw > 0 ? bytes / bw : 0.0);
+  }
 };
 
 /// Published per-host figures of Ring Attention (arXiv:2310.01889) Table 2 (FLOPS, HBM,
@@ -64,6 +81,16 @@ inline Hardware tpu_v4() {
 }
 inline Hardware tpu_v5e() {
   return {"TPU v5e", 196e12, 1, 186e9, 0, 16e9, 0};
+}
+/// A two-level cluster of published figures: H100 SXM (989e12 dense bf16
+/// FLOP/s, 80 GB HBM3), 8 per node on NVLink 4 (900 GB/s bidirectional: 450e9
+/// per direction), one 400 Gb/s NIC per GPU between nodes (50e9 bytes/s).
+/// Peak rates; calibrate (blockattn/calibrate.hpp) for what a kernel reaches.
+inline Hardware h100_cluster() {
+  Hardware hw{"H100 x8/node NVLink + 400Gb/s", 989e12, 1, 50e9, 0, 80e9, 0};
+  hw.ranks_per_node = 8;
+  hw.intra_bandwidth = 450e9;
+  return hw;
 }
 
 /// The attention problem as the kernels see it.
@@ -134,6 +161,8 @@ struct RankPlan {
   std::vector<StepPlan> steps;
   std::int64_t input_bytes = 0;      // the caller's q, k, v, o, lse on this rank
   std::int64_t workspace_bytes = 0;  // what the schedule allocates (RunStats::workspace_bytes)
+  std::int64_t alltoall_bytes = 0;   // hybrid: sent in the group's all-to-alls (RunStats')
+  double alltoall_s = 0;             // hybrid: time of those all-to-alls
   std::int64_t peak_bytes() const { return input_bytes + workspace_bytes; }
   double busy_s() const {
     double b = 0;
@@ -141,7 +170,7 @@ struct RankPlan {
     return b;
   }
   std::int64_t bytes_sent() const {
-    std::int64_t b = 0;
+    std::int64_t b = alltoall_bytes;
     for (const auto& s : steps) b += s.bytes_sent;
     return b;
   }
@@ -150,6 +179,7 @@ struct RankPlan {
 /// The prediction for one partition x mask x schedule.
 struct Prediction {
   std::string partition, schedule;
+  int ulysses = 0;  // hybrid: ranks per all-to-all group (P_a); 0 otherwise
   bool valid = true;
   std::string why_not;  // when !valid
   std::vector<RankPlan> ranks;
@@ -222,6 +252,21 @@ inline std::int64_t state_bytes(const Problem& p) {
   return std::int64_t(p.batch) * p.heads * p.local() * p.accumulator_bytes();
 }
 
+/// One all-to-all of `chunk` bytes per pair among `count` groups of P ranks
+/// (ranks base .. base + P - 1, then the next P): each rank sends P - 1
+/// messages one at a time; the slowest rank of the slowest group.
+inline double alltoall_seconds(const Hardware& hw, int base, int P, int count, std::int64_t chunk) {
+  double worst = 0;
+  for (int g = 0; g < count; ++g)
+    for (int r = 0; r < P; ++r) {
+      double t = 0;
+      for (int j = 0; j < P; ++j)
+        if (j != r) t += hw.transfer_seconds(base + g * P + r, base + g * P + j, double(chunk));
+      worst = std::max(worst, t);
+    }
+  return worst;
+}
+
 inline double tile_seconds(const Problem& p, const Hardware& hw, const TileCounts& t) {
   if (hw.flops <= 0) return 0;
   const double per_tile = 4.0 * p.block_q * p.block_k * p.dim * double(p.batch) * p.heads;
@@ -276,9 +321,11 @@ void schedule_plan(const Problem& p, const ScheduleContext& c, std::vector<Messa
 /// complete at its end, a rank's link sends and receives one message at a
 /// time per direction, and a message starts when both sides have posted it.
 /// count_pairs: also count allowed pairs (cost ~ pairs of partial tiles).
+/// rank_stride: rank r of the prediction is rank r x rank_stride of the
+/// machine (HybridAttention's rings: the ranks of one member index).
 template <class Partition, class Schedule, class Mask>
-Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
-                   bool count_pairs = false) {
+Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw, bool count_pairs = false,
+                   int rank_stride = 1) {
   Prediction pr;
   pr.partition = Partition::name();
   pr.schedule = Schedule::name();
@@ -350,7 +397,8 @@ Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw,
     std::sort(due.begin(), due.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
     for (const auto& [ready, m] : due) {
-      const double dt = hw.latency + (hw.bandwidth > 0 ? double(m->bytes) / hw.bandwidth : 0.0);
+      const double dt =
+          hw.transfer_seconds(m->src * rank_stride, m->dst * rank_stride, double(m->bytes));
       const double begin =
           std::max({ready, out_free[std::size_t(m->src)], in_free[std::size_t(m->dst)]});
       const double fin = begin + dt;
@@ -416,7 +464,7 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   // Time: the all-to-alls in (Q, K, V) and out (O, LSE), P - 1 chunks each.
   const std::int64_t n = p.local(), chunk_row = std::int64_t(p.batch) * n * p.dim;
   const auto a2a = [&](std::int64_t chunk_bytes) {
-    return (P - 1) * (hw.latency + (hw.bandwidth > 0 ? double(chunk_bytes) / hw.bandwidth : 0.0));
+    return detail::alltoall_seconds(hw, 0, P, 1, chunk_bytes);
   };
   const std::int64_t s = p.dtype_bytes;
   const double in = a2a(chunk_row * u.heads_per_rank * s) +
@@ -452,11 +500,87 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   return pr;
 }
 
+/// Predicts HybridAttention on a P = ulysses x (P / ulysses) grid: the
+/// all-to-alls inside each group of `ulysses` consecutive ranks (Q, K, V in,
+/// O and LSE out, as predict_ulysses on the group's N / P_r tokens; on the
+/// intra-node links when a group sits on one node), around the ring of
+/// Partition x Schedule across the groups for H / ulysses heads (predict()
+/// on P_r ranks; its messages between ranks g x ulysses + a of different
+/// groups). Bytes and workspace are what the run reports: the ring's steps,
+/// RankPlan::alltoall_bytes = RunStats::alltoall_bytes, and the peak of
+/// ulysses_forward_volume() around the ring's workspace.
+template <class Partition, class Schedule, class Mask>
+Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw, int ulysses,
+                          bool count_pairs = false) {
+  Prediction pr;
+  pr.partition = Partition::name();
+  pr.ulysses = ulysses;
+  const int P = p.P;
+  pr.schedule = std::string("hybrid ") + std::to_string(ulysses) + "x" +
+                std::to_string(ulysses > 0 ? P / ulysses : 0) + " " + Schedule::name();
+  auto invalid = [&](std::string why) {
+    pr.valid = false;
+    pr.why_not = std::move(why);
+    return pr;
+  };
+  if (const std::string why = HybridGrid::why_not(P, ulysses); !why.empty()) return invalid(why);
+  const HybridGrid g = HybridGrid::make(P, ulysses);
+  if (const std::string why = hybrid_length_why_not<Partition>(p.N, g); !why.empty())
+    return invalid(why);
+  if (const std::string why = UlyssesHeads::why_not(p.heads, p.kv_heads, ulysses); !why.empty())
+    return invalid(why);
+  const UlyssesHeads u = UlyssesHeads::make(p.heads, p.kv_heads, ulysses);
+  Problem inner = p;
+  inner.P = g.ring;
+  inner.heads = u.heads_per_rank;
+  inner.kv_heads = u.kv_heads_per_rank;
+  const Prediction ring = predict<Partition, Schedule>(inner, mask, hw, count_pairs, ulysses);
+  if (!ring.valid) return invalid(ring.why_not);
+  // The all-to-alls: chunks of n = N / P tokens, as in predict_ulysses.
+  const int cs = p.accumulator_bytes();
+  const std::int64_t s = p.dtype_bytes, n = p.local(),
+                     chunk_row = std::int64_t(p.batch) * n * p.dim;
+  const auto a2a = [&](std::int64_t chunk) {
+    return detail::alltoall_seconds(hw, 0, ulysses, g.ring, chunk);
+  };
+  const double in = a2a(chunk_row * u.heads_per_rank * s) +
+                    2 * a2a(chunk_row * u.kv_heads_per_rank * s),
+               out = a2a(chunk_row * u.heads_per_rank * s) +
+                     a2a(std::int64_t(p.batch) * n * u.heads_per_rank * cs);
+  const std::int64_t inputs =
+      detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
+  pr.ranks.resize(std::size_t(P));
+  for (int r = 0; r < P; ++r) {
+    const RankPlan& rr = ring.ranks[std::size_t(g.group(r))];
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    const UlyssesForwardVolume vol = ulysses_forward_volume(u, p.batch, p.N / g.ring, p.dim,
+                                                            p.dtype_bytes, cs, rr.workspace_bytes);
+    rp.steps = rr.steps;
+    for (auto& st : rp.steps) {
+      st.start_s += in;
+      st.end_s += in;
+      if (st.task.q_rank >= 0) st.task.q_rank = g.rank_of(st.task.q_rank, g.member(r));
+      if (st.task.k_rank >= 0) st.task.k_rank = g.rank_of(st.task.k_rank, g.member(r));
+    }
+    rp.input_bytes = inputs;
+    rp.workspace_bytes = vol.workspace;
+    rp.alltoall_bytes = vol.sent;
+    rp.alltoall_s = in + out;
+  }
+  pr.makespan_s = in + ring.makespan_s + out;
+  pr.single_device_s =
+      detail::tile_seconds(p, hw, count_tiles(mask, p.N, p.N, p.block_q, p.block_k, {}, {}, false));
+  pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
+  return pr;
+}
+
 /// Every built-in combination for this mask: contiguous, striped and zigzag
 /// with the KV ring, contiguous with the balanced schedule (masks other than
 /// full), zigzag with the all-gather (Llama 3's layout), and the head-parallel
-/// all-to-all (Ulysses; last, invalid when P does not divide the heads). The
-/// first entry is the contiguous ring, the baseline of speedup_over_ring().
+/// all-to-all (Ulysses; invalid when P does not divide the heads), and on
+/// two-level hardware (ranks_per_node > 0) the 2D hybrid for every group size
+/// 1 < P_a < P that divides P and the heads, last. The first entry is the
+/// contiguous ring, the baseline of speedup_over_ring().
 template <class Mask>
 std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardware& hw,
                                 bool count_pairs = false) {
@@ -468,6 +592,18 @@ std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardwa
     all.push_back(predict<ContiguousPartition, BalancedSchedule>(p, mask, hw, count_pairs));
   all.push_back(predict<ZigzagPartition, AllGatherSchedule>(p, mask, hw, count_pairs));
   all.push_back(predict_ulysses<ContiguousPartition>(p, mask, hw, count_pairs));
+  // Two-level hardware: the 2D hybrid on every grid whose groups split the
+  // heads (zigzag ring across groups; contiguous for the full mask, whose
+  // work is even on any layout).
+  if (hw.ranks_per_node > 0)
+    for (int a = 2; a < p.P; ++a) {
+      if (p.P % a != 0 || !UlyssesHeads::why_not(p.heads, p.kv_heads, a).empty()) continue;
+      if constexpr (std::is_same<Mask, FullMask>::value)
+        all.push_back(
+            predict_hybrid<ContiguousPartition, RingSchedule>(p, mask, hw, a, count_pairs));
+      else
+        all.push_back(predict_hybrid<ZigzagPartition, RingSchedule>(p, mask, hw, a, count_pairs));
+    }
   for (auto& x : all) x.ring_makespan_s = all[0].makespan_s;
   return all;
 }

@@ -1,0 +1,316 @@
+// SPDX-License-Identifier: Apache-2.0
+// The 2D hybrid schedule: P = P_a x P_r ranks; an all-to-all over heads inside
+// each group of P_a consecutive ranks (Ulysses), and a DistributedAttention
+// ring (any partition and schedule: RingSchedule, BurstSchedule,
+// BalancedSchedule, AllGatherSchedule) across the P_r groups, for the group's
+// tokens and H / P_a heads. USP (arXiv:2405.07719), LoongTrain
+// (arXiv:2406.18485) and Transformer Engine's "a2a+p2p" run this layout: the
+// all-to-all moves few bytes on a node's fast links, the ring scales past the
+// head count across nodes.
+//
+//   blockattn::HybridAttention<blockattn::ZigzagPartition, blockattn::CausalMask,
+//                              blockattn::RingSchedule, blockattn::MpiCommunicator<>>
+//       attn(comm, /*ulysses=*/8);                   // groups of 8 ranks, P / 8 groups
+//   attn.forward(q, k, v, o, lse);                   // local Views: N / P tokens each
+//   attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
+//
+// Layout (blockattn/schedule/hybrid.hpp): the partition splits the sequence
+// over the P_r groups; member a of a group holds the a-th of P_a consecutive
+// pieces of its group's tokens. hybrid_to_local() / hybrid_from_local() copy
+// a global View to and from it. With P_a = 1 this is DistributedAttention on
+// P ranks; with P_r = 1 it is UlyssesAttention over a contiguous split.
+//
+// Heads: as UlyssesAttention with P_a ranks (H a multiple of P_a; GQA K/V
+// heads sharded, or replicated when a group has more ranks than K/V heads,
+// their dK, dV summed in the compute type on the way back).
+//
+// RunStats: `steps` are the ring's (its bytes cross groups), alltoall_bytes
+// the all-to-alls' (inside a group), workspace_bytes the peak of both.
+#pragma once
+
+#include <blockattn/comm/communicator.hpp>
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/distributed/distributed_attention.hpp>
+#include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/ulysses.hpp>
+#include <blockattn/kernel/attention_backward.hpp>
+#include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/partition.hpp>
+#include <blockattn/schedule/hybrid.hpp>
+#include <blockattn/schedule/ulysses.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <string>
+
+namespace blockattn {
+
+namespace impl {
+/// where(i, t) = i n + t: member i's local token t sits at i n + t of the
+/// group's tokens (the members hold consecutive pieces).
+template <class ExecSpace>
+UlyssesIndex<typename ExecSpace::memory_space> concatenated_index(const ExecSpace& exec, int P,
+                                                                  int n) {
+  UlyssesIndex<typename ExecSpace::memory_space> w(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::hybrid_index"), P, n);
+  auto h = Kokkos::create_mirror_view(w);
+  for (int i = 0; i < P; ++i)
+    for (int t = 0; t < n; ++t) h(i, t) = index_type(i) * n + t;
+  Kokkos::deep_copy(exec, w, h);
+  exec.fence();  // h is a temporary
+  return w;
+}
+
+/// Makes the grid after one consensus on its shape (a group size that
+/// differs between ranks, or does not divide P, throws on every rank before
+/// any split).
+template <class Comm>
+HybridGrid agreed_grid(Comm& comm, int ulysses) {
+  Fingerprint f;
+  f.text("call", "HybridAttention::HybridAttention")
+      .number("argument 'ulysses' (ranks per all-to-all group)", ulysses);
+  reach_consensus(comm, "HybridAttention::HybridAttention", std::string(), f);
+  if (const std::string why = HybridGrid::why_not(comm.size(), ulysses); !why.empty())
+    fail("HybridAttention::HybridAttention", why);
+  return HybridGrid::make(comm.size(), ulysses);
+}
+}  // namespace impl
+
+template <class Partition, class Mask, class Schedule, class Communicator,
+          class ExecSpace = Kokkos::DefaultExecutionSpace>
+class HybridAttention {
+  static_assert(is_communicator_v<Communicator>,
+                "BlockAttn: HybridAttention: the fourth parameter must be a communicator "
+                "(MpiCommunicator<>, SelfCommunicator; see blockattn/comm/communicator.hpp)");
+  static_assert(!is_communicator_v<Communicator> || is_alltoall_communicator_v<Communicator>,
+                "BlockAttn: HybridAttention needs a communicator with the optional alltoall() "
+                "collective and split() (MpiCommunicator<> and SelfCommunicator have them; see "
+                "blockattn/comm/communicator.hpp)");
+
+ public:
+  using partition_type = Partition;
+  using mask_type = Mask;
+  using schedule_type = Schedule;
+  using communicator_type = Communicator;
+  using execution_space = ExecSpace;
+  /// The ring across groups: DistributedAttention on the P_r ranks of one member index.
+  using ring_type = DistributedAttention<Partition, Mask, Schedule, Communicator, ExecSpace>;
+
+  /// Collective over `comm`: checks that `ulysses` (P_a, ranks per
+  /// all-to-all group) is the same on every rank and divides P, then splits
+  /// `comm` into the groups and the rings.
+  HybridAttention(const Communicator& comm, int ulysses, const Mask& mask = {},
+                  const ExecSpace& exec = {})
+      : m_comm(comm),
+        m_grid(impl::agreed_grid(m_comm, ulysses)),
+        m_group(comm.split(m_grid.group(comm.rank()), m_grid.member(comm.rank()))),
+        m_ring(ring_type(comm.split(m_grid.member(comm.rank()), m_grid.group(comm.rank())), mask,
+                         exec)),
+        m_mask(mask),
+        m_exec(exec) {}
+
+  const HybridGrid& grid() const { return m_grid; }
+  Communicator& communicator() { return m_comm; }
+  Communicator& group_communicator() { return m_group; }
+  ring_type& ring() { return m_ring; }
+  const Mask& mask() const { return m_mask; }
+
+  /// O and LSE of this rank's queries (hybrid layout, N / P tokens).
+  /// Collective over the whole communicator.
+  template <class QV, class KV, class VV, class OV, class LV>
+  RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                   const DistributedOptions& opts = {}) {
+    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+    RunStats stats;
+    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const impl::ForwardExtents e = validate(fn, q, k, v, o, lse, opts);
+      run_forward(e, q, k, v, o, lse, opts, stats);
+      m_exec.fence();
+      stats.alltoall_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      for (const auto& s : stats.steps) stats.alltoall_seconds -= s.seconds;
+    }
+    return stats;
+  }
+
+  /// dQ, dK, dV of this rank's rows; the arguments of
+  /// DistributedAttention::backward. Collective over the whole communicator.
+  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+            class DVV>
+  RunStats backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                    const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
+                    const DistributedOptions& opts = {}) {
+    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+    static_assert(impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
+                  "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
+                  "(batch, seq, heads, head_dim)");
+    RunStats stats;
+    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
+                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
+      using V = typename OV::non_const_value_type;
+      impl::check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
+      const auto t0 = std::chrono::steady_clock::now();
+      const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
+        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
+      });
+      run_backward(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+      m_exec.fence();
+      stats.alltoall_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      for (const auto& s : stats.steps) stats.alltoall_seconds -= s.seconds;
+    }
+    return stats;
+  }
+
+ private:
+  static constexpr const char* fn = "HybridAttention::forward";
+  static constexpr const char* bfn = "HybridAttention::backward";
+  template <class T>
+  using Buf4 = impl::UlyssesBuf4<T, ExecSpace>;
+  template <class T>
+  using Buf3 = impl::UlyssesBuf3<T, ExecSpace>;
+
+  Communicator m_comm;
+  HybridGrid m_grid;
+  Communicator m_group;  // the P_a ranks of this rank's group
+  ring_type m_ring;      // the P_r ranks of this rank's member index
+  Mask m_mask;
+  ExecSpace m_exec;
+
+  /// Per-rank checks, one consensus over all P ranks, then the checks that
+  /// follow from the agreed configuration (they throw on every rank or none).
+  template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
+  impl::ForwardExtents validate(
+      const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+      const DistributedOptions& opts, Extra extra = [] {}) {
+    using T = typename OV::non_const_value_type;
+    std::string error;
+    impl::ForwardExtents e;
+    try {
+      e = impl::validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale);
+      if (k.extent(1) != q.extent(1))
+        impl::fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ",
+                   q.extent(1),
+                   " (the local length of q: each rank holds N / P tokens of q, k, v)");
+      extra();
+    } catch (const invalid_argument& ex) {
+      error = ex.what();
+    }
+    impl::Fingerprint f;
+    f.text("call", name)
+        .text("schedule", std::string("hybrid (ulysses x ") + Schedule::name() + ")")
+        .number("ranks per all-to-all group (ulysses)", m_grid.ulysses)
+        .text("partition",
+              std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
+    impl::add_mask(f, m_mask);
+    f.text("value type", impl::type_name<T>())
+        .number("batch (q.extent(0))", e.batch)
+        .number("local length (q.extent(1))", e.queries)
+        .number("heads (q.extent(2))", e.heads)
+        .number("kv heads (k.extent(2))", e.kv_heads)
+        .number("head_dim (q.extent(3))", e.dim)
+        .real("options.scale", opts.scale,
+              std::isnan(opts.scale) ? std::string("default (1/sqrt(head_dim))")
+                                     : impl::to_text(opts.scale))
+        .number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
+                impl::check_policies_always || opts.check_policies ? 1 : 0);
+    impl::reach_consensus(m_comm, name, error, f);
+    const index_type N = index_type(e.queries) * m_grid.P;
+    impl::require_hybrid_layout<Partition>(name, N, m_grid, m_comm.rank());
+    if (const std::string why = UlyssesHeads::why_not(e.heads, e.kv_heads, m_grid.ulysses);
+        !why.empty())
+      impl::fail(name, why, " (here: ranks per all-to-all group)");
+    return e;
+  }
+
+  /// Moves the all-to-all accounting into the ring's stats: its peak adds
+  /// what the phases around the ring hold (as ulysses_forward_volume()).
+  static void merge(RunStats& stats, const RunStats& ring, impl::UlyssesLive& live) {
+    live.add(ring.workspace_bytes);
+    live.sub(ring.workspace_bytes);
+    stats.steps = ring.steps;
+    stats.block_q = ring.block_q;
+    stats.block_k = ring.block_k;
+  }
+
+  template <class QV, class KV, class VV, class OV, class LV>
+  void run_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
+    using V = typename OV::non_const_value_type;
+    using C = compute_t<V>;
+    const int Pa = m_grid.ulysses;
+    const index_type Ng = index_type(e.queries) * Pa;  // the group's tokens
+    const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, Pa);
+    const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
+    const auto where = impl::concatenated_index(m_exec, Pa, e.queries);
+    const auto fq = impl::ulysses_firsts(m_exec, u, false),
+               fkv = impl::ulysses_firsts(m_exec, u, true);
+    std::int64_t sent = 0;
+    impl::UlyssesLive live;
+    live.add(impl::ulysses_bytes(where));
+    const Buf4<V> qf = impl::ulysses_to_heads<V>(m_group, m_exec, q, hl, fq, where, sent, live);
+    const Buf4<V> kf = impl::ulysses_to_heads<V>(m_group, m_exec, k, kl, fkv, where, sent, live);
+    const Buf4<V> vf = impl::ulysses_to_heads<V>(m_group, m_exec, v, kl, fkv, where, sent, live);
+    auto alloc = [](const char* label) {
+      return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
+    };
+    Buf4<V> of(alloc("blockattn::hybrid_o"), e.batch, Ng, hl, e.dim);
+    Buf3<C> lf(alloc("blockattn::hybrid_lse"), e.batch, hl, Ng);
+    live.add(impl::ulysses_bytes(of) + impl::ulysses_bytes(lf));
+    const RunStats ring = m_ring.forward(qf, kf, vf, of, lf, opts);
+    merge(stats, ring, live);
+    impl::ulysses_from_heads<C>(m_group, m_exec, of, o, hl, fq, where, sent, live);
+    impl::ulysses_lse_from_heads(m_group, m_exec, lf, lse, hl, fq, where, sent, live);
+    stats.alltoall_bytes = sent;
+    stats.workspace_bytes = live.peak;
+  }
+
+  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+            class DVV>
+  void run_backward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
+                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+    using V = typename OV::non_const_value_type;
+    using C = compute_t<V>;
+    const int Pa = m_grid.ulysses;
+    const index_type Ng = index_type(e.queries) * Pa;
+    const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, Pa);
+    const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
+    const auto where = impl::concatenated_index(m_exec, Pa, e.queries);
+    const auto fq = impl::ulysses_firsts(m_exec, u, false),
+               fkv = impl::ulysses_firsts(m_exec, u, true);
+    std::int64_t sent = 0;
+    impl::UlyssesLive live;
+    live.add(impl::ulysses_bytes(where));
+    const Buf4<V> qf = impl::ulysses_to_heads<V>(m_group, m_exec, q, hl, fq, where, sent, live);
+    const Buf4<V> kf = impl::ulysses_to_heads<V>(m_group, m_exec, k, kl, fkv, where, sent, live);
+    const Buf4<V> vf = impl::ulysses_to_heads<V>(m_group, m_exec, v, kl, fkv, where, sent, live);
+    const Buf4<V> of = impl::ulysses_to_heads<V>(m_group, m_exec, o, hl, fq, where, sent, live);
+    const Buf4<V> dof = impl::ulysses_to_heads<V>(m_group, m_exec, dout, hl, fq, where, sent, live);
+    const auto lf = impl::ulysses_lse_to_heads(m_group, m_exec, lse, hl, fq, where, sent, live);
+    // The ring's gradients are in the storage type (DistributedAttention's
+    // contract); a replicated K/V head's partials are summed in the compute
+    // type on the way back, so 16-bit storage rounds them once more than
+    // UlyssesAttention does.
+    auto alloc = [](const char* label) {
+      return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
+    };
+    Buf4<V> dqf(alloc("blockattn::hybrid_dq"), e.batch, Ng, hl, e.dim),
+        dkf(alloc("blockattn::hybrid_dk"), e.batch, Ng, kl, e.dim),
+        dvf(alloc("blockattn::hybrid_dv"), e.batch, Ng, kl, e.dim);
+    live.add(impl::ulysses_bytes(dqf) + impl::ulysses_bytes(dkf) + impl::ulysses_bytes(dvf));
+    const RunStats ring = m_ring.backward(qf, kf, vf, of, lf, dof, dqf, dkf, dvf, opts);
+    merge(stats, ring, live);
+    impl::ulysses_from_heads<C>(m_group, m_exec, dqf, dq, hl, fq, where, sent, live);
+    impl::ulysses_from_heads<C>(m_group, m_exec, dkf, dk, kl, fkv, where, sent, live);
+    impl::ulysses_from_heads<C>(m_group, m_exec, dvf, dv, kl, fkv, where, sent, live);
+    stats.alltoall_bytes = sent;
+    stats.workspace_bytes = live.peak;
+  }
+};
+
+}  // namespace blockattn

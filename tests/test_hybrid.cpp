@@ -1,0 +1,318 @@
+// SPDX-License-Identifier: Apache-2.0
+// HybridAttention (all-to-all over heads inside groups x ring across groups)
+// under MPI, P = 1 ... 4 on every grid P_a x P_r of P (1x1; 2x1, 1x2; 3x1,
+// 1x3; 4x1, 2x2, 1x4): forward and backward against the fp64 reference of
+// the global sequence, for the ring (zigzag), Q ring (striped), balanced
+// (contiguous) and all-gather (zigzag) schedules across groups, masks over
+// global positions (causal, a two-sided window, packed documents, a user
+// mask), GQA with K/V heads sharded and replicated inside a group, fp64,
+// fp32, bf16 and fp16. RunStats equals the planner's predict_hybrid
+// (all-to-all bytes, ring bytes, tiles, peak workspace); bad grids and
+// shapes are rejected on every rank.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+#include <blockattn/mpi_communicator.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "backend.hpp"
+#include "distributed_check.hpp"
+#include "forward_check.hpp"
+#include "reference.hpp"
+#include "user_masks.hpp"
+
+using namespace blockattn;
+using namespace blockattn::test;
+
+namespace {
+
+template <class S>
+HostTensor rounded_to(HostTensor t) {
+  if constexpr (!std::is_same<S, double>::value)
+    for (double& x : t.data) x = double(S(float(x)));
+  return t;
+}
+
+/// This rank's rows of a global tensor under the hybrid layout, built on the
+/// host from the layout's definition (not from hybrid_to_local, which the
+/// last test case checks against it).
+template <class S, class Partition>
+V4<S> local_rows(const HostTensor& t, const HybridGrid& g, int rank) {
+  const index_type N = t.n;
+  const int n = int(N / g.P);
+  V4<S> v("local", t.b, n, t.h, t.d);
+  auto h = Kokkos::create_mirror_view(v);
+  const auto group = Partition::positions(N, g.ring, g.group(rank));
+  for (int b = 0; b < t.b; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d)
+          h(b, i, x, d) = S(t(b, int(group(index_type(g.member(rank)) * n + i)), x, d));
+  Kokkos::deep_copy(v, h);
+  return v;
+}
+
+template <class View, class Map>
+double max_error(const View& got, const HostTensor& want, const Map& map, bool& finite) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
+  double err = 0.0;
+  for (int b = 0; b < want.b; ++b)
+    for (int i = 0; i < int(got.extent(1)); ++i)
+      for (int x = 0; x < want.h; ++x)
+        for (int d = 0; d < want.d; ++d) {
+          const double g = double(h(b, i, x, d));
+          finite = finite && std::isfinite(g);
+          err = std::max(err, std::abs(g - want(b, int(map(i)), x, d)));
+        }
+  return err;
+}
+
+double largest(const HostTensor& t) {
+  double m = 1e-300;
+  for (double x : t.data) m = std::max(m, std::abs(x));
+  return m;
+}
+
+struct HCase {
+  int b, n_local, h, hkv, d;
+};
+
+/// Forward and backward of one partition x schedule x mask in value type S
+/// on the grid with `ulysses` ranks per group, against the fp64 reference of
+/// the inputs rounded to S. Bounds as test_ulysses.cpp (forward_check.hpp's
+/// for fp64/fp32; gradients 1e-11 / 1e-4 of the largest entry; 16-bit adds
+/// one rounding of the result, and for gradients a second one: a replicated
+/// K/V head's partials arrive rounded to S before their fp32 sum).
+template <class S, class Partition, class Schedule, class Mask>
+void check(Mpi& comm, const HCase& c, const Mask& mask, int ulysses, std::uint64_t seed) {
+  using C = compute_t<S>;
+  const int P = comm.size(), rank = comm.rank(), n = c.n_local;
+  const int N = n * P;
+  const HybridGrid g = HybridGrid::make(P, ulysses);
+  std::mt19937_64 rng(seed);
+  const HostTensor q = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng)),
+                   k = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
+                   v = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
+                   dout = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng));
+  const double scale = 1.0 / std::sqrt(double(c.d));
+  const ReferenceResult ref = reference_attention(q, k, v, mask, scale);
+  const ReferenceGrads grads = reference_backward(q, k, v, dout, mask, scale);
+
+  const V4<S> ql = local_rows<S, Partition>(q, g, rank), kl = local_rows<S, Partition>(k, g, rank),
+              vl = local_rows<S, Partition>(v, g, rank),
+              dol = local_rows<S, Partition>(dout, g, rank);
+  V4<S> o("o", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d), dk("dk", c.b, n, c.hkv, c.d),
+      dv("dv", c.b, n, c.hkv, c.d);
+  V3<C> lse("lse", c.b, c.h, n);
+  HybridAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, ulysses, mask);
+  REQUIRE(attn.grid().ring == P / ulysses);
+  const RunStats fs = attn.forward(ql, kl, vl, o, lse);
+  const RunStats bs = attn.backward(ql, kl, vl, o, lse, dol, dq, dk, dv);
+  Kokkos::fence();
+
+  const auto map = hybrid_position_map<Partition>(N, g, rank);
+  bool finite = true;
+  const double eo = max_error(o, ref.o, map, finite);
+  double el = 0.0;
+  bool lse_pattern = true;
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  for (int b = 0; b < c.b; ++b)
+    for (int x = 0; x < c.h; ++x)
+      for (int i = 0; i < n; ++i) {
+        const double got = double(lh(b, x, i)),
+                     want = ref.lse[(std::size_t(b) * c.h + x) * std::size_t(N) + map(i)];
+        if (std::isinf(want) || std::isinf(got)) {
+          lse_pattern = lse_pattern && got == want;
+          continue;
+        }
+        el = std::max(el, std::abs(got - want));
+      }
+  const double eg =
+      std::max({max_error(dq, grads.dq, map, finite), max_error(dk, grads.dk, map, finite),
+                max_error(dv, grads.dv, map, finite)});
+  const double gmax = std::max({largest(grads.dq), largest(grads.dk), largest(grads.dv)});
+  const bool fp64 = std::is_same<S, double>::value;
+  const double tf = fp64 ? tolerance<double>(ref, c.d, N) : tolerance<float>(ref, c.d, N);
+  double to = tf, tg = (fp64 ? 1e-11 : 1e-4) * gmax;
+  const UlyssesHeads u = UlyssesHeads::make(c.h, c.hkv, ulysses);
+  if constexpr (is_half_storage_v<S>) {
+    to += S::unit_roundoff * (largest(ref.o) + tf);
+    const int roundings = u.replicated ? 1 + c.h / c.hkv / u.heads_per_rank : 1;
+    tg += roundings * S::unit_roundoff * (gmax + tg);
+  }
+  INFO("rank ", rank, "/", P, " grid ", ulysses, "x", g.ring, " ",
+       std::string(value_type_name<S>()), " ", std::string(Partition::name()), " ",
+       std::string(Schedule::name()), " H=", c.h, " Hkv=", c.hkv, " D=", c.d, " n=", n, ": o ", eo,
+       "/", to, " lse ", el, "/", tf, " grads ", eg, "/", tg);
+  CHECK(finite);
+  CHECK(lse_pattern);
+  CHECK(eo <= to);
+  CHECK(el <= tf);
+  CHECK(eg <= tg);
+
+  // All-to-all bytes inside the group: Ulysses' volumes on P_a ranks.
+  const std::int64_t rows = std::int64_t(c.b) * n * c.d * (ulysses - 1);  // one head
+  const std::int64_t s = sizeof(S), cs = sizeof(C);
+  const std::int64_t hq = u.heads_per_rank, hk = u.kv_heads_per_rank;
+  CHECK(fs.alltoall_bytes ==
+        rows * s * (2 * hq + 2 * hk) + std::int64_t(c.b) * n * (ulysses - 1) * hq * cs);
+  CHECK(bs.alltoall_bytes == rows * s * (3 * hq + 2 * hk) +
+                                 std::int64_t(c.b) * n * (ulysses - 1) * hq * cs +
+                                 rows * (hq * s + 2 * hk * s));
+  // The ring's steps: as many as the schedule takes on P_r ranks.
+  std::int64_t ring_bytes = 0;
+  for (const auto& st : fs.steps) ring_bytes += st.bytes_sent;
+  CHECK(fs.bytes_sent() == ring_bytes + fs.alltoall_bytes);
+  if (g.ring == 1) CHECK(ring_bytes == 0);
+
+  // The planner reads the same descriptions: bytes, tiles, peak workspace.
+  const plan::Problem pb = plan::problem_for<S, ExecSpace>(N, P, c.b, c.h, c.hkv, c.d);
+  const plan::Prediction pr =
+      plan::predict_hybrid<Partition, Schedule>(pb, mask, plan::Hardware{}, ulysses);
+  REQUIRE(pr.valid);
+  const plan::RankPlan& mine = pr.ranks[std::size_t(rank)];
+  CHECK(pb.block_q == fs.block_q);
+  CHECK(pb.block_k == fs.block_k);
+  CHECK(mine.alltoall_bytes == fs.alltoall_bytes);
+  CHECK(mine.workspace_bytes == fs.workspace_bytes);
+  REQUIRE(mine.steps.size() == fs.steps.size());
+  for (std::size_t i = 0; i < fs.steps.size(); ++i) {
+    INFO("step ", i);
+    CHECK(mine.steps[i].bytes_sent == fs.steps[i].bytes_sent);
+    CHECK(mine.steps[i].tiles.full == fs.steps[i].tiles.full);
+    CHECK(mine.steps[i].tiles.partial == fs.steps[i].tiles.partial);
+  }
+}
+
+/// Every group size that divides P.
+std::vector<int> grids(int P) {
+  std::vector<int> a;
+  for (int x = 1; x <= P; ++x)
+    if (P % x == 0) a.push_back(x);
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("hybrid: every grid, zigzag ring, every mask, fp64, sharded and replicated K/V") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  int replicated = 0;
+  for (const int a : grids(P)) {
+    // 12 query heads divide by every group size 1 ... 4. K/V heads: 12 on
+    // one rank, 1 (replicated to both) on groups of 2, 6 (sharded, 2 each) on
+    // groups of 3, 2 (each replicated to 2 ranks) on groups of 4.
+    const int hkv = a == 1 ? 12 : a == 2 ? 1 : a == 3 ? 6 : 2;
+    const HCase c{1, 12, 12, hkv, 24};
+    const index_type N = index_type(c.n_local) * P;
+    const std::uint64_t seed = 100 * std::uint64_t(a) + std::uint64_t(P);
+    check<double, ZigzagPartition, RingSchedule>(comm, c, CausalMask{}, a, seed);
+    check<double, ZigzagPartition, RingSchedule>(comm, c, SlidingWindowMask{N / 5, N / 7}, a,
+                                                 seed + 1);
+    check<double, ZigzagPartition, RingSchedule>(comm, c, DocumentCausalMask{N / 3 + 1}, a,
+                                                 seed + 2);
+    const Documents<MemSpace> docs(uneven_documents(N));
+    check<double, ZigzagPartition, RingSchedule>(comm, c, docs.mask(), a, seed + 3);
+    replicated += UlyssesHeads::make(c.h, c.hkv, a).replicated ? 1 : 0;
+  }
+  if (P == 2 || P == 4) CHECK(replicated >= 1);
+  CHECK(UlyssesHeads::why_not(12, 2, 3).find("kv heads (k.extent(2)) = 2") != std::string::npos);
+}
+
+TEST_CASE("hybrid: Q ring, balanced and all-gather across groups; fp32, bf16, fp16") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  for (const int a : grids(P)) {
+    const std::uint64_t seed = 1000 + 10 * std::uint64_t(a) + std::uint64_t(P);
+    const HCase c{2, 10, 4, 4, 40};  // batch 2, padded head dim
+    const HCase gqa{1, 16, 4, 1, 32};
+    if (!UlyssesHeads::why_not(c.h, c.hkv, a).empty()) continue;  // 3 does not divide 4 heads
+    check<double, StripedPartition, BurstSchedule>(comm, c, CausalMask{}, a, seed);
+    check<float, ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{}, a, seed + 1);
+    check<float, ZigzagPartition, AllGatherSchedule>(comm, gqa, CausalMask{}, a, seed + 2);
+    check<bf16, ZigzagPartition, RingSchedule>(comm, gqa, CausalMask{}, a, seed + 3);
+    check<fp16, StripedPartition, BurstSchedule>(comm, c, SlidingWindowMask{24, 0}, a, seed + 4);
+  }
+}
+
+TEST_CASE("hybrid: hybrid_to_local and hybrid_from_local invert each other") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size(), rank = comm.rank();
+  for (const int a : grids(P)) {
+    const HybridGrid g = HybridGrid::make(P, a);
+    const index_type N = 4 * index_type(P) * 3;
+    V4<double> global("global", 1, N, 2, 3), back("back", 1, N, 2, 3);
+    V4<double> local("local", 1, N / P, 2, 3);
+    fill_random(global, 7 + std::uint64_t(a));
+    hybrid_to_local<ZigzagPartition>(ExecSpace(), g, rank, global, local);
+    hybrid_from_local<ZigzagPartition>(ExecSpace(), g, rank, local, back);
+    const auto ids = hybrid_local_positions<ZigzagPartition>(N, g, rank);
+    auto gh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), global);
+    auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), local);
+    auto bh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), back);
+    const auto map = ZigzagPartition::positions(N, g.ring, g.group(rank));
+    bool ok = true;
+    for (index_type i = 0; i < N / P; ++i) {
+      const index_type t = map(g.member(rank) * (N / P) + i);
+      ok = ok && ids(i) == t;
+      for (int h = 0; h < 2; ++h)
+        for (int d = 0; d < 3; ++d) ok = ok && lh(0, i, h, d) == gh(0, t, h, d);
+      for (int h = 0; h < 2; ++h)
+        for (int d = 0; d < 3; ++d) ok = ok && bh(0, t, h, d) == gh(0, t, h, d);
+    }
+    CHECK(ok);
+    // The ranks together hold every position once.
+    std::vector<int> seen(std::size_t(N), 0);
+    for (int r = 0; r < P; ++r) {
+      const auto m = hybrid_position_map<ZigzagPartition>(N, g, r);
+      for (index_type i = 0; i < N / P; ++i) ++seen[std::size_t(m(i))];
+    }
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int x) { return x == 1; }));
+  }
+}
+
+TEST_CASE("hybrid: bad grids, lengths and shapes are rejected on every rank") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  using Attn = HybridAttention<ZigzagPartition, CausalMask, RingSchedule, Mpi, ExecSpace>;
+  auto message = [](auto&& f) {
+    std::string what;
+    try {
+      f();
+    } catch (const invalid_argument& e) {
+      what = e.what();
+    }
+    return what;
+  };
+  // A group size that does not divide P.
+  const std::string bad = message([&] { Attn attn(comm, P + 1); });
+  CHECK(bad.find("ulysses") != std::string::npos);
+  CHECK(bad.find("does not divide the number of ranks P = " + std::to_string(P)) !=
+        std::string::npos);
+  // A group size that differs between ranks.
+  if (P > 1) {
+    const std::string differ = message([&] { Attn attn(comm, comm.rank() == 0 ? 1 : P); });
+    CHECK(differ.find("differs between ranks") != std::string::npos);
+  }
+  // Heads the groups cannot split, and a length the layout cannot split.
+  if (P >= 2) {
+    Attn attn(comm, P);
+    V4<float> q("q", 1, 4, P + 1, 16), o("o", 1, 4, P + 1, 16);
+    V3<float> lse("lse", 1, P + 1, 4);
+    const std::string heads = message([&] { attn.forward(q, q, q, o, lse); });
+    CHECK(heads.find("HybridAttention::forward") != std::string::npos);
+    CHECK(heads.find("heads (q.extent(2)) = " + std::to_string(P + 1)) != std::string::npos);
+  }
+  if (P >= 2) {
+    Attn attn(comm, 1);  // P groups of one: zigzag needs N a multiple of 2P
+    V4<float> q("q", 1, 3, 2, 16), o("o", 1, 3, 2, 16);
+    V3<float> lse("lse", 1, 2, 3);
+    const std::string len = message([&] { attn.forward(q, q, q, o, lse); });
+    CHECK(len.find("cannot be split by the zigzag partition over the " + std::to_string(P) +
+                   " ring groups") != std::string::npos);
+  }
+}
