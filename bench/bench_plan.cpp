@@ -49,28 +49,26 @@ struct Args {
 struct Runner {
   std::function<double()> once;
   std::function<plan::Prediction(const plan::Problem&, const plan::Hardware&)> predict;
-  const char *partition, *schedule;
+  std::string partition, schedule;
   std::shared_ptr<int> steps = std::make_shared<int>(0);
   std::shared_ptr<std::int64_t> max_sent = std::make_shared<std::int64_t>(0);
 };
 
-template <class Partition, class Schedule, class Mask>
-Runner make_runner(Comm& comm, const Args& a, const Mask& mask) {
+/// A Runner of any driver with DistributedAttention's forward().
+template <class Attn, class Predict>
+Runner runner_for(Comm& comm, const Args& a, std::shared_ptr<Attn> attn, Predict predict,
+                  std::string partition, std::string schedule) {
   V4 q("q", 1, a.n_local, a.heads, a.dim), k("k", 1, a.n_local, a.heads, a.dim),
       v("v", 1, a.n_local, a.heads, a.dim), o("o", 1, a.n_local, a.heads, a.dim);
   V3 lse("lse", 1, a.heads, a.n_local);
   Kokkos::deep_copy(q, T(0.01) * T(comm.rank() + 1));
   Kokkos::deep_copy(k, T(0.02));
   Kokkos::deep_copy(v, T(1));
-  using Attn = DistributedAttention<Partition, Mask, Schedule, Comm>;
-  auto attn = std::make_shared<Attn>(comm, mask);
   Comm* c = &comm;
   Runner r;
-  r.partition = Partition::name();
-  r.schedule = Schedule::name();
-  r.predict = [mask](const plan::Problem& pb, const plan::Hardware& hw) {
-    return plan::predict<Partition, Schedule>(pb, mask, hw);
-  };
+  r.partition = std::move(partition);
+  r.schedule = std::move(schedule);
+  r.predict = predict;
   auto steps = r.steps;
   auto max_sent = r.max_sent;
   r.once = [=]() {
@@ -84,6 +82,42 @@ Runner make_runner(Comm& comm, const Args& a, const Mask& mask) {
     return t;
   };
   return r;
+}
+
+template <class Partition, class Schedule, class Mask>
+Runner make_runner(Comm& comm, const Args& a, const Mask& mask) {
+  using Attn = DistributedAttention<Partition, Mask, Schedule, Comm>;
+  return runner_for(
+      comm, a, std::make_shared<Attn>(comm, mask),
+      [mask](const plan::Problem& pb, const plan::Hardware& hw) {
+        return plan::predict<Partition, Schedule>(pb, mask, hw);
+      },
+      Partition::name(), Schedule::name());
+}
+
+template <class Mask>
+Runner make_ulysses_runner(Comm& comm, const Args& a, const Mask& mask) {
+  using Attn = UlyssesAttention<ContiguousPartition, Mask, Comm>;
+  return runner_for(
+      comm, a, std::make_shared<Attn>(comm, mask),
+      [mask](const plan::Problem& pb, const plan::Hardware& hw) {
+        return plan::predict_ulysses<ContiguousPartition>(pb, mask, hw);
+      },
+      ContiguousPartition::name(), "ulysses");
+}
+
+template <class Partition, class Schedule, class Mask>
+Runner make_hybrid_runner(Comm& comm, const Args& a, const Mask& mask, int ulysses) {
+  using Attn = HybridAttention<Partition, Mask, Schedule, Comm>;
+  auto attn = std::make_shared<Attn>(comm, ulysses, mask);
+  return runner_for(
+      comm, a, attn,
+      [mask, ulysses](const plan::Problem& pb, const plan::Hardware& hw) {
+        return plan::predict_hybrid<Partition, Schedule>(pb, mask, hw, ulysses);
+      },
+      Partition::name(),
+      "hybrid " + std::to_string(ulysses) + "x" + std::to_string(comm.size() / ulysses) + " " +
+          Schedule::name());
 }
 
 /// Ring exchange of `bytes` with both neighbours at once (what a ring step
@@ -145,6 +179,12 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   if constexpr (!std::is_same<Mask, FullMask>::value)
     runners.push_back(make_runner<ContiguousPartition, BalancedSchedule>(comm, a, mask));
   runners.push_back(make_runner<ContiguousPartition, AllGatherSchedule>(comm, a, mask));
+  // Head-parallel: Ulysses when P divides the heads, and the 2D hybrid on
+  // every grid 1 < P_a < P whose groups split the heads.
+  if (a.heads % P == 0) runners.push_back(make_ulysses_runner(comm, a, mask));
+  for (int u = 2; u < P; ++u)
+    if (P % u == 0 && a.heads % u == 0)
+      runners.push_back(make_hybrid_runner<ZigzagPartition, RingSchedule>(comm, a, mask, u));
   std::vector<double> best(runners.size(), 1e300);
   plan::Calibration cal;
   cal.full_seconds = cal.causal_seconds = 1e300;
@@ -171,7 +211,7 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   hw.latency = lat;
 
   struct Row {
-    const char *partition, *schedule;
+    std::string partition, schedule;
     double measured, predicted;
     int steps, predicted_steps;
     std::int64_t sent, predicted_sent;
@@ -193,12 +233,12 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
       "calibrated: F = %.1f GFLOP/s on full tiles, partial tile = %.2f full tiles, "
       "B = %.2f GB/s (ring exchange of one K/V block), latency %.1f us\n",
       F / 1e9, kappa, B / 1e9, lat * 1e6);
-  std::printf("%-11s %-10s %12s %12s %10s %13s %13s %11s %21s\n", "partition", "schedule",
+  std::printf("%-11s %-16s %12s %12s %10s %13s %13s %11s %21s\n", "partition", "schedule",
               "measured", "predicted", "pred/meas", "meas vs ring", "pred vs ring", "steps m/p",
               "max sent/rank m/p MB");
   for (const Row& r : rows)
-    std::printf("%-11s %-10s %9.2f ms %9.2f ms %10.3f %12.2fx %12.2fx %5d/%-5d %10.2f/%-10.2f\n",
-                r.partition, r.schedule, r.measured * 1e3, r.predicted * 1e3,
+    std::printf("%-11s %-16s %9.2f ms %9.2f ms %10.3f %12.2fx %12.2fx %5d/%-5d %10.2f/%-10.2f\n",
+                r.partition.c_str(), r.schedule.c_str(), r.measured * 1e3, r.predicted * 1e3,
                 r.predicted / r.measured, rows[0].measured / r.measured,
                 rows[0].predicted / r.predicted, r.steps, r.predicted_steps, double(r.sent) / 1e6,
                 double(r.predicted_sent) / 1e6);
@@ -207,8 +247,9 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
         "{\"bench\":\"plan\",\"P\":%d,\"n_local\":%d,\"partition\":\"%s\",\"schedule\":"
         "\"%s\",\"measured_s\":%.6g,\"predicted_s\":%.6g,\"ratio\":%.4f,\"steps\":%d,"
         "\"predicted_steps\":%d,\"max_sent\":%lld,\"predicted_max_sent\":%lld}\n",
-        P, a.n_local, r.partition, r.schedule, r.measured, r.predicted, r.predicted / r.measured,
-        r.steps, r.predicted_steps, (long long)r.sent, (long long)r.predicted_sent);
+        P, a.n_local, r.partition.c_str(), r.schedule.c_str(), r.measured, r.predicted,
+        r.predicted / r.measured, r.steps, r.predicted_steps, (long long)r.sent,
+        (long long)r.predicted_sent);
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // BlockAttn demo: one causal attention over a sequence split across the MPI
 // ranks, with the KV ring, for the contiguous (Ring Attention), striped
-// (Striped Attention) and zigzag partitions. Each result is checked against
-// the single-device forward of the whole sequence. Prints per partition: wall
-// time, per-step work imbalance (max / mean over ranks of the computed tiles,
-// averaged over steps), tiles skipped, bytes moved, max error; then JSON lines.
+// (Striped Attention) and zigzag partitions; then head-parallel: Ulysses (when
+// P divides the heads) and the 2D hybrid on every grid P_a x P_r with
+// 1 < P_a < P (P_a dividing P and the heads; zigzag ring across groups). Each
+// result is checked against the single-device forward of the whole sequence.
+// Prints per row: wall time, per-step work imbalance (max / mean over ranks of
+// the computed tiles, averaged over steps), tiles skipped, bytes moved (ring
+// and all-to-all), max error; then JSON lines.
 //
 //   mpiexec -n 2 ./blockattn_demo [--n N] [--d D] [--heads H] [--batch B] [--reps R]
 //                                 [--dtype fp32|fp64|bf16|fp16] (--fp64: --dtype fp64)
@@ -54,16 +57,20 @@ Args parse(int argc, char** argv) {
 }
 
 struct Row {
-  std::string partition;
+  std::string partition, schedule;
   double seconds = 0, imbalance = 0, max_err = 0;
   std::int64_t skipped = 0, computed = 0, bytes = 0;
 };
 
-template <class T, class Partition>
-Row run(blockattn::MpiCommunicator<>& comm, const Args& a) {
+/// One driver (DistributedAttention, UlyssesAttention, HybridAttention) on
+/// this rank's part of the global sequence; `local` copies a global View to
+/// its layout.
+template <class T, class Attn, class Local>
+Row run(blockattn::MpiCommunicator<>& comm, const Args& a, Attn& attn, const Local& local,
+        std::string partition, std::string schedule, int heads_per_rank) {
   using V4 = Kokkos::View<T****>;
   using V3 = Kokkos::View<blockattn::compute_t<T>***>;
-  const int P = comm.size(), rank = comm.rank(), n = a.n / P;
+  const int P = comm.size(), n = a.n / P;
   const Kokkos::DefaultExecutionSpace exec;
   // The global sequence (same on every rank) and its single-device result.
   V4 q("q", a.batch, a.n, a.heads, a.d), k("k", a.batch, a.n, a.heads, a.d),
@@ -78,21 +85,19 @@ Row run(blockattn::MpiCommunicator<>& comm, const Args& a) {
   }
   blockattn::attention_forward(exec, q, k, v, o, lse, blockattn::CausalMask{});
 
-  // This rank's part, permuted by the partition.
+  // This rank's part, in the driver's layout.
   V4 ql("ql", a.batch, n, a.heads, a.d), kl("kl", a.batch, n, a.heads, a.d),
       vl("vl", a.batch, n, a.heads, a.d), ol("ol", a.batch, n, a.heads, a.d),
       oref("oref", a.batch, n, a.heads, a.d);
   V3 ll("ll", a.batch, a.heads, n);
-  blockattn::to_local<Partition>(exec, P, rank, q, ql);
-  blockattn::to_local<Partition>(exec, P, rank, k, kl);
-  blockattn::to_local<Partition>(exec, P, rank, v, vl);
-  blockattn::to_local<Partition>(exec, P, rank, o, oref);
+  local(q, ql);
+  local(k, kl);
+  local(v, vl);
+  local(o, oref);
 
-  blockattn::DistributedAttention<Partition, blockattn::CausalMask, blockattn::RingSchedule,
-                                  blockattn::MpiCommunicator<>>
-      attn(comm);
   Row row;
-  row.partition = Partition::name();
+  row.partition = std::move(partition);
+  row.schedule = std::move(schedule);
   row.seconds = 1e30;
   blockattn::RunStats stats;
   for (int r = 0; r < a.reps; ++r) {
@@ -116,7 +121,8 @@ Row run(blockattn::MpiCommunicator<>& comm, const Args& a) {
     }
   }
   row.imbalance = steps ? imb / steps : 1.0;
-  const std::int64_t heads = std::int64_t(a.batch) * a.heads;
+  // Tiles are counted per (batch, head) of the heads this rank computes.
+  const std::int64_t heads = std::int64_t(a.batch) * heads_per_rank;
   row.skipped = comm.allreduce(stats.tiles().skipped * heads, blockattn::ReduceOp::sum);
   row.computed = comm.allreduce(stats.tiles().computed() * heads, blockattn::ReduceOp::sum);
   row.bytes = comm.allreduce(stats.bytes_sent(), blockattn::ReduceOp::sum);
@@ -129,11 +135,51 @@ Row run(blockattn::MpiCommunicator<>& comm, const Args& a) {
   return row;
 }
 
+template <class T, class Partition>
+Row run_ring(blockattn::MpiCommunicator<>& comm, const Args& a) {
+  blockattn::DistributedAttention<Partition, blockattn::CausalMask, blockattn::RingSchedule,
+                                  blockattn::MpiCommunicator<>>
+      attn(comm);
+  const int P = comm.size(), rank = comm.rank();
+  return run<T>(
+      comm, a, attn,
+      [&](const auto& g, const auto& l) {
+        blockattn::to_local<Partition>(Kokkos::DefaultExecutionSpace(), P, rank, g, l);
+      },
+      Partition::name(), "ring", a.heads);
+}
+
 template <class T>
 int run_all(blockattn::MpiCommunicator<>& comm, const Args& a) {
-  std::vector<Row> rows = {run<T, blockattn::ContiguousPartition>(comm, a),
-                           run<T, blockattn::StripedPartition>(comm, a),
-                           run<T, blockattn::ZigzagPartition>(comm, a)};
+  using Zigzag = blockattn::ZigzagPartition;
+  const int P = comm.size(), rank = comm.rank();
+  std::vector<Row> rows = {run_ring<T, blockattn::ContiguousPartition>(comm, a),
+                           run_ring<T, blockattn::StripedPartition>(comm, a),
+                           run_ring<T, Zigzag>(comm, a)};
+  if (a.heads % P == 0) {
+    blockattn::UlyssesAttention<Zigzag, blockattn::CausalMask, blockattn::MpiCommunicator<>> attn(
+        comm);
+    rows.push_back(run<T>(
+        comm, a, attn,
+        [&](const auto& g, const auto& l) {
+          blockattn::to_local<Zigzag>(Kokkos::DefaultExecutionSpace(), P, rank, g, l);
+        },
+        Zigzag::name(), "ulysses", a.heads / P));
+  }
+  for (int u = 2; u < P; ++u) {
+    if (P % u != 0 || a.heads % u != 0) continue;
+    blockattn::HybridAttention<Zigzag, blockattn::CausalMask, blockattn::RingSchedule,
+                               blockattn::MpiCommunicator<>>
+        attn(comm, u);
+    rows.push_back(run<T>(
+        comm, a, attn,
+        [&](const auto& g, const auto& l) {
+          blockattn::hybrid_to_local<Zigzag>(Kokkos::DefaultExecutionSpace(), attn.grid(), rank, g,
+                                             l);
+        },
+        Zigzag::name(), "hybrid " + std::to_string(u) + "x" + std::to_string(P / u) + " ring",
+        a.heads / u));
+  }
   // Distributed vs single device differ by rounding only (keys merged in
   // another order): fp64 1e-12, fp32 1e-5, as in tests/test_distributed.cpp;
   // 16 bits: both are fp32 results rounded once, so they may also sit on the
@@ -144,31 +190,32 @@ int run_all(blockattn::MpiCommunicator<>& comm, const Args& a) {
   int failures = 0;
   if (comm.rank() == 0) {
     std::printf(
-        "BlockAttn demo: causal attention, KV ring over %d MPI ranks x %d %s thread(s), "
+        "BlockAttn demo: causal attention over %d MPI ranks x %d %s thread(s), "
         "%s, B=%d H=%d N=%d D=%d (N/P=%d per rank)\n",
         comm.size(), Kokkos::DefaultExecutionSpace().concurrency(),
         Kokkos::DefaultExecutionSpace::name(), dtype, a.batch, a.heads, a.n, a.d,
         a.n / comm.size());
-    std::printf("%-11s %10s %10s %10s %10s %12s %10s %s\n", "partition", "time[ms]", "imbalance",
-                "computed", "skipped", "bytes", "max_err", "check");
+    std::printf("%-11s %-16s %10s %10s %10s %10s %12s %10s %s\n", "partition", "schedule",
+                "time[ms]", "imbalance", "computed", "skipped", "bytes", "max_err", "check");
   }
   for (const Row& r : rows) {
     const bool ok = r.max_err <= tol;
     failures += !ok;
     if (comm.rank() == 0)
-      std::printf("%-11s %10.2f %10.3f %10lld %10lld %12lld %10.2e %s\n", r.partition.c_str(),
-                  r.seconds * 1e3, r.imbalance, (long long)r.computed, (long long)r.skipped,
-                  (long long)r.bytes, r.max_err, ok ? "OK" : "FAIL");
+      std::printf("%-11s %-16s %10.2f %10.3f %10lld %10lld %12lld %10.2e %s\n", r.partition.c_str(),
+                  r.schedule.c_str(), r.seconds * 1e3, r.imbalance, (long long)r.computed,
+                  (long long)r.skipped, (long long)r.bytes, r.max_err, ok ? "OK" : "FAIL");
   }
   if (comm.rank() == 0)
     for (const Row& r : rows)
       std::printf(
-          "{\"partition\":\"%s\",\"schedule\":\"ring\",\"mask\":\"causal\",\"ranks\":%d,"
+          "{\"partition\":\"%s\",\"schedule\":\"%s\",\"mask\":\"causal\",\"ranks\":%d,"
           "\"n\":%d,\"d\":%d,\"heads\":%d,\"batch\":%d,\"dtype\":\"%s\",\"seconds\":%.6g,"
           "\"imbalance\":%.4f,\"tiles_computed\":%lld,\"tiles_skipped\":%lld,"
           "\"bytes\":%lld,\"max_err\":%.3g}\n",
-          r.partition.c_str(), comm.size(), a.n, a.d, a.heads, a.batch, dtype, r.seconds,
-          r.imbalance, (long long)r.computed, (long long)r.skipped, (long long)r.bytes, r.max_err);
+          r.partition.c_str(), r.schedule.c_str(), comm.size(), a.n, a.d, a.heads, a.batch, dtype,
+          r.seconds, r.imbalance, (long long)r.computed, (long long)r.skipped, (long long)r.bytes,
+          r.max_err);
   return failures;
 }
 

@@ -12,15 +12,20 @@
 //   --mask full|causal|window:W [causal] (window: causal sliding window of W keys)
 //   --tile BQxBK          tile sizes [the kernels' own: GPU shape for GPU/TPU
 //                         presets, host shape when calibrating]
-//   --hw a100-nvlink|a100-ib|tpu-v3|tpu-v4|tpu-v5e|calibrate [calibrate]
+//   --hw a100-nvlink|a100-ib|tpu-v3|tpu-v4|tpu-v5e|h100-cluster|calibrate [calibrate]
 //   --flops F  --bandwidth B (bytes/s)  --latency s  --memory bytes
 //                         override the preset / calibration
+//   --ranks-per-node R  --intra-bandwidth B  --intra-latency s
+//                         two link levels: ranks r, s with r/R == s/R talk at the intra
+//                         rates, others at --bandwidth / --latency; with R > 0 the
+//                         2D hybrid (all-to-all in groups x ring) joins the candidates
 //   --steps               per-rank per-step table of every candidate
 //   --data FILE           per-rank per-step work (blocks of N/P x N/P pairs) for plots
 //   --json                one JSON line per candidate
 #include <blockattn/blockattn.hpp>
 #include <blockattn/calibrate.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -38,6 +43,8 @@ struct Args {
   std::string dtype_name = "fp32", mask = "causal", hw = "calibrate", data;
   int block_q = 0, block_k = 0;
   double flops = 0, bandwidth = -1, latency = -1, memory = -1;
+  int ranks_per_node = -1;
+  double intra_bandwidth = -1, intra_latency = -1;
   bool steps = false, json = false;
 };
 
@@ -92,6 +99,12 @@ Args parse(int argc, char** argv) {
       a.latency = std::atof(val().c_str());
     else if (f == "--memory")
       a.memory = std::atof(val().c_str());
+    else if (f == "--ranks-per-node")
+      a.ranks_per_node = std::atoi(val().c_str());
+    else if (f == "--intra-bandwidth")
+      a.intra_bandwidth = std::atof(val().c_str());
+    else if (f == "--intra-latency")
+      a.intra_latency = std::atof(val().c_str());
     else if (f == "--data")
       a.data = val();
     else if (f == "--steps")
@@ -145,6 +158,8 @@ int run(const Args& a, const Mask& mask) {
     hw = plan::tpu_v4();
   else if (a.hw == "tpu-v5e")
     hw = plan::tpu_v5e();
+  else if (a.hw == "h100-cluster")
+    hw = plan::h100_cluster();
   else if (a.hw == "calibrate") {
     gpu_like = false;
     const int n = int(std::min<index_type>(a.n / a.p, 4096));
@@ -157,11 +172,14 @@ int run(const Args& a, const Mask& mask) {
         c.flops / 1e9, c.partial_tile_cost, n, a.dim, a.dtype == 8 ? "fp64" : "fp32",
         Kokkos::DefaultExecutionSpace().concurrency(), hw.bandwidth / 1e9);
   } else
-    usage("--hw must be a100-nvlink, a100-ib, tpu-v3, tpu-v4, tpu-v5e or calibrate");
+    usage("--hw must be a100-nvlink, a100-ib, tpu-v3, tpu-v4, tpu-v5e, h100-cluster or calibrate");
   if (a.flops > 0) hw.flops = a.flops;
   if (a.bandwidth >= 0) hw.bandwidth = a.bandwidth;
   if (a.latency >= 0) hw.latency = a.latency;
   if (a.memory >= 0) hw.memory_bytes = a.memory;
+  if (a.ranks_per_node >= 0) hw.ranks_per_node = a.ranks_per_node;
+  if (a.intra_bandwidth >= 0) hw.intra_bandwidth = a.intra_bandwidth;
+  if (a.intra_latency >= 0) hw.intra_latency = a.intra_latency;
 
   plan::Problem pb =
       gpu_like
@@ -189,24 +207,27 @@ int run(const Args& a, const Mask& mask) {
       "memory %s per rank\n",
       hw.name.c_str(), hw.flops, hw.partial_tile_cost, hw.bandwidth, hw.latency,
       hw.memory_bytes > 0 ? human(hw.memory_bytes).c_str() : "unlimited");
+  if (hw.ranks_per_node > 0)
+    std::printf("          %d ranks per node: B = %.3g B/s, latency %.3g s inside a node\n",
+                hw.ranks_per_node, hw.intra_bandwidth, hw.intra_latency);
   std::printf(
       "Ring Attention (arXiv:2310.01889): overlap needs c >= %.0f tokens per rank (c = N/P = "
       "%lld)\n\n",
       plan::overlap_block_size(hw, a.dtype, a.heads, a.kv_heads), (long long)(a.n / a.p));
-  std::printf("%-11s %-10s %12s %8s %8s %6s %9s %12s %12s %5s\n", "partition", "schedule",
+  std::printf("%-11s %-16s %12s %8s %8s %6s %9s %12s %12s %5s\n", "partition", "schedule",
               "makespan", "vs ring", "vs 1 dev", "idle", "idle(t)", "sent/rank", "peak/rank",
               "fits");
   for (const auto& x : all) {
     if (!x.valid) {
-      std::printf("%-11s %-10s   not possible: %s\n", x.partition.c_str(), x.schedule.c_str(),
+      std::printf("%-11s %-16s   not possible: %s\n", x.partition.c_str(), x.schedule.c_str(),
                   x.why_not.c_str());
       continue;
     }
-    std::printf("%-11s %-10s %10.3f ms %7.2fx %7.2fx %6.3f %9.3f %12s %12s %5s\n",
+    std::printf("%-11s %-16s %10.3f ms %7.2fx %7.2fx %6.3f %9.3f %12s %12s %5s\n",
                 x.partition.c_str(), x.schedule.c_str(), x.makespan_s * 1e3, x.speedup_over_ring(),
-                x.speedup_over_single(), x.idle_step_fraction(), x.idle_time_fraction(),
-                human(double(x.max_bytes_sent())).c_str(), human(double(x.peak_bytes())).c_str(),
-                x.fits ? "yes" : "no");
+                x.speedup_over_single(), x.idle_step_fraction(),
+                std::max(0.0, x.idle_time_fraction()), human(double(x.max_bytes_sent())).c_str(),
+                human(double(x.peak_bytes())).c_str(), x.fits ? "yes" : "no");
   }
   if (best >= 0)
     std::printf("\nrecommended: %s partition + %s schedule (%.2fx the contiguous ring)\n",
