@@ -14,14 +14,14 @@
 
 #include <readme_snippets.hpp>
 
-static_assert(BLOCKATTN_README_SNIPPETS == 8,
+static_assert(BLOCKATTN_README_SNIPPETS == 9,
               "README.md's ```cpp blocks changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
-// Snippet 7: a user mask, at namespace scope as a user would write it.
-namespace snippet7 {
-#include <readme_snippet_7.inc>
-}  // namespace snippet7
+// Snippet 8: a user mask, at namespace scope as a user would write it.
+namespace snippet8 {
+#include <readme_snippet_8.inc>
+}  // namespace snippet8
 
 namespace {
 
@@ -136,23 +136,38 @@ TEST_CASE("README snippet 5: Ulysses") {
   }
 }
 
-TEST_CASE("README snippet 6: the planner") {
+TEST_CASE("README snippet 6: the 2D hybrid") {
+  Local x;
+  auto &q = x.q, &k = x.k, &v = x.v, &o = x.o, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
+  auto& lse = x.lse;
+  blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
+  if (comm.size() % 2 == 0) {  // groups of 2 ranks
+#include <readme_snippet_6.inc>
+    Kokkos::fence();
+    CHECK(hybrid.grid().ring == comm.size() / 2);
+    CHECK(all_finite(o));
+    CHECK(all_finite(dq));
+    CHECK(all_finite(dk));
+  }
+}
+
+TEST_CASE("README snippet 7: the planner") {
   const blockattn::index_type N = 262144;
   const int P = 8, batch = 1, heads = 32, kv_heads = 32, dim = 128;
-#include <readme_snippet_6.inc>
+#include <readme_snippet_7.inc>
   CHECK(best.makespan_s > 0);
   CHECK(!best.partition.empty());
   CHECK(!best.schedule.empty());
 }
 
-TEST_CASE("README snippets 7 and 8: a user mask and packed documents") {
+TEST_CASE("README snippets 8 and 9: a user mask and packed documents") {
   const int N = 4096, H = 2, D = 16;
   V4 q("q", 1, N, H, D), k("k", 1, N, H, D), v("v", 1, N, H, D), o("o", 1, N, H, D);
   V3 lse("lse", 1, H, N);
-  blockattn::attention_forward(q, k, v, o, lse, snippet7::PrefixLM{100});
+  blockattn::attention_forward(q, k, v, o, lse, snippet8::PrefixLM{100});
   Kokkos::fence();
   CHECK(all_finite(lse));
-#include <readme_snippet_8.inc>
+#include <readme_snippet_9.inc>
   blockattn::attention_forward(q, k, v, o, lse, mask);
   blockattn::attention_forward(q, k, v, o, lse, local);
   blockattn::attention_forward(q, k, v, o, lse, bidir);
