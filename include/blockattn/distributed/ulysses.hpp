@@ -34,6 +34,7 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/validate.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
@@ -370,37 +371,14 @@ class UlyssesAttention {
   impl::ForwardExtents validate(
       const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
       const DistributedOptions& opts, Extra extra = [] {}) {
-    using T = typename OV::non_const_value_type;
-    std::string error;
-    impl::ForwardExtents e;
-    try {
-      e = impl::validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale);
-      if (k.extent(1) != q.extent(1))
-        impl::fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ",
-                   q.extent(1),
-                   " (the local length of q: each rank holds N / P tokens of q, k, v)");
-      extra();
-    } catch (const invalid_argument& ex) {
-      error = ex.what();
-    }
-    impl::Fingerprint f;
-    f.text("call", name)
-        .text("schedule", "ulysses")
-        .text("partition",
-              std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
-    impl::add_mask(f, m_mask);
-    f.text("value type", impl::type_name<T>())
-        .number("batch (q.extent(0))", e.batch)
-        .number("local length (q.extent(1))", e.queries)
-        .number("heads (q.extent(2))", e.heads)
-        .number("kv heads (k.extent(2))", e.kv_heads)
-        .number("head_dim (q.extent(3))", e.dim)
-        .real("options.scale", opts.scale,
-              std::isnan(opts.scale) ? std::string("default (1/sqrt(head_dim))")
-                                     : impl::to_text(opts.scale))
-        .number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
-                impl::check_policies_always || opts.check_policies ? 1 : 0);
-    impl::reach_consensus(m_comm, name, error, f);
+    const impl::ForwardExtents e = impl::agree_on_call<ExecSpace>(
+        m_comm, name, m_mask, q, k, v, o, lse, opts, false,
+        [](impl::Fingerprint& f) {
+          f.text("schedule", "ulysses")
+              .text("partition",
+                    std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
+        },
+        extra);
     // Every rank holds the same configuration now: these throw on all or none.
     const int P = m_comm.size();
     const index_type N = index_type(e.queries) * P;

@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+// The first half of every distributed driver's argument check
+// (DistributedAttention, UlyssesAttention, HybridAttention): this rank's own
+// checks of the local Views, then one consensus step over the communicator
+// on a fingerprint of the call (the driver's own fields, then the mask, value
+// type, shapes and options). After it every rank holds the same
+// configuration, so the driver's remaining checks throw on every rank or none.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/kernel/attention_forward.hpp>
+
+#include <cmath>
+#include <string>
+
+namespace blockattn {
+namespace impl {
+
+/// `describe(Fingerprint&)` adds the driver's fields after "call" (schedule,
+/// partition, grid); `extra()` runs more per-rank checks (the backward's);
+/// `opts` is the driver's DistributedOptions (scale, check_policies, and
+/// communicate when `uses_communicate`).
+template <class ExecSpace, class Comm, class Mask, class Opts, class QV, class KV, class VV,
+          class OV, class LV, class Describe, class Extra>
+ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const QV& q,
+                             const KV& k, const VV& v, const OV& o, const LV& lse, const Opts& opts,
+                             bool uses_communicate, const Describe& describe, const Extra& extra) {
+  using T = typename OV::non_const_value_type;
+  std::string error;
+  ForwardExtents e;
+  try {
+    e = validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale);
+    if (k.extent(1) != q.extent(1))
+      fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ", q.extent(1),
+           " (the local length of q: each rank holds N / P tokens of q, k, v)");
+    extra();
+  } catch (const invalid_argument& ex) {
+    error = ex.what();
+  }
+  Fingerprint f;
+  f.text("call", name);
+  describe(f);
+  add_mask(f, mask);
+  f.text("value type", type_name<T>())
+      .number("batch (q.extent(0))", e.batch)
+      .number("local length (q.extent(1))", e.queries)
+      .number("heads (q.extent(2))", e.heads)
+      .number("kv heads (k.extent(2))", e.kv_heads)
+      .number("head_dim (q.extent(3))", e.dim)
+      .real(
+          "options.scale", opts.scale,
+          std::isnan(opts.scale) ? std::string("default (1/sqrt(head_dim))") : to_text(opts.scale));
+  if (uses_communicate) f.number("options.communicate", opts.communicate ? 1 : 0);
+  f.number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
+           check_policies_always || opts.check_policies ? 1 : 0);
+  reach_consensus(comm, name, error, f);
+  return e;
+}
+
+}  // namespace impl
+}  // namespace blockattn
