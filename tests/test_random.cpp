@@ -6,12 +6,14 @@
 // (fp64, fp32, bf16, fp16), forward and backward through DistributedAttention
 // on this communicator's P ranks, plus a single-device forward/backward with
 // random offsets (in fp32 for the 16-bit types: the single-device 16-bit
-// path has its own tests, test_half_attention.cpp). bf16 runs every schedule
-// x partition; fp16, the same code with another conversion, a sample of them
-// (one per schedule), so that the instantiations stay few. The sanitizer
-// build (BLOCKATTN_RANDOM_TWO_TYPES) draws fp32 and bf16 only: the
-// code paths of all four with half the instantiations. Every
-// configuration goes through a small fixed set of instantiations, so the
+// path has its own tests, test_half_attention.cpp). fp64 runs every
+// schedule x partition. The three types computed in fp32 (fp32, bf16, fp16)
+// share the kernels and differ only in storage and conversions, so each
+// draws one partition per schedule, rotated over the types (random_partition)
+// so that together they cover every schedule x partition once: 10 + 4 + 4 + 4
+// instantiations of DistributedAttention instead of 4 x 10. The sanitizer
+// build (BLOCKATTN_RANDOM_TWO_TYPES) draws fp32 and bf16 only. Every
+// configuration goes through this small fixed set of instantiations, so the
 // number of configurations costs run time, not compile time.
 //
 //   BLOCKATTN_RANDOM_SEED   first seed (default 20261122 + 100000 P); configuration i
@@ -137,8 +139,10 @@ struct Config {
   }
 };
 
-/// The partition fp16 runs with each schedule (ring, burst, balanced, all-gather).
-constexpr int fp16_partition[4] = {2, 0, 0, 1};
+/// The partition each fp32-computed type (fp32, bf16, fp16) runs with each
+/// schedule (ring, burst, balanced, all-gather); -1: any (fp64). Per schedule,
+/// the three rows together hold every partition it takes.
+constexpr int random_partition[4][4] = {{-1, -1, -1, -1}, {0, 1, 0, 2}, {1, 2, 0, 0}, {2, 0, 0, 1}};
 
 Config draw(std::uint64_t seed, int P) {
   std::mt19937_64 rng(seed);
@@ -159,7 +163,7 @@ Config draw(std::uint64_t seed, int P) {
   c.n_local = pick(1, 96);
   c.schedule = pick(0, 3);
   c.partition = c.schedule == 2 ? 0 : pick(0, 2);
-  if (c.type == 3) c.partition = fp16_partition[c.schedule];
+  if (random_partition[c.type][c.schedule] >= 0) c.partition = random_partition[c.type][c.schedule];
   if (c.partition == 2 && c.n_local % 2) ++c.n_local;  // zigzag: N a multiple of 2P
   const index_type N = index_type(c.n_local) * P;
   for (;;) {
@@ -302,6 +306,17 @@ Errors run_single(const Config& c, const HostTensor& q, const HostTensor& k, con
   return e;
 }
 
+/// run_distributed with the partition numbered `Part` (0 contiguous, 1 striped, 2 zigzag).
+template <class T, class Schedule, int Part>
+Errors run_sampled(Mpi& comm, const Config& c, const HostTensor& q, const HostTensor& k,
+                   const HostTensor& v, const HostTensor& dout, const test::ReferenceResult& ref,
+                   const test::ReferenceGrads& grads) {
+  using Partition =
+      std::conditional_t<Part == 0, ContiguousPartition,
+                         std::conditional_t<Part == 1, StripedPartition, ZigzagPartition>>;
+  return run_distributed<T, Partition, Schedule>(comm, c, q, k, v, dout, ref, grads);
+}
+
 template <class T>
 Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTensor& k,
                   const HostTensor& v, const HostTensor& dout, const test::ReferenceResult& ref,
@@ -309,28 +324,31 @@ Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTen
   if (c.schedule == 2)
     return run_distributed<T, ContiguousPartition, BalancedSchedule>(comm, c, q, k, v, dout, ref,
                                                                      grads);
-  if constexpr (std::is_same<T, fp16>::value) {  // one partition per schedule (fp16_partition)
+  if constexpr (!std::is_same<T, double>::value) {  // one partition per schedule
+    constexpr int t = std::is_same<T, float>::value ? 1 : std::is_same<T, bf16>::value ? 2 : 3;
     if (c.schedule == 0)
-      return run_distributed<T, ZigzagPartition, RingSchedule>(comm, c, q, k, v, dout, ref, grads);
+      return run_sampled<T, RingSchedule, random_partition[t][0]>(comm, c, q, k, v, dout, ref,
+                                                                  grads);
     if (c.schedule == 1)
-      return run_distributed<T, ContiguousPartition, BurstSchedule>(comm, c, q, k, v, dout, ref,
-                                                                    grads);
-    return run_distributed<T, StripedPartition, AllGatherSchedule>(comm, c, q, k, v, dout, ref,
+      return run_sampled<T, BurstSchedule, random_partition[t][1]>(comm, c, q, k, v, dout, ref,
                                                                    grads);
+    return run_sampled<T, AllGatherSchedule, random_partition[t][3]>(comm, c, q, k, v, dout, ref,
+                                                                     grads);
+  } else {  // fp64: every partition
+    auto with = [&](auto schedule) {
+      using S = decltype(schedule);
+      switch (c.partition) {
+        case 0:
+          return run_distributed<T, ContiguousPartition, S>(comm, c, q, k, v, dout, ref, grads);
+        case 1:
+          return run_distributed<T, StripedPartition, S>(comm, c, q, k, v, dout, ref, grads);
+        default:
+          return run_distributed<T, ZigzagPartition, S>(comm, c, q, k, v, dout, ref, grads);
+      }
+    };
+    if (c.schedule == 3) return with(AllGatherSchedule{});
+    return c.schedule == 0 ? with(RingSchedule{}) : with(BurstSchedule{});
   }
-  auto with = [&](auto schedule) {
-    using S = decltype(schedule);
-    switch (c.partition) {
-      case 0:
-        return run_distributed<T, ContiguousPartition, S>(comm, c, q, k, v, dout, ref, grads);
-      case 1:
-        return run_distributed<T, StripedPartition, S>(comm, c, q, k, v, dout, ref, grads);
-      default:
-        return run_distributed<T, ZigzagPartition, S>(comm, c, q, k, v, dout, ref, grads);
-    }
-  };
-  if (c.schedule == 3) return with(AllGatherSchedule{});
-  return c.schedule == 0 ? with(RingSchedule{}) : with(BurstSchedule{});
 }
 
 std::uint64_t env_or(const char* name, std::uint64_t fallback) {
