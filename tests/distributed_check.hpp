@@ -14,6 +14,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backend.hpp"
@@ -33,6 +34,74 @@ template <class T>
 using V4 = Kokkos::View<T****, MemSpace>;
 template <class T>
 using V3 = Kokkos::View<T***, MemSpace>;
+
+/// x in value type S: exact for an x already rounded to S (rounded_to);
+/// the 16-bit types convert through fp32.
+template <class S>
+S value_of(double x) {
+  if constexpr (std::is_same<S, double>::value)
+    return x;
+  else
+    return S(float(x));
+}
+
+/// A global tensor rounded to S (exactly what the kernels see).
+template <class S>
+HostTensor rounded_to(HostTensor t) {
+  if constexpr (!std::is_same<S, double>::value)
+    for (double& x : t.data) x = double(value_of<S>(x));
+  return t;
+}
+
+/// This rank's n rows of a global tensor: local row i is global row map(i).
+/// Built on the host from the layout's definition, independent of to_local().
+template <class S, class Map>
+V4<S> local_rows(const HostTensor& t, index_type n, const Map& map) {
+  V4<S> v("local", t.b, n, t.h, t.d);
+  auto h = Kokkos::create_mirror_view(v);
+  for (int b = 0; b < t.b; ++b)
+    for (index_type i = 0; i < n; ++i)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) h(b, i, x, d) = value_of<S>(t(b, int(map(i)), x, d));
+  Kokkos::deep_copy(v, h);
+  return v;
+}
+
+/// The rows of a partition's local order.
+template <class S, class Partition>
+V4<S> local_rows(const HostTensor& t, int P, int rank) {
+  return local_rows<S>(t, t.n / P, Partition::positions(t.n, P, rank));
+}
+
+/// max |got - want| over this rank's rows, local row i against global row
+/// map(i); `finite` turns false on a non-finite entry; with `sum`, adds the
+/// errors to sum[0] and their count to sum[1].
+template <class View, class Map>
+double max_error(const View& got, const HostTensor& want, const Map& map, bool& finite,
+                 double* sum = nullptr) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
+  double err = 0.0;
+  for (int b = 0; b < want.b; ++b)
+    for (int i = 0; i < int(got.extent(1)); ++i)
+      for (int x = 0; x < want.h; ++x)
+        for (int d = 0; d < want.d; ++d) {
+          const double g = double(h(b, i, x, d)), e = std::abs(g - want(b, int(map(i)), x, d));
+          finite = finite && std::isfinite(g);
+          err = std::max(err, e);
+          if (sum) {
+            sum[0] += e;
+            sum[1] += 1.0;
+          }
+        }
+  return err;
+}
+
+/// The largest |entry| of a tensor (at least 1e-300, a safe divisor).
+inline double largest(const HostTensor& t) {
+  double m = 1e-300;
+  for (double x : t.data) m = std::max(m, std::abs(x));
+  return m;
+}
 
 template <class View>
 void fill_random(const View& v, std::uint64_t seed) {

@@ -34,66 +34,17 @@ struct Global {
 };
 
 template <class S>
-HostTensor rounded_tensor(int b, int n, int h, int d, std::mt19937_64& rng) {
-  HostTensor t = random_tensor(b, n, h, d, rng);
-  for (double& x : t.data) x = double(float(S(float(x))));
-  return t;
-}
-
-template <class S>
 Global make_global(const Case& c, int N, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   Global g;
-  g.q = rounded_tensor<S>(c.b, N, c.h, c.d, rng);
-  g.k = rounded_tensor<S>(c.b, N, c.hkv, c.d, rng);
-  g.v = rounded_tensor<S>(c.b, N, c.hkv, c.d, rng);
-  g.dout = rounded_tensor<S>(c.b, N, c.h, c.d, rng);
+  g.q = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng));
+  g.k = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng));
+  g.v = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng));
+  g.dout = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng));
   const double scale = 1.0 / std::sqrt(double(c.d));
   g.ref = reference_attention(g.q, g.k, g.v, CausalMask{}, scale);
   g.grads = reference_backward(g.q, g.k, g.v, g.dout, CausalMask{}, scale);
   return g;
-}
-
-/// This rank's rows of a global tensor, in the partition's local order.
-template <class S, class Partition>
-V4<S> local_rows(const HostTensor& t, int P, int rank) {
-  const index_type N = t.n;
-  const int n = int(N / P);
-  V4<S> v("local", t.b, n, t.h, t.d);
-  auto h = Kokkos::create_mirror_view(v);
-  const auto map = Partition::positions(N, P, rank);
-  for (int b = 0; b < t.b; ++b)
-    for (int i = 0; i < n; ++i)
-      for (int x = 0; x < t.h; ++x)
-        for (int d = 0; d < t.d; ++d) h(b, i, x, d) = S(float(t(b, int(map(i)), x, d)));
-  Kokkos::deep_copy(v, h);
-  return v;
-}
-
-/// max |got - want| over this rank's rows (and their sum and count in
-/// `sum`); false in `finite` on a non-finite entry.
-template <class View, class Map>
-double max_error(const View& got, const HostTensor& want, const Map& map, bool& finite,
-                 double (&sum)[2]) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
-  double err = 0.0;
-  for (int b = 0; b < want.b; ++b)
-    for (int i = 0; i < int(got.extent(1)); ++i)
-      for (int x = 0; x < want.h; ++x)
-        for (int d = 0; d < want.d; ++d) {
-          const double g = double(h(b, i, x, d));
-          finite = finite && std::isfinite(g);
-          err = std::max(err, std::abs(g - want(b, int(map(i)), x, d)));
-          sum[0] += std::abs(g - want(b, int(map(i)), x, d));
-          sum[1] += 1.0;
-        }
-  return err;
-}
-
-double largest(const HostTensor& t) {
-  double m = 0.0;
-  for (double x : t.data) m = std::max(m, std::abs(x));
-  return m;
 }
 
 /// One schedule x partition in storage type S: forward and backward on this

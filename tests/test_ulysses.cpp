@@ -26,50 +26,6 @@ using namespace blockattn::test;
 
 namespace {
 
-/// The inputs rounded to S (exactly what the kernels see).
-template <class S>
-HostTensor rounded_to(HostTensor t) {
-  if constexpr (!std::is_same<S, double>::value)
-    for (double& x : t.data) x = double(S(float(x)));
-  return t;
-}
-
-template <class S, class Partition>
-V4<S> local_rows(const HostTensor& t, int P, int rank) {
-  const index_type N = t.n;
-  const int n = int(N / P);
-  V4<S> v("local", t.b, n, t.h, t.d);
-  auto h = Kokkos::create_mirror_view(v);
-  const auto map = Partition::positions(N, P, rank);
-  for (int b = 0; b < t.b; ++b)
-    for (int i = 0; i < n; ++i)
-      for (int x = 0; x < t.h; ++x)
-        for (int d = 0; d < t.d; ++d) h(b, i, x, d) = S(t(b, int(map(i)), x, d));
-  Kokkos::deep_copy(v, h);
-  return v;
-}
-
-template <class View, class Map>
-double max_error(const View& got, const HostTensor& want, const Map& map, bool& finite) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
-  double err = 0.0;
-  for (int b = 0; b < want.b; ++b)
-    for (int i = 0; i < int(got.extent(1)); ++i)
-      for (int x = 0; x < want.h; ++x)
-        for (int d = 0; d < want.d; ++d) {
-          const double g = double(h(b, i, x, d));
-          finite = finite && std::isfinite(g);
-          err = std::max(err, std::abs(g - want(b, int(map(i)), x, d)));
-        }
-  return err;
-}
-
-double largest(const HostTensor& t) {
-  double m = 1e-300;
-  for (double x : t.data) m = std::max(m, std::abs(x));
-  return m;
-}
-
 struct UCase {
   int b, n_local, h, hkv, d;
 };
