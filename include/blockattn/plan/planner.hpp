@@ -154,6 +154,9 @@ struct StepPlan {
   double comm_s = 0;  // busy time of this rank's links for the messages completing at this step
   double start_s = 0, end_s = 0;
   std::int64_t bytes_sent = 0, bytes_received = 0;
+  /// Of bytes_sent, what goes to ranks on other nodes (Hardware::same_node;
+  /// one-level hardware: all of it).
+  std::int64_t network_bytes = 0;
   bool idle() const { return tiles.computed() == 0; }
 };
 
@@ -162,7 +165,8 @@ struct RankPlan {
   std::int64_t input_bytes = 0;      // the caller's q, k, v, o, lse on this rank
   std::int64_t workspace_bytes = 0;  // what the schedule allocates (RunStats::workspace_bytes)
   std::int64_t alltoall_bytes = 0;   // hybrid: sent in the group's all-to-alls (RunStats')
-  double alltoall_s = 0;             // hybrid: time of those all-to-alls
+  std::int64_t alltoall_network_bytes = 0;  // hybrid: of those, to ranks on other nodes
+  double alltoall_s = 0;                    // hybrid: time of those all-to-alls
   std::int64_t peak_bytes() const { return input_bytes + workspace_bytes; }
   double busy_s() const {
     double b = 0;
@@ -172,6 +176,12 @@ struct RankPlan {
   std::int64_t bytes_sent() const {
     std::int64_t b = alltoall_bytes;
     for (const auto& s : steps) b += s.bytes_sent;
+    return b;
+  }
+  /// Of bytes_sent(), what crosses between nodes (the slow links).
+  std::int64_t network_bytes_sent() const {
+    std::int64_t b = alltoall_network_bytes;
+    for (const auto& s : steps) b += s.network_bytes;
     return b;
   }
 };
@@ -222,6 +232,12 @@ struct Prediction {
     for (const auto& r : ranks) b += r.bytes_sent();
     return b;
   }
+  /// The most bytes a rank sends to other nodes.
+  std::int64_t max_network_bytes_sent() const {
+    std::int64_t b = 0;
+    for (const auto& r : ranks) b = std::max(b, r.network_bytes_sent());
+    return b;
+  }
   double speedup_over_ring() const { return ring_makespan_s / makespan_s; }
   double speedup_over_single() const { return single_device_s / makespan_s; }
 };
@@ -265,6 +281,15 @@ inline double alltoall_seconds(const Hardware& hw, int base, int P, int count, s
       worst = std::max(worst, t);
     }
   return worst;
+}
+
+/// Of the P - 1 peers of rank `base + r` in its all-to-all group (ranks
+/// base .. base + P - 1), how many sit on other nodes.
+inline int alltoall_remote_peers(const Hardware& hw, int base, int P, int r) {
+  int n = 0;
+  for (int j = 0; j < P; ++j)
+    if (j != r && !hw.same_node(base + r, base + j)) ++n;
+  return n;
 }
 
 inline double tile_seconds(const Problem& p, const Hardware& hw, const TileCounts& t) {
@@ -408,6 +433,7 @@ Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw, bool 
       const int step_src = std::min(m->src_step, steps - 1);
       auto& ss = pr.ranks[std::size_t(m->src)].steps[std::size_t(step_src)];
       ss.bytes_sent += m->bytes;
+      if (!hw.same_node(m->src * rank_stride, m->dst * rank_stride)) ss.network_bytes += m->bytes;
       ss.comm_s += dt;
       auto& sd = pr.ranks[std::size_t(m->dst)].steps[std::size_t(std::min(m->dst_step, steps - 1))];
       sd.bytes_received += m->bytes;
@@ -491,6 +517,8 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
     rp.input_bytes = inputs;
     rp.workspace_bytes = vol.workspace;
     st.task.q_rank = st.task.k_rank = r;
+    // The same bytes to each of the P - 1 peers.
+    st.network_bytes = P > 1 ? vol.sent / (P - 1) * detail::alltoall_remote_peers(hw, 0, P, r) : 0;
     rp.steps.push_back(st);
   }
   pr.makespan_s = st.end_s;
@@ -565,6 +593,11 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
     rp.input_bytes = inputs;
     rp.workspace_bytes = vol.workspace;
     rp.alltoall_bytes = vol.sent;
+    rp.alltoall_network_bytes =
+        ulysses > 1
+            ? vol.sent / (ulysses - 1) *
+                  detail::alltoall_remote_peers(hw, g.group(r) * ulysses, ulysses, g.member(r))
+            : 0;
     rp.alltoall_s = in + out;
   }
   pr.makespan_s = in + ring.makespan_s + out;
