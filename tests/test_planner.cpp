@@ -3,9 +3,14 @@
 // tolerances) and its own invariants.
 #include <doctest/doctest.h>
 
+#include <blockattn/plan/balance.hpp>
 #include <blockattn/plan/planner.hpp>
+#include <blockattn/policy/document_mask.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <vector>
 
 using namespace blockattn;
 
@@ -285,14 +290,157 @@ TEST_CASE("planner: two link levels and the 2D hybrid") {
   REQUIRE(h82.valid);
   CHECK(h82.ulysses == 8);
   CHECK(h82.ranks[3].alltoall_s ==
-        doctest::Approx(h82.ranks[3].alltoall_s));  // same on every rank of a group
+        doctest::Approx(h82.ranks[0].alltoall_s));  // same on every rank of a group
   const double a2a_in_node = plan::detail::alltoall_seconds(hw, 0, 8, 2, std::int64_t(q_chunk * 2));
   CHECK(a2a_in_node == doctest::Approx(7 * q_chunk * 2 / 450e9));
   CHECK(h82.makespan_s < u16.makespan_s);
+
+  // Bytes over the slow links. Ulysses on one node: none; on two nodes: 8 of
+  // every rank's 15 equal chunks. The hybrid 8 x 2: its all-to-alls stay on
+  // the node, its ring (between the two nodes) crosses; fewer network bytes
+  // than Ulysses on 16. The zigzag ring on 16: only the two ranks whose
+  // neighbour is on the other node (7 -> 8 and 15 -> 0) use the network.
+  for (const auto& r : u.ranks) CHECK(r.network_bytes_sent() == 0);
+  for (const auto& r : u16.ranks) {
+    CHECK(r.bytes_sent() > 0);
+    CHECK(r.network_bytes_sent() * 15 == r.bytes_sent() * 8);
+  }
+  for (const auto& r : h82.ranks) {
+    CHECK(r.alltoall_bytes > 0);
+    CHECK(r.alltoall_network_bytes == 0);
+    CHECK(r.network_bytes_sent() == r.bytes_sent() - r.alltoall_bytes);
+    CHECK(r.network_bytes_sent() > 0);
+  }
+  CHECK(h82.max_network_bytes_sent() < u16.max_network_bytes_sent());
+  int crossing = 0;
+  for (const auto& r : ring.ranks) {
+    if (r.network_bytes_sent() == 0) continue;
+    ++crossing;
+    CHECK(r.network_bytes_sent() == r.bytes_sent());
+  }
+  CHECK(crossing == 2);
+  const bool up = ring.ranks[7].network_bytes_sent() > 0;  // sends to rank + 1 (else - 1)
+  CHECK(ring.ranks[up ? 15 : 0].network_bytes_sent() > 0);
+  CHECK(ring.ranks[up ? 8 : 7].network_bytes_sent() == 0);
+  // One link level: every byte is a network byte.
+  const auto flat =
+      plan::predict<ZigzagPartition, RingSchedule>(p, CausalMask{}, plan::a100_nvlink());
+  for (const auto& r : flat.ranks) CHECK(r.network_bytes_sent() == r.bytes_sent());
   // One level (no ranks_per_node): no hybrid candidates.
   CHECK(plan::compare(p, CausalMask{}, plan::a100_nvlink()).size() == 6);
   // Bad grids are named.
   const auto bad = plan::predict_hybrid<ZigzagPartition, RingSchedule>(p, CausalMask{}, hw, 3);
   CHECK_FALSE(bad.valid);
   CHECK(bad.why_not.find("does not divide the number of ranks P = 16") != std::string::npos);
+}
+
+namespace {
+/// Allowed pairs of the whole sequence, brute force on allowed().
+template <class Mask>
+std::int64_t brute_pairs(const Mask& mask, index_type N) {
+  std::int64_t n = 0;
+  for (index_type q = 0; q < N; ++q)
+    for (index_type k = 0; k < N; ++k) n += mask.allowed(q, k) ? 1 : 0;
+  return n;
+}
+
+/// Every position 0 .. N-1 on exactly one rank, each rank's list increasing.
+void check_covers(const plan::Layout& l) {
+  std::vector<int> seen(std::size_t(l.N), 0);
+  for (const auto& r : l.ranks) {
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      REQUIRE(r[i] >= 0);
+      REQUIRE(r[i] < l.N);
+      ++seen[std::size_t(r[i])];
+      if (i > 0) CHECK(r[i] > r[i - 1]);
+    }
+  }
+  CHECK(std::count(seen.begin(), seen.end(), 1) == l.N);
+}
+}  // namespace
+
+TEST_CASE("balance: layouts of packed documents and the mask-aware assignment") {
+  // The long-tailed mix: starts at 0, ends at N, strictly increasing, the
+  // same for the same seed, and long-tailed (the longest document many
+  // times the median).
+  const index_type N = 8192;
+  const auto off = plan::long_tailed_documents(N, 7);
+  REQUIRE(off.size() > 10);
+  CHECK(off.front() == 0);
+  CHECK(off.back() == N);
+  CHECK(std::adjacent_find(off.begin(), off.end(), std::greater_equal<index_type>()) == off.end());
+  CHECK(plan::long_tailed_documents(N, 7) == off);
+  CHECK(plan::long_tailed_documents(N, 8) != off);
+  std::vector<index_type> len;
+  for (std::size_t d = 0; d + 1 < off.size(); ++d) len.push_back(off[d + 1] - off[d]);
+  std::vector<index_type> sorted = len;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(sorted.back() >= 5 * sorted[sorted.size() / 2]);
+
+  DocumentMask mask;
+  mask.host_offsets = mask.device_offsets = off.data();
+  mask.documents = int(len.size());
+
+  // Built-in partitions: the layout is positions().
+  const auto zz = plan::layout_of<ZigzagPartition>(96, 3);
+  for (int r = 0; r < 3; ++r)
+    for (index_type i = 0; i < 32; ++i)
+      CHECK(zz.ranks[std::size_t(r)][std::size_t(i)] == ZigzagPartition::positions(96, 3, r)(i));
+
+  // Per-document head-tail on documents of 1, 5, 6 and 40 tokens over P = 3:
+  // rank r holds pieces r and 5 - r of every document (pieces of 0 or 1
+  // token where a document is shorter than 2P).
+  const std::vector<index_type> small{0, 1, 6, 12, 52};
+  const auto pd = plan::per_document_zigzag(small, 3);
+  check_covers(pd);
+  for (int r = 0; r < 3; ++r)
+    for (index_type t : pd.ranks[std::size_t(r)]) {
+      const std::size_t d =
+          std::size_t(std::upper_bound(small.begin(), small.end(), t) - small.begin() - 1);
+      const index_type a = small[d], n = small[d + 1] - a;
+      // t lies in piece k iff a + n k / 6 <= t < a + n (k + 1) / 6.
+      index_type k = 0;
+      while (!(a + n * k / 6 <= t && t < a + n * (k + 1) / 6)) ++k;
+      CHECK((k == r || k == 5 - r));
+    }
+
+  // Tile counts of every layout hold exactly the allowed pairs of the sequence.
+  const index_type n_small = 384;
+  const auto off_small = plan::long_tailed_documents(n_small, 3, 1.1, 8);
+  DocumentMask ms;
+  ms.host_offsets = ms.device_offsets = off_small.data();
+  ms.documents = int(off_small.size() - 1);
+  const std::int64_t pairs = brute_pairs(ms, n_small);
+  for (const auto& l :
+       {plan::layout_of<ContiguousPartition>(n_small, 4),
+        plan::layout_of<StripedPartition>(n_small, 4), plan::layout_of<ZigzagPartition>(n_small, 4),
+        plan::per_document_zigzag(off_small, 4), plan::mask_balanced(ms, n_small, 4, 32, 16, 32)}) {
+    check_covers(l);
+    CHECK(plan::balance_of(l, ms, 16, 32).total_pairs() == pairs);
+  }
+
+  // The mask-aware layout: N / P tokens per rank in whole chunks, and on the
+  // long-tailed mix (P = 8, 32 x 32 tiles) within 5 % of the ideal and better
+  // balanced than contiguous, striped, zigzag and per-document head-tail.
+  const auto mb = plan::mask_balanced(mask, N, 8, 128, 32, 32);
+  check_covers(mb);
+  for (const auto& r : mb.ranks) {
+    CHECK(r.size() == std::size_t(N / 8));
+    for (std::size_t i = 0; i < r.size(); i += 128) CHECK(r[i] % 128 == 0);
+  }
+  const auto b = plan::balance_of(mb, mask, 32, 32);
+  CHECK(b.makespan_over_ideal() <= 1.05);
+  for (const auto& other :
+       {plan::layout_of<ContiguousPartition>(N, 8), plan::layout_of<StripedPartition>(N, 8),
+        plan::layout_of<ZigzagPartition>(N, 8), plan::per_document_zigzag(off, 8)}) {
+    const auto o = plan::balance_of(other, mask, 32, 32);
+    INFO(other.name);
+    CHECK(b.max_cost() < o.max_cost());
+    CHECK(b.total_cost() <= o.total_cost());
+  }
+  // Chunks that the tiles do not divide, or lengths the chunks do not, are named.
+  CHECK_THROWS_WITH(plan::mask_balanced(mask, N, 8, 48, 32, 32),
+                    doctest::Contains("chunk = 48, expected a positive multiple of block_q"));
+  CHECK_THROWS_WITH(plan::mask_balanced(mask, N, 3, 128, 32, 32),
+                    doctest::Contains("is not a positive multiple of chunk x P = 384"));
 }

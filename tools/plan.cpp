@@ -22,14 +22,22 @@
 //   --steps               per-rank per-step table of every candidate
 //   --data FILE           per-rank per-step work (blocks of N/P x N/P pairs) for plots
 //   --json                one JSON line per candidate
+//   --balance SEED        instead of the schedules: the compute balance of every layout
+//                         (contiguous, striped, zigzag, per-document head-tail and the
+//                         mask-aware chunk assignment) for causal packed documents of a
+//                         long-tailed length mix (plan::long_tailed_documents(N, SEED)),
+//                         with a per-rank picture; --chunk C [lcm of the tile sizes x 4]
+//                         is the mask-aware layout's chunk
 #include <blockattn/blockattn.hpp>
 #include <blockattn/calibrate.hpp>
+#include <blockattn/plan/balance.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -46,6 +54,8 @@ struct Args {
   int ranks_per_node = -1;
   double intra_bandwidth = -1, intra_latency = -1;
   bool steps = false, json = false;
+  long long balance = -1;  // --balance SEED (>= 0: the balance analysis)
+  index_type chunk = 0;
 };
 
 [[noreturn]] void usage(const char* what) {
@@ -111,6 +121,10 @@ Args parse(int argc, char** argv) {
       a.steps = true;
     else if (f == "--json")
       a.json = true;
+    else if (f == "--balance")
+      a.balance = std::atoll(val().c_str());
+    else if (f == "--chunk")
+      a.chunk = std::atoll(val().c_str());
     else if (f.rfind("--kokkos", 0) != 0)
       usage(("unknown option " + f).c_str());
   }
@@ -142,6 +156,76 @@ std::string human(double bytes) {
   else
     std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
   return buf;
+}
+
+/// --balance: every layout's compute per rank for causal packed documents of
+/// a long-tailed length mix, in the tiles of `pb`.
+int run_balance(const Args& a, const plan::Problem& pb, const plan::Hardware& hw) {
+  const std::vector<index_type> off = plan::long_tailed_documents(a.n, std::uint64_t(a.balance));
+  std::vector<index_type> len;
+  for (std::size_t d = 0; d + 1 < off.size(); ++d) len.push_back(off[d + 1] - off[d]);
+  std::vector<index_type> sorted = len;
+  std::sort(sorted.begin(), sorted.end());
+  DocumentMask mask;
+  mask.host_offsets = mask.device_offsets = off.data();
+  mask.documents = int(len.size());
+  const int bq = pb.block_q, bk = pb.block_k;
+  const index_type chunk = a.chunk > 0 ? a.chunk : 4 * index_type(std::lcm(bq, bk));
+  std::printf(
+      "problem: N = %lld, P = %d, causal packed documents: %zu (long-tailed mix, seed %lld): "
+      "lengths %lld .. %lld, median %lld; tiles %dx%d, partial tile %.2f x a full one\n",
+      (long long)a.n, a.p, len.size(), a.balance, (long long)sorted.front(),
+      (long long)sorted.back(), (long long)sorted[sorted.size() / 2], bq, bk, hw.partial_tile_cost);
+  std::printf(
+      "work per rank: the tiles its queries compute against all N keys (full + partial x cost), "
+      "under any schedule that brings K/V to the queries (ring, all-gather)\n\n");
+  std::vector<plan::Layout> layouts;
+  const auto add = [&](auto make) {
+    try {
+      layouts.push_back(make());
+    } catch (const std::exception& e) {
+      std::printf("(skipped: %s)\n", e.what());
+    }
+  };
+  add([&] { return plan::layout_of<ContiguousPartition>(a.n, a.p); });
+  add([&] { return plan::layout_of<StripedPartition>(a.n, a.p); });
+  add([&] { return plan::layout_of<ZigzagPartition>(a.n, a.p); });
+  add([&] { return plan::per_document_zigzag(off, a.p); });
+  add([&] { return plan::mask_balanced(mask, a.n, a.p, chunk, bq, bk, hw.partial_tile_cost); });
+  std::vector<plan::Balance> all;
+  double least = 0;  // the least total work of the layouts
+  for (const auto& l : layouts) {
+    all.push_back(plan::balance_of(l, mask, bq, bk, hw.partial_tile_cost));
+    const double t = all.back().total_cost();
+    if (least == 0 || t < least) least = t;
+  }
+  const double ideal = least / a.p;
+  std::printf("ideal: the least total work of these layouts / P\n\n");
+  std::printf("%-16s %14s %12s %18s %16s\n", "layout", "tokens/rank", "total work",
+              "makespan / ideal", "pairs max/mean");
+  for (const auto& b : all) {
+    const auto [lo, hi] = std::minmax_element(b.tokens.begin(), b.tokens.end());
+    char toks[40];
+    std::snprintf(toks, sizeof toks, *lo == *hi ? "%lld" : "%lld..%lld", (long long)*lo,
+                  (long long)*hi);
+    std::printf("%-16s %14s %11.3fx %18.3f %16.3f\n", b.name.c_str(), toks, b.total_cost() / least,
+                b.makespan_over(ideal), b.pairs_over_ideal());
+  }
+  // The picture: each rank's work over the ideal (total / P), 40 columns = 2x.
+  std::printf("\nper-rank work / ideal (| = ideal, each # = 0.05, > beyond 3)\n");
+  for (const auto& b : all) {
+    std::printf("%s\n", b.name.c_str());
+    for (std::size_t r = 0; r < b.cost.size(); ++r) {
+      const double x = ideal > 0 ? b.cost[r] / ideal : 0.0;
+      const int n = int(std::lround(x * 20));
+      std::string bar;
+      for (int i = 0; i < std::min(n, 60); ++i) bar += i == 19 && n > 20 ? '|' : '#';
+      if (n <= 20) bar += std::string(std::size_t(20 - n), ' ') + '|';
+      if (n > 60) bar += '>';  // beyond 3x the ideal
+      std::printf("  rank %3zu %5.2f %s\n", r, x, bar.c_str());
+    }
+  }
+  return 0;
 }
 
 template <class Mask>
@@ -193,6 +277,7 @@ int run(const Args& a, const Mask& mask) {
     pb.block_q = a.block_q;
     pb.block_k = a.block_k;
   }
+  if (a.balance >= 0) return run_balance(a, pb, hw);
   const bool pairs = !a.data.empty();
   const auto all = plan::compare(pb, mask, hw, pairs);
   const int best = plan::recommend(all);
@@ -214,20 +299,24 @@ int run(const Args& a, const Mask& mask) {
       "Ring Attention (arXiv:2310.01889): overlap needs c >= %.0f tokens per rank (c = N/P = "
       "%lld)\n\n",
       plan::overlap_block_size(hw, a.dtype, a.heads, a.kv_heads), (long long)(a.n / a.p));
-  std::printf("%-11s %-16s %12s %8s %8s %6s %9s %12s %12s %5s\n", "partition", "schedule",
-              "makespan", "vs ring", "vs 1 dev", "idle", "idle(t)", "sent/rank", "peak/rank",
-              "fits");
+  // Two link levels: also the bytes a rank sends to other nodes (the slow links).
+  const bool two_levels = hw.ranks_per_node > 0;
+  std::printf("%-11s %-16s %12s %8s %8s %6s %9s %12s", "partition", "schedule", "makespan",
+              "vs ring", "vs 1 dev", "idle", "idle(t)", "sent/rank");
+  if (two_levels) std::printf(" %12s", "net/rank");
+  std::printf(" %12s %5s\n", "peak/rank", "fits");
   for (const auto& x : all) {
     if (!x.valid) {
       std::printf("%-11s %-16s   not possible: %s\n", x.partition.c_str(), x.schedule.c_str(),
                   x.why_not.c_str());
       continue;
     }
-    std::printf("%-11s %-16s %10.3f ms %7.2fx %7.2fx %6.3f %9.3f %12s %12s %5s\n",
-                x.partition.c_str(), x.schedule.c_str(), x.makespan_s * 1e3, x.speedup_over_ring(),
+    std::printf("%-11s %-16s %10.3f ms %7.2fx %7.2fx %6.3f %9.3f %12s", x.partition.c_str(),
+                x.schedule.c_str(), x.makespan_s * 1e3, x.speedup_over_ring(),
                 x.speedup_over_single(), x.idle_step_fraction(),
-                std::max(0.0, x.idle_time_fraction()), human(double(x.max_bytes_sent())).c_str(),
-                human(double(x.peak_bytes())).c_str(), x.fits ? "yes" : "no");
+                std::max(0.0, x.idle_time_fraction()), human(double(x.max_bytes_sent())).c_str());
+    if (two_levels) std::printf(" %12s", human(double(x.max_network_bytes_sent())).c_str());
+    std::printf(" %12s %5s\n", human(double(x.peak_bytes())).c_str(), x.fits ? "yes" : "no");
   }
   if (best >= 0)
     std::printf("\nrecommended: %s partition + %s schedule (%.2fx the contiguous ring)\n",
@@ -256,10 +345,11 @@ int run(const Args& a, const Mask& mask) {
             "{\"partition\":\"%s\",\"schedule\":\"%s\",\"makespan_s\":%.6g,"
             "\"speedup_over_ring\":%.4f,\"speedup_over_single\":%.4f,"
             "\"idle_step_fraction\":%.4f,\"bytes_sent_per_rank\":%lld,"
-            "\"peak_bytes_per_rank\":%lld,\"fits\":%s}\n",
+            "\"network_bytes_per_rank\":%lld,\"peak_bytes_per_rank\":%lld,\"fits\":%s}\n",
             x.partition.c_str(), x.schedule.c_str(), x.makespan_s, x.speedup_over_ring(),
             x.speedup_over_single(), x.idle_step_fraction(), (long long)x.max_bytes_sent(),
-            (long long)x.peak_bytes(), x.fits ? "true" : "false");
+            (long long)x.max_network_bytes_sent(), (long long)x.peak_bytes(),
+            x.fits ? "true" : "false");
   if (!a.data.empty()) {
     // gnuplot data: one block per candidate (index i), rows "step rank work",
     // work in units of a full block of (N/P)^2 allowed pairs per (batch, head).

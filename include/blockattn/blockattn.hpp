@@ -13,6 +13,7 @@
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>
+#include <blockattn/plan/balance.hpp>
 #include <blockattn/plan/planner.hpp>
 #include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/mask.hpp>
