@@ -5,7 +5,6 @@
 
 #include <blockattn/plan/balance.hpp>
 #include <blockattn/plan/planner.hpp>
-#include <blockattn/policy/document_mask.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -377,9 +376,7 @@ TEST_CASE("balance: layouts of packed documents and the mask-aware assignment") 
   std::sort(sorted.begin(), sorted.end());
   CHECK(sorted.back() >= 5 * sorted[sorted.size() / 2]);
 
-  DocumentMask mask;
-  mask.host_offsets = mask.device_offsets = off.data();
-  mask.documents = int(len.size());
+  const DocumentMask mask = plan::host_document_mask(off);
 
   // Built-in partitions: the layout is positions().
   const auto zz = plan::layout_of<ZigzagPartition>(96, 3);
@@ -407,9 +404,7 @@ TEST_CASE("balance: layouts of packed documents and the mask-aware assignment") 
   // Tile counts of every layout hold exactly the allowed pairs of the sequence.
   const index_type n_small = 384;
   const auto off_small = plan::long_tailed_documents(n_small, 3, 1.1, 8);
-  DocumentMask ms;
-  ms.host_offsets = ms.device_offsets = off_small.data();
-  ms.documents = int(off_small.size() - 1);
+  const DocumentMask ms = plan::host_document_mask(off_small);
   const std::int64_t pairs = brute_pairs(ms, n_small);
   for (const auto& l :
        {plan::layout_of<ContiguousPartition>(n_small, 4),

@@ -166,9 +166,7 @@ int run_balance(const Args& a, const plan::Problem& pb, const plan::Hardware& hw
   for (std::size_t d = 0; d + 1 < off.size(); ++d) len.push_back(off[d + 1] - off[d]);
   std::vector<index_type> sorted = len;
   std::sort(sorted.begin(), sorted.end());
-  DocumentMask mask;
-  mask.host_offsets = mask.device_offsets = off.data();
-  mask.documents = int(len.size());
+  const DocumentMask mask = plan::host_document_mask(off);
   const int bq = pb.block_q, bk = pb.block_k;
   const index_type chunk = a.chunk > 0 ? a.chunk : 4 * index_type(std::lcm(bq, bk));
   std::printf(
@@ -211,7 +209,7 @@ int run_balance(const Args& a, const plan::Problem& pb, const plan::Hardware& hw
     std::printf("%-16s %14s %11.3fx %18.3f %16.3f\n", b.name.c_str(), toks, b.total_cost() / least,
                 b.makespan_over(ideal), b.pairs_over_ideal());
   }
-  // The picture: each rank's work over the ideal (total / P), 40 columns = 2x.
+  // The picture: each rank's work over the ideal, 20 columns = 1x, at most 3x.
   std::printf("\nper-rank work / ideal (| = ideal, each # = 0.05, > beyond 3)\n");
   for (const auto& b : all) {
     std::printf("%s\n", b.name.c_str());

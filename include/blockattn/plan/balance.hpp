@@ -15,8 +15,7 @@
 // same number of chunks). Plus a long-tailed document mix to compare them on.
 //
 //   const auto offsets = plan::long_tailed_documents(65536, seed);
-//   Documents docs(offsets);
-//   const auto mask = docs.mask();
+//   const DocumentMask mask = plan::host_document_mask(offsets);
 //   plan::Balance b = plan::balance_of(plan::mask_balanced(mask, 65536, 8, 512, 64, 64), mask,
 //                                      64, 64);
 //   b.makespan_over_ideal();
@@ -30,7 +29,9 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/kernel/work.hpp>
+#include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/partition.hpp>
+#include <blockattn/policy/positions.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -95,6 +96,22 @@ inline Layout per_document_zigzag(const std::vector<index_type>& offsets, int P)
   return l;
 }
 
+/// A causal document mask over host offsets (cu_seqlens), for the analyses
+/// here; it points into `offsets`, which must outlive it. (Documents owns
+/// its offsets in an execution space's memory, for the kernels.)
+inline DocumentMask host_document_mask(const std::vector<index_type>& offsets) {
+  DocumentMask m;
+  m.host_offsets = m.device_offsets = offsets.data();
+  m.documents = int(offsets.size()) - 1;
+  return m;
+}
+
+/// A rank's compute in full-tile units: full + partial_tile_cost x partial
+/// (the planner's compute model).
+inline double tile_cost(const TileCounts& t, double partial_tile_cost) {
+  return double(t.full) + partial_tile_cost * double(t.partial);
+}
+
 namespace detail {
 /// A host position map over one rank's list.
 struct ListPositions {
@@ -130,11 +147,8 @@ struct Balance {
   double max_cost() const {
     return cost.empty() ? 0.0 : *std::max_element(cost.begin(), cost.end());
   }
-  double mean_cost() const {
-    return cost.empty() ? 0.0
-                        : std::accumulate(cost.begin(), cost.end(), 0.0) / double(cost.size());
-  }
   double total_cost() const { return std::accumulate(cost.begin(), cost.end(), 0.0); }
+  double mean_cost() const { return cost.empty() ? 0.0 : total_cost() / double(cost.size()); }
   /// The slowest rank over the mean: 1 is perfect balance of this layout's
   /// own work.
   double makespan_over_ideal() const { return mean_cost() > 0 ? max_cost() / mean_cost() : 1.0; }
@@ -166,7 +180,7 @@ Balance balance_of(const Layout& l, const Mask& mask, int block_q, int block_k,
   for (int r = 0; r < l.P(); ++r) {
     const TileCounts t = rank_tiles(l, r, mask, block_q, block_k, count_pairs);
     b.ranks.push_back(t);
-    b.cost.push_back(double(t.full) + partial_tile_cost * double(t.partial));
+    b.cost.push_back(tile_cost(t, partial_tile_cost));
     b.tokens.push_back(index_type(l.ranks[std::size_t(r)].size()));
   }
   return b;
@@ -190,18 +204,11 @@ Layout mask_balanced(const Mask& mask, index_type N, int P, index_type chunk, in
   if (N <= 0 || N % (chunk * P) != 0)
     impl::fail(fn, "N = ", N, " is not a positive multiple of chunk x P = ", chunk * P);
   const index_type chunks = N / chunk, per_rank = chunks / P;
-  struct Identity {
-    index_type operator()(index_type i) const { return i; }
-  };
   std::vector<std::pair<double, index_type>> weight;  // (cost, chunk)
   for (index_type c = 0; c < chunks; ++c) {
-    struct Offset {
-      index_type first;
-      index_type operator()(index_type i) const { return first + i; }
-    };
-    const TileCounts t =
-        count_tiles(mask, chunk, N, block_q, block_k, Offset{c * chunk}, Identity{}, false);
-    weight.push_back({double(t.full) + partial_tile_cost * double(t.partial), c});
+    const TileCounts t = count_tiles(mask, chunk, N, block_q, block_k, OffsetPositions{c * chunk},
+                                     OffsetPositions{}, false);
+    weight.push_back({tile_cost(t, partial_tile_cost), c});
   }
   std::stable_sort(weight.begin(), weight.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });

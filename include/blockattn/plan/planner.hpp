@@ -536,7 +536,10 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
 /// on P_r ranks; its messages between ranks g x ulysses + a of different
 /// groups). Bytes and workspace are what the run reports: the ring's steps,
 /// RankPlan::alltoall_bytes = RunStats::alltoall_bytes, and the peak of
-/// ulysses_forward_volume() around the ring's workspace.
+/// ulysses_forward_volume() around the ring's workspace. The ring's times and
+/// network bytes are those of member 0's ranks (g x ulysses); exact for every
+/// member when groups and nodes align (ulysses divides ranks_per_node or the
+/// reverse).
 template <class Partition, class Schedule, class Mask>
 Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw, int ulysses,
                           bool count_pairs = false) {
