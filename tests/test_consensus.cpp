@@ -12,6 +12,7 @@
 #include <blockattn/mpi_communicator.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,17 @@ template <class Schedule, class Partition = ContiguousPartition, class Mask = Ca
 using Attn = DistributedAttention<Partition, Mask, Schedule, Comm, ExecSpace>;
 
 /// Runs forward then backward of `attn` on `c`.
+/// A partition without length(): contiguous, N / P tokens per rank.
+struct EvenOnlyPartition {
+  static constexpr const char* name() { return "even-only"; }
+  static index_type multiple_of(int P) { return P; }
+  using position_map = OffsetPositions;
+  static position_map positions(index_type N, int P, int rank) { return {rank * (N / P)}; }
+  static Owner owner(index_type N, int P, index_type t) {
+    return Owner{int(t / (N / P)), t % (N / P)};
+  }
+};
+
 template <class A, class T>
 void forward_backward(A& attn, Case<T>& c, const DistributedOptions& opts = {}) {
   attn.forward(c.q, c.q, c.q, c.o, c.lse, opts);
@@ -99,24 +111,37 @@ TEST_CASE("bad arguments on one rank throw the same error on every rank") {
         std::string::npos);
   CHECK(msg.find("DistributedAttention::forward") != std::string::npos);
 
-  // Local lengths that differ between ranks.
+  // Local lengths that the partition does not give: N = 16 P + 2 over
+  // contiguous ranks is 16 + 1 tokens on ranks 0 and 1, not 18 on rank 0.
   const int n = comm.rank() == 0 && P > 1 ? 18 : 16;
   V4<double> q2("q", 1, n, 1, 8), o2("o", 1, n, 1, 8);
   V3<double> l2("l", 1, 1, n);
   msg = error_of([&] { attn.forward(q2, q2, q2, o2, l2); });
   if (P > 1) {
     check_everywhere(comm, msg,
-                     "local length (q.extent(1)) differs between ranks: 18 on rank 0; 16 on rank");
+                     "rank 0 holds 18 tokens (q.extent(1)), but the striped partition of N = " +
+                         std::to_string(16 * P + 2) + " tokens (the sum over the ranks) over P = " +
+                         std::to_string(P) + " ranks gives it 17");
   } else {
     CHECK(msg.empty());
   }
 
-  // Zigzag needs N to be a multiple of 2P: an odd local length cannot work.
-  Attn<RingSchedule, ZigzagPartition> zz(comm);
-  V4<double> q3("q", 1, 15, 1, 8), o3("o", 1, 15, 1, 8);
-  V3<double> l3("l", 1, 1, 15);
-  msg = error_of([&] { zz.forward(q3, q3, q3, o3, l3); });
-  check_everywhere(comm, msg, "N must be a positive multiple of " + std::to_string(2 * P));
+  // Every rank with no token: nothing to compute, an error on every rank.
+  V4<double> q0("q", 1, 0, 1, 8), o0("o", 1, 0, 1, 8);
+  V3<double> l0("l", 1, 1, 0);
+  msg = error_of([&] { attn.forward(q0, q0, q0, o0, l0); });
+  check_everywhere(comm, msg, "every rank holds 0 tokens");
+
+  // A partition without length() still needs N a multiple of multiple_of(P),
+  // and says how to lift that.
+  if (P > 1) {
+    Attn<RingSchedule, EvenOnlyPartition> even(comm);
+    const int m = comm.rank() == 0 ? 5 : 4;
+    V4<double> q3("q", 1, m, 1, 8), o3("o", 1, m, 1, 8);
+    V3<double> l3("l", 1, 1, m);
+    msg = error_of([&] { even.forward(q3, q3, q3, o3, l3); });
+    check_everywhere(comm, msg, "give the partition a static length(N, P, rank) to allow any N");
+  }
 }
 
 TEST_CASE("a bad dout on one rank: every rank names DistributedAttention::backward and 'dout'") {
@@ -321,7 +346,9 @@ TEST_CASE("one collective per forward() and per backward() besides the schedule'
 namespace {
 
 /// A rank of 2 whose peer never sends: sends complete at once, receives never.
-/// The other rank "agrees" to every collective.
+/// The other rank "agrees" to every collective: it contributes what this rank
+/// does, and in the consensus step's last P entries (one per rank, the
+/// largest value where a rank is not its own) it holds as many tokens.
 class SilentPeerCommunicator {
  public:
   using communicator_type = SilentPeerCommunicator;
@@ -347,6 +374,11 @@ class SilentPeerCommunicator {
   template <class T>
   T allreduce(T value, ReduceOp) {
     return value;
+  }
+  void allreduce(const std::int64_t* in, std::int64_t* out, int n, ReduceOp) {
+    std::copy(in, in + n, out);
+    if (n >= 2 && in[n - 1 - m_rank] == std::numeric_limits<std::int64_t>::max())
+      out[n - 1 - m_rank] = in[n - 2 + m_rank];  // the peer's slot: our length
   }
 
  private:

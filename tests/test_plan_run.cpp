@@ -18,13 +18,15 @@ using namespace blockattn::test;
 namespace {
 
 /// The planner's per-rank, per-step model against what the run did.
+/// N = n_local P + extra: with extra > 0 local lengths differ between ranks.
 template <class Partition, class Schedule, class Mask, class T = float>
-RunStats check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask, T = {}) {
+RunStats check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask, T = {},
+                                index_type extra = 0) {
   const int P = comm.size(), rank = comm.rank();
-  const index_type N = index_type(c.n_local) * P;
-  V4<T> q("q", c.b, c.n_local, c.h, c.d), k("k", c.b, c.n_local, c.hkv, c.d),
-      o("o", c.b, c.n_local, c.h, c.d);
-  V3<compute_t<T>> lse("lse", c.b, c.h, c.n_local);
+  const index_type N = index_type(c.n_local) * P + extra;
+  const int n = int(local_length<Partition>(N, P, rank));
+  V4<T> q("q", c.b, n, c.h, c.d), k("k", c.b, n, c.hkv, c.d), o("o", c.b, n, c.h, c.d);
+  V3<compute_t<T>> lse("lse", c.b, c.h, n);
   DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
   DistributedOptions opts;
   opts.count_pairs = true;
@@ -35,7 +37,7 @@ RunStats check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask, T = 
   REQUIRE(pr.valid);
   const plan::RankPlan& mine = pr.ranks[std::size_t(rank)];
   INFO("rank ", rank, "/", P, " ", Partition::name(), " ", Schedule::name(), " ",
-       std::string(value_type_name<T>()));
+       std::string(value_type_name<T>()), " N = ", N);
   CHECK(pb.block_q == run.block_q);
   CHECK(pb.block_k == run.block_k);
   CHECK(mine.workspace_bytes == run.workspace_bytes);
@@ -52,7 +54,7 @@ RunStats check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask, T = 
   return run;
 }
 
-// Local lengths are even (zigzag) and not multiples of the tile sizes.
+// Local lengths not multiples of the tile sizes.
 const Case cases[] = {{1, 74, 1, 1, 64}, {2, 38, 2, 1, 40}, {1, 130, 2, 2, 128}};
 
 }  // namespace
@@ -71,6 +73,29 @@ TEST_CASE("planner: workspace, bytes and tiles per step equal the run's (every s
     check_plan_matches_run<ContiguousPartition, RingSchedule>(comm, c, causal_window(20));
     check_plan_matches_run<ContiguousPartition, AllGatherSchedule>(comm, c, causal_window(20));
     check_plan_matches_run<StripedPartition, AllGatherSchedule>(comm, c, FullMask{});
+  }
+}
+
+TEST_CASE("planner: lengths that differ between ranks, and ranks without a token") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  // 74 P + 1 .. 74 P + 2P - 1 tokens: ranks one or two tokens apart (zigzag);
+  // then N = P - 1 (the last rank holds nothing) and N = 1.
+  for (index_type extra : {index_type(1), index_type(2 * P - 1)}) {
+    const Case c{1, 74, 2, 1, 64};
+    check_plan_matches_run<ContiguousPartition, RingSchedule>(comm, c, CausalMask{}, 0.f, extra);
+    check_plan_matches_run<StripedPartition, RingSchedule>(comm, c, CausalMask{}, 0.f, extra);
+    check_plan_matches_run<ZigzagPartition, RingSchedule>(comm, c, causal_window(40), 0.f, extra);
+    check_plan_matches_run<ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{}, 0.f,
+                                                                  extra);
+    check_plan_matches_run<ZigzagPartition, AllGatherSchedule>(comm, c, causal_window(40), 0.f,
+                                                               extra);
+  }
+  for (index_type N : {index_type(P > 1 ? P - 1 : 1), index_type(1)}) {
+    const Case c{1, 0, 1, 1, 8};
+    check_plan_matches_run<ContiguousPartition, RingSchedule>(comm, c, CausalMask{}, 0.f, N);
+    check_plan_matches_run<ContiguousPartition, AllGatherSchedule>(comm, c, CausalMask{}, 0.f, N);
+    check_plan_matches_run<ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{}, 0.f, N);
   }
 }
 

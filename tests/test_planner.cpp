@@ -203,10 +203,27 @@ TEST_CASE("planner: balanced beats the ring for causal, recommendation respects 
     return f;
   };
   CHECK(total_flops(full[3]) == doctest::Approx(total_flops(full[0])));
-  // A zigzag partition needs N to be a multiple of 2P.
+  // Any N: 8 * 1001 + 3 tokens over 8 ranks, 1001 or 1002 each; the buffers
+  // that travel hold the longest rank's 1002.
   plan::Problem odd = p;
-  odd.N = 8 * 1001;
-  CHECK_FALSE(plan::compare(odd, CausalMask{}, plan::a100_nvlink())[2].valid);
+  odd.N = 8 * 1001 + 3;
+  const auto uneven = plan::compare(odd, CausalMask{}, plan::a100_nvlink());
+  REQUIRE(uneven.size() >= 6);
+  for (std::size_t i = 0; i < 5; ++i) CHECK(uneven[i].valid);  // rings, balanced, all-gather
+  CHECK_FALSE(uneven[5].valid);  // Ulysses' all-to-alls need equal pieces
+  CHECK(uneven[5].why_not.find("equal pieces") != std::string::npos);
+  // Inputs (q, k, v, o) and LSE of the longest rank: 1002 rows.
+  const std::int64_t rows = std::int64_t(odd.batch) * 1002;
+  CHECK(uneven[2].ranks[0].input_bytes ==
+        rows * (2 * odd.heads + 2 * odd.kv_heads) * odd.dim * odd.dtype_bytes +
+            rows * odd.heads * odd.accumulator_bytes());
+  // The work is that of each rank's own tokens: together every allowed pair once.
+  const auto zz =
+      plan::predict<ZigzagPartition, RingSchedule>(odd, CausalMask{}, plan::a100_nvlink(), true);
+  std::int64_t pairs = 0;
+  for (const auto& r : zz.ranks)
+    for (const auto& st : r.steps) pairs += st.tiles.allowed_pairs;
+  CHECK(pairs == odd.N * (odd.N + 1) / 2);
 }
 
 TEST_CASE("planner: Ulysses (head-parallel all-to-all)") {

@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Seeded random configurations against the independent fp64 reference
-// (reference.hpp): shape (batch, local length, heads, kv heads / GQA, head
-// dim), mask (full, causal, window, prefix-LM, causal documents, random
-// block-sparse; one run-time mask type), partition, schedule, value type
-// (fp64, fp32, bf16, fp16), forward and backward through DistributedAttention
-// on this communicator's P ranks, plus a single-device forward/backward with
-// random offsets (in fp32 for the 16-bit types: the single-device 16-bit
-// path has its own tests, test_half_attention.cpp). fp64 runs every
+// (reference.hpp): shape (batch, global length N of any value -- 1, P - 1,
+// primes, 2P + 1 and uniform, so that ranks hold different numbers of tokens
+// or none --, heads, kv heads / GQA, head dim), mask (full, causal, window, prefix-LM, causal
+// documents, random block-sparse; one run-time mask type), partition, schedule, value type (fp64,
+// fp32, bf16, fp16), forward and backward through DistributedAttention on this communicator's P
+// ranks, plus a single-device forward/backward with random offsets (in fp32 for the 16-bit types:
+// the single-device 16-bit path has its own tests, test_half_attention.cpp). fp64 runs every
 // schedule x partition. The three types computed in fp32 (fp32, bf16, fp16)
 // share the kernels and differ only in storage and conversions, so each
 // draws one partition per schedule, rotated over the types (random_partition)
@@ -119,11 +119,11 @@ struct RandomMask {
 
 struct Config {
   std::uint64_t seed = 0;
-  int partition = 0;  // 0 contiguous, 1 striped, 2 zigzag
-  int schedule = 0;   // 0 ring, 1 burst, 2 balanced, 3 all-gather
-  int type = 0;       // 0 fp64, 1 fp32, 2 bf16, 3 fp16
-  int b = 1, n_local = 1, h = 1, hkv = 1, d = 8;
-  index_type q_offset = 0, k_offset = 0;  // single-device call
+  int partition = 0;                        // 0 contiguous, 1 striped, 2 zigzag
+  int schedule = 0;                         // 0 ring, 1 burst, 2 balanced, 3 all-gather
+  int type = 0;                             // 0 fp64, 1 fp32, 2 bf16, 3 fp16
+  int b = 1, N = 1, h = 1, hkv = 1, d = 8;  // N: global length, any (ranks may hold none)
+  index_type q_offset = 0, k_offset = 0;    // single-device call
   RandomMask mask;
 
   std::string describe(int P) const {
@@ -132,9 +132,8 @@ struct Config {
     const char* types[] = {"fp64", "fp32", "bf16", "fp16"};
     std::ostringstream s;
     s << "seed " << seed << ": P=" << P << " " << parts[partition] << " " << scheds[schedule] << " "
-      << types[type] << " B=" << b << " n_local=" << n_local << " H=" << h << " Hkv=" << hkv
-      << " D=" << d << " mask=" << mask.describe() << " offsets=(" << q_offset << ", " << k_offset
-      << ")";
+      << types[type] << " B=" << b << " N=" << N << " H=" << h << " Hkv=" << hkv << " D=" << d
+      << " mask=" << mask.describe() << " offsets=(" << q_offset << ", " << k_offset << ")";
     return s.str();
   }
 };
@@ -160,12 +159,30 @@ Config draw(std::uint64_t seed, int P) {
   while (c.h % c.hkv != 0);
   const int dims[] = {1, 8, 24, 40, 64, 72, 128, 136};
   c.d = dims[pick(0, 7)];
-  c.n_local = pick(1, 96);
+  // Any length: half of the draws uniform in 1 .. 96 P, the rest the edge
+  // cases (1 token, P - 1 tokens: a rank without any, a prime, 2P + 1).
+  const int primes[] = {2,  3,  5,  7,  11, 13, 17, 19, 23,  29,  31,  37,  41,  43,  47,  53, 59,
+                        61, 67, 71, 73, 79, 83, 89, 97, 101, 103, 107, 109, 113, 127, 131, 137};
+  switch (pick(0, 7)) {
+    case 0:
+      c.N = 1;
+      break;
+    case 1:
+      c.N = P > 1 ? P - 1 : 1;
+      break;
+    case 2:
+      c.N = primes[pick(0, 32)];
+      break;
+    case 3:
+      c.N = 2 * P + 1;
+      break;
+    default:
+      c.N = pick(1, 96 * P);
+  }
   c.schedule = pick(0, 3);
   c.partition = c.schedule == 2 ? 0 : pick(0, 2);
   if (random_partition[c.type][c.schedule] >= 0) c.partition = random_partition[c.type][c.schedule];
-  if (c.partition == 2 && c.n_local % 2) ++c.n_local;  // zigzag: N a multiple of 2P
-  const index_type N = index_type(c.n_local) * P;
+  const index_type N = c.N;
   for (;;) {
     c.mask.kind = pick(0, 5);
     c.mask.a = 1 + pick(0, int(N));
@@ -234,8 +251,9 @@ template <class T, class Partition, class Schedule>
 Errors run_distributed(Mpi& comm, const Config& c, const HostTensor& q, const HostTensor& k,
                        const HostTensor& v, const HostTensor& dout,
                        const test::ReferenceResult& ref, const test::ReferenceGrads& grads) {
-  const int P = comm.size(), rank = comm.rank(), n = c.n_local;
-  const index_type N = index_type(n) * P;
+  const int P = comm.size(), rank = comm.rank();
+  const index_type N = c.N;
+  const int n = int(local_length<Partition>(N, P, rank));  // may be 0
   V4<T> gq = upload<T>(q), gk = upload<T>(k), gv = upload<T>(v), gdo = upload<T>(dout);
   V4<T> ql("q", c.b, n, c.h, c.d), kl("k", c.b, n, c.hkv, c.d), vl("v", c.b, n, c.hkv, c.d),
       dol("do", c.b, n, c.h, c.d), ol("o", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d),
@@ -368,7 +386,7 @@ TEST_CASE("random configurations against the fp64 reference") {
     const std::uint64_t seed = first + i;
     const bool single_here = int(i % std::uint64_t(P)) == comm.rank();
     const Config c = draw(seed, P);
-    const int N = c.n_local * P;
+    const int N = c.N;
     std::mt19937_64 rng(seed ^ 0x5DEECE66Dull);
     const HostTensor q = rounded(test::random_tensor(c.b, N, c.h, c.d, rng), c.type),
                      k = rounded(test::random_tensor(c.b, N, c.hkv, c.d, rng), c.type),

@@ -20,7 +20,7 @@ void check_partition(index_type N, int P) {
   std::set<index_type> seen;
   for (int r = 0; r < P; ++r) {
     const auto map = Partition::positions(N, P, r);
-    for (index_type i = 0; i < N / P; ++i) {
+    for (index_type i = 0; i < local_length<Partition>(N, P, r); ++i) {
       const index_type g = map(i);
       CHECK(g >= 0);
       CHECK(g < N);
@@ -48,15 +48,59 @@ TEST_CASE("partitions are permutations with inverse and increasing local order")
   CHECK(ZigzagPartition::positions(16, 4, 0)(2) == 14);
 }
 
-TEST_CASE("N must be a multiple of what the partition needs") {
-  CHECK_NOTHROW(require_partitionable<ZigzagPartition>("t", 24, 3));
+TEST_CASE("any N over any P: lengths differ by at most one, ranks may hold none") {
+  for (int P = 1; P <= 7; ++P)
+    for (index_type N = 1; N <= 3 * P + 5; ++N) {
+      CAPTURE(P);
+      CAPTURE(N);
+      check_partition<ContiguousPartition>(N, P);
+      check_partition<StripedPartition>(N, P);
+      check_partition<ZigzagPartition>(N, P);
+      index_type lo = N, hi = 0, zz_lo = N, zz_hi = 0;
+      for (int r = 0; r < P; ++r) {
+        CHECK(local_length<StripedPartition>(N, P, r) ==
+              local_length<ContiguousPartition>(N, P, r));
+        const index_type n = local_length<ContiguousPartition>(N, P, r),
+                         z = local_length<ZigzagPartition>(N, P, r);
+        lo = n < lo ? n : lo;
+        hi = n > hi ? n : hi;
+        zz_lo = z < zz_lo ? z : zz_lo;
+        zz_hi = z > zz_hi ? z : zz_hi;
+      }
+      CHECK(hi - lo <= 1);
+      CHECK(zz_hi - zz_lo <= 1);
+      CHECK(hi == (N + P - 1) / P);
+      CHECK(max_local_length<ZigzagPartition>(N, P) == hi);
+    }
+  // N < P: the last ranks hold nothing.
+  CHECK(local_length<ContiguousPartition>(3, 5, 3) == 0);
+  CHECK(local_length<ZigzagPartition>(3, 5, 4) == 0);
+  CHECK_THROWS_AS(require_partitionable<StripedPartition>("t", 0, 4), invalid_argument);
+}
+
+/// A partition without length(): N must be a multiple of multiple_of(P).
+struct EvenOnly {
+  static constexpr const char* name() { return "even-only"; }
+  static index_type multiple_of(int P) { return 2 * index_type(P); }
+  using position_map = OffsetPositions;
+  static position_map positions(index_type N, int P, int rank) { return {rank * (N / P)}; }
+  static Owner owner(index_type N, int P, index_type t) {
+    return Owner{int(t / (N / P)), t % (N / P)};
+  }
+};
+
+TEST_CASE("a partition without length() needs N a multiple of what it asks") {
+  CHECK_NOTHROW(require_partitionable<EvenOnly>("t", 24, 3));
+  CHECK(local_length<EvenOnly>(24, 3, 2) == 8);
   try {
-    require_partitionable<ZigzagPartition>("t", 21, 3);
+    require_partitionable<EvenOnly>("t", 21, 3);
     FAIL("no exception");
   } catch (const invalid_argument& e) {
     CHECK(std::string(e.what()).find("N must be a positive multiple of 6") != std::string::npos);
   }
-  CHECK_THROWS_AS(require_partitionable<StripedPartition>("t", 10, 4), invalid_argument);
+  // The built-ins split unevenly for the schedules, evenly only when asked.
+  CHECK_NOTHROW(require_partitionable<ZigzagPartition>("t", 21, 3));
+  CHECK_THROWS_AS(require_even_partition<ZigzagPartition>("t", 21, 3), invalid_argument);
 }
 
 TEST_CASE(

@@ -6,7 +6,7 @@
 //   blockattn::DistributedAttention<blockattn::StripedPartition, blockattn::CausalMask,
 //                                   blockattn::RingSchedule, blockattn::MpiCommunicator<>,
 //                                   Kokkos::OpenMP> attn(comm);
-//   auto stats = attn.forward(q, k, v, o, lse);   // local Views: N / P tokens each
+//   auto stats = attn.forward(q, k, v, o, lse);   // local Views: this rank's tokens
 #pragma once
 
 #include <blockattn/comm/communicator.hpp>
@@ -136,20 +136,22 @@ class DistributedAttention {
   const Mask& mask() const { return m_mask; }
 
   /// O and LSE of this rank's queries. q, k, v, o, lse are this rank's local
-  /// Views, in the partition's local order (see to_local()): N / P tokens each,
-  /// same shapes as attention_forward. Collective: every rank of the
-  /// communicator calls it; bad arguments on any rank throw on every rank.
+  /// Views, in the partition's local order (see to_local()): the
+  /// local_length<Partition>(N, P, rank) tokens the partition gives this rank
+  /// (N is the sum over the ranks; a rank may hold none), same shapes as
+  /// attention_forward. Collective: every rank of the communicator calls it;
+  /// bad arguments on any rank throw on every rank.
   template <class QV, class KV, class VV, class OV, class LV>
   RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
                    const DistributedOptions& opts = {}) {
     impl::check_forward_view_types<QV, KV, VV, OV, LV>();
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
-      const impl::ForwardExtents e = validate(fn, q, k, v, o, lse, opts);
+      const Call c = validate(fn, q, k, v, o, lse, opts);
       using T = compute_t<typename OV::non_const_value_type>;
       using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
       RunStats stats;
-      impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
-        run_forward<decltype(static_d)::value, decltype(shape)>(e, q, k, v, o, lse, opts, stats);
+      impl::with_shape_for<Shape>(c.e.dim, [&](auto static_d, auto shape) {
+        run_forward<decltype(static_d)::value, decltype(shape)>(c, q, k, v, o, lse, opts, stats);
       });
       return stats;
     } else {
@@ -175,15 +177,16 @@ class DistributedAttention {
                   impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
       using V = typename OV::non_const_value_type;
       impl::check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
-      const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
-        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
+      const Call c = validate(bfn, q, k, v, o, lse, opts, [&] {
+        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
+                                           true);
       });
       using T = compute_t<V>;
       using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
-      impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
+      impl::with_shape_for<Shape>(c.e.dim, [&](auto static_d, auto shape) {
         constexpr int SD = decltype(static_d)::value;
         using S = decltype(shape);
-        run_backward<SD, S>(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+        run_backward<SD, S>(c, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       });
     }
     return stats;
@@ -191,6 +194,23 @@ class DistributedAttention {
 
  private:
   static constexpr const char* bfn = "DistributedAttention::backward";
+
+  /// What every rank knows of a call once validate() passed: this rank's
+  /// extents, the global length N (the sum of the local lengths) and every
+  /// rank's local length.
+  struct Call {
+    impl::ForwardExtents e;
+    index_type N = 0;
+    std::vector<index_type> lengths;
+    int most = 0;  // the longest local length: the size of every buffer that travels
+    /// The extents of the block pair (queries of q_rank, keys of k_rank).
+    impl::ForwardExtents task(int q_rank, int k_rank) const {
+      impl::ForwardExtents t = e;
+      t.queries = int(lengths[std::size_t(q_rank)]);
+      t.keys = int(lengths[std::size_t(k_rank)]);
+      return t;
+    }
+  };
 
   template <class T>
   using Buffer4 = Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
@@ -220,10 +240,20 @@ class DistributedAttention {
     return static_cast<const void*>(a.data()) == static_cast<const void*>(b.data());
   }
 
+  /// A buffer of x's shape, with `rows` rows (sequence extent) when >= 0.
   template <class T, class DKV>
-  static Buffer4<T> buffer_like(const DKV& x, const char* label) {
+  static Buffer4<T> buffer_like(const DKV& x, const char* label, int rows = -1) {
     return Buffer4<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
-                      x.extent(0), x.extent(1), x.extent(2), x.extent(3));
+                      x.extent(0), rows < 0 ? x.extent(1) : std::size_t(rows), x.extent(2),
+                      x.extent(3));
+  }
+
+  /// The first n rows (sequence positions) of a buffer: a block of another
+  /// length lives in a buffer sized for the longest rank.
+  template <class B>
+  static auto rows_of(const B& b, index_type n) {
+    return Kokkos::subview(b, Kokkos::ALL, Kokkos::make_pair(std::size_t(0), std::size_t(n)),
+                           Kokkos::ALL, Kokkos::ALL);
   }
 
   /// A rank's own gradient as a LayoutRight View of the memory space: the
@@ -251,9 +281,9 @@ class DistributedAttention {
   /// says, then posts the partials this step produced.
   template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV, class DOV,
             class DQV, class DKV, class DVV>
-  void run_backward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
-                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+  void run_backward(const Call& c, const QV& q, const KV& k, const VV& v, const OV& o,
+                    const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
+                    const DistributedOptions& opts, RunStats& stats) {
     using B = typename Schedule::backward_type;
     // V: the storage type (what travels: K, V, Q, dO); T: the compute type
     // (the kernels, LSE, D, and the gradient partials and sums).
@@ -264,7 +294,9 @@ class DistributedAttention {
     using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
     impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
     const int P = m_comm.size(), rank = m_comm.rank();
-    const index_type N = index_type(e.queries) * P;
+    const impl::ForwardExtents& e = c.e;  // this rank's
+    const index_type N = c.N;
+    const int most = c.most;  // rows of every buffer that travels
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const ScheduleContext ctx = schedule_context<Partition>(m_mask, N, P);
@@ -277,31 +309,32 @@ class DistributedAttention {
     // query slots (slot 0: ours), one packed key block, partial gradients.
     std::vector<std::array<Buffer4<V>, 2>> kv(std::size_t(slots.kv));
     for (std::size_t i = (slots.kv_copy ? 0 : 1); i < kv.size(); ++i) {
-      kv[i][0] = buffer_like<V>(k, "blockattn::k_slot");
-      kv[i][1] = buffer_like<V>(v, "blockattn::v_slot");
+      kv[i][0] = buffer_like<V>(k, "blockattn::k_slot", most);
+      kv[i][1] = buffer_like<V>(v, "blockattn::v_slot", most);
     }
     if (slots.kv_copy) {
-      Kokkos::deep_copy(m_exec, kv[0][0], k);
-      Kokkos::deep_copy(m_exec, kv[0][1], v);
+      Kokkos::deep_copy(m_exec, rows_of(kv[0][0], e.keys), k);
+      Kokkos::deep_copy(m_exec, rows_of(kv[0][1], e.keys), v);
     }
     // Query slots hold Q and dO in the storage type (what the Q ring moves);
     // with 16-bit storage the kernels read `wide`, widened from the slot in use.
     std::vector<impl::PackedQueries<T, mem, V>> qs(std::size_t(slots.q));
     for (auto& b : qs)
-      b = impl::allocate_packed_queries<T, mem, V>(e.batch, e.heads, e.queries, dp, Shape::block_q);
+      b = impl::allocate_packed_queries<T, mem, V>(e.batch, e.heads, most, dp, Shape::block_q);
+    qs[0].queries = e.queries;  // ours: the rest of the slot is zero padding
     impl::pack_queries(m_exec, q, dout, o, lse, qs[0]);
     impl::PackedQueries<T, mem> wide;
     if constexpr (half) {
-      wide = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, Shape::block_q);
+      wide = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, most, dp, Shape::block_q);
       wide.lse2 = {};
       wide.drow = {};
     }
     int widened = -1;  // the query slot whose rows `wide` holds (-1: none)
-    auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+    auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, most, dp, Shape::block_k);
     int packed = -1;  // the K/V slot whose block `keys` holds (-1: none)
     const auto slot_buffers = [&](int n, const auto& like, const char* label) {
       std::vector<Buffer4<T>> b(static_cast<std::size_t>(n));
-      for (auto& y : b) y = buffer_like<T>(like, label);
+      for (auto& y : b) y = buffer_like<T>(like, label, most);
       return b;
     };
     std::vector<Buffer4<T>> dq_out = slot_buffers(slots.dq_out, dq, "blockattn::dq_partial"),
@@ -310,8 +343,8 @@ class DistributedAttention {
         dkv_in(std::size_t(slots.dkv_in));
     for (auto* list : {&dkv_out, &dkv_in})
       for (auto& y : *list) {
-        y[0] = buffer_like<T>(dk, "blockattn::dk_partial");
-        y[1] = buffer_like<T>(dv, "blockattn::dv_partial");
+        y[0] = buffer_like<T>(dk, "blockattn::dk_partial", most);
+        y[1] = buffer_like<T>(dv, "blockattn::dv_partial", most);
       }
     const Buffer4<T> own_dq = own_gradient<T>(dq, "blockattn::dq"),
                      own_dk = own_gradient<T>(dk, "blockattn::dk"),
@@ -319,23 +352,28 @@ class DistributedAttention {
     bool dq_written = false, dkv_written = false;
     // Bytes of the (contiguous) blocks that travel: the caller's Views may be
     // strided. K, V in the storage type; their gradient partials in T.
-    const std::int64_t kv_elems = 2 * std::int64_t(e.batch) * e.keys * e.kv_heads * e.dim;
+    const std::int64_t kv_elems = 2 * std::int64_t(e.batch) * most * e.kv_heads * e.dim;
     const std::int64_t kv_bytes = kv_elems * std::int64_t(sizeof(V)),
                        dkv_bytes = kv_elems * std::int64_t(sizeof(T));
     const std::int64_t q_bytes =
         bytes_of(qs[0].q) + bytes_of(qs[0].dout) + bytes_of(qs[0].lse2) + bytes_of(qs[0].drow);
     const std::int64_t dq_bytes =
+        std::int64_t(e.batch) * most * e.heads * e.dim * std::int64_t(sizeof(T));
+    const std::int64_t own_dq_bytes =
         std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
+    const std::int64_t own_dkv_bytes =
+        2 * std::int64_t(e.batch) * e.keys * e.kv_heads * e.dim * std::int64_t(sizeof(T));
     stats.block_q = Shape::block_q;
     stats.block_k = Shape::block_k;
-    stats.workspace_bytes =
-        std::int64_t(kv.size() - (slots.kv_copy ? 0 : 1)) * kv_bytes +
-        std::int64_t(qs.size()) * q_bytes + (half ? bytes_of(wide.q) + bytes_of(wide.dout) : 0) +
-        bytes_of(keys.kt) + bytes_of(keys.vt) + bytes_of(keys.k) +
-        std::int64_t(dq_out.size() + dq_in.size()) * dq_bytes +
-        std::int64_t(dkv_out.size() + dkv_in.size()) * dkv_bytes +
-        (same_memory(own_dq, dq) ? 0 : dq_bytes) + (same_memory(own_dk, dk) ? 0 : dkv_bytes / 2) +
-        (same_memory(own_dv, dv) ? 0 : dkv_bytes / 2);
+    stats.workspace_bytes = std::int64_t(kv.size() - (slots.kv_copy ? 0 : 1)) * kv_bytes +
+                            std::int64_t(qs.size()) * q_bytes +
+                            (half ? bytes_of(wide.q) + bytes_of(wide.dout) : 0) +
+                            bytes_of(keys.kt) + bytes_of(keys.vt) + bytes_of(keys.k) +
+                            std::int64_t(dq_out.size() + dq_in.size()) * dq_bytes +
+                            std::int64_t(dkv_out.size() + dkv_in.size()) * dkv_bytes +
+                            (same_memory(own_dq, dq) ? 0 : own_dq_bytes) +
+                            (same_memory(own_dk, dk) ? 0 : own_dkv_bytes / 2) +
+                            (same_memory(own_dv, dv) ? 0 : own_dkv_bytes / 2);
 
     struct Arrival {
       Payload what;
@@ -396,9 +434,9 @@ class DistributedAttention {
             add_into<T>(dq_out[std::size_t(a.add_to)], in);
           } else {
             if (dq_written)
-              add_into<T>(own_dq, in);
+              impl::add_into(m_exec, own_dq, rows_of(in, e.queries));
             else
-              Kokkos::deep_copy(m_exec, own_dq, in);
+              Kokkos::deep_copy(m_exec, own_dq, rows_of(in, e.queries));
             dq_written = true;
           }
         } else if (a.what == Payload::dkv) {
@@ -408,9 +446,9 @@ class DistributedAttention {
             if (a.add_to >= 0)
               add_into<T>(dkv_out[std::size_t(a.add_to)][j], in[j]);
             else if (dkv_written)
-              add_into<T>(own, in[j]);
+              impl::add_into(m_exec, own, rows_of(in[j], e.keys));
             else
-              Kokkos::deep_copy(m_exec, own, in[j]);
+              Kokkos::deep_copy(m_exec, own, rows_of(in[j], e.keys));
           }
           if (a.add_to < 0) dkv_written = true;
         }
@@ -433,6 +471,7 @@ class DistributedAttention {
       const Buffer4<T> dvt = f.dkv_slot >= 0 ? dkv_out[std::size_t(f.dkv_slot)][1] : own_dv;
       if (st.computed) {
         if (packed != f.kv_slot) {
+          keys.keys = int(c.lengths[std::size_t(task.k_rank)]);
           if (f.kv_slot == 0 && !slots.kv_copy)
             impl::pack_keys(m_exec, k, v, keys);
           else
@@ -451,9 +490,9 @@ class DistributedAttention {
         } else {
           rows = &qs[std::size_t(f.q_slot)];
         }
-        impl::launch_backward<ExecSpace, T, SD, Shape>(m_exec, e, *rows, keys, dqt, dkt, dvt,
-                                                       m_mask, pos(task.q_rank), pos(task.k_rank),
-                                                       scale, blk);
+        impl::launch_backward<ExecSpace, T, SD, Shape>(
+            m_exec, c.task(task.q_rank, task.k_rank), *rows, keys, dqt, dkt, dvt, m_mask,
+            pos(task.q_rank), pos(task.k_rank), scale, blk);
         dq_written = dq_written || f.dq_slot < 0;
         dkv_written = dkv_written || f.dkv_slot < 0;
       } else if (!task.idle()) {
@@ -503,14 +542,17 @@ class DistributedAttention {
 
   /// The checks of one collective call, then the consensus step: each rank
   /// checks its own arguments, then ONE allreduce tells every rank whether any
-  /// rank failed and whether all ranks are about to run the same configuration
-  /// (impl/consensus.hpp). A failure or a mismatch throws the same error on
-  /// every rank before any transfer is posted.
+  /// rank failed, whether all ranks are about to run the same configuration
+  /// (impl/consensus.hpp), and every rank's local length. A failure or a
+  /// mismatch throws the same error on every rank before any transfer is
+  /// posted.
   template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
-  impl::ForwardExtents validate(
+  Call validate(
       const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
       const DistributedOptions& opts, Extra extra = [] {}) {
-    const impl::ForwardExtents e = impl::agree_on_call<ExecSpace>(
+    std::vector<std::int64_t> lengths;
+    Call c;
+    c.e = impl::agree_on_call<ExecSpace>(
         m_comm, name, m_mask, q, k, v, o, lse, opts, true,
         [](impl::Fingerprint& f) {
           f.text("schedule",
@@ -518,20 +560,36 @@ class DistributedAttention {
               .text("partition",
                     std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
         },
-        extra);
+        extra, &lengths);
 
-    // From here on every rank holds the same configuration, so the checks
-    // below throw on every rank or on none, without communication.
+    // From here on every rank holds the same configuration and the same
+    // lengths, so the checks below throw on every rank or on none, without
+    // communication.
     const int P = m_comm.size();
-    const index_type N = index_type(e.queries) * P;
-    require_partitionable<Partition>(name, N, P);
-    check_partition_contract<Partition>(name, N, P);
+    for (const std::int64_t n : lengths) c.N += n;
+    if (c.N == 0)
+      impl::fail(name, "every rank holds 0 tokens (q.extent(1) = 0 on all ", P,
+                 " ranks), expected a global sequence of at least 1 token");
+    require_partitionable<Partition>(name, c.N, P);
+    for (int r = 0; r < P; ++r) {
+      const index_type want = local_length<Partition>(c.N, P, r);
+      if (lengths[std::size_t(r)] != want)
+        impl::fail(
+            name, "rank ", r, " holds ", lengths[std::size_t(r)], " tokens (q.extent(1)), but the ",
+            Partition::name(), " partition of N = ", c.N,
+            " tokens (the sum over the ranks) over P = ", P, " ranks gives it ", want,
+            "; expected local_length<Partition>(N, P, rank) tokens on every rank",
+            splits_any_length_v<Partition> ? "" : " (N / P: this partition has no length())");
+      c.lengths.push_back(want);
+      c.most = int(want > c.most ? want : c.most);
+    }
+    check_partition_contract<Partition>(name, c.N, P);
     if (impl::check_policies_always || opts.check_policies)
-      impl::check_mask_contract(name, m_exec, m_mask, 0, N, 0, N);
-    if (const std::string why = Schedule::template can_implement<Partition>(m_mask, N, P);
+      impl::check_mask_contract(name, m_exec, m_mask, 0, c.N, 0, c.N);
+    if (const std::string why = Schedule::template can_implement<Partition>(m_mask, c.N, P);
         !why.empty())
       impl::fail(name, "argument 'mask': ", why);
-    return e;
+    return c;
   }
 
   template <class T>
@@ -556,8 +614,8 @@ class DistributedAttention {
   /// Without communication (opts.communicate = false) every remote buffer is
   /// the local one: the same steps and work, no transfers, a wrong result.
   template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV>
-  void run_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
+  void run_forward(const Call& c, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                   const DistributedOptions& opts, RunStats& stats) {
     // V: the storage type (what travels: K, V, Q); T: the compute type (the
     // kernels, the softmax state, the unnormalised O, partial results).
     using V = typename OV::non_const_value_type;
@@ -567,7 +625,9 @@ class DistributedAttention {
     using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
     impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, fn, opts.timeout_seconds);
     const int P = m_comm.size(), rank = m_comm.rank();
-    const index_type N = index_type(e.queries) * P;
+    const impl::ForwardExtents& e = c.e;  // this rank's
+    const index_type N = c.N;
+    const int most = c.most;  // rows of every buffer that travels
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const bool comm = opts.communicate;
@@ -587,35 +647,37 @@ class DistributedAttention {
     // kernels read `wide`, the slot in use widened to T.
     std::vector<impl::PackedKV<V, mem>> kv(std::size_t(slots.kv));
     for (auto& b : kv)
-      b = impl::allocate_packed_kv<V, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+      b = impl::allocate_packed_kv<V, mem>(e.batch, e.kv_heads, most, dp, Shape::block_k);
+    kv[0].keys = e.keys;  // ours: the rest of the slot is zero padding
     impl::pack_kv(m_exec, k, v, kv[0]);
     impl::PackedKV<T, mem> wide;
     if constexpr (half)
-      wide = impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, dp, Shape::block_k);
+      wide = impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, most, dp, Shape::block_k);
     int widened = -1;  // the K/V slot whose block `wide` holds (-1: none)
     std::vector<Buffer4<V>> qs(std::size_t(slots.q));
     std::vector<Buffer4<T>> rout(std::size_t(slots.results_in)),
         hout(std::size_t(slots.results_out));
     std::vector<LseBuffer<T>> rlse(rout.size()), hlse(hout.size());
-    for (std::size_t i = 1; i < qs.size(); ++i) qs[i] = buffer_like<V>(q, "blockattn::q_in");
+    for (std::size_t i = 1; i < qs.size(); ++i) qs[i] = buffer_like<V>(q, "blockattn::q_in", most);
     if (slots.q_copy) {
-      qs[0] = buffer_like<V>(q, "blockattn::q_copy");
-      Kokkos::deep_copy(m_exec, qs[0], q);
+      qs[0] = buffer_like<V>(q, "blockattn::q_copy", most);
+      Kokkos::deep_copy(m_exec, rows_of(qs[0], e.queries), q);
     }
     const auto lse_buffer = [&](const char* label) {
       return LseBuffer<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
-                          e.batch, e.heads, e.queries);
+                          e.batch, e.heads, most);
     };
     for (std::size_t i = 0; i < hout.size(); ++i) {
-      hout[i] = buffer_like<T>(o, "blockattn::result_out");
+      hout[i] = buffer_like<T>(o, "blockattn::result_out", most);
       hlse[i] = lse_buffer("blockattn::result_out_lse");
     }
     for (std::size_t i = 0; i < rout.size(); ++i) {
-      rout[i] = buffer_like<T>(o, "blockattn::result_in");
+      rout[i] = buffer_like<T>(o, "blockattn::result_in", most);
       rlse[i] = lse_buffer("blockattn::result_in_lse");
     }
     impl::BlockStep<T, mem> state;
-    state.state = impl::SoftmaxState<T, mem>(e.batch, e.heads, e.queries, "blockattn::forward");
+    // Rows of the longest rank: a helper's task on another rank's queries uses it too.
+    state.state = impl::SoftmaxState<T, mem>(e.batch, e.heads, most, "blockattn::forward");
     // 16-bit o: the unnormalised O between steps lives in an fp32 accumulator.
     Buffer4<T> acc;
     if constexpr (half) {
@@ -623,10 +685,10 @@ class DistributedAttention {
       state.o_acc = acc;
     }
     const std::int64_t kv_bytes = bytes_of(kv[0].kt) + bytes_of(kv[0].v);
-    const std::int64_t q_elems = std::int64_t(e.batch) * e.queries * e.heads * e.dim;
+    const std::int64_t q_elems = std::int64_t(e.batch) * most * e.heads * e.dim;
     const std::int64_t q_bytes = q_elems * std::int64_t(sizeof(V));
     const std::int64_t res_bytes =
-        (q_elems + std::int64_t(e.batch) * e.heads * e.queries) * std::int64_t(sizeof(T));
+        (q_elems + std::int64_t(e.batch) * e.heads * most) * std::int64_t(sizeof(T));
     stats.block_q = Shape::block_q;
     stats.block_k = Shape::block_k;
     stats.workspace_bytes = slots.kv * kv_bytes + state.state.bytes() +
@@ -694,6 +756,9 @@ class DistributedAttention {
         kp = &kv[std::size_t(kv_slot)];
       }
       const auto& keys = *kp;
+      // The block pair's extents; without communication the queries are ours.
+      impl::ForwardExtents te = task.idle() ? e : c.task(task.q_rank, task.k_rank);
+      if (!comm && te.queries > e.queries) te.queries = e.queries;
       if (task.q_rank == rank) {
         const bool finish = s == last_own && !merges;
         if (st.computed || finish) {
@@ -701,7 +766,7 @@ class DistributedAttention {
           b.resume = opened;
           b.finish = finish;
           b.skip_keys = !st.computed;
-          launch_chunked<SD, Shape>(x, e, q, keys, o, lse, pos(rank), pos(task.k_rank), scale, b,
+          launch_chunked<SD, Shape>(x, te, q, keys, o, lse, pos(rank), pos(task.k_rank), scale, b,
                                     in_flight);
           opened = true;
         }
@@ -714,10 +779,10 @@ class DistributedAttention {
         b.o_acc = {};  // a fresh, finished result: no accumulator
         const std::size_t out = std::size_t(f.result_slot);
         if (comm)
-          launch_chunked<SD, Shape>(x, e, qs[std::size_t(f.q_slot)], keys, hout[out], hlse[out],
+          launch_chunked<SD, Shape>(x, te, qs[std::size_t(f.q_slot)], keys, hout[out], hlse[out],
                                     pos(task.q_rank), pos(task.k_rank), scale, b, in_flight);
         else
-          launch_chunked<SD, Shape>(x, e, q, keys, hout[out], hlse[out], pos(task.q_rank),
+          launch_chunked<SD, Shape>(x, te, q, keys, hout[out], hlse[out], pos(task.q_rank),
                                     pos(task.k_rank), scale, b, in_flight);
       }
       m_exec.fence();

@@ -382,7 +382,7 @@ class UlyssesAttention {
     // Every rank holds the same configuration now: these throw on all or none.
     const int P = m_comm.size();
     const index_type N = index_type(e.queries) * P;
-    require_partitionable<Partition>(name, N, P);
+    require_even_partition<Partition>(name, N, P);  // the all-to-alls move equal pieces
     check_partition_contract<Partition>(name, N, P);
     if (const std::string why = UlyssesHeads::why_not(e.heads, e.kv_heads, P); !why.empty())
       impl::fail(name, why);

@@ -62,7 +62,8 @@ Layout layout_of(index_type N, int P) {
   l.ranks.resize(std::size_t(P));
   for (int r = 0; r < P; ++r) {
     const auto map = Partition::positions(N, P, r);
-    for (index_type i = 0; i < N / P; ++i) l.ranks[std::size_t(r)].push_back(map(i));
+    const index_type n = local_length<Partition>(N, P, r);
+    for (index_type i = 0; i < n; ++i) l.ranks[std::size_t(r)].push_back(map(i));
   }
   return l;
 }

@@ -103,7 +103,10 @@ struct Problem {
                           // 4 for bf16 / fp16, whose blocks are widened to fp32 to compute)
   int block_q = 64, block_k = 64;  // kernel tile sizes
   int dim_padded = 0;              // head dim as stored in packed blocks (0: dim)
-  index_type local() const { return N / P; }
+  /// The longest local length (predict() sets it from the partition; every
+  /// buffer that travels has this many rows); 0: N / P.
+  index_type most = 0;
+  index_type local() const { return most > 0 ? most : N / P; }
   int stored_dim() const { return dim_padded > 0 ? dim_padded : dim; }
   int accumulator_bytes() const { return compute_bytes > 0 ? compute_bytes : dtype_bytes; }
   bool widens() const { return accumulator_bytes() != dtype_bytes; }
@@ -349,17 +352,25 @@ void schedule_plan(const Problem& p, const ScheduleContext& c, std::vector<Messa
 /// rank_stride: rank r of the prediction is rank r x rank_stride of the
 /// machine (HybridAttention's rings: the ranks of one member index).
 template <class Partition, class Schedule, class Mask>
-Prediction predict(const Problem& p, const Mask& mask, const Hardware& hw, bool count_pairs = false,
-                   int rank_stride = 1) {
+Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
+                   bool count_pairs = false, int rank_stride = 1) {
   Prediction pr;
   pr.partition = Partition::name();
   pr.schedule = Schedule::name();
-  const int P = p.P;
-  if (P < 1 || p.N <= 0 || p.N % Partition::multiple_of(P) != 0) {
+  const int P = problem.P;
+  if constexpr (splits_any_length_v<Partition>) {
+    if (P < 1 || problem.N < 1) {
+      pr.valid = false;
+      pr.why_not = "N and P must be at least 1";
+      return pr;
+    }
+  } else if (P < 1 || problem.N <= 0 || problem.N % Partition::multiple_of(P) != 0) {
     pr.valid = false;
     pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
     return pr;
   }
+  Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
+  p.most = max_local_length<Partition>(p.N, P);
   static_assert(impl::check_schedule<Schedule>(), "BlockAttn: predict needs a complete schedule");
   if constexpr (!Schedule::template supports<Partition, Mask>) {
     pr.valid = false;
@@ -472,7 +483,8 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   const int P = p.P;
   if (P < 1 || p.N <= 0 || p.N % Partition::multiple_of(P) != 0) {
     pr.valid = false;
-    pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
+    pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P)) +
+                 " (Ulysses' all-to-alls move equal pieces)";
     return pr;
   }
   if (const std::string why = UlyssesHeads::why_not(p.heads, p.kv_heads, P); !why.empty()) {

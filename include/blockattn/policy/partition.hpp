@@ -4,12 +4,19 @@
 //
 // A partition policy is a stateless struct with
 //   static constexpr const char* name();
-//   static index_type multiple_of(int P);            // N must be a multiple of this
+//   static index_type multiple_of(int P);            // N a multiple of this: every rank
+//                                                    // holds N / P tokens
 //   using position_map = ...;                        // see positions.hpp (strictly increasing)
 //   static position_map positions(index_type N, int P, int rank);  // local i -> global position
 //   static Owner owner(index_type N, int P, index_type t);         // global t -> (rank, local i)
-// Every rank holds N / P tokens. Local order follows global order (the map is
-// strictly increasing), so a mask's tile classification stays meaningful.
+// and optionally
+//   static index_type length(index_type N, int P, int rank);       // tokens of `rank`
+// With length(), any N >= 1 can be split over any P >= 1 and ranks may hold
+// different numbers of tokens, none at all included (N < P); without it N must
+// be a multiple of multiple_of(P) and every rank holds N / P tokens. The
+// built-in partitions have length(). Local order follows global order (the
+// map is strictly increasing), so a mask's tile classification stays
+// meaningful.
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -32,17 +39,41 @@ struct Owner {
   index_type local = 0;
 };
 
-/// Ring Attention: rank r owns the contiguous chunk [r N/P, (r+1) N/P).
+namespace impl {
+/// N tokens cut into `parts` consecutive pieces whose lengths differ by at
+/// most one (the first N mod parts pieces hold one more): where piece j
+/// starts, how long it is, and which piece holds token t.
+struct EvenCut {
+  index_type N = 0, parts = 1;
+  constexpr index_type base() const { return N / parts; }
+  constexpr index_type extra() const { return N % parts; }
+  constexpr index_type start(index_type j) const {
+    return j * base() + (j < extra() ? j : extra());
+  }
+  constexpr index_type length(index_type j) const { return base() + (j < extra() ? 1 : 0); }
+  constexpr index_type piece(index_type t) const {
+    const index_type long_end = extra() * (base() + 1);  // tokens of the longer pieces
+    return t < long_end ? t / (base() + 1) : extra() + (t - long_end) / base();
+  }
+};
+}  // namespace impl
+
+/// Ring Attention: rank r owns one contiguous chunk, [r N/P, (r+1) N/P) when P
+/// divides N; otherwise the first N mod P ranks hold one token more.
 struct ContiguousPartition {
   static constexpr const char* name() { return "contiguous"; }
   static index_type multiple_of(int P) { return P; }
   using position_map = OffsetPositions;
+  static index_type length(index_type N, int P, int rank) {
+    return impl::EvenCut{N, P}.length(rank);
+  }
   static position_map positions(index_type N, int P, int rank) {
-    return OffsetPositions{rank * (N / P)};
+    return OffsetPositions{impl::EvenCut{N, P}.start(rank)};
   }
   static Owner owner(index_type N, int P, index_type t) {
-    const index_type c = N / P;
-    return Owner{static_cast<int>(t / c), t % c};
+    const impl::EvenCut c{N, P};
+    const index_type j = c.piece(t);
+    return Owner{static_cast<int>(j), t - c.start(j)};
   }
 };
 
@@ -51,6 +82,9 @@ struct StripedPartition {
   static constexpr const char* name() { return "striped"; }
   static index_type multiple_of(int P) { return P; }
   using position_map = StridedPositions;
+  static index_type length(index_type N, int P, int rank) {
+    return N > rank ? (N - 1 - rank) / P + 1 : 0;
+  }
   static position_map positions(index_type, int P, int rank) { return StridedPositions{rank, P}; }
   static Owner owner(index_type, int P, index_type t) {
     return Owner{static_cast<int>(t % P), t / P};
@@ -68,21 +102,27 @@ struct ZigzagPositions {
   }
 };
 
-/// Zigzag / head-tail: 2P equal chunks; rank r owns chunks r and 2P - 1 - r, so
-/// every rank holds one early and one late piece of a causal sequence.
+/// Zigzag / head-tail: 2P chunks (equal when 2P divides N; otherwise the
+/// first N mod 2P hold one token more); rank r owns chunks r and 2P - 1 - r,
+/// so every rank holds one early and one late piece of a causal sequence.
 struct ZigzagPartition {
   static constexpr const char* name() { return "zigzag"; }
   static index_type multiple_of(int P) { return 2 * index_type(P); }
   using position_map = ZigzagPositions;
+  static index_type length(index_type N, int P, int rank) {
+    const impl::EvenCut c{N, 2 * index_type(P)};
+    return c.length(rank) + c.length(2 * index_type(P) - 1 - rank);
+  }
   static position_map positions(index_type N, int P, int rank) {
-    const index_type c = N / (2 * index_type(P));
-    return ZigzagPositions{c, rank * c, (2 * index_type(P) - 1 - rank) * c};
+    const impl::EvenCut c{N, 2 * index_type(P)};
+    return ZigzagPositions{c.length(rank), c.start(rank), c.start(2 * index_type(P) - 1 - rank)};
   }
   static Owner owner(index_type N, int P, index_type t) {
-    const index_type c = N / (2 * index_type(P));
-    const index_type k = t / c;
-    return k < P ? Owner{static_cast<int>(k), t % c}
-                 : Owner{static_cast<int>(2 * index_type(P) - 1 - k), c + t % c};
+    const impl::EvenCut c{N, 2 * index_type(P)};
+    const index_type j = c.piece(t);
+    if (j < P) return Owner{static_cast<int>(j), t - c.start(j)};
+    const index_type r = 2 * index_type(P) - 1 - j;
+    return Owner{static_cast<int>(r), c.length(r) + t - c.start(j)};
   }
 };
 
@@ -122,16 +162,69 @@ constexpr void check_partition_policy() {
 }
 }  // namespace impl
 
-/// Throws unless N can be split by Partition over P ranks.
+namespace impl {
+template <class P, class = void>
+struct has_partition_length : std::false_type {};
+template <class P>
+struct has_partition_length<P, std::void_t<decltype(P::length(index_type{}, 1, 0))>>
+    : std::is_convertible<decltype(P::length(index_type{}, 1, 0)), index_type> {};
+}  // namespace impl
+
+/// True when Partition splits any N >= 1 over any P >= 1 (it has length()).
 template <class Partition>
-void require_partitionable(const char* function, index_type N, int P) {
+inline constexpr bool splits_any_length_v = impl::has_partition_length<Partition>::value;
+
+/// The number of tokens `rank` holds: Partition::length(N, P, rank), or N / P
+/// for a partition without length().
+template <class Partition>
+index_type local_length(index_type N, int P, int rank) {
+  if constexpr (splits_any_length_v<Partition>)
+    return index_type(Partition::length(N, P, rank));
+  else
+    return N / P;
+}
+
+/// The most tokens any rank holds.
+template <class Partition>
+index_type max_local_length(index_type N, int P) {
+  index_type m = 0;
+  for (int r = 0; r < P; ++r) {
+    const index_type n = local_length<Partition>(N, P, r);
+    m = n > m ? n : m;
+  }
+  return m;
+}
+
+/// Throws unless Partition gives every one of P ranks N / P tokens (what
+/// UlyssesAttention's and HybridAttention's all-to-alls need).
+template <class Partition>
+void require_even_partition(const char* function, index_type N, int P) {
   impl::check_partition_policy<Partition>();
   if (P < 1) impl::fail(function, "communicator size is ", P, ", expected at least 1");
   const index_type m = Partition::multiple_of(P);
   if (N <= 0 || N % m != 0)
     impl::fail(function, "global sequence length N = ", N, " cannot be split by the ",
                Partition::name(), " partition over P = ", P,
-               " ranks: N must be a positive multiple of ", m);
+               " ranks into equal parts: N must be a positive multiple of ", m);
+}
+
+/// Throws unless N can be split by Partition over P ranks: any N >= 1 for a
+/// partition with length(), a positive multiple of multiple_of(P) otherwise.
+template <class Partition>
+void require_partitionable(const char* function, index_type N, int P) {
+  impl::check_partition_policy<Partition>();
+  if (P < 1) impl::fail(function, "communicator size is ", P, ", expected at least 1");
+  if constexpr (splits_any_length_v<Partition>) {
+    if (N < 1)
+      impl::fail(function, "global sequence length N = ", N, ", expected at least 1 token");
+  } else {
+    const index_type m = Partition::multiple_of(P);
+    if (N <= 0 || N % m != 0)
+      impl::fail(function, "global sequence length N = ", N, " cannot be split by the ",
+                 Partition::name(), " partition over P = ", P,
+                 " ranks: N must be a positive multiple of ", m,
+                 " (give the partition a static length(N, P, rank) to allow any N)");
+  }
 }
 
 /// Checks the partition contract for (N, P) on the host: every rank's
@@ -148,9 +241,14 @@ void check_partition_contract(const char* function, index_type N, int P) {
     std::lock_guard<std::mutex> lock(mutex);
     if (checked.count({N, P})) return;
   }
-  const index_type n = N / P;
   std::vector<int> holder(std::size_t(N), -1);
+  index_type total = 0;
   for (int r = 0; r < P; ++r) {
+    const index_type n = local_length<Partition>(N, P, r);
+    if (n < 0 || n > N)
+      impl::fail(function, "the ", Partition::name(), " partition (N = ", N, ", P = ", P,
+                 "): length(N, P, ", r, ") = ", n, ", expected 0 <= length <= N");
+    total += n;
     const auto map = Partition::positions(N, P, r);
     index_type prev = 0;
     for (index_type i = 0; i < n; ++i) {
@@ -179,6 +277,11 @@ void check_partition_contract(const char* function, index_type N, int P) {
       prev = t;
     }
   }
+  if (total != N)
+    impl::fail(function, "the ", Partition::name(), " partition (N = ", N, ", P = ", P,
+               "): the ranks hold ", total,
+               " tokens together, expected N (every global "
+               "position on exactly one rank)");
   std::lock_guard<std::mutex> lock(mutex);
   checked.insert({N, P});
 }
@@ -188,10 +291,13 @@ template <class Partition, class MemorySpace = Kokkos::HostSpace>
 Kokkos::View<index_type*, MemorySpace> local_positions(index_type N, int P, int rank) {
   require_partitionable<Partition>("local_positions", N, P);
   check_partition_contract<Partition>("local_positions", N, P);
-  Kokkos::View<index_type*, MemorySpace> ids("blockattn::position_ids", N / P);
+  if (rank < 0 || rank >= P)
+    impl::fail("local_positions", "rank = ", rank, ", expected 0 <= rank < ", P);
+  const index_type n = local_length<Partition>(N, P, rank);
+  Kokkos::View<index_type*, MemorySpace> ids("blockattn::position_ids", n);
   auto h = Kokkos::create_mirror_view(ids);
   const auto map = Partition::positions(N, P, rank);
-  for (index_type i = 0; i < N / P; ++i) h(i) = map(i);
+  for (index_type i = 0; i < n; ++i) h(i) = map(i);
   Kokkos::deep_copy(ids, h);
   return ids;
 }
@@ -256,15 +362,17 @@ void permute(const char* fn, const ExecSpace& exec, int P, int rank, const GV& g
   require_partitionable<Partition>(fn, N, P);
   if (rank < 0 || rank >= P) fail(fn, "rank = ", rank, ", expected 0 <= rank < ", P);
   check_partition_contract<Partition>(fn, N, P);
+  const index_type n_local = local_length<Partition>(N, P, rank);
   for (int d = 0; d < int(GV::rank); ++d) {
-    const std::size_t want = d == sd ? std::size_t(N / P) : global.extent(d);
+    const std::size_t want = d == sd ? std::size_t(n_local) : global.extent(d);
     if (local.extent(d) != want)
       fail(fn, "argument 'local' has extent(", d, ") = ", local.extent(d), ", expected ", want,
-           d == sd ? " (N / P)" : " (the same extent of 'global')");
+           d == sd ? " (the tokens this rank holds: local_length<Partition>(N, P, rank))"
+                   : " (the same extent of 'global')");
   }
   const auto map = Partition::positions(N, P, rank);
-  const index_type n_local = N / P;
   const index_type outer = sd == 0 ? 1 : index_type(global.extent(0));
+  if (n_local == 0) return;
   Kokkos::parallel_for(
       "blockattn::permute",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<index_type>>(exec, 0, outer * n_local),

@@ -176,8 +176,9 @@ template <class Partition, class Mask>
 TileCounts task_work(const Mask& mask, index_type N, int P, const BlockTask& task, int block_q,
                      int block_k, bool count_pairs = true) {
   if (task.idle()) return {};
-  const index_type n = N / P;
-  return count_tiles(mask, n, n, block_q, block_k, Partition::positions(N, P, task.q_rank),
+  return count_tiles(mask, local_length<Partition>(N, P, task.q_rank),
+                     local_length<Partition>(N, P, task.k_rank), block_q, block_k,
+                     Partition::positions(N, P, task.q_rank),
                      Partition::positions(N, P, task.k_rank), count_pairs);
 }
 

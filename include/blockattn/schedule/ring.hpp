@@ -155,18 +155,22 @@ struct is_kv_ring_forward<BasicRingSchedule<B>>
 template <class Partition, class Mask>
 TileCounts ring_step_work(const Mask& mask, index_type N, int P, int rank, int step, int block_q,
                           int block_k, bool count_pairs = true) {
-  const index_type n = N / P;
-  return count_tiles(mask, n, n, block_q, block_k, Partition::positions(N, P, rank),
-                     Partition::positions(N, P, ring_source(rank, step, P)), count_pairs);
+  const int source = ring_source(rank, step, P);
+  return count_tiles(
+      mask, local_length<Partition>(N, P, rank), local_length<Partition>(N, P, source), block_q,
+      block_k, Partition::positions(N, P, rank), Partition::positions(N, P, source), count_pairs);
 }
 
-/// True when the whole block of `source` is masked out for the queries of `rank`.
+/// True when the whole block of `source` is masked out for the queries of
+/// `rank`, or when one of the two ranks holds no token.
 template <class Partition, class Mask>
 bool block_is_empty(const Mask& mask, index_type N, int P, int rank, int source) {
-  const index_type n = N / P;
+  const index_type nq = local_length<Partition>(N, P, rank),
+                   nk = local_length<Partition>(N, P, source);
+  if (nq == 0 || nk == 0) return true;
   const auto qp = Partition::positions(N, P, rank);
   const auto kp = Partition::positions(N, P, source);
-  return mask.classify(qp(0), qp(n - 1) + 1, kp(0), kp(n - 1) + 1) == TileKind::empty;
+  return mask.classify(qp(0), qp(nq - 1) + 1, kp(0), kp(nk - 1) + 1) == TileKind::empty;
 }
 
 /// The context of a schedule's description for a run: P and the block pairs

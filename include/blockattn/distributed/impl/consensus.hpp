@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -191,22 +192,29 @@ inline std::string rank_list(const std::vector<int>& ranks) {
 /// The consensus step. `error` is this rank's own argument error (empty when
 /// its checks passed). Returns when every rank passed its checks and all
 /// fingerprints agree; otherwise every rank throws the same invalid_argument.
-/// Collectives: one on success, two on an error.
+/// With `every_rank`, the same collective also gathers one number per rank
+/// (`mine`, e.g. the local length, which may differ between ranks) into
+/// (*every_rank)[r] on every rank. Collectives: one on success, two on an error.
 template <class C>
 void reach_consensus(C& comm, const char* fn, const std::string& error,
-                     const Fingerprint& fingerprint) {
+                     const Fingerprint& fingerprint, std::int64_t mine = 0,
+                     std::vector<std::int64_t>* every_rank = nullptr) {
   const auto& f = fingerprint.fields();
   const int P = comm.size(), rank = comm.rank();
   const std::size_t K = f.size();
-  // [first failing rank | values | bitwise-not values]: min gives the first
-  // failing rank, the minimum and (negated) the maximum of every field.
-  std::vector<std::int64_t> buf(1 + 2 * K);
+  // [first failing rank | values | bitwise-not values | one slot per rank]:
+  // min gives the first failing rank, the minimum and (negated) the maximum of
+  // every field, and every rank's number (the others put the largest value).
+  const std::size_t extra = every_rank ? std::size_t(P) : 0;
+  std::vector<std::int64_t> buf(1 + 2 * K + extra, std::numeric_limits<std::int64_t>::max());
   buf[0] = error.empty() ? P : rank;
   for (std::size_t i = 0; i < K; ++i) {
     buf[1 + i] = f[i].value;
     buf[1 + K + i] = ~f[i].value;
   }
+  if (every_rank) buf[1 + 2 * K + std::size_t(rank)] = mine;
   allreduce_array(comm, buf, ReduceOp::min);
+  if (every_rank) every_rank->assign(buf.begin() + std::ptrdiff_t(1 + 2 * K), buf.end());
   const int bad = static_cast<int>(buf[0]);
   if (bad < P) {
     const auto text = gather_text(comm, rank == bad ? error : std::string(), 1024);

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 namespace blockattn {
 namespace impl {
@@ -21,20 +22,24 @@ namespace impl {
 /// `describe(Fingerprint&)` adds the driver's fields after "call" (schedule,
 /// partition, grid); `extra()` runs more per-rank checks (the backward's);
 /// `opts` is the driver's DistributedOptions (scale, check_policies, and
-/// communicate when `uses_communicate`).
+/// communicate when `uses_communicate`). Without `lengths` every rank must
+/// hold the same number of tokens (compared like the other shapes); with it,
+/// ranks may hold different numbers, none included, and (*lengths)[r] is the
+/// local length of rank r on return.
 template <class ExecSpace, class Comm, class Mask, class Opts, class QV, class KV, class VV,
           class OV, class LV, class Describe, class Extra>
 ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const QV& q,
                              const KV& k, const VV& v, const OV& o, const LV& lse, const Opts& opts,
-                             bool uses_communicate, const Describe& describe, const Extra& extra) {
+                             bool uses_communicate, const Describe& describe, const Extra& extra,
+                             std::vector<std::int64_t>* lengths = nullptr) {
   using T = typename OV::non_const_value_type;
   std::string error;
   ForwardExtents e;
   try {
-    e = validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale);
+    e = validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale, lengths != nullptr);
     if (k.extent(1) != q.extent(1))
       fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ", q.extent(1),
-           " (the local length of q: each rank holds N / P tokens of q, k, v)");
+           " (the local length of q: q, k and v hold the same tokens)");
     extra();
   } catch (const invalid_argument& ex) {
     error = ex.what();
@@ -43,10 +48,9 @@ ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, con
   f.text("call", name);
   describe(f);
   add_mask(f, mask);
-  f.text("value type", type_name<T>())
-      .number("batch (q.extent(0))", e.batch)
-      .number("local length (q.extent(1))", e.queries)
-      .number("heads (q.extent(2))", e.heads)
+  f.text("value type", type_name<T>()).number("batch (q.extent(0))", e.batch);
+  if (!lengths) f.number("local length (q.extent(1))", e.queries);
+  f.number("heads (q.extent(2))", e.heads)
       .number("kv heads (k.extent(2))", e.kv_heads)
       .number("head_dim (q.extent(3))", e.dim)
       .real(
@@ -55,7 +59,7 @@ ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, con
   if (uses_communicate) f.number("options.communicate", opts.communicate ? 1 : 0);
   f.number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
            check_policies_always || opts.check_policies ? 1 : 0);
-  reach_consensus(comm, name, error, f);
+  reach_consensus(comm, name, error, f, e.queries, lengths);
   return e;
 }
 

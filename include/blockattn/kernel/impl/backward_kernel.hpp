@@ -563,12 +563,13 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
   }
 };
 
-/// dq = [dq +] scale * dqacc on the valid rows and columns (FusedKernel's dQ).
+/// dq = [dq +] scale * dqacc on the valid rows (the first `queries` of dq,
+/// which may have more) and columns (FusedKernel's dQ).
 template <class ExecSpace, class T, class AccView, class DQV>
-void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, T scale,
+void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, int queries, T scale,
                bool accumulate) {
   using GS = typename DQV::non_const_value_type;
-  const int heads = int(dq.extent(2)), queries = int(dq.extent(1)), dim = int(dq.extent(3));
+  const int heads = int(dq.extent(2)), dim = int(dq.extent(3));
   const std::int64_t rows = std::int64_t(dq.extent(0)) * heads * queries;
   Kokkos::parallel_for(
       "blockattn::backward_finish_dq",

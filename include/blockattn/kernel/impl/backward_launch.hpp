@@ -91,7 +91,7 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
     f.dqacc = typename PackedQueries<T, typename ExecSpace::memory_space>::row_view(
         "blockattn::dq_accumulator", e.batch, e.heads, f.q_tiles * Shape::block_q, f.dim_padded);
     launch(f, pairs, FK::scratch_bytes(f.dim_padded), "blockattn::backward_fused");
-    finish_dq(exec, f.dqacc, dq, scale, blk.accumulate_dq);
+    finish_dq(exec, f.dqacc, dq, e.queries, scale, blk.accumulate_dq);
     return;
   }
   if (blk.run_dq) {
@@ -117,8 +117,8 @@ template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, cla
           class DKV, class DVV>
 ForwardExtents validate_backward(const char* fn, const QV& q, const KV& k, const VV& v, const OV& o,
                                  const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
-                                 const DVV& dv, double scale) {
-  const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale);
+                                 const DVV& dv, double scale, bool empty_seq_ok = false) {
+  const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale, empty_seq_ok);
   require_accessible<ExecSpace, typename DOV::memory_space>(fn, "dout");
   require_accessible<ExecSpace, typename DQV::memory_space>(fn, "dq");
   require_accessible<ExecSpace, typename DKV::memory_space>(fn, "dk");

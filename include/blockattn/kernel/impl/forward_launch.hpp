@@ -75,7 +75,7 @@ constexpr void check_forward_view_types() {
 /// Validates shapes and spaces of a forward call; returns the extents.
 template <class ExecSpace, class QV, class KV, class VV, class OV, class LV>
 ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const VV& v, const OV& o,
-                                const LV& lse, double scale) {
+                                const LV& lse, double scale, bool empty_seq_ok = false) {
   require_accessible<ExecSpace, typename QV::memory_space>(fn, "q");
   require_accessible<ExecSpace, typename KV::memory_space>(fn, "k");
   require_accessible<ExecSpace, typename VV::memory_space>(fn, "v");
@@ -83,6 +83,7 @@ ForwardExtents validate_forward(const char* fn, const QV& q, const KV& k, const 
   require_accessible<ExecSpace, typename LV::memory_space>(fn, "lse");
   const char* names[4] = {"batch", "seq", "heads", "head_dim"};
   for (int d = 0; d < 4; ++d) {
+    if (d == 1 && empty_seq_ok) continue;  // a rank of a distributed call may hold no token
     require_positive_extent(fn, "q", q, d, names[d]);
     require_positive_extent(fn, "k", k, d, names[d]);
   }
