@@ -70,7 +70,8 @@ V4<S> local_rows(const HostTensor& t, index_type n, const Map& map) {
 /// The rows of a partition's local order.
 template <class S, class Partition>
 V4<S> local_rows(const HostTensor& t, int P, int rank) {
-  return local_rows<S>(t, t.n / P, Partition::positions(t.n, P, rank));
+  return local_rows<S>(t, local_length<Partition>(t.n, P, rank),
+                       Partition::positions(t.n, P, rank));
 }
 
 /// max |got - want| over this rank's rows, local row i against global row

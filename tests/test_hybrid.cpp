@@ -18,6 +18,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "backend.hpp"
 #include "distributed_check.hpp"
@@ -33,15 +34,24 @@ namespace {
 /// This rank's rows of a global tensor under the hybrid layout, built on the
 /// host from the layout's definition (not from hybrid_to_local, which the
 /// last test case checks against it).
+/// Member a's piece of a group of Ng tokens: the first Ng mod P_a members
+/// hold one token more. {first token, tokens}.
+std::pair<index_type, index_type> piece(index_type Ng, const HybridGrid& g, int rank) {
+  const index_type base = Ng / g.ulysses, more = Ng % g.ulysses, a = g.member(rank);
+  return {a * base + std::min(a, more), base + (a < more ? 1 : 0)};
+}
+
 template <class S, class Partition>
 V4<S> local_rows(const HostTensor& t, const HybridGrid& g, int rank) {
-  const index_type n = t.n / g.P, first = index_type(g.member(rank)) * n;
+  const auto [first, n] = piece(local_length<Partition>(t.n, g.ring, g.group(rank)), g, rank);
   const auto group = Partition::positions(t.n, g.ring, g.group(rank));
   return test::local_rows<S>(t, n, [&](index_type i) { return group(first + i); });
 }
 
+/// N = n_local P + extra: with extra > 0 ranks hold different numbers of tokens.
 struct HCase {
   int b, n_local, h, hkv, d;
+  int extra = 0;
 };
 
 /// Forward and backward of one partition x schedule x mask in value type S
@@ -53,9 +63,12 @@ struct HCase {
 template <class S, class Partition, class Schedule, class Mask>
 void check(Mpi& comm, const HCase& c, const Mask& mask, int ulysses, std::uint64_t seed) {
   using C = compute_t<S>;
-  const int P = comm.size(), rank = comm.rank(), n = c.n_local;
-  const int N = n * P;
+  const int P = comm.size(), rank = comm.rank();
+  const int N = c.n_local * P + c.extra;
   const HybridGrid g = HybridGrid::make(P, ulysses);
+  const index_type Ng = local_length<Partition>(N, g.ring, g.group(rank));
+  const int n = int(piece(Ng, g, rank).second);
+  const int most = int((Ng + ulysses - 1) / ulysses);  // rows of the group's all-to-all chunks
   std::mt19937_64 rng(seed);
   const HostTensor q = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng)),
                    k = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
@@ -118,13 +131,13 @@ void check(Mpi& comm, const HCase& c, const Mask& mask, int ulysses, std::uint64
   CHECK(eg <= tg);
 
   // All-to-all bytes inside the group: Ulysses' volumes on P_a ranks.
-  const std::int64_t rows = std::int64_t(c.b) * n * c.d * (ulysses - 1);  // one head
+  const std::int64_t rows = std::int64_t(c.b) * most * c.d * (ulysses - 1);  // one head
   const std::int64_t s = sizeof(S), cs = sizeof(C);
   const std::int64_t hq = u.heads_per_rank, hk = u.kv_heads_per_rank;
   CHECK(fs.alltoall_bytes ==
-        rows * s * (2 * hq + 2 * hk) + std::int64_t(c.b) * n * (ulysses - 1) * hq * cs);
+        rows * s * (2 * hq + 2 * hk) + std::int64_t(c.b) * most * (ulysses - 1) * hq * cs);
   CHECK(bs.alltoall_bytes == rows * s * (3 * hq + 2 * hk) +
-                                 std::int64_t(c.b) * n * (ulysses - 1) * hq * cs +
+                                 std::int64_t(c.b) * most * (ulysses - 1) * hq * cs +
                                  rows * (hq * s + 2 * hk * s));
   // The ring's steps: as many as the schedule takes on P_r ranks.
   std::int64_t ring_bytes = 0;
@@ -186,6 +199,26 @@ TEST_CASE("hybrid: every grid, zigzag ring, every mask, fp64, sharded and replic
   CHECK(UlyssesHeads::why_not(12, 2, 3).find("kv heads (k.extent(2)) = 2") != std::string::npos);
 }
 
+TEST_CASE("hybrid: any length: uneven groups and pieces, members and groups without a token") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  for (const int a : grids(P)) {
+    const int hkv = a == 3 ? 6 : 4;  // 12 query heads; K/V sharded or replicated
+    const std::uint64_t seed = 5000 + 10 * std::uint64_t(a) + std::uint64_t(P);
+    // N = 9P + 1 and 9P + 2P - 1, then N = P - 1 and N = 1.
+    for (const int extra : {1, 2 * P - 1}) {
+      const HCase c{1, 9, 12, hkv, 24, extra};
+      check<double, ZigzagPartition, RingSchedule>(comm, c, CausalMask{}, a, seed + extra);
+      check<double, StripedPartition, BurstSchedule>(comm, c, CausalMask{}, a, seed + 2 + extra);
+    }
+    for (const int N : {P > 1 ? P - 1 : 1, 1}) {
+      const HCase c{1, 0, 12, hkv, 8, N};
+      check<double, ZigzagPartition, RingSchedule>(comm, c, CausalMask{}, a, seed + 50 + N);
+      check<float, ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{}, a, seed + 60 + N);
+    }
+  }
+}
+
 TEST_CASE("hybrid: Q ring, balanced and all-gather across groups; fp32, bf16, fp16") {
   Mpi comm(MPI_COMM_WORLD);
   const int P = comm.size();
@@ -205,37 +238,42 @@ TEST_CASE("hybrid: Q ring, balanced and all-gather across groups; fp32, bf16, fp
 TEST_CASE("hybrid: hybrid_to_local and hybrid_from_local invert each other") {
   Mpi comm(MPI_COMM_WORLD);
   const int P = comm.size(), rank = comm.rank();
-  for (const int a : grids(P)) {
-    const HybridGrid g = HybridGrid::make(P, a);
-    const index_type N = 4 * index_type(P) * 3;
-    V4<double> global("global", 1, N, 2, 3), back("back", 1, N, 2, 3);
-    V4<double> local("local", 1, N / P, 2, 3);
-    fill_random(global, 7 + std::uint64_t(a));
-    hybrid_to_local<ZigzagPartition>(ExecSpace(), g, rank, global, local);
-    hybrid_from_local<ZigzagPartition>(ExecSpace(), g, rank, local, back);
-    const auto ids = hybrid_local_positions<ZigzagPartition>(N, g, rank);
-    auto gh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), global);
-    auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), local);
-    auto bh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), back);
-    const auto map = ZigzagPartition::positions(N, g.ring, g.group(rank));
-    bool ok = true;
-    for (index_type i = 0; i < N / P; ++i) {
-      const index_type t = map(g.member(rank) * (N / P) + i);
-      ok = ok && ids(i) == t;
-      for (int h = 0; h < 2; ++h)
-        for (int d = 0; d < 3; ++d) ok = ok && lh(0, i, h, d) == gh(0, t, h, d);
-      for (int h = 0; h < 2; ++h)
-        for (int d = 0; d < 3; ++d) ok = ok && bh(0, t, h, d) == gh(0, t, h, d);
+  for (const int a : grids(P))
+    for (const index_type extra : {index_type(0), index_type(P + 1)}) {
+      const HybridGrid g = HybridGrid::make(P, a);
+      const index_type N = 4 * index_type(P) * 3 + extra;
+      const auto [first, n] =
+          piece(local_length<ZigzagPartition>(N, g.ring, g.group(rank)), g, rank);
+      CHECK(n == hybrid_length<ZigzagPartition>(N, g, rank));
+      V4<double> global("global", 1, N, 2, 3), back("back", 1, N, 2, 3);
+      V4<double> local("local", 1, n, 2, 3);
+      fill_random(global, 7 + std::uint64_t(a));
+      hybrid_to_local<ZigzagPartition>(ExecSpace(), g, rank, global, local);
+      hybrid_from_local<ZigzagPartition>(ExecSpace(), g, rank, local, back);
+      const auto ids = hybrid_local_positions<ZigzagPartition>(N, g, rank);
+      auto gh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), global);
+      auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), local);
+      auto bh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), back);
+      const auto map = ZigzagPartition::positions(N, g.ring, g.group(rank));
+      bool ok = true;
+      for (index_type i = 0; i < n; ++i) {
+        const index_type t = map(first + i);
+        ok = ok && ids(i) == t;
+        for (int h = 0; h < 2; ++h)
+          for (int d = 0; d < 3; ++d) ok = ok && lh(0, i, h, d) == gh(0, t, h, d);
+        for (int h = 0; h < 2; ++h)
+          for (int d = 0; d < 3; ++d) ok = ok && bh(0, t, h, d) == gh(0, t, h, d);
+      }
+      CHECK(ok);
+      // The ranks together hold every position once.
+      std::vector<int> seen(std::size_t(N), 0);
+      for (int r = 0; r < P; ++r) {
+        const auto m = hybrid_position_map<ZigzagPartition>(N, g, r);
+        for (index_type i = 0; i < hybrid_length<ZigzagPartition>(N, g, r); ++i)
+          ++seen[std::size_t(m(i))];
+      }
+      CHECK(std::all_of(seen.begin(), seen.end(), [](int x) { return x == 1; }));
     }
-    CHECK(ok);
-    // The ranks together hold every position once.
-    std::vector<int> seen(std::size_t(N), 0);
-    for (int r = 0; r < P; ++r) {
-      const auto m = hybrid_position_map<ZigzagPartition>(N, g, r);
-      for (index_type i = 0; i < N / P; ++i) ++seen[std::size_t(m(i))];
-    }
-    CHECK(std::all_of(seen.begin(), seen.end(), [](int x) { return x == 1; }));
-  }
 }
 
 TEST_CASE("hybrid: bad grids, lengths and shapes are rejected on every rank") {
@@ -271,11 +309,15 @@ TEST_CASE("hybrid: bad grids, lengths and shapes are rejected on every rank") {
     CHECK(heads.find("heads (q.extent(2)) = " + std::to_string(P + 1)) != std::string::npos);
   }
   if (P >= 2) {
-    Attn attn(comm, 1);  // P groups of one: zigzag needs N a multiple of 2P
-    V4<float> q("q", 1, 3, 2, 16), o("o", 1, 3, 2, 16);
-    V3<float> lse("lse", 1, 2, 3);
+    // P groups of one; N = 3P + 1 gives rank 0 three zigzag tokens, not four.
+    Attn attn(comm, 1);
+    const int n = comm.rank() == 0 ? 4 : 3;
+    V4<float> q("q", 1, n, 2, 16), o("o", 1, n, 2, 16);
+    V3<float> lse("lse", 1, 2, n);
     const std::string len = message([&] { attn.forward(q, q, q, o, lse); });
-    CHECK(len.find("cannot be split by the zigzag partition over the " + std::to_string(P) +
-                   " ring groups") != std::string::npos);
+    CHECK(len.find("rank 0 holds 4 tokens (q.extent(1)), but the hybrid layout (zigzag partition "
+                   "over " +
+                   std::to_string(P) + " ring groups of 1) of N = " + std::to_string(3 * P + 1) +
+                   " tokens (the sum over the ranks) gives it 3") != std::string::npos);
   }
 }

@@ -26,8 +26,10 @@ using namespace blockattn::test;
 
 namespace {
 
+/// N = n_local P + extra tokens: with extra > 0 the ranks hold different numbers.
 struct UCase {
   int b, n_local, h, hkv, d;
+  int extra = 0;
 };
 
 /// Forward and backward of one partition x mask in value type S on this
@@ -37,8 +39,9 @@ struct UCase {
 template <class S, class Partition, class Mask>
 void check(Mpi& comm, const UCase& c, const Mask& mask, std::uint64_t seed) {
   using C = compute_t<S>;
-  const int P = comm.size(), rank = comm.rank(), n = c.n_local;
-  const int N = n * P;
+  const int P = comm.size(), rank = comm.rank();
+  const int N = c.n_local * P + c.extra, n = int(local_length<Partition>(N, P, rank));
+  const int most = int(max_local_length<Partition>(N, P));  // rows of an all-to-all chunk
   std::mt19937_64 rng(seed);
   const HostTensor q = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng)),
                    k = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
@@ -103,13 +106,13 @@ void check(Mpi& comm, const UCase& c, const Mask& mask, std::uint64_t seed) {
   REQUIRE(fs.steps.size() == 1);
   REQUIRE(bs.steps.size() == 1);
   const UlyssesHeads u = UlyssesHeads::make(c.h, c.hkv, P);
-  const std::int64_t rows = std::int64_t(c.b) * n * c.d * (P - 1);  // per head of a chunk
+  const std::int64_t rows = std::int64_t(c.b) * most * c.d * (P - 1);  // per head of a chunk
   const std::int64_t s = sizeof(S), cs = sizeof(C);
   const std::int64_t hq = u.heads_per_rank, hk = u.kv_heads_per_rank;
   CHECK(fs.steps[0].bytes_sent ==
-        rows * s * (2 * hq + 2 * hk) + std::int64_t(c.b) * n * (P - 1) * hq * cs);
+        rows * s * (2 * hq + 2 * hk) + std::int64_t(c.b) * most * (P - 1) * hq * cs);
   CHECK(bs.steps[0].bytes_sent == rows * s * (3 * hq + 2 * hk) +
-                                      std::int64_t(c.b) * n * (P - 1) * hq * cs +
+                                      std::int64_t(c.b) * most * (P - 1) * hq * cs +
                                       rows * (hq * s + 2 * hk * cs));
   CHECK(fs.steps[0].computed);
 
@@ -129,7 +132,7 @@ void check(Mpi& comm, const UCase& c, const Mask& mask, std::uint64_t seed) {
 
 template <class S, class Partition>
 void check_masks(Mpi& comm, const UCase& c, std::uint64_t seed) {
-  const index_type N = index_type(c.n_local) * comm.size();
+  const index_type N = index_type(c.n_local) * comm.size() + c.extra;
   check<S, Partition>(comm, c, CausalMask{}, seed);
   check<S, Partition>(comm, c, SlidingWindowMask{N / 5, N / 7}, seed + 1);
   check<S, Partition>(comm, c, PrefixLMMask{N / 3}, seed + 2);
@@ -156,6 +159,28 @@ TEST_CASE("ulysses: every partition and mask, fp64, sharded and replicated K/V h
   }
   CHECK(run >= 3);
   if (P > 1) CHECK(replicated >= 1);
+}
+
+TEST_CASE("ulysses: any length: ranks one token apart, ranks without a token") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  // 12 heads and the fewest K/V heads of 4, 6, 12 that Ulysses shards at
+  // this P; N = 7P + 1 and 7P + 2P - 1.
+  int hkv = 12;
+  for (const int x : {6, 4})
+    if (UlyssesHeads::why_not(12, x, P).empty()) hkv = x;
+  for (const int extra : {1, 2 * P - 1}) {
+    const UCase c{1, 7, 12, hkv, 24, extra};
+    check_masks<double, ContiguousPartition>(comm, c, 500 + extra);
+    check<double, ZigzagPartition>(comm, c, CausalMask{}, 600 + extra);
+    check<double, StripedPartition>(comm, c, SlidingWindowMask{9, 3}, 700 + extra);
+  }
+  // N = P - 1 (the last rank holds nothing) and N = 1 (one rank holds the only token).
+  for (const int N : {P > 1 ? P - 1 : 1, 1}) {
+    const UCase c{1, 0, 12, hkv, 8, N};
+    check<double, ContiguousPartition>(comm, c, CausalMask{}, 800 + N);
+    check<double, ZigzagPartition>(comm, c, FullMask{}, 900 + N);
+  }
 }
 
 TEST_CASE("ulysses: fp32 and bf16, batch 2, padded head dim") {
@@ -197,7 +222,7 @@ TEST_CASE("ulysses: shapes it cannot shard are rejected on every rank") {
     CHECK(run(4, 4).empty());
     if (P == 4) CHECK(run(6, 6).find("heads (q.extent(2)) = 6") != std::string::npos);
   }
-  // A local length that differs on one rank: the consensus names it on every rank.
+  // A local length the partition does not give: the consensus names it on every rank.
   if (P > 1) {
     const int n = comm.rank() == 0 ? 8 : 6;
     V4<float> q("q", 1, n, 4, 16), o("o", 1, n, 4, 16);
@@ -209,6 +234,7 @@ TEST_CASE("ulysses: shapes it cannot shard are rejected on every rank") {
     } catch (const invalid_argument& e) {
       what = e.what();
     }
-    CHECK(what.find("local length") != std::string::npos);
+    CHECK(what.find("rank 0 holds 8 tokens (q.extent(1)), but the contiguous partition of N = " +
+                    std::to_string(8 + 6 * (P - 1))) != std::string::npos);
   }
 }

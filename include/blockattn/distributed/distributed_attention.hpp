@@ -566,22 +566,10 @@ class DistributedAttention {
     // lengths, so the checks below throw on every rank or on none, without
     // communication.
     const int P = m_comm.size();
-    for (const std::int64_t n : lengths) c.N += n;
-    if (c.N == 0)
-      impl::fail(name, "every rank holds 0 tokens (q.extent(1) = 0 on all ", P,
-                 " ranks), expected a global sequence of at least 1 token");
-    require_partitionable<Partition>(name, c.N, P);
-    for (int r = 0; r < P; ++r) {
-      const index_type want = local_length<Partition>(c.N, P, r);
-      if (lengths[std::size_t(r)] != want)
-        impl::fail(
-            name, "rank ", r, " holds ", lengths[std::size_t(r)], " tokens (q.extent(1)), but the ",
-            Partition::name(), " partition of N = ", c.N,
-            " tokens (the sum over the ranks) over P = ", P, " ranks gives it ", want,
-            "; expected local_length<Partition>(N, P, rank) tokens on every rank",
-            splits_any_length_v<Partition> ? "" : " (N / P: this partition has no length())");
-      c.lengths.push_back(want);
-      c.most = int(want > c.most ? want : c.most);
+    c.N = impl::agreed_length<Partition>(name, lengths);
+    for (const std::int64_t n : lengths) {
+      c.lengths.push_back(n);
+      c.most = int(n > c.most ? n : c.most);
     }
     check_partition_contract<Partition>(name, c.N, P);
     if (impl::check_policies_always || opts.check_policies)

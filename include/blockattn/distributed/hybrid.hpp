@@ -46,21 +46,29 @@
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace blockattn {
 
 namespace impl {
-/// where(i, t) = i n + t: member i's local token t sits at i n + t of the
-/// group's tokens (the members hold consecutive pieces).
+/// where(i, t) = start_i + t: member i's local token t sits at start_i + t
+/// of the group's Ng tokens (the members hold consecutive pieces, the
+/// first Ng mod P one token longer); -1 past a member's piece.
 template <class ExecSpace>
 UlyssesIndex<typename ExecSpace::memory_space> concatenated_index(const ExecSpace& exec, int P,
-                                                                  int n) {
-  UlyssesIndex<typename ExecSpace::memory_space> w(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::hybrid_index"), P, n);
-  auto h = Kokkos::create_mirror_view(w);
+                                                                  index_type Ng) {
+  const EvenCut pieces{Ng, P};
+  UlyssesIndex<typename ExecSpace::memory_space> w;
+  w.N = Ng;
+  const int most = int(pieces.length(0));
+  w.at = decltype(w.at)(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::hybrid_index"),
+                        P, most);
+  auto h = Kokkos::create_mirror_view(w.at);
   for (int i = 0; i < P; ++i)
-    for (int t = 0; t < n; ++t) h(i, t) = index_type(i) * n + t;
-  Kokkos::deep_copy(exec, w, h);
+    for (int t = 0; t < most; ++t)
+      h(i, t) = t < pieces.length(i) ? pieces.start(i) + t : index_type(-1);
+  Kokkos::deep_copy(exec, w.at, h);
   exec.fence();  // h is a temporary
   return w;
 }
@@ -128,8 +136,8 @@ class HybridAttention {
     RunStats stats;
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
       const auto t0 = std::chrono::steady_clock::now();
-      const impl::ForwardExtents e = validate(fn, q, k, v, o, lse, opts);
-      run_forward(e, q, k, v, o, lse, opts, stats);
+      const auto [e, N] = validate(fn, q, k, v, o, lse, opts);
+      run_forward(e, N, q, k, v, o, lse, opts, stats);
       m_exec.fence();
       stats.alltoall_seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -155,10 +163,11 @@ class HybridAttention {
       using V = typename OV::non_const_value_type;
       impl::check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
       const auto t0 = std::chrono::steady_clock::now();
-      const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
-        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
+      const auto [e, N] = validate(bfn, q, k, v, o, lse, opts, [&] {
+        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
+                                           true);
       });
-      run_backward(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+      run_backward(e, N, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       m_exec.fence();
       stats.alltoall_seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -184,11 +193,14 @@ class HybridAttention {
 
   /// Per-rank checks, one consensus over all P ranks, then the checks that
   /// follow from the agreed configuration (they throw on every rank or none).
+  /// Returns this rank's extents and the global length (the sum of the
+  /// local lengths, which the consensus gathers).
   template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
-  impl::ForwardExtents validate(
+  std::pair<impl::ForwardExtents, index_type> validate(
       const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
       const DistributedOptions& opts, Extra extra = [] {}) {
     const int ulysses = m_grid.ulysses;
+    std::vector<std::int64_t> lengths;
     const impl::ForwardExtents e = impl::agree_on_call<ExecSpace>(
         m_comm, name, m_mask, q, k, v, o, lse, opts, false,
         [ulysses](impl::Fingerprint& f) {
@@ -197,13 +209,26 @@ class HybridAttention {
               .text("partition",
                     std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
         },
-        extra);
-    const index_type N = index_type(e.queries) * m_grid.P;
+        extra, &lengths);
+    index_type N = 0;
+    for (const std::int64_t n : lengths) N += n;
+    if (N == 0)
+      impl::fail(name, "every rank holds 0 tokens (q.extent(1) = 0 on all ", m_grid.P,
+                 " ranks), expected a global sequence of at least 1 token");
     impl::require_hybrid_layout<Partition>(name, N, m_grid, m_comm.rank());
+    for (int r = 0; r < m_grid.P; ++r) {
+      const index_type want = hybrid_length<Partition>(N, m_grid, r);
+      if (lengths[std::size_t(r)] != want)
+        impl::fail(name, "rank ", r, " holds ", lengths[std::size_t(r)],
+                   " tokens (q.extent(1)), but the hybrid layout (", Partition::name(),
+                   " partition over ", m_grid.ring, " ring groups of ", m_grid.ulysses,
+                   ") of N = ", N, " tokens (the sum over the ranks) gives it ", want,
+                   "; expected hybrid_length<Partition>(N, grid, rank) tokens on every rank");
+    }
     if (const std::string why = UlyssesHeads::why_not(e.heads, e.kv_heads, m_grid.ulysses);
         !why.empty())
       impl::fail(name, why, " (here: ranks per all-to-all group)");
-    return e;
+    return {e, N};
   }
 
   /// Moves the all-to-all accounting into the ring's stats: its peak adds
@@ -217,15 +242,17 @@ class HybridAttention {
   }
 
   template <class QV, class KV, class VV, class OV, class LV>
-  void run_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
+  void run_forward(const impl::ForwardExtents& e, index_type N, const QV& q, const KV& k,
+                   const VV& v, const OV& o, const LV& lse, const DistributedOptions& opts,
+                   RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int Pa = m_grid.ulysses;
-    const index_type Ng = index_type(e.queries) * Pa;  // the group's tokens
+    const index_type Ng =
+        hybrid_group_length<Partition>(N, m_grid, m_grid.group(m_comm.rank()));  // group's tokens
     const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, Pa);
     const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
-    const auto where = impl::concatenated_index(m_exec, Pa, e.queries);
+    const auto where = impl::concatenated_index(m_exec, Pa, Ng);
     const auto fq = impl::ulysses_firsts(m_exec, u, false),
                fkv = impl::ulysses_firsts(m_exec, u, true);
     std::int64_t sent = 0;
@@ -250,16 +277,16 @@ class HybridAttention {
 
   template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
             class DVV>
-  void run_backward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
-                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+  void run_backward(const impl::ForwardExtents& e, index_type N, const QV& q, const KV& k,
+                    const VV& v, const OV& o, const LV& lse, const DOV& dout, const DQV& dq,
+                    const DKV& dk, const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int Pa = m_grid.ulysses;
-    const index_type Ng = index_type(e.queries) * Pa;
+    const index_type Ng = hybrid_group_length<Partition>(N, m_grid, m_grid.group(m_comm.rank()));
     const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, Pa);
     const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
-    const auto where = impl::concatenated_index(m_exec, Pa, e.queries);
+    const auto where = impl::concatenated_index(m_exec, Pa, Ng);
     const auto fq = impl::ulysses_firsts(m_exec, u, false),
                fkv = impl::ulysses_firsts(m_exec, u, true);
     std::int64_t sent = 0;

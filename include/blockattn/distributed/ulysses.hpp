@@ -46,6 +46,7 @@
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace blockattn {
@@ -63,8 +64,17 @@ struct UlyssesLive {
   void sub(std::int64_t b) { now -= b; }
 };
 
+/// Where the tokens of each rank of an all-to-all group go in the gathered
+/// sequence of N tokens: at(i, t) = the position of rank i's local token t,
+/// -1 past rank i's tokens (ranks may hold different numbers; the all-to-all
+/// chunks have rows() rows, the longest rank's).
 template <class MemorySpace>
-using UlyssesIndex = Kokkos::View<index_type**, Kokkos::LayoutRight, MemorySpace>;  // (rank, local)
+struct UlyssesIndex {
+  Kokkos::View<index_type**, Kokkos::LayoutRight, MemorySpace> at;  // (rank, local)
+  index_type N = 0;
+  KOKKOS_INLINE_FUNCTION index_type operator()(int i, int t) const { return at(i, t); }
+  int rows() const { return int(at.extent(1)); }
+};
 template <class T, class ExecSpace>
 using UlyssesBuf5 = Kokkos::View<T*****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
 template <class T, class ExecSpace>
@@ -93,18 +103,22 @@ void ulysses_rows(const char* label, const ExecSpace& exec, int P, int b, int n,
       });
 }
 
-/// where(i, t): the global position of rank i's local token t.
+/// where(i, t): the global position of rank i's local token t (-1 past its tokens).
 template <class Partition, class ExecSpace>
 UlyssesIndex<typename ExecSpace::memory_space> ulysses_index(const ExecSpace& exec, index_type N,
-                                                             int P, int n) {
-  using Index = UlyssesIndex<typename ExecSpace::memory_space>;
-  Index w(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::ulysses_index"), P, n);
-  auto h = Kokkos::create_mirror_view(w);
+                                                             int P) {
+  UlyssesIndex<typename ExecSpace::memory_space> w;
+  w.N = N;
+  const int most = int(max_local_length<Partition>(N, P));
+  w.at = decltype(w.at)(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::ulysses_index"),
+                        P, most);
+  auto h = Kokkos::create_mirror_view(w.at);
   for (int i = 0; i < P; ++i) {
     const auto map = Partition::positions(N, P, i);
-    for (int t = 0; t < n; ++t) h(i, t) = map(t);
+    const int n = int(local_length<Partition>(N, P, i));
+    for (int t = 0; t < most; ++t) h(i, t) = t < n ? map(t) : index_type(-1);
   }
-  Kokkos::deep_copy(exec, w, h);
+  Kokkos::deep_copy(exec, w.at, h);
   exec.fence();  // h is a temporary
   return w;
 }
@@ -126,6 +140,10 @@ template <class View>
 std::int64_t ulysses_bytes(const View& v) {
   return std::int64_t(v.span()) * std::int64_t(sizeof(typename View::value_type));
 }
+template <class MemorySpace>
+std::int64_t ulysses_bytes(const UlyssesIndex<MemorySpace>& w) {
+  return ulysses_bytes(w.at);
+}
 
 /// Sequence-sharded x (batch, n, H, d) -> head-sharded (batch, N, hl, d) of
 /// this rank's heads [first(r), first(r) + hl), in global order. Adds the
@@ -137,14 +155,15 @@ UlyssesBuf4<T, ExecSpace> ulysses_to_heads(
     const UlyssesIndex<typename ExecSpace::memory_space>& where, std::int64_t& sent,
     UlyssesLive& live) {
   const int P = comm.size(), b = int(x.extent(0)), n = int(x.extent(1)), d = int(x.extent(3));
-  const index_type N = index_type(n) * P;
+  const int m = where.rows();  // rows of a chunk: the longest rank's tokens
+  const index_type N = where.N;
   auto alloc = [](const char* label) {
     return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
   };
-  UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, n, hl, d),
-      recv(alloc("blockattn::ulysses_recv"), P, b, n, hl, d);
+  UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, m, hl, d),
+      recv(alloc("blockattn::ulysses_recv"), P, b, m, hl, d);
   UlyssesBuf4<T, ExecSpace> full(alloc("blockattn::ulysses_full"), b, N, hl, d);
-  const std::int64_t chunk = std::int64_t(b) * n * hl * d;
+  const std::int64_t chunk = std::int64_t(b) * m * hl * d;
   ulysses_rows(
       "blockattn::ulysses_pack", exec, P, b, n, hl, d,
       KOKKOS_LAMBDA(const int j, const int bb, const int t, const int hh, const int dd) {
@@ -152,9 +171,10 @@ UlyssesBuf4<T, ExecSpace> ulysses_to_heads(
       });
   comm.alltoall(exec, send, recv, chunk);
   ulysses_rows(
-      "blockattn::ulysses_unpack", exec, P, b, n, hl, d,
+      "blockattn::ulysses_unpack", exec, P, b, m, hl, d,
       KOKKOS_LAMBDA(const int i, const int bb, const int t, const int hh, const int dd) {
-        full(bb, where(i, t), hh, dd) = recv(i, bb, t, hh, dd);
+        const index_type g = where(i, t);
+        if (g >= 0) full(bb, g, hh, dd) = recv(i, bb, t, hh, dd);
       });
   sent += chunk * (P - 1) * std::int64_t(sizeof(T));
   live.add(ulysses_bytes(send) + ulysses_bytes(recv) + ulysses_bytes(full));
@@ -170,30 +190,31 @@ UlyssesBuf3<typename L::non_const_value_type, ExecSpace> ulysses_lse_to_heads(
     const UlyssesIndex<typename ExecSpace::memory_space>& where, std::int64_t& sent,
     UlyssesLive& live) {
   using C = typename L::non_const_value_type;
-  const int P = comm.size(), b = int(lse.extent(0)), n = int(lse.extent(2));
-  const index_type N = index_type(n) * P;
+  const int P = comm.size(), b = int(lse.extent(0)), n = int(lse.extent(2)), m = where.rows();
+  const index_type N = where.N;
   auto alloc = [](const char* label) {
     return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
   };
   Kokkos::View<C****, Kokkos::LayoutRight, typename ExecSpace::memory_space> send(
-      alloc("blockattn::ulysses_send"), P, b, hl, n),
-      recv(alloc("blockattn::ulysses_recv"), P, b, hl, n);
+      alloc("blockattn::ulysses_send"), P, b, hl, m),
+      recv(alloc("blockattn::ulysses_recv"), P, b, hl, m);
   UlyssesBuf3<C, ExecSpace> full(alloc("blockattn::ulysses_lse"), b, hl, N);
-  const std::int64_t chunk = std::int64_t(b) * hl * n;
+  const std::int64_t chunk = std::int64_t(b) * hl * m;
   Kokkos::parallel_for(
       "blockattn::ulysses_pack_lse", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
       KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int t = int(idx % n), hh = int((idx / n) % hl), bb = int((idx / (n * hl)) % b),
+        const int t = int(idx % m), hh = int((idx / m) % hl), bb = int((idx / (m * hl)) % b),
                   j = int(idx / chunk);
-        send(j, bb, hh, t) = lse(bb, first(j) + hh, t);
+        if (t < n) send(j, bb, hh, t) = lse(bb, first(j) + hh, t);
       });
   comm.alltoall(exec, send, recv, chunk);
   Kokkos::parallel_for(
       "blockattn::ulysses_unpack_lse", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
       KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int t = int(idx % n), hh = int((idx / n) % hl), bb = int((idx / (n * hl)) % b),
+        const int t = int(idx % m), hh = int((idx / m) % hl), bb = int((idx / (m * hl)) % b),
                   i = int(idx / chunk);
-        full(bb, hh, where(i, t)) = recv(i, bb, hh, t);
+        const index_type g = where(i, t);
+        if (g >= 0) full(bb, hh, g) = recv(i, bb, hh, t);
       });
   sent += chunk * (P - 1) * std::int64_t(sizeof(C));
   live.add(ulysses_bytes(send) + ulysses_bytes(recv) + ulysses_bytes(full));
@@ -217,13 +238,15 @@ void ulysses_from_heads(Comm& comm, const ExecSpace& exec, const UlyssesBuf4<T, 
   auto alloc = [](const char* label) {
     return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
   };
-  UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, n, hl, d),
-      recv(alloc("blockattn::ulysses_recv"), P, b, n, hl, d);
-  const std::int64_t chunk = std::int64_t(b) * n * hl * d;
+  const int m = where.rows();
+  UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, m, hl, d),
+      recv(alloc("blockattn::ulysses_recv"), P, b, m, hl, d);
+  const std::int64_t chunk = std::int64_t(b) * m * hl * d;
   ulysses_rows(
-      "blockattn::ulysses_pack_back", exec, P, b, n, hl, d,
+      "blockattn::ulysses_pack_back", exec, P, b, m, hl, d,
       KOKKOS_LAMBDA(const int i, const int bb, const int t, const int hh, const int dd) {
-        send(i, bb, t, hh, dd) = full(bb, where(i, t), hh, dd);
+        const index_type g = where(i, t);
+        if (g >= 0) send(i, bb, t, hh, dd) = full(bb, g, hh, dd);
       });
   comm.alltoall(exec, send, recv, chunk);
   ulysses_rows(
@@ -246,28 +269,29 @@ void ulysses_lse_from_heads(Comm& comm, const ExecSpace& exec, const LFull& full
                             const UlyssesIndex<typename ExecSpace::memory_space>& where,
                             std::int64_t& sent, UlyssesLive& live) {
   using C = typename L::non_const_value_type;
-  const int P = comm.size(), b = int(lse.extent(0)), n = int(lse.extent(2));
+  const int P = comm.size(), b = int(lse.extent(0)), n = int(lse.extent(2)), m = where.rows();
   auto alloc = [](const char* label) {
     return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
   };
   Kokkos::View<C****, Kokkos::LayoutRight, typename ExecSpace::memory_space> send(
-      alloc("blockattn::ulysses_send"), P, b, hl, n),
-      recv(alloc("blockattn::ulysses_recv"), P, b, hl, n);
-  const std::int64_t chunk = std::int64_t(b) * hl * n;
+      alloc("blockattn::ulysses_send"), P, b, hl, m),
+      recv(alloc("blockattn::ulysses_recv"), P, b, hl, m);
+  const std::int64_t chunk = std::int64_t(b) * hl * m;
   Kokkos::parallel_for(
       "blockattn::ulysses_pack_lse_back", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
       KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int t = int(idx % n), hh = int((idx / n) % hl), bb = int((idx / (n * hl)) % b),
+        const int t = int(idx % m), hh = int((idx / m) % hl), bb = int((idx / (m * hl)) % b),
                   i = int(idx / chunk);
-        send(i, bb, hh, t) = full(bb, hh, where(i, t));
+        const index_type g = where(i, t);
+        if (g >= 0) send(i, bb, hh, t) = full(bb, hh, g);
       });
   comm.alltoall(exec, send, recv, chunk);
   Kokkos::parallel_for(
       "blockattn::ulysses_unpack_lse_back", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
       KOKKOS_LAMBDA(const std::int64_t idx) {
-        const int t = int(idx % n), hh = int((idx / n) % hl), bb = int((idx / (n * hl)) % b),
+        const int t = int(idx % m), hh = int((idx / m) % hl), bb = int((idx / (m * hl)) % b),
                   j = int(idx / chunk);
-        lse(bb, first(j) + hh, t) = recv(j, bb, hh, t);
+        if (t < n) lse(bb, first(j) + hh, t) = recv(j, bb, hh, t);
       });
   sent += chunk * (P - 1) * std::int64_t(sizeof(C));
   live.add(ulysses_bytes(send) + ulysses_bytes(recv));
@@ -316,8 +340,8 @@ class UlyssesAttention {
     RunStats stats;
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
       const auto t0 = std::chrono::steady_clock::now();
-      const impl::ForwardExtents e = validate(fn, q, k, v, o, lse, opts);
-      run_forward(e, q, k, v, o, lse, opts, stats);
+      const auto [e, N] = validate(fn, q, k, v, o, lse, opts);
+      run_forward(e, N, q, k, v, o, lse, opts, stats);
       m_exec.fence();
       stats.steps.back().seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -342,10 +366,11 @@ class UlyssesAttention {
       using V = typename OV::non_const_value_type;
       impl::check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
       const auto t0 = std::chrono::steady_clock::now();
-      const impl::ForwardExtents e = validate(bfn, q, k, v, o, lse, opts, [&] {
-        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
+      const auto [e, N] = validate(bfn, q, k, v, o, lse, opts, [&] {
+        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
+                                           true);
       });
-      run_backward(e, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+      run_backward(e, N, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       m_exec.fence();
       stats.steps.back().seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -366,11 +391,14 @@ class UlyssesAttention {
   Mask m_mask;
   ExecSpace m_exec;
 
-  /// Per-rank checks, then one consensus step (as DistributedAttention).
+  /// Per-rank checks, then one consensus step (as DistributedAttention; it
+  /// also gathers every rank's local length). Returns this rank's extents
+  /// and the global length.
   template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
-  impl::ForwardExtents validate(
+  std::pair<impl::ForwardExtents, index_type> validate(
       const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
       const DistributedOptions& opts, Extra extra = [] {}) {
+    std::vector<std::int64_t> lengths;
     const impl::ForwardExtents e = impl::agree_on_call<ExecSpace>(
         m_comm, name, m_mask, q, k, v, o, lse, opts, false,
         [](impl::Fingerprint& f) {
@@ -378,26 +406,23 @@ class UlyssesAttention {
               .text("partition",
                     std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
         },
-        extra);
+        extra, &lengths);
     // Every rank holds the same configuration now: these throw on all or none.
     const int P = m_comm.size();
-    const index_type N = index_type(e.queries) * P;
-    require_even_partition<Partition>(name, N, P);  // the all-to-alls move equal pieces
+    const index_type N = impl::agreed_length<Partition>(name, lengths);
     check_partition_contract<Partition>(name, N, P);
     if (const std::string why = UlyssesHeads::why_not(e.heads, e.kv_heads, P); !why.empty())
       impl::fail(name, why);
     if (impl::check_policies_always || opts.check_policies)
       impl::check_mask_contract(name, m_exec, m_mask, 0, N, 0, N);
-    return e;
+    return {e, N};
   }
 
   /// The one "step" of RunStats: the local attention's tiles (per batch and
   /// head, over the whole sequence) and the bytes of the all-to-alls.
   template <class Shape>
-  StepStats step_stats(const impl::ForwardExtents& e, const DistributedOptions& opts,
-                       std::int64_t sent) const {
-    const int P = m_comm.size(), rank = m_comm.rank();
-    const index_type N = index_type(e.queries) * P;
+  StepStats step_stats(index_type N, const DistributedOptions& opts, std::int64_t sent) const {
+    const int rank = m_comm.rank();
     StepStats st;
     st.step = 0;
     st.source = rank;
@@ -411,15 +436,15 @@ class UlyssesAttention {
   }
 
   template <class QV, class KV, class VV, class OV, class LV>
-  void run_forward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
+  void run_forward(const impl::ForwardExtents& e, index_type N, const QV& q, const KV& k,
+                   const VV& v, const OV& o, const LV& lse, const DistributedOptions& opts,
+                   RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int P = m_comm.size();
-    const index_type N = index_type(e.queries) * P;
     const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, P);
     const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
-    const auto where = impl::ulysses_index<Partition>(m_exec, N, P, e.queries);
+    const auto where = impl::ulysses_index<Partition>(m_exec, N, P);
     const auto fq = impl::ulysses_firsts(m_exec, u, false),
                fkv = impl::ulysses_firsts(m_exec, u, true);
     std::int64_t sent = 0;
@@ -462,21 +487,20 @@ class UlyssesAttention {
     stats.block_q = Shape::block_q;
     stats.block_k = Shape::block_k;
     stats.workspace_bytes = live.peak;
-    stats.steps.push_back(step_stats<Shape>(e, opts, sent));
+    stats.steps.push_back(step_stats<Shape>(N, opts, sent));
   }
 
   template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
             class DVV>
-  void run_backward(const impl::ForwardExtents& e, const QV& q, const KV& k, const VV& v,
-                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
-                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+  void run_backward(const impl::ForwardExtents& e, index_type N, const QV& q, const KV& k,
+                    const VV& v, const OV& o, const LV& lse, const DOV& dout, const DQV& dq,
+                    const DKV& dk, const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int P = m_comm.size();
-    const index_type N = index_type(e.queries) * P;
     const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, P);
     const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
-    const auto where = impl::ulysses_index<Partition>(m_exec, N, P, e.queries);
+    const auto where = impl::ulysses_index<Partition>(m_exec, N, P);
     const auto fq = impl::ulysses_firsts(m_exec, u, false),
                fkv = impl::ulysses_firsts(m_exec, u, true);
     std::int64_t sent = 0;
@@ -528,7 +552,7 @@ class UlyssesAttention {
     stats.block_q = Shape::block_q;
     stats.block_k = Shape::block_k;
     stats.workspace_bytes = live.peak;
-    stats.steps.push_back(step_stats<Shape>(e, opts, sent));
+    stats.steps.push_back(step_stats<Shape>(N, opts, sent));
   }
 };
 

@@ -481,10 +481,15 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   pr.partition = Partition::name();
   pr.schedule = "ulysses";
   const int P = p.P;
-  if (P < 1 || p.N <= 0 || p.N % Partition::multiple_of(P) != 0) {
+  if constexpr (splits_any_length_v<Partition>) {
+    if (P < 1 || p.N < 1) {
+      pr.valid = false;
+      pr.why_not = "N and P must be at least 1";
+      return pr;
+    }
+  } else if (P < 1 || p.N <= 0 || p.N % Partition::multiple_of(P) != 0) {
     pr.valid = false;
-    pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P)) +
-                 " (Ulysses' all-to-alls move equal pieces)";
+    pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
     return pr;
   }
   if (const std::string why = UlyssesHeads::why_not(p.heads, p.kv_heads, P); !why.empty()) {
@@ -497,10 +502,13 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   const std::int64_t keys_padded = (p.N + p.block_k - 1) / p.block_k * std::int64_t(p.block_k);
   const std::int64_t packed =
       2 * std::int64_t(p.batch) * u.kv_heads_per_rank * keys_padded * p.stored_dim() * cs;
+  // Chunks of the longest rank's tokens (every rank's when P divides N).
+  Problem widest = p;
+  widest.most = max_local_length<Partition>(p.N, P);
   const UlyssesForwardVolume vol =
-      ulysses_forward_volume(u, p.batch, p.N, p.dim, p.dtype_bytes, cs, packed);
+      ulysses_forward_volume(u, p.batch, p.N, p.dim, p.dtype_bytes, cs, packed, widest.most);
   // Time: the all-to-alls in (Q, K, V) and out (O, LSE), P - 1 chunks each.
-  const std::int64_t n = p.local(), chunk_row = std::int64_t(p.batch) * n * p.dim;
+  const std::int64_t n = widest.local(), chunk_row = std::int64_t(p.batch) * n * p.dim;
   const auto a2a = [&](std::int64_t chunk_bytes) {
     return detail::alltoall_seconds(hw, 0, P, 1, chunk_bytes);
   };
@@ -522,7 +530,7 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   st.start_s = 0;
   st.end_s = in + st.compute_s + out;
   const std::int64_t inputs =
-      detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
+      detail::rows_bytes(widest, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(widest);
   pr.ranks.resize(std::size_t(P));
   for (int r = 0; r < P; ++r) {
     RankPlan& rp = pr.ranks[std::size_t(r)];
@@ -579,10 +587,16 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
   inner.kv_heads = u.kv_heads_per_rank;
   const Prediction ring = predict<Partition, Schedule>(inner, mask, hw, count_pairs, ulysses);
   if (!ring.valid) return invalid(ring.why_not);
-  // The all-to-alls: chunks of n = N / P tokens, as in predict_ulysses.
+  // The all-to-alls: chunks of the longest member's tokens (N / P when the
+  // layout is even), as in predict_ulysses; a group's chunks are those of its
+  // longest member.
   const int cs = p.accumulator_bytes();
-  const std::int64_t s = p.dtype_bytes, n = p.local(),
-                     chunk_row = std::int64_t(p.batch) * n * p.dim;
+  const auto group_tokens = [&](int group) {
+    return hybrid_group_length<Partition>(p.N, g, group);
+  };
+  std::int64_t n = 0;
+  for (int r = 0; r < P; ++r) n = std::max<std::int64_t>(n, hybrid_length<Partition>(p.N, g, r));
+  const std::int64_t s = p.dtype_bytes, chunk_row = std::int64_t(p.batch) * n * p.dim;
   const auto a2a = [&](std::int64_t chunk) {
     return detail::alltoall_seconds(hw, 0, ulysses, g.ring, chunk);
   };
@@ -590,14 +604,18 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
                     2 * a2a(chunk_row * u.kv_heads_per_rank * s),
                out = a2a(chunk_row * u.heads_per_rank * s) +
                      a2a(std::int64_t(p.batch) * n * u.heads_per_rank * cs);
+  Problem widest = p;
+  widest.most = n;
   const std::int64_t inputs =
-      detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
+      detail::rows_bytes(widest, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(widest);
   pr.ranks.resize(std::size_t(P));
   for (int r = 0; r < P; ++r) {
     const RankPlan& rr = ring.ranks[std::size_t(g.group(r))];
     RankPlan& rp = pr.ranks[std::size_t(r)];
-    const UlyssesForwardVolume vol = ulysses_forward_volume(u, p.batch, p.N / g.ring, p.dim,
-                                                            p.dtype_bytes, cs, rr.workspace_bytes);
+    const index_type Ng = group_tokens(g.group(r));
+    const UlyssesForwardVolume vol =
+        ulysses_forward_volume(u, p.batch, Ng, p.dim, p.dtype_bytes, cs, rr.workspace_bytes,
+                               impl::EvenCut{Ng, ulysses}.length(0));
     rp.steps = rr.steps;
     for (auto& st : rp.steps) {
       st.start_s += in;

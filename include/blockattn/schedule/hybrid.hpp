@@ -12,9 +12,10 @@
 //
 // Layout: the partition splits the sequence over the P_r groups (as it splits
 // it over P_r ranks for DistributedAttention); member a holds the a-th of P_a
-// equal consecutive pieces of its group's tokens, in the partition's local
-// order. So N must be split by the partition over P_r ranks, and N / P_r must
-// be a multiple of P_a.
+// consecutive pieces of its group's tokens, in the partition's local order
+// (equal pieces when P_a divides them, else the first pieces hold one token
+// more). Any N >= 1 for a partition with length(); otherwise N must be split
+// by the partition over P_r ranks into equal parts that P_a divides.
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -62,9 +63,27 @@ struct HybridPositions {
   }
 };
 
+/// The tokens of ring group `group` (the partition's share over P_r groups).
+template <class Partition>
+index_type hybrid_group_length(index_type N, const HybridGrid& g, int group) {
+  return local_length<Partition>(N, g.ring, group);
+}
+
+/// The tokens `rank` holds under the hybrid layout.
+template <class Partition>
+index_type hybrid_length(index_type N, const HybridGrid& g, int rank) {
+  return impl::EvenCut{hybrid_group_length<Partition>(N, g, g.group(rank)), g.ulysses}.length(
+      g.member(rank));
+}
+
 /// Empty when N can be laid out on the grid by Partition, else why not.
 template <class Partition>
 std::string hybrid_length_why_not(index_type N, const HybridGrid& g) {
+  if constexpr (splits_any_length_v<Partition>) {
+    if (N < 1)
+      return "global sequence length N = " + std::to_string(N) + ", expected at least 1 token";
+    return {};
+  }
   const index_type m = Partition::multiple_of(g.ring);
   if (N <= 0 || N % m != 0)
     return "global sequence length N = " + std::to_string(N) + " cannot be split by the " +
@@ -83,7 +102,8 @@ template <class Partition>
 HybridPositions<typename Partition::position_map> hybrid_position_map(index_type N,
                                                                       const HybridGrid& g,
                                                                       int rank) {
-  return {Partition::positions(N, g.ring, g.group(rank)), g.member(rank) * (N / g.P)};
+  const impl::EvenCut piece{hybrid_group_length<Partition>(N, g, g.group(rank)), g.ulysses};
+  return {Partition::positions(N, g.ring, g.group(rank)), piece.start(g.member(rank))};
 }
 
 namespace impl {
@@ -103,15 +123,17 @@ void hybrid_permute(const char* fn, const ExecSpace& exec, const HybridGrid& g, 
   constexpr int sd = seq_dim<GV>();
   const index_type N = static_cast<index_type>(global.extent(sd));
   require_hybrid_layout<Partition>(fn, N, g, rank);
-  const index_type n_local = N / g.P;
+  const index_type n_local = hybrid_length<Partition>(N, g, rank);
   for (int d = 0; d < int(GV::rank); ++d) {
     const std::size_t want = d == sd ? std::size_t(n_local) : global.extent(d);
     if (local.extent(d) != want)
       fail(fn, "argument 'local' has extent(", d, ") = ", local.extent(d), ", expected ", want,
-           d == sd ? " (N / P)" : " (the same extent of 'global')");
+           d == sd ? " (the tokens this rank holds: hybrid_length<Partition>(N, grid, rank))"
+                   : " (the same extent of 'global')");
   }
   const auto map = hybrid_position_map<Partition>(N, g, rank);
   const index_type outer = sd == 0 ? 1 : index_type(global.extent(0));
+  if (n_local == 0) return;
   Kokkos::parallel_for(
       "blockattn::hybrid_permute",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<index_type>>(exec, 0, outer * n_local),
@@ -125,7 +147,7 @@ template <class Partition, class MemorySpace = Kokkos::HostSpace>
 Kokkos::View<index_type*, MemorySpace> hybrid_local_positions(index_type N, const HybridGrid& g,
                                                               int rank) {
   impl::require_hybrid_layout<Partition>("hybrid_local_positions", N, g, rank);
-  const index_type n = N / g.P;
+  const index_type n = hybrid_length<Partition>(N, g, rank);
   Kokkos::View<index_type*, MemorySpace> ids("blockattn::position_ids", n);
   auto h = Kokkos::create_mirror_view(ids);
   const auto map = hybrid_position_map<Partition>(N, g, rank);

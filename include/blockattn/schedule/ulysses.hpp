@@ -50,11 +50,12 @@ struct UlyssesHeads {
 };
 
 /// What one forward call of UlyssesAttention moves and allocates per rank
-/// (every rank the same): batch b, N tokens over P ranks (n = N / P local),
+/// (every rank the same): batch b, N tokens over P ranks (n = `most`, the
+/// longest rank's tokens, the rows of every all-to-all chunk; 0: N / P),
 /// head dim d, storage bytes s, compute bytes cs, and `packed` = the bytes of
 /// the packed K/V block of the local attention (compute type).
 ///   sent: (P-1)/P of Q, K, V (K/V once per receiving rank) and O in s, LSE in cs;
-///   peak workspace: the rank/position index (8 N), Q, K, V, O of this rank's
+///   peak workspace: the rank/position index (8 P n), Q, K, V, O of this rank's
 ///   heads over N tokens in s, their LSE in cs, plus the largest transient of
 ///   the phases: the packed block, or O's / the LSE's send and receive buffers.
 struct UlyssesForwardVolume {
@@ -62,20 +63,25 @@ struct UlyssesForwardVolume {
 };
 
 inline UlyssesForwardVolume ulysses_forward_volume(const UlyssesHeads& u, int batch, index_type N,
-                                                   int dim, int s, int cs, std::int64_t packed) {
-  const std::int64_t P = u.P, n = N / P, hq = u.heads_per_rank, hk = u.kv_heads_per_rank;
+                                                   int dim, int s, int cs, std::int64_t packed,
+                                                   index_type most = 0) {
+  const std::int64_t P = u.P, n = most > 0 ? most : N / P, hq = u.heads_per_rank,
+                     hk = u.kv_heads_per_rank;
   const std::int64_t rows = std::int64_t(batch) * n * dim * (P - 1);  // one head, to P-1 ranks
   UlyssesForwardVolume v;
   v.sent = rows * s * (2 * hq + 2 * hk) + std::int64_t(batch) * n * (P - 1) * hq * cs;
   const std::int64_t full = std::int64_t(batch) * N * dim * s;  // one head, all N tokens
   const std::int64_t lse = std::int64_t(batch) * hq * N * cs;
+  // Send or receive buffer of an all-to-all: P chunks of n rows (P n >= N).
+  const std::int64_t chunks = std::int64_t(batch) * P * n * dim * s,
+                     lse_chunks = std::int64_t(batch) * hq * P * n * cs;
   std::int64_t transient = packed;
-  if (2 * full * hq > transient) transient = 2 * full * hq;
-  if (2 * lse > transient) transient = 2 * lse;
+  if (2 * chunks * hq > transient) transient = 2 * chunks * hq;
+  if (2 * lse_chunks > transient) transient = 2 * lse_chunks;
   // During the K/V all-to-alls (Q held, K or V with its send and receive buffers):
-  const std::int64_t before = full * (hq + hk + 3 * hk);
+  const std::int64_t before = full * (hq + 2 * hk) + 2 * chunks * hk;
   const std::int64_t after = full * (2 * hq + 2 * hk) + lse + transient;
-  v.workspace = 8 * std::int64_t(N) + (before > after ? before : after);
+  v.workspace = 8 * P * n + (before > after ? before : after);
   return v;
 }
 

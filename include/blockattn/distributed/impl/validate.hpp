@@ -11,6 +11,7 @@
 #include <blockattn/core/errors.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/policy/partition.hpp>
 
 #include <cmath>
 #include <string>
@@ -61,6 +62,30 @@ ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, con
            check_policies_always || opts.check_policies ? 1 : 0);
   reach_consensus(comm, name, error, f, e.queries, lengths);
   return e;
+}
+
+/// After a consensus that gathered every rank's local length: the global
+/// length N (their sum), checked against what Partition gives each rank. The
+/// same data on every rank, so it throws on every rank or on none.
+template <class Partition>
+index_type agreed_length(const char* name, const std::vector<std::int64_t>& lengths) {
+  const int P = int(lengths.size());
+  index_type N = 0;
+  for (const std::int64_t n : lengths) N += n;
+  if (N == 0)
+    fail(name, "every rank holds 0 tokens (q.extent(1) = 0 on all ", P,
+         " ranks), expected a global sequence of at least 1 token");
+  require_partitionable<Partition>(name, N, P);
+  for (int r = 0; r < P; ++r) {
+    const index_type want = local_length<Partition>(N, P, r);
+    if (lengths[std::size_t(r)] != want)
+      fail(name, "rank ", r, " holds ", lengths[std::size_t(r)], " tokens (q.extent(1)), but the ",
+           Partition::name(), " partition of N = ", N,
+           " tokens (the sum over the ranks) over P = ", P, " ranks gives it ", want,
+           "; expected local_length<Partition>(N, P, rank) tokens on every rank",
+           splits_any_length_v<Partition> ? "" : " (N / P: this partition has no length())");
+  }
+  return N;
 }
 
 }  // namespace impl
