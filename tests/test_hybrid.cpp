@@ -43,7 +43,9 @@ std::pair<index_type, index_type> piece(index_type Ng, const HybridGrid& g, int 
 
 template <class S, class Partition>
 V4<S> local_rows(const HostTensor& t, const HybridGrid& g, int rank) {
-  const auto [first, n] = piece(local_length<Partition>(t.n, g.ring, g.group(rank)), g, rank);
+  // Not a structured binding: a lambda cannot capture one before C++20 (nvcc says so).
+  const auto p = piece(local_length<Partition>(t.n, g.ring, g.group(rank)), g, rank);
+  const index_type first = p.first, n = p.second;
   const auto group = Partition::positions(t.n, g.ring, g.group(rank));
   return test::local_rows<S>(t, n, [&](index_type i) { return group(first + i); });
 }
@@ -242,8 +244,8 @@ TEST_CASE("hybrid: hybrid_to_local and hybrid_from_local invert each other") {
     for (const index_type extra : {index_type(0), index_type(P + 1)}) {
       const HybridGrid g = HybridGrid::make(P, a);
       const index_type N = 4 * index_type(P) * 3 + extra;
-      const auto [first, n] =
-          piece(local_length<ZigzagPartition>(N, g.ring, g.group(rank)), g, rank);
+      const auto p = piece(local_length<ZigzagPartition>(N, g.ring, g.group(rank)), g, rank);
+      const index_type first = p.first, n = p.second;
       CHECK(n == hybrid_length<ZigzagPartition>(N, g, rank));
       V4<double> global("global", 1, N, 2, 3), back("back", 1, N, 2, 3);
       V4<double> local("local", 1, n, 2, 3);
