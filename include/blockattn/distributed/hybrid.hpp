@@ -11,7 +11,7 @@
 //   blockattn::HybridAttention<blockattn::ZigzagPartition, blockattn::CausalMask,
 //                              blockattn::RingSchedule, blockattn::MpiCommunicator<>>
 //       attn(comm, /*ulysses=*/8);                   // groups of 8 ranks, P / 8 groups
-//   attn.forward(q, k, v, o, lse);                   // local Views: N / P tokens each
+//   attn.forward(q, k, v, o, lse);                   // local Views: hybrid_length() tokens
 //   attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
 //
 // Layout (blockattn/schedule/hybrid.hpp): the partition splits the sequence
@@ -127,7 +127,7 @@ class HybridAttention {
   ring_type& ring() { return m_ring; }
   const Mask& mask() const { return m_mask; }
 
-  /// O and LSE of this rank's queries (hybrid layout, N / P tokens).
+  /// O and LSE of this rank's queries (hybrid layout, hybrid_length() tokens).
   /// Collective over the whole communicator.
   template <class QV, class KV, class VV, class OV, class LV>
   RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,

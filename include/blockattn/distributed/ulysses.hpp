@@ -9,7 +9,7 @@
 //
 //   blockattn::UlyssesAttention<blockattn::ZigzagPartition, blockattn::CausalMask,
 //                               blockattn::MpiCommunicator<>> attn(comm);
-//   attn.forward(q, k, v, o, lse);                       // local Views: N / P tokens each
+//   attn.forward(q, k, v, o, lse);                       // local Views: the partition's tokens
 //   attn.backward(q, k, v, o, lse, dout, dq, dk, dv);
 //
 // Heads: rank r computes query heads [r H/P, (r+1) H/P), so P must divide H.

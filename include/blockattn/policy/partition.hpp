@@ -195,8 +195,8 @@ index_type max_local_length(index_type N, int P) {
   return m;
 }
 
-/// Throws unless Partition gives every one of P ranks N / P tokens (what
-/// UlyssesAttention's and HybridAttention's all-to-alls need).
+/// Throws unless Partition gives every one of P ranks N / P tokens (for
+/// code of your own that needs equal pieces; the drivers take any N).
 template <class Partition>
 void require_even_partition(const char* function, index_type N, int P) {
   impl::check_partition_policy<Partition>();
