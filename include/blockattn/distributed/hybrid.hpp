@@ -45,6 +45,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -210,21 +211,21 @@ class HybridAttention {
                     std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
         },
         extra, &lengths);
-    index_type N = 0;
-    for (const std::int64_t n : lengths) N += n;
-    if (N == 0)
-      impl::fail(name, "every rank holds 0 tokens (q.extent(1) = 0 on all ", m_grid.P,
-                 " ranks), expected a global sequence of at least 1 token");
-    impl::require_hybrid_layout<Partition>(name, N, m_grid, m_comm.rank());
-    for (int r = 0; r < m_grid.P; ++r) {
-      const index_type want = hybrid_length<Partition>(N, m_grid, r);
-      if (lengths[std::size_t(r)] != want)
-        impl::fail(name, "rank ", r, " holds ", lengths[std::size_t(r)],
-                   " tokens (q.extent(1)), but the hybrid layout (", Partition::name(),
-                   " partition over ", m_grid.ring, " ring groups of ", m_grid.ulysses,
-                   ") of N = ", N, " tokens (the sum over the ranks) gives it ", want,
-                   "; expected hybrid_length<Partition>(N, grid, rank) tokens on every rank");
-    }
+    const HybridGrid& g = m_grid;
+    const index_type N = impl::agreed_length(
+        name, lengths,
+        [&](index_type n, int r) {
+          impl::require_hybrid_layout<Partition>(name, n, g, m_comm.rank());
+          return hybrid_length<Partition>(n, g, r);
+        },
+        [&](index_type n) {
+          std::ostringstream s;
+          s << "the hybrid layout (" << Partition::name() << " partition over " << g.ring
+            << " ring groups of " << g.ulysses << ") of N = " << n
+            << " tokens (the sum over the ranks)";
+          return s.str();
+        },
+        "hybrid_length<Partition>(N, grid, rank)");
     if (const std::string why = UlyssesHeads::why_not(e.heads, e.kv_heads, m_grid.ulysses);
         !why.empty())
       impl::fail(name, why, " (here: ranks per all-to-all group)");

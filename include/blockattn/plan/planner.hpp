@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace blockattn {
@@ -340,6 +341,18 @@ void schedule_plan(const Problem& p, const ScheduleContext& c, std::vector<Messa
   }
 }
 
+/// Empty when Partition splits N over P ranks (any N >= 1 with length(),
+/// else a positive multiple of multiple_of(P)), else why not.
+template <class Partition>
+std::string length_why_not(index_type N, int P) {
+  if constexpr (splits_any_length_v<Partition>) {
+    if (P < 1 || N < 1) return "N and P must be at least 1";
+  } else if (P < 1 || N <= 0 || N % Partition::multiple_of(P) != 0) {
+    return "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
+  }
+  return {};
+}
+
 }  // namespace detail
 
 /// Predicts one partition x mask x schedule. Work per rank and step comes from
@@ -358,15 +371,9 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
   pr.partition = Partition::name();
   pr.schedule = Schedule::name();
   const int P = problem.P;
-  if constexpr (splits_any_length_v<Partition>) {
-    if (P < 1 || problem.N < 1) {
-      pr.valid = false;
-      pr.why_not = "N and P must be at least 1";
-      return pr;
-    }
-  } else if (P < 1 || problem.N <= 0 || problem.N % Partition::multiple_of(P) != 0) {
+  if (std::string why = detail::length_why_not<Partition>(problem.N, P); !why.empty()) {
     pr.valid = false;
-    pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
+    pr.why_not = std::move(why);
     return pr;
   }
   Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
@@ -481,15 +488,9 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   pr.partition = Partition::name();
   pr.schedule = "ulysses";
   const int P = p.P;
-  if constexpr (splits_any_length_v<Partition>) {
-    if (P < 1 || p.N < 1) {
-      pr.valid = false;
-      pr.why_not = "N and P must be at least 1";
-      return pr;
-    }
-  } else if (P < 1 || p.N <= 0 || p.N % Partition::multiple_of(P) != 0) {
+  if (std::string why = detail::length_why_not<Partition>(p.N, P); !why.empty()) {
     pr.valid = false;
-    pr.why_not = "N must be a positive multiple of " + std::to_string(Partition::multiple_of(P));
+    pr.why_not = std::move(why);
     return pr;
   }
   if (const std::string why = UlyssesHeads::why_not(p.heads, p.kv_heads, P); !why.empty()) {

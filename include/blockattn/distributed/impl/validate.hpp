@@ -14,6 +14,7 @@
 #include <blockattn/policy/partition.hpp>
 
 #include <cmath>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -65,27 +66,47 @@ ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, con
 }
 
 /// After a consensus that gathered every rank's local length: the global
-/// length N (their sum), checked against what Partition gives each rank. The
-/// same data on every rank, so it throws on every rank or on none.
-template <class Partition>
-index_type agreed_length(const char* name, const std::vector<std::int64_t>& lengths) {
+/// length N (their sum), and each rank's length checked against
+/// `expected(N, r)`; `layout(N)` names the layout in the error ("the zigzag
+/// partition of N = ... over P = ... ranks"), `rule` the function users call.
+/// The same data on every rank, so it throws on every rank or on none.
+template <class Expected, class Layout>
+index_type agreed_length(const char* name, const std::vector<std::int64_t>& lengths,
+                         const Expected& expected, const Layout& layout, const char* rule) {
   const int P = int(lengths.size());
   index_type N = 0;
   for (const std::int64_t n : lengths) N += n;
   if (N == 0)
     fail(name, "every rank holds 0 tokens (q.extent(1) = 0 on all ", P,
          " ranks), expected a global sequence of at least 1 token");
-  require_partitionable<Partition>(name, N, P);
   for (int r = 0; r < P; ++r) {
-    const index_type want = local_length<Partition>(N, P, r);
+    const index_type want = expected(N, r);
     if (lengths[std::size_t(r)] != want)
-      fail(name, "rank ", r, " holds ", lengths[std::size_t(r)], " tokens (q.extent(1)), but the ",
-           Partition::name(), " partition of N = ", N,
-           " tokens (the sum over the ranks) over P = ", P, " ranks gives it ", want,
-           "; expected local_length<Partition>(N, P, rank) tokens on every rank",
-           splits_any_length_v<Partition> ? "" : " (N / P: this partition has no length())");
+      fail(name, "rank ", r, " holds ", lengths[std::size_t(r)], " tokens (q.extent(1)), but ",
+           layout(N), " gives it ", want, "; expected ", rule, " tokens on every rank");
   }
   return N;
+}
+
+/// The same for a partition over all the lengths' ranks.
+template <class Partition>
+index_type agreed_length(const char* name, const std::vector<std::int64_t>& lengths) {
+  const int P = int(lengths.size());
+  return agreed_length(
+      name, lengths,
+      [&](index_type N, int r) {
+        require_partitionable<Partition>(name, N, P);
+        return local_length<Partition>(N, P, r);
+      },
+      [&](index_type N) {
+        std::ostringstream s;
+        s << "the " << Partition::name() << " partition of N = " << N
+          << " tokens (the sum over the ranks) over P = " << P << " ranks";
+        return s.str();
+      },
+      splits_any_length_v<Partition>
+          ? "local_length<Partition>(N, P, rank)"
+          : "local_length<Partition>(N, P, rank) (N / P: this partition has no length())");
 }
 
 }  // namespace impl
