@@ -179,6 +179,11 @@ RunStats check_against_single(Comm comm, const Case& c, const Mask& mask, std::u
   CHECK_FALSE(inf_mismatch);
   CHECK(int(stats.steps.size()) ==
         schedule_steps<Schedule>(schedule_context<Partition>(mask, N, P)));
+  // Busy time is a part of each step's wall time.
+  for (const StepStats& st : stats.steps) {
+    CHECK(st.compute_seconds >= 0.0);
+    CHECK(st.compute_seconds <= st.seconds);
+  }
 
   // Gathering the local outputs back into global order gives the global output.
   V4<T> back("back", c.b, N, c.h, c.d);
@@ -260,6 +265,10 @@ RunStats check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_
   Kokkos::fence();
   CHECK(int(stats.steps.size()) ==
         Schedule::backward_type::steps(schedule_context<Partition>(mask, N, P)));
+  for (const StepStats& st : stats.steps) {
+    CHECK(st.compute_seconds >= 0.0);
+    CHECK(st.compute_seconds <= st.seconds);
+  }
   // Compare with the reference rows this rank owns.
   const auto map = Partition::positions(N, P, rank);
   auto check = [&](const V4<T>& got, const HostTensor& want, const char* name) {

@@ -4,7 +4,8 @@
 // shapes, options, forward vs backward) throw the same error on every rank,
 // before any transfer; the consensus costs one collective per call; a
 // transfer that cannot complete times out with a message naming step, peer
-// and message; a partition that breaks its contract is rejected.
+// and message; a partition that breaks its contract is rejected; a
+// TablePartition must be the same on every rank and built for the call.
 // Run under mpiexec with any number of ranks (ctest: 1, 3, 4).
 #include <doctest/doctest.h>
 
@@ -525,4 +526,72 @@ TEST_CASE("a partition that breaks its contract is rejected on every rank") {
     CHECK_NOTHROW(check_partition_contract<StripedPartition>("test", N, P));
     CHECK_NOTHROW(check_partition_contract<ZigzagPartition>("test", N, P));
   }
+}
+
+TEST_CASE("a table partition: the same table on every rank, built for the call's N and P") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size(), rank = comm.rank();
+  using Table = TablePartition<MemSpace>;
+  // Rank r holds 8 tokens: r, r + P, ... (striped), as a table.
+  const auto striped = [](int parts, index_type per_rank) {
+    std::vector<std::vector<index_type>> t(static_cast<std::size_t>(parts));
+    for (index_type x = 0; x < parts * per_rank; ++x) t[std::size_t(x % parts)].push_back(x);
+    return t;
+  };
+  Case<double> c(8, 1, 8);
+  {
+    Attn<RingSchedule, Table> a(comm, Table(striped(P, 8)));
+    CHECK(error_of([&] { forward_backward(a, c); }).empty());
+    CHECK(a.partition().size() == 8 * P);
+    CHECK(local_length(a.partition(), 8 * P, P, rank) == 8);
+  }
+  if (P > 1) {
+    // The last rank swaps a token of rank 0 with one of rank 1: same lengths,
+    // another table.
+    auto t = striped(P, 8);
+    if (rank == P - 1) std::swap(t[0][3], t[1][3]);
+    for (auto& list : t) std::sort(list.begin(), list.end());
+    Attn<RingSchedule, Table> a(comm, Table(t));
+    const std::string msg = error_of([&] { forward_backward(a, c); });
+    check_everywhere(comm, msg, "partition value differs between ranks");
+    CHECK(msg.find("on rank " + std::to_string(P - 1)) != std::string::npos);
+  }
+  {
+    // A table for P + 1 ranks used on P ranks: named with both.
+    const Table wrong(striped(P + 1, 8));
+    Attn<RingSchedule, Table> a(comm, wrong);
+    Case<double> c2(int(wrong.length(0, P + 1, rank)) + (rank == P - 1 ? 8 : 0), 1, 8);
+    const std::string msg = error_of([&] { forward_backward(a, c2); });
+    check_everywhere(
+        comm, msg,
+        "the table partition holds N = " + std::to_string(8 * (P + 1)) + " tokens over P = " +
+            std::to_string(P + 1) + " ranks, but the call has N = " + std::to_string(8 * (P + 1)) +
+            " tokens (the sum of the local lengths) over P = " + std::to_string(P) + " ranks");
+    // The permutation helpers check it as well.
+    V4<double> global("g", 1, 8 * (P + 1), 1, 8);
+    CHECK(error_of([&] { to_local(wrong, ExecSpace(), P, rank, global, c2.q); }).find("to_local") !=
+          std::string::npos);
+  }
+  // The constructor names the first bad entry.
+  const auto bad = [](std::vector<std::vector<index_type>> t) {
+    return error_of([&] { Table x(t); });
+  };
+  CHECK(bad({}).find("argument 'ranks' is empty") != std::string::npos);
+  CHECK(bad({{}, {}}).find("holds no position") != std::string::npos);
+  CHECK(bad({{0, 2}, {1, 3, 3}}).find("ranks[1][2] = 3 after 3") != std::string::npos);
+  CHECK(bad({{0, 1}, {1, 2}}).find("ranks[1][0] = 1 is held by rank 0 too") != std::string::npos);
+  CHECK(bad({{0, 4}, {1, 2}}).find("ranks[0][1] = 4, expected 0 <= position < N = 4") !=
+        std::string::npos);
+  CHECK(bad({{2, 0}, {1, 3}}).find("strictly increasing") != std::string::npos);
+  // A valid table: lengths, positions and owners as given, any lengths.
+  const Table ok({{0, 3, 4}, {}, {1, 2, 5, 6}});
+  CHECK(ok.size() == 7);
+  CHECK(ok.ranks() == 3);
+  CHECK(local_length(ok, 7, 3, 1) == 0);
+  CHECK(local_length(ok, 7, 3, 2) == 4);
+  CHECK(ok.positions(7, 3, 2)(3) == 6);
+  CHECK(ok.owner(7, 3, 5).rank == 2);
+  CHECK(ok.owner(7, 3, 5).local == 2);
+  CHECK_NOTHROW(check_partition_contract(ok, "test", 7, 3));
+  CHECK(max_local_length(ok, 7, 3) == 4);
 }

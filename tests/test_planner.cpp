@@ -451,6 +451,16 @@ TEST_CASE("balance: layouts of packed documents and the mask-aware assignment") 
   // Chunks that the tiles do not divide, or lengths the chunks do not, are named.
   CHECK_THROWS_WITH(plan::mask_balanced(mask, N, 8, 48, 32, 32),
                     doctest::Contains("chunk = 48, expected a positive multiple of block_q"));
-  CHECK_THROWS_WITH(plan::mask_balanced(mask, N, 3, 128, 32, 32),
-                    doctest::Contains("is not a positive multiple of chunk x P = 384"));
+  // Any N: at P = 3 (N / 128 chunks do not split in 3) and N + 77 (a short
+  // last chunk), every rank holds at most ceil(chunks / P) chunks, the short
+  // one last, and the balance holds.
+  for (const index_type n : {N, N + 77}) {
+    const auto m3 = plan::mask_balanced(mask, n, 3, 128, 32, 32);
+    check_covers(m3);
+    const index_type room = ((n + 127) / 128 + 2) / 3 * 128;
+    for (const auto& r : m3.ranks) CHECK(index_type(r.size()) <= room);
+    CHECK(plan::balance_of(m3, mask, 32, 32).makespan_over_ideal() <= 1.05);
+  }
+  CHECK_THROWS_WITH(plan::mask_balanced(mask, 0, 3, 128, 32, 32),
+                    doctest::Contains("N = 0, expected at least 1 token"));
 }

@@ -7,11 +7,12 @@
 // fp32, bf16, fp16), forward and backward through DistributedAttention on this communicator's P
 // ranks, plus a single-device forward/backward with random offsets (in fp32 for the 16-bit types:
 // the single-device 16-bit path has its own tests, test_half_attention.cpp). fp64 runs every
-// schedule x partition. The three types computed in fp32 (fp32, bf16, fp16)
+// schedule x partition, and a random TablePartition (any token on any rank) with the ring,
+// burst and all-gather schedules. The three types computed in fp32 (fp32, bf16, fp16)
 // share the kernels and differ only in storage and conversions, so each
-// draws one partition per schedule, rotated over the types (random_partition)
-// so that together they cover every schedule x partition once: 10 + 4 + 4 + 4
-// instantiations of DistributedAttention instead of 4 x 10. The sanitizer
+// draws one built-in partition per schedule, rotated over the types (random_partition)
+// so that together they cover every schedule x built-in partition once: 13 + 4 + 4 + 4
+// instantiations of DistributedAttention instead of 4 x 13. The sanitizer
 // build (BLOCKATTN_RANDOM_TWO_TYPES) draws fp32 and bf16 only. Every
 // configuration goes through this small fixed set of instantiations, so the
 // number of configurations costs run time, not compile time.
@@ -119,7 +120,7 @@ struct RandomMask {
 
 struct Config {
   std::uint64_t seed = 0;
-  int partition = 0;                        // 0 contiguous, 1 striped, 2 zigzag
+  int partition = 0;                        // 0 contiguous, 1 striped, 2 zigzag, 3 table (fp64)
   int schedule = 0;                         // 0 ring, 1 burst, 2 balanced, 3 all-gather
   int type = 0;                             // 0 fp64, 1 fp32, 2 bf16, 3 fp16
   int b = 1, N = 1, h = 1, hkv = 1, d = 8;  // N: global length, any (ranks may hold none)
@@ -127,7 +128,7 @@ struct Config {
   RandomMask mask;
 
   std::string describe(int P) const {
-    const char* parts[] = {"contiguous", "striped", "zigzag"};
+    const char* parts[] = {"contiguous", "striped", "zigzag", "table"};
     const char* scheds[] = {"ring", "burst", "balanced", "all-gather"};
     const char* types[] = {"fp64", "fp32", "bf16", "fp16"};
     std::ostringstream s;
@@ -180,7 +181,7 @@ Config draw(std::uint64_t seed, int P) {
       c.N = pick(1, 96 * P);
   }
   c.schedule = pick(0, 3);
-  c.partition = c.schedule == 2 ? 0 : pick(0, 2);
+  c.partition = c.schedule == 2 ? 0 : pick(0, 3);
   if (random_partition[c.type][c.schedule] >= 0) c.partition = random_partition[c.type][c.schedule];
   const index_type N = c.N;
   for (;;) {
@@ -247,27 +248,27 @@ void compare4(const View& got, const HostTensor& want, const Map& map, double& e
         }
 }
 
-template <class T, class Partition, class Schedule>
-Errors run_distributed(Mpi& comm, const Config& c, const HostTensor& q, const HostTensor& k,
-                       const HostTensor& v, const HostTensor& dout,
+template <class T, class Schedule, class Partition>
+Errors run_distributed(Mpi& comm, const Partition& part, const Config& c, const HostTensor& q,
+                       const HostTensor& k, const HostTensor& v, const HostTensor& dout,
                        const test::ReferenceResult& ref, const test::ReferenceGrads& grads) {
   const int P = comm.size(), rank = comm.rank();
   const index_type N = c.N;
-  const int n = int(local_length<Partition>(N, P, rank));  // may be 0
+  const int n = int(local_length(part, N, P, rank));  // may be 0
   V4<T> gq = upload<T>(q), gk = upload<T>(k), gv = upload<T>(v), gdo = upload<T>(dout);
   V4<T> ql("q", c.b, n, c.h, c.d), kl("k", c.b, n, c.hkv, c.d), vl("v", c.b, n, c.hkv, c.d),
       dol("do", c.b, n, c.h, c.d), ol("o", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d),
       dk("dk", c.b, n, c.hkv, c.d), dv("dv", c.b, n, c.hkv, c.d);
   V3<compute_t<T>> ll("lse", c.b, c.h, n);
-  to_local<Partition>(ExecSpace{}, P, rank, gq, ql);
-  to_local<Partition>(ExecSpace{}, P, rank, gk, kl);
-  to_local<Partition>(ExecSpace{}, P, rank, gv, vl);
-  to_local<Partition>(ExecSpace{}, P, rank, gdo, dol);
-  DistributedAttention<Partition, RandomMask, Schedule, Mpi, ExecSpace> attn(comm, c.mask);
+  to_local(part, ExecSpace{}, P, rank, gq, ql);
+  to_local(part, ExecSpace{}, P, rank, gk, kl);
+  to_local(part, ExecSpace{}, P, rank, gv, vl);
+  to_local(part, ExecSpace{}, P, rank, gdo, dol);
+  DistributedAttention<Partition, RandomMask, Schedule, Mpi, ExecSpace> attn(comm, part, c.mask);
   attn.forward(ql, kl, vl, ol, ll);
   attn.backward(ql, kl, vl, ol, ll, dol, dq, dk, dv);
   Kokkos::fence();
-  const auto map = Partition::positions(N, P, rank);
+  const auto map = part.positions(N, P, rank);
   Errors e;
   compare4(ol, ref.o, map, e.o, e.pattern_ok);
   auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ll);
@@ -324,6 +325,23 @@ Errors run_single(const Config& c, const HostTensor& q, const HostTensor& k, con
   return e;
 }
 
+/// A random layout of the N tokens over P ranks (the same on every rank: from
+/// the seed): each token on a random rank, or every token on one rank, or
+/// runs of random length on random ranks. Ranks hold any number of tokens.
+TablePartition<MemSpace> random_table(const Config& c, int P) {
+  std::mt19937_64 rng(c.seed ^ 0x7AB1Eull);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  std::vector<std::vector<index_type>> ranks(static_cast<std::size_t>(P));
+  const int style = pick(0, 2), only = pick(0, P - 1);
+  for (index_type t = 0; t < c.N;) {
+    const int r = style == 1 ? only : pick(0, P - 1);
+    const index_type run = style == 2 ? pick(1, 24) : 1;
+    for (index_type e = std::min<index_type>(c.N, t + run); t < e; ++t)
+      ranks[std::size_t(r)].push_back(t);
+  }
+  return TablePartition<MemSpace>(ranks);
+}
+
 /// run_distributed with the partition numbered `Part` (0 contiguous, 1 striped, 2 zigzag).
 template <class T, class Schedule, int Part>
 Errors run_sampled(Mpi& comm, const Config& c, const HostTensor& q, const HostTensor& k,
@@ -332,7 +350,7 @@ Errors run_sampled(Mpi& comm, const Config& c, const HostTensor& q, const HostTe
   using Partition =
       std::conditional_t<Part == 0, ContiguousPartition,
                          std::conditional_t<Part == 1, StripedPartition, ZigzagPartition>>;
-  return run_distributed<T, Partition, Schedule>(comm, c, q, k, v, dout, ref, grads);
+  return run_distributed<T, Schedule>(comm, Partition{}, c, q, k, v, dout, ref, grads);
 }
 
 template <class T>
@@ -340,8 +358,8 @@ Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTen
                   const HostTensor& v, const HostTensor& dout, const test::ReferenceResult& ref,
                   const test::ReferenceGrads& grads) {
   if (c.schedule == 2)
-    return run_distributed<T, ContiguousPartition, BalancedSchedule>(comm, c, q, k, v, dout, ref,
-                                                                     grads);
+    return run_distributed<T, BalancedSchedule>(comm, ContiguousPartition{}, c, q, k, v, dout, ref,
+                                                grads);
   if constexpr (!std::is_same<T, double>::value) {  // one partition per schedule
     constexpr int t = std::is_same<T, float>::value ? 1 : std::is_same<T, bf16>::value ? 2 : 3;
     if (c.schedule == 0)
@@ -352,16 +370,19 @@ Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTen
                                                                    grads);
     return run_sampled<T, AllGatherSchedule, random_partition[t][3]>(comm, c, q, k, v, dout, ref,
                                                                      grads);
-  } else {  // fp64: every partition
+  } else {  // fp64: every partition, and a random table
     auto with = [&](auto schedule) {
       using S = decltype(schedule);
       switch (c.partition) {
         case 0:
-          return run_distributed<T, ContiguousPartition, S>(comm, c, q, k, v, dout, ref, grads);
+          return run_distributed<T, S>(comm, ContiguousPartition{}, c, q, k, v, dout, ref, grads);
         case 1:
-          return run_distributed<T, StripedPartition, S>(comm, c, q, k, v, dout, ref, grads);
+          return run_distributed<T, S>(comm, StripedPartition{}, c, q, k, v, dout, ref, grads);
+        case 2:
+          return run_distributed<T, S>(comm, ZigzagPartition{}, c, q, k, v, dout, ref, grads);
         default:
-          return run_distributed<T, ZigzagPartition, S>(comm, c, q, k, v, dout, ref, grads);
+          return run_distributed<T, S>(comm, random_table(c, comm.size()), c, q, k, v, dout, ref,
+                                       grads);
       }
     };
     if (c.schedule == 3) return with(AllGatherSchedule{});

@@ -44,6 +44,10 @@ struct StepStats {
   std::int64_t bytes_sent = 0;
   std::int64_t bytes_received = 0;
   double seconds = 0.0;  // wall time of the step on this rank (compute + wait)
+  /// The part of `seconds` from the first launch of the step's compute to
+  /// its fence (the transfers in flight are tested in between; the waits
+  /// that complete them are not in it): this rank's busy time.
+  double compute_seconds = 0.0;
 };
 
 /// What one rank did in one forward call.
@@ -64,6 +68,11 @@ struct RunStats {
     TileCounts t;
     for (const auto& s : steps) t += s.tiles;
     return t;
+  }
+  double compute_seconds() const {
+    double c = 0.0;
+    for (const auto& s : steps) c += s.compute_seconds;
+    return c;
   }
 };
 
@@ -117,6 +126,10 @@ class DistributedAttention {
                     !std::is_same<Mask, FullMask>::value,
                 "BlockAttn: BalancedSchedule needs a causal mask (no block attends to a later "
                 "block); with FullMask every rank has the same work: use RingSchedule");
+  static_assert(impl::partition_accessible_from<Partition, ExecSpace>(),
+                "BlockAttn: DistributedAttention: the partition's table lives in a memory space "
+                "this execution space cannot read (TablePartition<MemorySpace>: use the "
+                "execution space's memory space)");
   static_assert(Schedule::template supports<Partition, Mask>,
                 "BlockAttn: DistributedAttention: this schedule does not support this partition "
                 "and mask");
@@ -128,16 +141,24 @@ class DistributedAttention {
   using communicator_type = Communicator;
   using execution_space = ExecSpace;
 
+  /// A stateless partition (the built-ins): the type says it all.
   explicit DistributedAttention(Communicator comm, const Mask& mask = {},
                                 const ExecSpace& exec = {})
-      : m_comm(std::move(comm)), m_mask(mask), m_exec(exec) {}
+      : DistributedAttention(std::move(comm), Partition{}, mask, exec) {}
+  /// A partition object (e.g. a TablePartition computed at run time): every
+  /// rank passes the same layout (compared in the consensus through its
+  /// parameters()).
+  DistributedAttention(Communicator comm, const Partition& partition, const Mask& mask = {},
+                       const ExecSpace& exec = {})
+      : m_comm(std::move(comm)), m_part(partition), m_mask(mask), m_exec(exec) {}
 
   Communicator& communicator() { return m_comm; }
+  const Partition& partition() const { return m_part; }
   const Mask& mask() const { return m_mask; }
 
   /// O and LSE of this rank's queries. q, k, v, o, lse are this rank's local
   /// Views, in the partition's local order (see to_local()): the
-  /// local_length<Partition>(N, P, rank) tokens the partition gives this rank
+  /// local_length(partition(), N, P, rank) tokens the partition gives this rank
   /// (N is the sum over the ranks; a rank may hold none), same shapes as
   /// attention_forward. Collective: every rank of the communicator calls it;
   /// bad arguments on any rank throw on every rank.
@@ -299,7 +320,7 @@ class DistributedAttention {
     const int most = c.most;  // rows of every buffer that travels
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
-    const ScheduleContext ctx = schedule_context<Partition>(m_mask, N, P);
+    const ScheduleContext ctx = schedule_context(m_part, m_mask, N, P);
     const int steps = B::steps(ctx);
     std::vector<BackwardStep> desc(static_cast<std::size_t>(steps));
     for (int s = 0; s < steps; ++s) B::step(ctx, rank, s, desc[std::size_t(s)]);
@@ -456,7 +477,7 @@ class DistributedAttention {
       m_exec.fence();
     };
 
-    const auto pos = [&](int r) { return Partition::positions(N, P, r); };
+    const auto pos = [&](int r) { return m_part.positions(N, P, r); };
     for (int s = 0; s < steps; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       const BackwardStep& f = desc[std::size_t(s)];
@@ -464,8 +485,8 @@ class DistributedAttention {
       StepStats st;
       for (const auto& t : f.transfers)  // inputs of later steps; receives of partials
         if (!t.after_compute || t.dst == rank) post(t, st);
-      st.computed =
-          !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
+      st.computed = !task.idle() && !block_is_empty(m_part, m_mask, N, P, task.q_rank, task.k_rank);
+      const auto c0 = std::chrono::steady_clock::now();
       const Buffer4<T> dqt = f.dq_slot >= 0 ? dq_out[std::size_t(f.dq_slot)] : own_dq;
       const Buffer4<T> dkt = f.dkv_slot >= 0 ? dkv_out[std::size_t(f.dkv_slot)][0] : own_dk;
       const Buffer4<T> dvt = f.dkv_slot >= 0 ? dkv_out[std::size_t(f.dkv_slot)][1] : own_dv;
@@ -504,14 +525,16 @@ class DistributedAttention {
       }
       for (auto& r : due[std::size_t(s)]) x.test(r);
       m_exec.fence();
+      st.compute_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       complete(s);
       for (const auto& t : f.transfers)  // the partials of this step
         if (t.after_compute && t.src == rank) post(t, st);
       st.step = s;
       st.source = task.k_rank;
       st.query_source = task.q_rank;
-      st.tiles = task_work<Partition>(m_mask, N, P, task, Shape::block_q, Shape::block_k,
-                                      opts.count_pairs);
+      st.tiles =
+          task_work(m_part, m_mask, N, P, task, Shape::block_q, Shape::block_k, opts.count_pairs);
       st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stats.steps.push_back(st);
     }
@@ -535,6 +558,7 @@ class DistributedAttention {
     m_exec.fence();
   }
   Communicator m_comm;
+  Partition m_part;
   Mask m_mask;
   ExecSpace m_exec;
   static constexpr const char* fn = "DistributedAttention::forward";
@@ -554,11 +578,12 @@ class DistributedAttention {
     Call c;
     c.e = impl::agree_on_call<ExecSpace>(
         m_comm, name, m_mask, q, k, v, o, lse, opts, true,
-        [](impl::Fingerprint& f) {
+        [this](impl::Fingerprint& f) {
           f.text("schedule",
                  std::string(Schedule::name()) + " (" + impl::type_name<Schedule>() + ")")
               .text("partition",
                     std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
+          impl::add_partition(f, m_part);
         },
         extra, &lengths);
 
@@ -566,12 +591,12 @@ class DistributedAttention {
     // lengths, so the checks below throw on every rank or on none, without
     // communication.
     const int P = m_comm.size();
-    c.N = impl::agreed_length<Partition>(name, lengths);
+    c.N = impl::agreed_length(m_part, name, lengths);
     for (const std::int64_t n : lengths) {
       c.lengths.push_back(n);
       c.most = int(n > c.most ? n : c.most);
     }
-    check_partition_contract<Partition>(name, c.N, P);
+    check_partition_contract(m_part, name, c.N, P);
     if (impl::check_policies_always || opts.check_policies)
       impl::check_mask_contract(name, m_exec, m_mask, 0, c.N, 0, c.N);
     if (const std::string why = Schedule::template can_implement<Partition>(m_mask, c.N, P);
@@ -619,7 +644,7 @@ class DistributedAttention {
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const bool comm = opts.communicate;
-    const ScheduleContext ctx = schedule_context<Partition>(m_mask, N, P);
+    const ScheduleContext ctx = schedule_context(m_part, m_mask, N, P);
     const int steps = Schedule::steps(ctx);
     std::vector<ForwardStep> desc(static_cast<std::size_t>(steps));
     int last_own = -1;  // the last step that computes on this rank's queries
@@ -712,7 +737,7 @@ class DistributedAttention {
       (send ? st.bytes_sent : st.bytes_received) += b;
     };
 
-    const auto pos = [&](int r) { return Partition::positions(N, P, r); };
+    const auto pos = [&](int r) { return m_part.positions(N, P, r); };
     bool opened = false;  // the own queries' state holds keys or was initialised
     const auto& o_sum = accumulator<half>(o, acc);  // where the unnormalised O lives
     const auto open_state = [&] {
@@ -730,8 +755,8 @@ class DistributedAttention {
       std::vector<request*> in_flight;  // tested between compute chunks
       for (std::size_t d = std::size_t(s); d < due.size(); ++d)
         for (auto& r : due[d]) in_flight.push_back(&r);
-      st.computed =
-          !task.idle() && !block_is_empty<Partition>(m_mask, N, P, task.q_rank, task.k_rank);
+      const auto c0 = std::chrono::steady_clock::now();
+      st.computed = !task.idle() && !block_is_empty(m_part, m_mask, N, P, task.q_rank, task.k_rank);
       const int kv_slot = comm ? f.kv_slot : 0;
       const impl::PackedKV<T, mem>* kp = nullptr;
       if constexpr (half) {
@@ -774,6 +799,8 @@ class DistributedAttention {
                                     pos(task.k_rank), scale, b, in_flight);
       }
       m_exec.fence();
+      st.compute_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       if (comm)  // results computed at this step, to the rank whose queries they are
         for (const auto& t : f.transfers)
           if (t.after_compute && t.src == rank) post(t, st);
@@ -789,8 +816,8 @@ class DistributedAttention {
       st.step = s;
       st.source = task.k_rank;
       st.query_source = task.q_rank;
-      st.tiles = task_work<Partition>(m_mask, N, P, task, Shape::block_q, Shape::block_k,
-                                      opts.count_pairs);
+      st.tiles =
+          task_work(m_part, m_mask, N, P, task, Shape::block_q, Shape::block_k, opts.count_pairs);
       st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stats.steps.push_back(st);
     }

@@ -92,6 +92,10 @@ HybridGrid agreed_grid(Comm& comm, int ulysses) {
 template <class Partition, class Mask, class Schedule, class Communicator,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
 class HybridAttention {
+  static_assert(!is_partition_policy_v<Partition> || impl::is_stateless_partition<Partition>::value,
+                "BlockAttn: HybridAttention takes a stateless partition policy (static members; "
+                "the built-ins); a partition object such as TablePartition runs with "
+                "DistributedAttention");
   static_assert(is_communicator_v<Communicator>,
                 "BlockAttn: HybridAttention: the fourth parameter must be a communicator "
                 "(MpiCommunicator<>, SelfCommunicator; see blockattn/comm/communicator.hpp)");

@@ -309,6 +309,10 @@ class UlyssesAttention {
   static_assert(is_partition_policy_v<Partition>,
                 "BlockAttn: UlyssesAttention: the first parameter must be a partition policy "
                 "(ContiguousPartition, StripedPartition, ZigzagPartition, or your own)");
+  static_assert(!is_partition_policy_v<Partition> || impl::is_stateless_partition<Partition>::value,
+                "BlockAttn: UlyssesAttention takes a stateless partition policy (static members; "
+                "the built-ins); a partition object such as TablePartition runs with "
+                "DistributedAttention");
   static_assert(is_mask_policy_v<Mask>,
                 "BlockAttn: UlyssesAttention: the second parameter must be a mask policy");
   static_assert(is_communicator_v<Communicator>,
@@ -467,6 +471,7 @@ class UlyssesAttention {
     fe.kv_heads = kl;
     using Shape = DefaultTileShape<C, impl::is_host_space_v<ExecSpace>>;
     const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
+    double busy = 0.0;  // seconds of packing + attention on this rank
     impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
       constexpr int SD = decltype(static_d)::value;
       using S = decltype(shape);
@@ -475,10 +480,12 @@ class UlyssesAttention {
       const auto kv = impl::allocate_packed_kv<C, mem>(e.batch, kl, int(N), dp, S::block_k);
       const std::int64_t packed = impl::ulysses_bytes(kv.kt) + impl::ulysses_bytes(kv.v);
       live.add(packed);
+      const auto c0 = std::chrono::steady_clock::now();
       impl::pack_kv(m_exec, kf, vf, kv);
       impl::launch_forward<ExecSpace, C, SD, S>(m_exec, fe, qf, kv, of, lf, m_mask,
                                                 OffsetPositions{}, OffsetPositions{}, scale);
       m_exec.fence();  // the packed block is freed here
+      busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       live.sub(packed);
     });
     // Phase 3: O and LSE back to the sequence split.
@@ -488,6 +495,7 @@ class UlyssesAttention {
     stats.block_k = Shape::block_k;
     stats.workspace_bytes = live.peak;
     stats.steps.push_back(step_stats<Shape>(N, opts, sent));
+    stats.steps.back().compute_seconds = busy;  // packing and the local attention
   }
 
   template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
@@ -527,6 +535,7 @@ class UlyssesAttention {
     fe.kv_heads = kl;
     using Shape = BackwardTileShape<C, impl::is_host_space_v<ExecSpace>>;
     const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
+    double busy = 0.0;  // seconds of packing + attention on this rank
     impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
       constexpr int SD = decltype(static_d)::value;
       using S = decltype(shape);
@@ -538,12 +547,14 @@ class UlyssesAttention {
                                   impl::ulysses_bytes(rows.dout) + impl::ulysses_bytes(rows.lse2) +
                                   impl::ulysses_bytes(rows.drow);
       live.add(packed);
+      const auto c0 = std::chrono::steady_clock::now();
       impl::pack_keys(m_exec, kf, vf, keys);
       impl::pack_queries(m_exec, qf, dof, of, lf, rows);
       impl::launch_backward<ExecSpace, C, SD, S>(m_exec, fe, rows, keys, dqf, dkf, dvf, m_mask,
                                                  OffsetPositions{}, OffsetPositions{}, scale,
                                                  impl::BackwardBlock{});
       m_exec.fence();  // the packed buffers are freed here
+      busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       live.sub(packed);
     });
     impl::ulysses_from_heads<C>(m_comm, m_exec, dqf, dq, hl, fq, where, sent, live);
@@ -553,6 +564,7 @@ class UlyssesAttention {
     stats.block_k = Shape::block_k;
     stats.workspace_bytes = live.peak;
     stats.steps.push_back(step_stats<Shape>(N, opts, sent));
+    stats.steps.back().compute_seconds = busy;  // packing and the local attention
   }
 };
 

@@ -20,10 +20,9 @@
 //                                      64, 64);
 //   b.makespan_over_ideal();
 //
-// Host only. These are analyses: DistributedAttention runs the built-in
-// partitions (equal lengths); per-document head-tail gives ranks different
-// lengths, and the mask-aware layout is computed at run time, so neither is a
-// partition policy yet.
+// Host only. A layout runs as a partition through TablePartition(layout.ranks)
+// (blockattn/policy/table_partition.hpp): per-document head-tail gives ranks
+// different lengths, and the mask-aware layout is computed at run time.
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -189,11 +188,14 @@ Balance balance_of(const Layout& l, const Mask& mask, int block_q, int block_k,
 
 /// Mask-aware layout: the sequence cut into chunks of `chunk` tokens (a
 /// multiple of block_q and block_k, so that every rank's tiles are the
-/// global tiles and a rank's cost is the sum of its chunks'), each chunk
-/// weighed by the cost of its query tiles against all N keys (the
-/// classifier), assigned heaviest first (ties: earlier chunk) to the least
-/// loaded rank (ties: lower rank) that holds fewer than N / (chunk P) chunks.
-/// Every rank gets N / P tokens. Requires N to be a multiple of chunk x P.
+/// global tiles and a rank's cost is the sum of its chunks'; the last chunk
+/// holds the rest of N), each chunk weighed by the cost of its query tiles
+/// against all N keys (the classifier), assigned heaviest first (ties:
+/// earlier chunk) to the least loaded rank (ties: lower rank) that holds
+/// fewer than ceil(chunks / P) chunks, so that no rank holds more than
+/// ceil(chunks / P) x chunk tokens (what every block that travels is sized
+/// for). Any N >= 1; with N a multiple of chunk x P every rank gets N / P
+/// tokens. Run it with TablePartition(layout.ranks).
 template <class Mask>
 Layout mask_balanced(const Mask& mask, index_type N, int P, index_type chunk, int block_q,
                      int block_k, double partial_tile_cost = 1.0) {
@@ -202,12 +204,12 @@ Layout mask_balanced(const Mask& mask, index_type N, int P, index_type chunk, in
   if (chunk < 1 || chunk % block_q != 0 || chunk % block_k != 0)
     impl::fail(fn, "chunk = ", chunk, ", expected a positive multiple of block_q = ", block_q,
                " and block_k = ", block_k);
-  if (N <= 0 || N % (chunk * P) != 0)
-    impl::fail(fn, "N = ", N, " is not a positive multiple of chunk x P = ", chunk * P);
-  const index_type chunks = N / chunk, per_rank = chunks / P;
+  if (N < 1) impl::fail(fn, "N = ", N, ", expected at least 1 token");
+  const index_type chunks = (N + chunk - 1) / chunk, per_rank = (chunks + P - 1) / P;
   std::vector<std::pair<double, index_type>> weight;  // (cost, chunk)
   for (index_type c = 0; c < chunks; ++c) {
-    const TileCounts t = count_tiles(mask, chunk, N, block_q, block_k, OffsetPositions{c * chunk},
+    const index_type rows = std::min(chunk, N - c * chunk);
+    const TileCounts t = count_tiles(mask, rows, N, block_q, block_k, OffsetPositions{c * chunk},
                                      OffsetPositions{}, false);
     weight.push_back({tile_cost(t, partial_tile_cost), c});
   }
@@ -234,7 +236,8 @@ Layout mask_balanced(const Mask& mask, index_type N, int P, index_type chunk, in
     auto& cs = own[std::size_t(r)];
     std::sort(cs.begin(), cs.end());
     for (index_type c : cs)
-      for (index_type t = c * chunk; t < (c + 1) * chunk; ++t) l.ranks[std::size_t(r)].push_back(t);
+      for (index_type t = c * chunk; t < std::min(N, (c + 1) * chunk); ++t)
+        l.ranks[std::size_t(r)].push_back(t);
   }
   return l;
 }

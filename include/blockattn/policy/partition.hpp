@@ -2,21 +2,26 @@
 // Partition policies: which tokens of a global sequence of length N each of P
 // ranks holds, in which local order.
 //
-// A partition policy is a stateless struct with
+// A partition policy is a struct with
 //   static constexpr const char* name();
-//   static index_type multiple_of(int P);            // N a multiple of this: every rank
+//   index_type multiple_of(int P) const;             // N a multiple of this: every rank
 //                                                    // holds N / P tokens
 //   using position_map = ...;                        // see positions.hpp (strictly increasing)
-//   static position_map positions(index_type N, int P, int rank);  // local i -> global position
-//   static Owner owner(index_type N, int P, index_type t);         // global t -> (rank, local i)
+//   position_map positions(index_type N, int P, int rank) const;  // local i -> global position
+//   Owner owner(index_type N, int P, index_type t) const;         // global t -> (rank, local i)
 // and optionally
-//   static index_type length(index_type N, int P, int rank);       // tokens of `rank`
-// With length(), any N >= 1 can be split over any P >= 1 and ranks may hold
-// different numbers of tokens, none at all included (N < P); without it N must
-// be a multiple of multiple_of(P) and every rank holds N / P tokens. The
-// built-in partitions have length(). Local order follows global order (the
-// map is strictly increasing), so a mask's tile classification stays
-// meaningful.
+//   index_type length(index_type N, int P, int rank) const;       // tokens of `rank`
+//   std::string why_not(index_type N, int P) const;  // non-empty: (N, P) is not this layout's
+//   parameters() const;                              // numbers the ranks must agree on
+// The members may be static (the built-ins are stateless: every function of
+// this header also takes the type alone, e.g. local_length<Partition>(N, P, r))
+// or members of an object the drivers hold (TablePartition: a table of
+// positions computed at run time). With length(), any N >= 1 can be split
+// over any P >= 1 and ranks may hold different numbers of tokens, none at all
+// included (N < P); without it N must be a multiple of multiple_of(P) and
+// every rank holds N / P tokens. The built-in partitions have length(). Local
+// order follows global order (the map is strictly increasing), so a mask's
+// tile classification stays meaningful.
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -131,13 +136,32 @@ template <class P, class = void>
 struct has_partition_members : std::false_type {};
 template <class P>
 struct has_partition_members<
-    P, std::void_t<decltype(P::name()), decltype(P::multiple_of(1)), typename P::position_map,
-                   decltype(P::positions(index_type{}, 1, 0)),
-                   decltype(P::owner(index_type{}, 1, index_type{}))>>
+    P, std::void_t<decltype(P::name()), decltype(std::declval<const P&>().multiple_of(1)),
+                   typename P::position_map,
+                   decltype(std::declval<const P&>().positions(index_type{}, 1, 0)),
+                   decltype(std::declval<const P&>().owner(index_type{}, 1, index_type{}))>>
     : std::bool_constant<
-          std::is_same<decltype(P::positions(index_type{}, 1, 0)),
+          std::is_same<decltype(std::declval<const P&>().positions(index_type{}, 1, 0)),
                        typename P::position_map>::value &&
-          std::is_same<decltype(P::owner(index_type{}, 1, index_type{})), Owner>::value> {};
+          std::is_same<decltype(std::declval<const P&>().owner(index_type{}, 1, index_type{})),
+                       Owner>::value> {};
+
+/// True when the partition's members are static (a stateless policy: the
+/// type alone describes the layout).
+template <class P, class = void>
+struct is_stateless_partition : std::false_type {};
+template <class P>
+struct is_stateless_partition<P, std::void_t<decltype(P::positions(index_type{}, 1, 0)),
+                                             decltype(P::owner(index_type{}, 1, index_type{}))>>
+    : std::is_default_constructible<P> {};
+
+/// Optional members: why_not(N, P) and parameters().
+template <class P, class = void>
+struct has_partition_why_not : std::false_type {};
+template <class P>
+struct has_partition_why_not<
+    P, std::void_t<decltype(std::string(std::declval<const P&>().why_not(index_type{}, 1)))>>
+    : std::true_type {};
 }  // namespace impl
 
 namespace impl {
@@ -155,10 +179,10 @@ namespace impl {
 template <class P>
 constexpr void check_partition_policy() {
   static_assert(has_partition_members<P>::value,
-                "BlockAttn: a partition policy must have static members name(), "
-                "multiple_of(int P), positions(index_type N, int P, int rank) returning its "
-                "`position_map`, and owner(index_type N, int P, index_type t) returning "
-                "blockattn::Owner (see blockattn/policy/partition.hpp)");
+                "BlockAttn: a partition policy must have a static member name() and (static or "
+                "const) members multiple_of(int P), positions(index_type N, int P, int rank) "
+                "returning its `position_map`, and owner(index_type N, int P, index_type t) "
+                "returning blockattn::Owner (see blockattn/policy/partition.hpp)");
 }
 }  // namespace impl
 
@@ -166,33 +190,44 @@ namespace impl {
 template <class P, class = void>
 struct has_partition_length : std::false_type {};
 template <class P>
-struct has_partition_length<P, std::void_t<decltype(P::length(index_type{}, 1, 0))>>
-    : std::is_convertible<decltype(P::length(index_type{}, 1, 0)), index_type> {};
+struct has_partition_length<
+    P, std::void_t<decltype(std::declval<const P&>().length(index_type{}, 1, 0))>>
+    : std::is_convertible<decltype(std::declval<const P&>().length(index_type{}, 1, 0)),
+                          index_type> {};
 }  // namespace impl
 
 /// True when Partition splits any N >= 1 over any P >= 1 (it has length()).
 template <class Partition>
 inline constexpr bool splits_any_length_v = impl::has_partition_length<Partition>::value;
 
-/// The number of tokens `rank` holds: Partition::length(N, P, rank), or N / P
+/// The number of tokens `rank` holds: partition.length(N, P, rank), or N / P
 /// for a partition without length().
 template <class Partition>
-index_type local_length(index_type N, int P, int rank) {
+index_type local_length(const Partition& partition, index_type N, int P, int rank) {
   if constexpr (splits_any_length_v<Partition>)
-    return index_type(Partition::length(N, P, rank));
+    return index_type(partition.length(N, P, rank));
   else
     return N / P;
+}
+/// The same for a stateless partition (the type alone).
+template <class Partition>
+index_type local_length(index_type N, int P, int rank) {
+  return local_length(Partition{}, N, P, rank);
 }
 
 /// The most tokens any rank holds.
 template <class Partition>
-index_type max_local_length(index_type N, int P) {
+index_type max_local_length(const Partition& partition, index_type N, int P) {
   index_type m = 0;
   for (int r = 0; r < P; ++r) {
-    const index_type n = local_length<Partition>(N, P, r);
+    const index_type n = local_length(partition, N, P, r);
     m = n > m ? n : m;
   }
   return m;
+}
+template <class Partition>
+index_type max_local_length(index_type N, int P) {
+  return max_local_length(Partition{}, N, P);
 }
 
 /// Throws unless Partition gives every one of P ranks N / P tokens (for
@@ -201,30 +236,38 @@ template <class Partition>
 void require_even_partition(const char* function, index_type N, int P) {
   impl::check_partition_policy<Partition>();
   if (P < 1) impl::fail(function, "communicator size is ", P, ", expected at least 1");
-  const index_type m = Partition::multiple_of(P);
+  const index_type m = Partition{}.multiple_of(P);
   if (N <= 0 || N % m != 0)
     impl::fail(function, "global sequence length N = ", N, " cannot be split by the ",
                Partition::name(), " partition over P = ", P,
                " ranks into equal parts: N must be a positive multiple of ", m);
 }
 
-/// Throws unless N can be split by Partition over P ranks: any N >= 1 for a
-/// partition with length(), a positive multiple of multiple_of(P) otherwise.
+/// Throws unless N can be split by the partition over P ranks: any N >= 1
+/// for a partition with length(), a positive multiple of multiple_of(P)
+/// otherwise; and not when its why_not(N, P) says why (a table of one N, P).
 template <class Partition>
-void require_partitionable(const char* function, index_type N, int P) {
+void require_partitionable(const Partition& partition, const char* function, index_type N, int P) {
   impl::check_partition_policy<Partition>();
   if (P < 1) impl::fail(function, "communicator size is ", P, ", expected at least 1");
   if constexpr (splits_any_length_v<Partition>) {
     if (N < 1)
       impl::fail(function, "global sequence length N = ", N, ", expected at least 1 token");
   } else {
-    const index_type m = Partition::multiple_of(P);
+    const index_type m = partition.multiple_of(P);
     if (N <= 0 || N % m != 0)
       impl::fail(function, "global sequence length N = ", N, " cannot be split by the ",
                  Partition::name(), " partition over P = ", P,
                  " ranks: N must be a positive multiple of ", m,
                  " (give the partition a static length(N, P, rank) to allow any N)");
   }
+  if constexpr (impl::has_partition_why_not<Partition>::value) {
+    if (const std::string why = partition.why_not(N, P); !why.empty()) impl::fail(function, why);
+  }
+}
+template <class Partition>
+void require_partitionable(const char* function, index_type N, int P) {
+  require_partitionable(Partition{}, function, N, P);
 }
 
 /// Checks the partition contract for (N, P) on the host: every rank's
@@ -232,24 +275,27 @@ void require_partitionable(const char* function, index_type N, int P) {
 /// tile by those of its first and last row), stays in [0, N), and owner()
 /// inverts positions(), so that the ranks together hold every token of
 /// 0 .. N-1 exactly once. O(N) host work, done once per (Partition, N, P)
-/// and process; throws naming the partition and the first offending token.
+/// and process for a stateless partition, on every call for an object;
+/// throws naming the partition and the first offending token.
 template <class Partition>
-void check_partition_contract(const char* function, index_type N, int P) {
+void check_partition_contract(const Partition& partition, const char* function, index_type N,
+                              int P) {
+  constexpr bool stateless = impl::is_stateless_partition<Partition>::value;
   static std::mutex mutex;
   static std::set<std::pair<index_type, int>> checked;
-  {
+  if constexpr (stateless) {
     std::lock_guard<std::mutex> lock(mutex);
     if (checked.count({N, P})) return;
   }
   std::vector<int> holder(std::size_t(N), -1);
   index_type total = 0;
   for (int r = 0; r < P; ++r) {
-    const index_type n = local_length<Partition>(N, P, r);
+    const index_type n = local_length(partition, N, P, r);
     if (n < 0 || n > N)
       impl::fail(function, "the ", Partition::name(), " partition (N = ", N, ", P = ", P,
                  "): length(N, P, ", r, ") = ", n, ", expected 0 <= length <= N");
     total += n;
-    const auto map = Partition::positions(N, P, r);
+    const auto map = partition.positions(N, P, r);
     index_type prev = 0;
     for (index_type i = 0; i < n; ++i) {
       const index_type t = map(i);
@@ -269,7 +315,7 @@ void check_partition_contract(const char* function, index_type N, int P) {
         impl::fail(function, where(), ", a position rank ", holder[std::size_t(t)],
                    " holds too; expected every global position on exactly one rank");
       holder[std::size_t(t)] = r;
-      const Owner o = Partition::owner(N, P, t);
+      const Owner o = partition.owner(N, P, t);
       if (o.rank != r || o.local != i)
         impl::fail(function, where(), " but owner(N, P, ", t, ") = {rank ", o.rank, ", local ",
                    o.local, "}, expected {rank ", r, ", local ", i,
@@ -282,24 +328,35 @@ void check_partition_contract(const char* function, index_type N, int P) {
                "): the ranks hold ", total,
                " tokens together, expected N (every global "
                "position on exactly one rank)");
-  std::lock_guard<std::mutex> lock(mutex);
-  checked.insert({N, P});
+  if constexpr (stateless) {
+    std::lock_guard<std::mutex> lock(mutex);
+    checked.insert({N, P});
+  }
+}
+template <class Partition>
+void check_partition_contract(const char* function, index_type N, int P) {
+  check_partition_contract(Partition{}, function, N, P);
 }
 
 /// Global positions of the local tokens of `rank` (e.g. position ids for RoPE).
-template <class Partition, class MemorySpace = Kokkos::HostSpace>
-Kokkos::View<index_type*, MemorySpace> local_positions(index_type N, int P, int rank) {
-  require_partitionable<Partition>("local_positions", N, P);
-  check_partition_contract<Partition>("local_positions", N, P);
+template <class MemorySpace = Kokkos::HostSpace, class Partition>
+Kokkos::View<index_type*, MemorySpace> local_positions(const Partition& partition, index_type N,
+                                                       int P, int rank) {
+  require_partitionable(partition, "local_positions", N, P);
+  check_partition_contract(partition, "local_positions", N, P);
   if (rank < 0 || rank >= P)
     impl::fail("local_positions", "rank = ", rank, ", expected 0 <= rank < ", P);
-  const index_type n = local_length<Partition>(N, P, rank);
+  const index_type n = local_length(partition, N, P, rank);
   Kokkos::View<index_type*, MemorySpace> ids("blockattn::position_ids", n);
   auto h = Kokkos::create_mirror_view(ids);
-  const auto map = Partition::positions(N, P, rank);
+  const auto map = partition.positions(N, P, rank);
   for (index_type i = 0; i < n; ++i) h(i) = map(i);
   Kokkos::deep_copy(ids, h);
   return ids;
+}
+template <class Partition, class MemorySpace = Kokkos::HostSpace>
+Kokkos::View<index_type*, MemorySpace> local_positions(index_type N, int P, int rank) {
+  return local_positions<MemorySpace>(Partition{}, N, P, rank);
 }
 
 namespace impl {
@@ -353,16 +410,16 @@ struct PermuteFunctor {
 };
 
 template <bool ToLocal, class Partition, class ExecSpace, class GV, class LV>
-void permute(const char* fn, const ExecSpace& exec, int P, int rank, const GV& global,
-             const LV& local) {
+void permute(const char* fn, const Partition& partition, const ExecSpace& exec, int P, int rank,
+             const GV& global, const LV& local) {
   static_assert(GV::rank == LV::rank && GV::rank >= 1 && GV::rank <= 4,
                 "BlockAttn: the global and local Views must have the same rank (1 to 4)");
   constexpr int sd = seq_dim<GV>();
   const index_type N = static_cast<index_type>(global.extent(sd));
-  require_partitionable<Partition>(fn, N, P);
+  require_partitionable(partition, fn, N, P);
   if (rank < 0 || rank >= P) fail(fn, "rank = ", rank, ", expected 0 <= rank < ", P);
-  check_partition_contract<Partition>(fn, N, P);
-  const index_type n_local = local_length<Partition>(N, P, rank);
+  check_partition_contract(partition, fn, N, P);
+  const index_type n_local = local_length(partition, N, P, rank);
   for (int d = 0; d < int(GV::rank); ++d) {
     const std::size_t want = d == sd ? std::size_t(n_local) : global.extent(d);
     if (local.extent(d) != want)
@@ -370,7 +427,7 @@ void permute(const char* fn, const ExecSpace& exec, int P, int rank, const GV& g
            d == sd ? " (the tokens this rank holds: local_length<Partition>(N, P, rank))"
                    : " (the same extent of 'global')");
   }
-  const auto map = Partition::positions(N, P, rank);
+  const auto map = partition.positions(N, P, rank);
   const index_type outer = sd == 0 ? 1 : index_type(global.extent(0));
   if (n_local == 0) return;
   Kokkos::parallel_for(
@@ -384,14 +441,24 @@ void permute(const char* fn, const ExecSpace& exec, int P, int rank, const GV& g
 /// Sequence dimension by rank: (seq), (batch, seq), (batch, heads, seq) as for
 /// LSE, (batch, seq, heads, dim) as for q, k, v, o.
 template <class Partition, class ExecSpace, class GV, class LV>
+void to_local(const Partition& partition, const ExecSpace& exec, int P, int rank, const GV& global,
+              const LV& local) {
+  impl::permute<true>("to_local", partition, exec, P, rank, global, local);
+}
+template <class Partition, class ExecSpace, class GV, class LV>
 void to_local(const ExecSpace& exec, int P, int rank, const GV& global, const LV& local) {
-  impl::permute<true, Partition>("to_local", exec, P, rank, global, local);
+  impl::permute<true>("to_local", Partition{}, exec, P, rank, global, local);
 }
 
 /// Writes this rank's local tokens back to their places in a global View.
 template <class Partition, class ExecSpace, class GV, class LV>
+void from_local(const Partition& partition, const ExecSpace& exec, int P, int rank, const LV& local,
+                const GV& global) {
+  impl::permute<false>("from_local", partition, exec, P, rank, global, local);
+}
+template <class Partition, class ExecSpace, class GV, class LV>
 void from_local(const ExecSpace& exec, int P, int rank, const LV& local, const GV& global) {
-  impl::permute<false, Partition>("from_local", exec, P, rank, global, local);
+  impl::permute<false>("from_local", Partition{}, exec, P, rank, global, local);
 }
 
 }  // namespace blockattn

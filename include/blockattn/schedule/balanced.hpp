@@ -170,16 +170,22 @@ struct BalancedSchedule {
   }
 };
 
-/// Tiles of `task` for a global sequence of N tokens split by Partition over
-/// P ranks (per batch and head); an idle task has none.
+/// Tiles of `task` for a global sequence of N tokens split by the partition
+/// over P ranks (per batch and head); an idle task has none.
+template <class Partition, class Mask>
+TileCounts task_work(const Partition& partition, const Mask& mask, index_type N, int P,
+                     const BlockTask& task, int block_q, int block_k, bool count_pairs = true) {
+  if (task.idle()) return {};
+  return count_tiles(mask, local_length(partition, N, P, task.q_rank),
+                     local_length(partition, N, P, task.k_rank), block_q, block_k,
+                     partition.positions(N, P, task.q_rank), partition.positions(N, P, task.k_rank),
+                     count_pairs);
+}
+/// The same for a stateless partition (the type alone).
 template <class Partition, class Mask>
 TileCounts task_work(const Mask& mask, index_type N, int P, const BlockTask& task, int block_q,
                      int block_k, bool count_pairs = true) {
-  if (task.idle()) return {};
-  return count_tiles(mask, local_length<Partition>(N, P, task.q_rank),
-                     local_length<Partition>(N, P, task.k_rank), block_q, block_k,
-                     Partition::positions(N, P, task.q_rank),
-                     Partition::positions(N, P, task.k_rank), count_pairs);
+  return task_work(Partition{}, mask, N, P, task, block_q, block_k, count_pairs);
 }
 
 }  // namespace blockattn

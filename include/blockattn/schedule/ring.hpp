@@ -151,40 +151,56 @@ struct is_kv_ring_forward<BasicRingSchedule<B>>
 }  // namespace impl
 
 /// Tiles and (optionally) allowed pairs that `rank` computes at `step` of the
-/// ring for a global sequence of N tokens split by Partition over P ranks.
+/// ring for a global sequence of N tokens split by the partition over P ranks.
+template <class Partition, class Mask>
+TileCounts ring_step_work(const Partition& partition, const Mask& mask, index_type N, int P,
+                          int rank, int step, int block_q, int block_k, bool count_pairs = true) {
+  const int source = ring_source(rank, step, P);
+  return count_tiles(
+      mask, local_length(partition, N, P, rank), local_length(partition, N, P, source), block_q,
+      block_k, partition.positions(N, P, rank), partition.positions(N, P, source), count_pairs);
+}
+/// The same for a stateless partition (the type alone).
 template <class Partition, class Mask>
 TileCounts ring_step_work(const Mask& mask, index_type N, int P, int rank, int step, int block_q,
                           int block_k, bool count_pairs = true) {
-  const int source = ring_source(rank, step, P);
-  return count_tiles(
-      mask, local_length<Partition>(N, P, rank), local_length<Partition>(N, P, source), block_q,
-      block_k, Partition::positions(N, P, rank), Partition::positions(N, P, source), count_pairs);
+  return ring_step_work(Partition{}, mask, N, P, rank, step, block_q, block_k, count_pairs);
 }
 
 /// True when the whole block of `source` is masked out for the queries of
 /// `rank`, or when one of the two ranks holds no token.
 template <class Partition, class Mask>
-bool block_is_empty(const Mask& mask, index_type N, int P, int rank, int source) {
-  const index_type nq = local_length<Partition>(N, P, rank),
-                   nk = local_length<Partition>(N, P, source);
+bool block_is_empty(const Partition& partition, const Mask& mask, index_type N, int P, int rank,
+                    int source) {
+  const index_type nq = local_length(partition, N, P, rank),
+                   nk = local_length(partition, N, P, source);
   if (nq == 0 || nk == 0) return true;
-  const auto qp = Partition::positions(N, P, rank);
-  const auto kp = Partition::positions(N, P, source);
+  const auto qp = partition.positions(N, P, rank);
+  const auto kp = partition.positions(N, P, source);
   return mask.classify(qp(0), qp(nq - 1) + 1, kp(0), kp(nk - 1) + 1) == TileKind::empty;
+}
+template <class Partition, class Mask>
+bool block_is_empty(const Mask& mask, index_type N, int P, int rank, int source) {
+  return block_is_empty(Partition{}, mask, N, P, rank, source);
 }
 
 /// The context of a schedule's description for a run: P and the block pairs
-/// that `mask` leaves empty under Partition (block_is_empty), with the ring
-/// reach computed once (O(P^2) block classifications at most).
+/// that `mask` leaves empty under the partition (block_is_empty), with the
+/// ring reach computed once (O(P^2) block classifications at most).
 template <class Partition, class Mask>
-ScheduleContext schedule_context(const Mask& mask, index_type N, int P) {
+ScheduleContext schedule_context(const Partition& partition, const Mask& mask, index_type N,
+                                 int P) {
   ScheduleContext c;
   c.P = P;
-  c.empty_pair = [mask, N, P](int q_rank, int k_rank) {
-    return block_is_empty<Partition>(mask, N, P, q_rank, k_rank);
+  c.empty_pair = [partition, mask, N, P](int q_rank, int k_rank) {
+    return block_is_empty(partition, mask, N, P, q_rank, k_rank);
   };
   c.reach = c.ring_reach();
   return c;
+}
+template <class Partition, class Mask>
+ScheduleContext schedule_context(const Mask& mask, index_type N, int P) {
+  return schedule_context(Partition{}, mask, N, P);
 }
 
 }  // namespace blockattn

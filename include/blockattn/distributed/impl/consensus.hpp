@@ -105,6 +105,12 @@ class Fingerprint {
   std::vector<ConfigField> m_fields;
 };
 
+/// The partition's values: its parameters() when it has them (a table
+/// partition: N, P and a hash of the table), else "{}" (a stateless
+/// partition: its type says it all). Always one field.
+template <class Partition>
+void add_partition(Fingerprint& f, const Partition& partition);
+
 /// Mask parameters: an optional member `parameters()` returning a std::array
 /// (or any range) of numbers lets ranks compare mask values, not only types.
 template <class M, class = void>
@@ -132,6 +138,21 @@ void add_mask(Fingerprint& f, const Mask& mask) {
   }
   s << "}";
   f.text("mask value", s.str());
+}
+
+template <class Partition>
+void add_partition(Fingerprint& f, const Partition& partition) {
+  std::ostringstream s;
+  s << Partition::name() << "{";
+  if constexpr (has_mask_parameters<Partition>::value) {
+    bool first = true;
+    for (const auto& x : partition.parameters()) {
+      s << (first ? "" : ", ") << x;
+      first = false;
+    }
+  }
+  s << "}";
+  f.text("partition value", s.str());
 }
 
 /// Element-wise allreduce of a host array: one collective when the

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace blockattn {
@@ -90,13 +91,14 @@ index_type agreed_length(const char* name, const std::vector<std::int64_t>& leng
 
 /// The same for a partition over all the lengths' ranks.
 template <class Partition>
-index_type agreed_length(const char* name, const std::vector<std::int64_t>& lengths) {
+index_type agreed_length(const Partition& partition, const char* name,
+                         const std::vector<std::int64_t>& lengths) {
   const int P = int(lengths.size());
   return agreed_length(
       name, lengths,
       [&](index_type N, int r) {
-        require_partitionable<Partition>(name, N, P);
-        return local_length<Partition>(N, P, r);
+        require_partitionable(partition, name, N, P);
+        return local_length(partition, N, P, r);
       },
       [&](index_type N) {
         std::ostringstream s;
@@ -107,6 +109,23 @@ index_type agreed_length(const char* name, const std::vector<std::int64_t>& leng
       splits_any_length_v<Partition>
           ? "local_length<Partition>(N, P, rank)"
           : "local_length<Partition>(N, P, rank) (N / P: this partition has no length())");
+}
+template <class Partition>
+index_type agreed_length(const char* name, const std::vector<std::int64_t>& lengths) {
+  return agreed_length(Partition{}, name, lengths);
+}
+
+/// A partition whose positions live in a memory space (TablePartition) must
+/// be readable from the execution space; a stateless one always is.
+template <class Partition, class ExecSpace, class = void>
+struct partition_memory_ok : std::true_type {};
+template <class Partition, class ExecSpace>
+struct partition_memory_ok<Partition, ExecSpace, std::void_t<typename Partition::memory_space>>
+    : std::bool_constant<
+          Kokkos::SpaceAccessibility<ExecSpace, typename Partition::memory_space>::accessible> {};
+template <class Partition, class ExecSpace>
+constexpr bool partition_accessible_from() {
+  return partition_memory_ok<Partition, ExecSpace>::value;
 }
 
 }  // namespace impl
