@@ -15,6 +15,7 @@
 #                                          .deps/torch-venv; never needed to build or test
 #   cmake/blockattn.sh bench-ring          KV-ring overlap, bytes and memory benchmarks
 #   cmake/blockattn.sh bench-plan          planner prediction vs measurement (P = 2)
+#   cmake/blockattn.sh bench-balance       packed documents: every layout run (P = 2, 4)
 #   cmake/blockattn.sh plan [plan args]    the planner CLI (tools/plan.cpp)
 #   cmake/blockattn.sh plot [out.png]      per-rank per-step work at P = 8, four schedules
 #                                          (gnuplot; default docs/schedules_p8.png)
@@ -234,6 +235,12 @@ case "$cmd" in
     cmake --build "$build" -j "$jobs" --target blockattn_bench_plan
     "$repo/bench/run_plan.sh" "$build/bench/blockattn_bench_plan" "$@"
     ;;
+  bench-balance)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_bench_balance
+    "$repo/bench/run_balance.sh" "$build/bench/blockattn_bench_balance" "$@"
+    ;;
   plan)
     ensure_deps
     configure
@@ -253,7 +260,7 @@ case "$cmd" in
     "$repo/bench/plot_schedules.sh" "$build/tools/blockattn_plan" "${1:-$repo/docs/schedules_p8.png}"
     ;;
   *)
-    sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
