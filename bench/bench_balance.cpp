@@ -4,7 +4,7 @@
 //
 // A long-tailed document mix (plan::long_tailed_documents) of N tokens with a
 // causal document mask; every layout of plan/balance.hpp -- contiguous,
-// zigzag, per-document head-tail and the mask-aware assignment -- runs as a
+// striped, zigzag, per-document head-tail and the mask-aware assignment -- runs as a
 // TablePartition through one DistributedAttention (KV ring, fp32 forward).
 // Per layout and rank it prints the tiles the run computed (RunStats) and the
 // rank's busy seconds (RunStats::compute_seconds, best of R), next to the
@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
     }
     std::vector<plan::Layout> layouts;
     layouts.push_back(plan::layout_of<ContiguousPartition>(a.n, P));
+    layouts.push_back(plan::layout_of<StripedPartition>(a.n, P));
     layouts.push_back(plan::layout_of<ZigzagPartition>(a.n, P));
     layouts.push_back(plan::per_document_zigzag(off, P));
     layouts.push_back(plan::mask_balanced(host_mask, a.n, P, chunk, ts.block_q, ts.block_k, c));
