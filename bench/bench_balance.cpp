@@ -10,7 +10,7 @@
 // rank's busy seconds (RunStats::compute_seconds, best of R), next to the
 // planner's analysis of the same layout (plan::balance_of):
 //   work / ideal   the slowest rank's tiles (full + c x partial, c measured by
-//                  plan::calibrate on this machine) over the ideal = the least
+//                  plan::calibrate on a causal block, rank 0 alone) over the ideal = the least
 //                  total work of the layouts / P;
 //   busy / ideal   the slowest rank's busy seconds over the least total busy
 //                  seconds of the layouts / P. With more ranks than cores the
@@ -29,6 +29,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -139,9 +140,18 @@ int main(int argc, char** argv) {
     const TileSizes ts = forward_tile_sizes<T, Exec>(a.dim);
     const index_type chunk =
         a.chunk > 0 ? a.chunk : 4 * index_type(std::lcm(ts.block_q, ts.block_k));
-    // The partial-tile cost of this machine (every rank at once, as in a run).
-    const plan::Calibration cal = plan::calibrate<T, Exec>(2048, a.heads, a.dim, 3);
-    const double c = comm.allreduce(cal.partial_tile_cost, ReduceOp::sum) / P;
+    // The partial-tile cost of this machine, measured by rank 0 alone while the
+    // others sleep (not spin in MPI): with more ranks than cores a calibration
+    // on every rank at once measures the sharing, not the tiles.
+    double c = 0;
+    if (rank == 0) c = plan::calibrate<T, Exec>(2048, a.heads, a.dim, 3).partial_tile_cost;
+    {
+      MPI_Request req;
+      MPI_Ibarrier(MPI_COMM_WORLD, &req);
+      for (int done = 0; MPI_Test(&req, &done, MPI_STATUS_IGNORE), !done;)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    c = comm.allreduce(c, ReduceOp::sum);
     std::vector<index_type> len;
     for (std::size_t d = 0; d + 1 < off.size(); ++d) len.push_back(off[d + 1] - off[d]);
     std::sort(len.begin(), len.end());
@@ -156,7 +166,8 @@ int main(int argc, char** argv) {
           len.size(), a.seed, (long long)len.front(), (long long)len.back(),
           (long long)len[len.size() / 2]);
       std::printf(
-          "tiles %d x %d; a partial tile costs %.2f x a full one (plan::calibrate here); "
+          "tiles %d x %d; a partial tile costs %.2f x a full one (plan::calibrate here, rank 0 "
+          "alone); "
           "mask-aware chunk %lld tokens\n\n",
           ts.block_q, ts.block_k, c, (long long)chunk);
     }

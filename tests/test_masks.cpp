@@ -5,6 +5,7 @@
 
 #include <blockattn/blockattn.hpp>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,30 @@ TEST_CASE("library prefix-LM and document masks: classify agrees with allowed") 
               continue;
             CHECK(m.classify(qb, qe, kb, ke) == brute_force(m, qb, qe, kb, ke));
           }
+  }
+  SUBCASE("allowed_keys(q) is exactly the keys allowed(q, .) accepts") {
+    // Windows bounded, unbounded and one-sided past the query (negative left:
+    // keys at least 1 after q; negative right: at least 1 before).
+    const index_type big = std::numeric_limits<index_type>::max();
+    const Documents<Kokkos::HostSpace> offset_docs(std::vector<index_type>{3, 4, 8, 15, 16, 40});
+    int intervals = 0, nonempty = 0;
+    for (const auto* d : {&docs, &offset_docs})
+      for (bool causal : {true, false})
+        for (index_type left : {big, index_type(0), index_type(2), index_type(-1)})
+          for (index_type right : {big, index_type(0), index_type(3), index_type(-2)}) {
+            const DocumentMask m = d->mask(causal, left, right);
+            for (index_type q = -3; q < 44; ++q) {
+              const KeyInterval iv = m.allowed_keys(q);
+              for (index_type k = -3; k < 44; ++k)
+                CHECK(m.allowed(q, k) == (iv.begin <= k && k < iv.end));
+              ++intervals;
+              nonempty += iv.begin < iv.end;
+            }
+          }
+    CHECK(intervals == 2 * 2 * 4 * 4 * 47);
+    CHECK(nonempty > intervals / 4);
+    static_assert(impl::has_allowed_keys<DocumentMask>::value &&
+                  !impl::has_allowed_keys<CausalMask>::value);
   }
   SUBCASE("offsets must increase") {
     std::string msg;

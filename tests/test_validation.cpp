@@ -160,7 +160,33 @@ struct OverconfidentCausal {
     return k0 > q1 - 1 ? TileKind::empty : TileKind::full;
   }
 };
+/// Causal, with an allowed_keys() one key too long: [.., q + 2) instead of [.., q + 1).
+struct LongIntervalCausal {
+  KOKKOS_INLINE_FUNCTION bool allowed(index_type q, index_type k) const { return k <= q; }
+  KOKKOS_INLINE_FUNCTION KeyInterval allowed_keys(index_type q) const { return {-100, q + 2}; }
+  KOKKOS_INLINE_FUNCTION TileKind classify(index_type q0, index_type q1, index_type k0,
+                                           index_type k1) const {
+    return CausalMask{}.classify(q0, q1, k0, k1);
+  }
+};
 }  // namespace
+
+TEST_CASE("check_policies: an allowed_keys that disagrees with allowed is named") {
+  Views w;
+  ForwardOptions opts;
+  opts.check_policies = true;
+  expect_error(
+      [&] {
+        attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, LongIntervalCausal{}, opts);
+      },
+      {"argument 'mask' breaks the mask contract: allowed_keys(", ") = [-100, ",
+       ") = false; expected allowed(q, k) to hold exactly for the keys of allowed_keys(q)"});
+  // Documents (whose mask has allowed_keys) pass, bounded window or not.
+  const Documents<MemSpace> docs(std::vector<index_type>{0, 1, 4, 9, 12});
+  CHECK_NOTHROW(attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, docs.mask(), opts));
+  CHECK_NOTHROW(
+      attention_forward(ExecSpace{}, w.q, w.k, w.v, w.o, w.lse, docs.mask(false, 2, 1), opts));
+}
 
 TEST_CASE("check_policies: a classify that breaks the mask contract is named") {
   Views w;

@@ -53,9 +53,10 @@ TileCounts count_tiles(const Mask& mask, index_type nq, index_type nk, int block
         case TileKind::partial:
           ++c.partial;
           if (count_pairs)
-            for (index_type i = q0; i < q1; ++i)
-              for (index_type j = k0; j < k1; ++j)
-                c.allowed_pairs += mask.allowed(qpos(i), kpos(j));
+            for (index_type i = q0; i < q1; ++i) {
+              const impl::RowMask<Mask> allow(mask, qpos(i), true);
+              for (index_type j = k0; j < k1; ++j) c.allowed_pairs += allow(kpos(j));
+            }
           break;
       }
     }

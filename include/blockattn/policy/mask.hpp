@@ -13,6 +13,16 @@
 // `full` only if every pair is. When unsure, answer `partial`: the kernel then
 // calls allowed() for every pair of the tile. Empty tiles are never loaded.
 //
+// Optional, for masks whose allowed() is costly (a search, a lookup): when
+// the keys every query sees form one interval of global positions, say so with
+//
+//   KOKKOS_FUNCTION KeyInterval allowed_keys(index_type q) const;
+//
+// returning [begin, end) such that allowed(q, k) == (begin <= k && k < end)
+// for every k (begin >= end: q sees nothing). The kernels then call it once
+// per query row of a partial tile and compare positions, instead of calling
+// allowed() for every pair (DocumentMask: two binary searches per pair).
+//
 // Optional: a host member `parameters()` returning a std::array (or any range)
 // of numbers. The distributed entry points compare the mask's type on every
 // rank, and with parameters() also its values (e.g. a window of 32 on one
@@ -22,12 +32,19 @@
 #include <blockattn/core/config.hpp>
 
 #include <array>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 
 namespace blockattn {
 
 enum class TileKind : int { empty = 0, partial = 1, full = 2 };
+
+/// The global key positions one query sees, [begin, end) (see allowed_keys above).
+struct KeyInterval {
+  index_type begin = 0;
+  index_type end = 0;
+};
 
 /// No masking: every query sees every key.
 struct FullMask {
@@ -116,6 +133,43 @@ struct has_allowed<
     M, std::void_t<decltype(std::declval<const M&>().allowed(index_type{}, index_type{}))>>
     : std::is_convertible<decltype(std::declval<const M&>().allowed(index_type{}, index_type{})),
                           bool> {};
+
+template <class M, class = void>
+struct has_allowed_keys : std::false_type {};
+template <class M>
+struct has_allowed_keys<M,
+                        std::void_t<decltype(std::declval<const M&>().allowed_keys(index_type{}))>>
+    : std::is_same<decltype(std::declval<const M&>().allowed_keys(index_type{})), KeyInterval> {};
+
+/// The mask of one query row, as the kernels apply it to a partial tile:
+/// allowed(q, k) per key, or, for masks with allowed_keys(), two comparisons
+/// against the row's interval (computed once). `check` false: every key kept.
+template <class M, bool = has_allowed_keys<M>::value>
+struct RowMask {
+  M mask;
+  index_type q;
+  bool check;
+  KOKKOS_INLINE_FUNCTION RowMask(const M& m, index_type q_, bool check_)
+      : mask(m), q(q_), check(check_) {}
+  KOKKOS_INLINE_FUNCTION bool operator()(index_type k) const {
+    return !check || mask.allowed(q, k);
+  }
+};
+template <class M>
+struct RowMask<M, true> {
+  index_type begin, end;
+  KOKKOS_INLINE_FUNCTION RowMask(const M& m, index_type q, bool check) {
+    if (check) {
+      const KeyInterval iv = m.allowed_keys(q);
+      begin = iv.begin;
+      end = iv.end;
+    } else {
+      begin = INT64_MIN;  // index_type is std::int64_t; macros are usable in device code
+      end = INT64_MAX;
+    }
+  }
+  KOKKOS_INLINE_FUNCTION bool operator()(index_type k) const { return begin <= k && k < end; }
+};
 
 }  // namespace impl
 

@@ -244,10 +244,10 @@ struct BackwardCommon {
       // Selects as integer masks (see exp2.hpp): a conditional float
       // computation stays scalar under GCC's default -ftrapping-math.
       using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
-      const index_type qg = qpos(q0 + (r < q_rows ? r : 0));
-      const bool check_mask = kind == TileKind::partial;
+      const impl::RowMask<Mask> allow(mask, qpos(q0 + (r < q_rows ? r : 0)),
+                                      row_live && kind == TileKind::partial);
       for (int c = 0; c < BK; ++c) {
-        const bool keep = row_live && c < k_rows && (!check_mask || mask.allowed(qg, kpos(k0 + c)));
+        const bool keep = row_live && c < k_rows && allow(kpos(k0 + c));
         const Bits m = Bits(0) - static_cast<Bits>(keep);
         const T pv = bit_cast<T>(bit_cast<Bits>(exp2_nonpositive(srow[c] * s2 - l2)) & m);
         srow[c] = pv;

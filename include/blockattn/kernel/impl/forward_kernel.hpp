@@ -162,10 +162,9 @@ struct ForwardKernel {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live), [&](const int r) {
         T* const srow = ss + r * BK;
         if (per_element) {
-          const index_type qg = qpos(q0 + r);
-          const bool check_mask = kind == TileKind::partial;
+          const impl::RowMask<Mask> allow(mask, qpos(q0 + r), kind == TileKind::partial);
           for (int c = 0; c < BK; ++c) {
-            const bool keep = c < k_rows && (!check_mask || mask.allowed(qg, kpos(k0 + c)));
+            const bool keep = c < k_rows && allow(kpos(k0 + c));
             srow[c] = keep_or_neg_inf(keep, srow[c]);
           }
         }

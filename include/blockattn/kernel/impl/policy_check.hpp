@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The mask contract, checked on demand: classify() must be conservative
 // (`empty` only if no pair of the box is allowed, `full` only if every pair
-// is). A classify that breaks it silently skips or unmasks pairs, so the
-// entry points can check it on a sample of boxes before any work, in a
-// kernel on the caller's execution space (masks may hold device Views):
+// is), and allowed_keys(q), where the mask has it, must agree with allowed(). A classify that
+// breaks it silently skips or unmasks pairs, so the entry points can check it on a sample of boxes
+// before any work, in a kernel on the caller's execution space (masks may hold device Views):
 //   - always, when compiled with -DBLOCKATTN_CHECK_POLICIES;
 //   - per call, with ForwardOptions::check_policies / DistributedOptions::check_policies.
 // Off by default: the sample costs about samples x box^2 allowed() calls.
@@ -25,7 +25,8 @@ inline constexpr bool check_policies_always = false;
 
 /// One sampled box and what went wrong with it (kind 0: none).
 struct MaskViolation {
-  int kind = 0;  // 1: classify said empty but (q, k) is allowed; 2: full but (q, k) is not
+  int kind = 0;  // 1: classify said empty but (q, k) is allowed; 2: full but (q, k) is not;
+                 // 3: allowed(q, k) disagrees with allowed_keys(q) = [k_begin, k_end)
   index_type q_begin = 0, q_end = 0, k_begin = 0, k_end = 0, q = 0, k = 0;
 };
 
@@ -70,6 +71,20 @@ struct MaskCheckFunctor {
     const index_type bq = sq < nq ? sq : nq, bk = sk < nk ? sk : nk;
     const index_type q0 = q_lo + index_type((h2 % std::uint64_t(nq - bq + 1)));
     const index_type k0 = k_lo + index_type(((h2 >> 20) % std::uint64_t(nk - bk + 1)));
+    if constexpr (has_allowed_keys<Mask>::value) {
+      for (index_type q = q0; q < q0 + bq; ++q) {
+        const KeyInterval iv = mask.allowed_keys(q);
+        for (index_type k = k0; k < k0 + bk; ++k)
+          if (mask.allowed(q, k) != (iv.begin <= k && k < iv.end)) {
+            v.kind = 3;
+            v.q = q;
+            v.k = k;
+            v.k_begin = iv.begin;
+            v.k_end = iv.end;
+            return;
+          }
+      }
+    }
     const TileKind kind = mask.classify(q0, q0 + bq, k0, k0 + bk);
     if (kind == TileKind::partial) return;
     for (index_type q = q0; q < q0 + bq; ++q)
@@ -101,6 +116,12 @@ void check_mask_contract(const char* fn, const ExecSpace& exec, const Mask& mask
       "blockattn::check_mask_contract",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, samples),
       MaskCheckFunctor<Mask>{mask, q_lo, q_hi, k_lo, k_hi}, v);
+  if (v.kind == 3)
+    fail(fn, "argument 'mask' breaks the mask contract: allowed_keys(", v.q, ") = [", v.k_begin,
+         ", ", v.k_end, ") but allowed(", v.q, ", ", v.k,
+         ") = ", (v.k_begin <= v.k && v.k < v.k_end) ? "false" : "true",
+         "; expected allowed(q, k) to hold exactly for the keys of allowed_keys(q) (see "
+         "blockattn/policy/mask.hpp)");
   if (v.kind != 0)
     fail(fn, "argument 'mask' breaks the mask contract: classify(", v.q_begin, ", ", v.q_end, ", ",
          v.k_begin, ", ", v.k_end, ") = ", v.kind == 1 ? "empty" : "full", " but allowed(", v.q,
