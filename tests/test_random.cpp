@@ -1,21 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
 // Seeded random configurations against the independent fp64 reference
 // (reference.hpp): shape (batch, global length N of any value -- 1, P - 1,
-// primes, 2P + 1 and uniform, so that ranks hold different numbers of tokens
-// or none --, heads, kv heads / GQA, head dim), mask (full, causal, window, prefix-LM, causal
-// documents, random block-sparse; one run-time mask type), partition, schedule, value type (fp64,
-// fp32, bf16, fp16), forward and backward through DistributedAttention on this communicator's P
-// ranks, plus a single-device forward/backward with random offsets (in fp32 for the 16-bit types:
-// the single-device 16-bit path has its own tests, test_half_attention.cpp). fp64 runs every
-// schedule x partition, and a random TablePartition (any token on any rank) with the ring,
-// burst and all-gather schedules. The three types computed in fp32 (fp32, bf16, fp16)
-// share the kernels and differ only in storage and conversions, so each
-// draws one built-in partition per schedule, rotated over the types (random_partition)
-// so that together they cover every schedule x built-in partition once: 13 + 4 + 4 + 4
-// instantiations of DistributedAttention instead of 4 x 13. The sanitizer
-// build (BLOCKATTN_RANDOM_TWO_TYPES) draws fp32 and bf16 only. Every
-// configuration goes through this small fixed set of instantiations, so the
-// number of configurations costs run time, not compile time.
+// primes, 2P + 1, uniform up to 96 P and large (up to 256 P + 512: several tiles
+// per rank), so that ranks hold different numbers of tokens or none --, heads, kv
+// heads / GQA, head dim), mask (full, causal, window, prefix-LM, packed documents
+// of random lengths (DocumentMask: 1-token documents, one document over every
+// rank, long-tailed mixes, tokens outside every document; causal or not, with
+// or without a window), random block-sparse; one run-time mask type), partition, schedule, value
+// type (fp64, fp32, bf16, fp16), forward and backward through DistributedAttention on this
+// communicator's P ranks, plus a single-device forward/backward with random offsets (in fp32 for
+// the 16-bit types: the single-device 16-bit path has its own tests, test_half_attention.cpp). fp64
+// runs every schedule x partition, and a random TablePartition (any token on any rank) with the
+// ring, burst and all-gather schedules. The three types computed in fp32 (fp32, bf16, fp16) share
+// the kernels and differ only in storage and conversions, so each draws one built-in partition per
+// schedule, rotated over the types (random_partition) so that together they cover every schedule x
+// built-in partition once: 13 + 4 + 4 + 4 instantiations of DistributedAttention instead of 4 x 13.
+// The sanitizer build (BLOCKATTN_RANDOM_TWO_TYPES) draws fp32 and bf16 only. Every configuration
+// goes through this small fixed set of instantiations, so the number of configurations costs run
+// time, not compile time.
 //
 //   BLOCKATTN_RANDOM_SEED   first seed (default 20261122 + 100000 P); configuration i
 //                           uses seed + i, the same on every rank
@@ -32,6 +34,8 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -51,10 +55,11 @@ namespace {
 /// One mask type for every random mask (kind chosen at run time), exact
 /// classify for the structured kinds, conservative for the block-sparse one.
 struct RandomMask {
-  int kind = 0;  // 0 full, 1 causal, 2 window [q - a, q + b], 3 prefix-LM a, 4 causal documents of
-                 // a, 5 block-sparse causal
+  int kind = 0;  // 0 full, 1 causal, 2 window [q - a, q + b], 3 prefix-LM a, 4 documents (doc),
+                 // 5 block-sparse causal
   index_type a = 0, b = 0;
   std::uint64_t salt = 0;
+  DocumentMask doc;  // kind 4; its offsets are owned by Config::documents
 
   KOKKOS_INLINE_FUNCTION bool allowed(index_type q, index_type k) const {
     switch (kind) {
@@ -67,7 +72,7 @@ struct RandomMask {
       case 3:
         return k < a || k <= q;
       case 4:
-        return k <= q && k / a == q / a;
+        return doc.allowed(q, k);
       default: {
         if (k > q) return false;
         const index_type qb = q / a, kb = k / a;
@@ -100,20 +105,34 @@ struct RandomMask {
         if (k0 >= a && k0 > ql) return TileKind::empty;
         return TileKind::partial;
       case 4:
-        if (k0 > ql || kl / a < q0 / a || k0 / a > ql / a) return TileKind::empty;
-        if (k0 / a == ql / a && kl / a == q0 / a && kl <= q0) return TileKind::full;
-        return TileKind::partial;
+        return doc.classify(q0, q1, k0, k1);
       default:
         return k0 > ql ? TileKind::empty : TileKind::partial;
     }
   }
-  std::array<std::int64_t, 4> parameters() const { return {{kind, a, b, std::int64_t(salt)}}; }
+  std::array<std::int64_t, 4> parameters() const {
+    return {{kind, a, b, kind == 4 ? doc.parameters()[4] : std::int64_t(salt)}};
+  }
   /// No query sees a later key (what BalancedSchedule needs).
-  bool lower() const { return kind == 1 || (kind == 2 && b == 0) || kind == 4 || kind == 5; }
+  bool lower() const {
+    return kind == 1 || (kind == 2 && b == 0) || (kind == 4 && doc.band_right() <= 0) || kind == 5;
+  }
   std::string describe() const {
     const char* names[] = {"full", "causal", "window", "prefix-lm", "documents", "block-sparse"};
     std::ostringstream s;
-    s << names[kind] << "(a=" << a << ", b=" << b << ")";
+    if (kind == 4) {
+      const index_type* off = doc.host_offsets;
+      index_type shortest = off[1] - off[0], longest = shortest;
+      for (int d = 1; d < doc.documents; ++d) {
+        shortest = std::min(shortest, off[d + 1] - off[d]);
+        longest = std::max(longest, off[d + 1] - off[d]);
+      }
+      s << "documents(" << doc.documents << " in [" << off[0] << ", " << off[doc.documents]
+        << "), lengths " << shortest << ".." << longest << (doc.causal ? ", causal" : "")
+        << ", left=" << doc.left << ", right=" << doc.right << ")";
+    } else {
+      s << names[kind] << "(a=" << a << ", b=" << b << ")";
+    }
     return s.str();
   }
 };
@@ -126,6 +145,7 @@ struct Config {
   int b = 1, N = 1, h = 1, hkv = 1, d = 8;  // N: global length, any (ranks may hold none)
   index_type q_offset = 0, k_offset = 0;    // single-device call
   RandomMask mask;
+  std::shared_ptr<const Documents<MemSpace>> documents;  // mask kind 4
 
   std::string describe(int P) const {
     const char* parts[] = {"contiguous", "striped", "zigzag", "table"};
@@ -144,6 +164,31 @@ struct Config {
 /// the three rows together hold every partition it takes.
 constexpr int random_partition[4][4] = {{-1, -1, -1, -1}, {0, 1, 0, 2}, {1, 2, 0, 0}, {2, 0, 0, 1}};
 
+/// Offsets of packed documents over [0, N): 1-token documents, one document
+/// over every token, long-tailed lengths (Pareto 1.1, as plan's document
+/// mixes) or uniform lengths; a quarter of the draws leave some first and /
+/// or last tokens outside every document (those queries see nothing).
+std::vector<index_type> random_documents(std::mt19937_64& rng, index_type N) {
+  auto pick = [&](index_type lo, index_type hi) {
+    return std::uniform_int_distribution<index_type>(lo, hi)(rng);
+  };
+  const index_type begin = pick(0, 3) == 0 ? pick(0, (N - 1) / 4) : 0;
+  const index_type end = pick(0, 3) == 0 ? N - pick(0, (N - begin - 1) / 4) : N;
+  std::vector<index_type> off{begin};
+  const int style = int(pick(0, 3));
+  while (off.back() < end) {
+    index_type len = 1;
+    if (style == 1) len = end - begin;
+    if (style == 2) {
+      const double u = std::uniform_real_distribution<double>(1e-9, 1.0)(rng);
+      len = index_type(std::min(double(N), std::floor(std::pow(u, -1.0 / 1.1))));
+    }
+    if (style == 3) len = pick(1, std::max<index_type>(1, N / 3));
+    off.push_back(std::min(end, off.back() + len));
+  }
+  return off;
+}
+
 Config draw(std::uint64_t seed, int P) {
   std::mt19937_64 rng(seed);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
@@ -160,7 +205,8 @@ Config draw(std::uint64_t seed, int P) {
   while (c.h % c.hkv != 0);
   const int dims[] = {1, 8, 24, 40, 64, 72, 128, 136};
   c.d = dims[pick(0, 7)];
-  // Any length: half of the draws uniform in 1 .. 96 P, the rest the edge
+  // Any length: 3 of 8 draws uniform in 1 .. 96 P, 1 of 8 large (96 P .. 256
+  // P + 512: several tiles per rank; small heads to keep the reference quick), the rest the edge
   // cases (1 token, P - 1 tokens: a rank without any, a prime, 2P + 1).
   const int primes[] = {2,  3,  5,  7,  11, 13, 17, 19, 23,  29,  31,  37,  41,  43,  47,  53, 59,
                         61, 67, 71, 73, 79, 83, 89, 97, 101, 103, 107, 109, 113, 127, 131, 137};
@@ -177,6 +223,12 @@ Config draw(std::uint64_t seed, int P) {
     case 3:
       c.N = 2 * P + 1;
       break;
+    case 4:
+      c.N = pick(96 * P + 1, 256 * P + 512);
+      c.b = 1;
+      c.h = c.hkv = pick(1, 2);
+      c.d = dims[pick(0, 3)];
+      break;
     default:
       c.N = pick(1, 96 * P);
   }
@@ -190,6 +242,17 @@ Config draw(std::uint64_t seed, int P) {
     c.mask.b = pick(0, 2) == 0 ? 0 : pick(0, int(N));
     c.mask.salt = rng();
     if (c.mask.kind == 5) c.mask.a = 1 + pick(0, 40);  // block size
+    if (c.mask.kind == 4) {
+      c.documents = std::make_shared<const Documents<MemSpace>>(random_documents(rng, N));
+      const index_type unbounded = std::numeric_limits<index_type>::max();
+      const bool causal = pick(0, 2) != 0;
+      // Windows: any width, or narrower than two tiles (full tiles at the
+      // band's edges).
+      auto width = [&] { return pick(0, 2) == 0 ? pick(0, int(N)) : pick(0, 256); };
+      const index_type left = pick(0, 1) == 0 ? unbounded : width();
+      const index_type right = causal || pick(0, 1) == 0 ? unbounded : width();
+      c.mask.doc = c.documents->mask(causal, left, right);
+    }
     if (c.schedule != 2 || c.mask.lower()) break;
   }
   c.q_offset = pick(-50, 50);
