@@ -168,8 +168,7 @@ TEST_CASE_TEMPLATE("SoftmaxState::finalize is bitwise the forward kernel's own f
       using S = decltype(shape);
       using Kernel =
           impl::ForwardKernel<ExecSpace, T, SD, S, CausalMask, OffsetPositions, OffsetPositions>;
-      auto kv =
-          impl::allocate_packed_kv<T, mem>(s.b, s.hkv, s.nk, Kernel::pad_dim(s.d), S::block_k);
+      auto kv = impl::allocate_forward_kv<T, mem, S, SD>(s.b, s.hkv, s.nk, Kernel::pad_dim(s.d));
       impl::pack_kv(exec, kd, vd, kv);
       impl::launch_forward<ExecSpace, T, SD, S>(exec, e, qd, kv, o1, l1, mask, qpos, kpos, scale);
       impl::BlockStep<T, mem> open;

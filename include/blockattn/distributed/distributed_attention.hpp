@@ -660,12 +660,12 @@ class DistributedAttention {
     // kernels read `wide`, the slot in use widened to T.
     std::vector<impl::PackedKV<V, mem>> kv(std::size_t(slots.kv));
     for (auto& b : kv)
-      b = impl::allocate_packed_kv<V, mem>(e.batch, e.kv_heads, most, dp, Shape::block_k);
+      b = impl::allocate_forward_kv<V, mem, Shape, SD>(e.batch, e.kv_heads, most, dp);
     kv[0].keys = e.keys;  // ours: the rest of the slot is zero padding
     impl::pack_kv(m_exec, k, v, kv[0]);
     impl::PackedKV<T, mem> wide;
     if constexpr (half)
-      wide = impl::allocate_packed_kv<T, mem>(e.batch, e.kv_heads, most, dp, Shape::block_k);
+      wide = impl::allocate_forward_kv<T, mem, Shape, SD>(e.batch, e.kv_heads, most, dp);
     int widened = -1;  // the K/V slot whose block `wide` holds (-1: none)
     std::vector<Buffer4<V>> qs(std::size_t(slots.q));
     std::vector<Buffer4<T>> rout(std::size_t(slots.results_in)),

@@ -477,7 +477,7 @@ class UlyssesAttention {
       using S = decltype(shape);
       impl::check_tile_shape<S>();
       const int dp = impl::padded_head_dim<S, SD>(e.dim);
-      const auto kv = impl::allocate_packed_kv<C, mem>(e.batch, kl, int(N), dp, S::block_k);
+      const auto kv = impl::allocate_forward_kv<C, mem, S, SD>(e.batch, kl, int(N), dp);
       const std::int64_t packed = impl::ulysses_bytes(kv.kt) + impl::ulysses_bytes(kv.v);
       live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();

@@ -21,6 +21,19 @@ struct ForwardExtents {
   int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0, dim = 0;
 };
 
+/// Width of the forward's P*V micro tile, and so of the packed V panels: the
+/// full micro tile for the compile-time head dims, one granule otherwise.
+template <class Shape, int StaticD>
+inline constexpr int forward_v_panel = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
+
+/// A packed K/V block (PackedKV) laid out for the forward kernel of Shape and
+/// StaticD: K^T panels of micro_cols keys, V panels of forward_v_panel columns.
+template <class T, class MemorySpace, class Shape, int StaticD>
+PackedKV<T, MemorySpace> allocate_forward_kv(int batch, int kv_heads, int keys, int dim_padded) {
+  return allocate_packed_kv<T, MemorySpace>(batch, kv_heads, keys, dim_padded, Shape::block_k,
+                                            Shape::micro_cols, forward_v_panel<Shape, StaticD>);
+}
+
 /// The functor. StaticD > 0 fixes the (padded) head dim at compile time.
 /// T is the compute type (fp32 for bf16/fp16 storage); QS and OS are the
 /// storage types of q and o. The unnormalised O between calls (resume /
@@ -55,7 +68,7 @@ struct ForwardKernel {
   static constexpr int NR = Shape::micro_cols;
   // Width of the P*V micro tile: the full micro tile for the compile-time head
   // dims, one granule otherwise (the padded dim is a multiple of it).
-  static constexpr int NRO = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
+  static constexpr int NRO = forward_v_panel<Shape, StaticD>;
   // Granularity (keys) at which partial tiles trim the P*V reduction.
   static constexpr int KG = Shape::dim_granule;
   static_assert(StaticD % NRO == 0,
@@ -138,73 +151,26 @@ struct ForwardKernel {
       const TileKind kind = mask.classify(q_begin, q_end, kpos(k0), kpos(k0 + k_rows - 1) + 1);
       if (kind == TileKind::empty) continue;
 
-      // S (BQ, BK) = Q (BQ, dp) * K^T (dp, BK)
       const T* const kt_tile = &kt(b, hk, kb, 0, 0);
-      Kokkos::parallel_for(
-          Kokkos::TeamThreadRange(team, (q_live / MR) * (BK / NR)), [&](const int t) {
-            const int r0 = (t / (BK / NR)) * MR, c0 = (t % (BK / NR)) * NR;
-            // In a partial tile, a micro tile the mask rules out entirely is not
-            // computed: the mask pass below overwrites all of it with -inf.
-            if (kind == TileKind::partial && r0 < q_rows && c0 < k_rows) {
-              const int r1 = (r0 + MR < q_rows ? r0 + MR : q_rows) - 1;
-              const int c1 = (c0 + NR < k_rows ? c0 + NR : k_rows) - 1;
-              if (mask.classify(qpos(q0 + r0), qpos(q0 + r1) + 1, kpos(k0 + c0),
-                                kpos(k0 + c1) + 1) == TileKind::empty)
-                return;
-            }
-            Gemm::template apply<MR, NR, StaticD>(dp, qs + r0 * dp, dp, kt_tile + c0, BK,
-                                                  ss + r0 * BK + c0, BK,
-                                                  static_cast<const T*>(nullptr));
-          });
-      team.team_barrier();
-
-      const bool per_element = kind == TileKind::partial || k_rows < BK;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live), [&](const int r) {
-        T* const srow = ss + r * BK;
-        if (per_element) {
-          const impl::RowMask<Mask> allow(mask, qpos(q0 + r), kind == TileKind::partial);
-          for (int c = 0; c < BK; ++c) {
-            const bool keep = c < k_rows && allow(kpos(k0 + c));
-            srow[c] = keep_or_neg_inf(keep, srow[c]);
-          }
-        }
-        softmax_row(srow, m[r], l[r], alpha[r]);
-      });
-      team.team_barrier();
-
-      // O (BQ, dp) = diag(alpha) O + P (BQ, BK) * V (BK, dp)
       const T* const v_tile = v_head + static_cast<std::ptrdiff_t>(k0) * dp;
-      const int o_tiles = (q_live / MR) * (dp / NRO);
-      if (kind == TileKind::full) {
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
-          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
-          Gemm::template apply<MR, NRO, BK>(BK, ss + r0 * BK, BK, v_tile + c0, dp,
-                                            os + r0 * dp + c0, dp, alpha + r0);
-        });
-      } else if (kind == TileKind::partial && tile_has_nonfinite(team, v_tile, k_rows * dp)) {
-        // A non-finite V row: P = 0 (masked) times inf / NaN must add nothing,
-        // so select instead of multiplying (rare; scalar loops).
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
-          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
-          for (int i = 0; i < MR; ++i) {
-            T* const orow = os + (r0 + i) * dp + c0;
-            const T* const prow = ss + (r0 + i) * BK;
-            for (int j = 0; j < NRO; ++j) orow[j] *= alpha[r0 + i];
-            for (int c = 0; c < k_rows; ++c)
-              if (prow[c] != T(0))
-                for (int j = 0; j < NRO; ++j) orow[j] += prow[c] * v_tile[c * dp + c0 + j];
-          }
-        });
-      } else {
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, o_tiles), [&](const int t) {
-          const int r0 = (t / (dp / NRO)) * MR, c0 = (t % (dp / NRO)) * NRO;
-          const KeyRange keys = live_keys(r0, q0, q_rows, k0, k_rows);
-          Gemm::template apply<MR, NRO, 0>(
-              keys.end - keys.begin, ss + r0 * BK + keys.begin, BK,
-              v_tile + static_cast<std::ptrdiff_t>(keys.begin) * dp + c0, dp, os + r0 * dp + c0, dp,
-              alpha + r0);
-        });
-      }
+      const Tile tile{kind, q0, q_rows, k0, k_rows, dp, kt_tile, v_tile, qs, os, ss, m, l, alpha};
+      // A non-finite V row: P = 0 (masked) times inf / NaN must add nothing, so
+      // the P*V of a partial tile then selects instead of multiplying (rare).
+      const bool select_pv = kind == TileKind::partial && tile_has_nonfinite(team, v_tile, BK * dp);
+      // S (BQ, BK) = Q (BQ, dp) * K^T (dp, BK)
+      Kokkos::parallel_for(
+          Kokkos::TeamThreadRange(team, (q_live / MR) * (BK / NR)),
+          [&](const int t) { score_micro_tile(tile, (t / (BK / NR)) * MR, (t % (BK / NR)) * NR); });
+      team.team_barrier();
+      // Online softmax on the rows of S (masked in partial tiles): S becomes P.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live),
+                           [&](const int r) { softmax_tile_row(tile, r); });
+      team.team_barrier();
+      // O (BQ, dp) = diag(alpha) O + P (BQ, BK) * V (BK, dp)
+      Kokkos::parallel_for(
+          Kokkos::TeamThreadRange(team, (q_live / MR) * (dp / NRO)), [&](const int t) {
+            pv_micro_tile(tile, select_pv, (t / (dp / NRO)) * MR, (t % (dp / NRO)) * NRO);
+          });
       team.team_barrier();
     }
 
@@ -229,6 +195,78 @@ struct ForwardKernel {
   struct KeyRange {
     int begin, end;
   };
+
+  /// One key tile of one team: where its operands live.
+  struct Tile {
+    TileKind kind;
+    int q0, q_rows, k0, k_rows, dp;
+    const T* kt;  // packed K^T tile (dp, BK)
+    const T* v;   // V tile (BK, dp)
+    const T* qs;  // Q tile (BQ, dp), scratch
+    T* os;        // O accumulator (BQ, dp), scratch
+    T* ss;        // S / P tile (BQ, BK), scratch
+    T* m;
+    T* l;
+    T* alpha;
+  };
+
+  /// S micro tile (r0, c0) = Q rows r0.. times K^T columns c0... In a partial
+  /// tile, a micro tile the mask rules out entirely is not computed: the mask
+  /// pass overwrites all of it with -inf.
+  KOKKOS_FORCEINLINE_FUNCTION void score_micro_tile(const Tile& t, int r0, int c0) const {
+    if (t.kind == TileKind::partial && r0 < t.q_rows && c0 < t.k_rows) {
+      const int r1 = (r0 + MR < t.q_rows ? r0 + MR : t.q_rows) - 1;
+      const int c1 = (c0 + NR < t.k_rows ? c0 + NR : t.k_rows) - 1;
+      if (mask.classify(qpos(t.q0 + r0), qpos(t.q0 + r1) + 1, kpos(t.k0 + c0),
+                        kpos(t.k0 + c1) + 1) == TileKind::empty)
+        return;
+    }
+    // The K^T tile is packed in panels of NR keys (kt_tile_offset).
+    Gemm::template apply<MR, NR, StaticD>(t.dp, t.qs + r0 * t.dp, t.dp, t.kt + c0 * t.dp, NR,
+                                          t.ss + r0 * BK + c0, BK, static_cast<const T*>(nullptr));
+  }
+
+  /// Row r of S: the mask (partial tiles, or keys past the block's end), then
+  /// the online-softmax update, leaving P in S.
+  KOKKOS_FORCEINLINE_FUNCTION void softmax_tile_row(const Tile& t, int r) const {
+    T* const srow = t.ss + r * BK;
+    if (t.kind == TileKind::partial || t.k_rows < BK) {
+      const impl::RowMask<Mask> allow(mask, qpos(t.q0 + r), t.kind == TileKind::partial);
+      for (int c = 0; c < BK; ++c) {
+        const bool keep = c < t.k_rows && allow(kpos(t.k0 + c));
+        srow[c] = keep_or_neg_inf(keep, srow[c]);
+      }
+    }
+    softmax_row(srow, t.m[r], t.l[r], t.alpha[r]);
+  }
+
+  /// O micro tile (r0, c0) = diag(alpha) O + P rows r0.. times V columns c0..
+  /// (only the keys some of its rows may see, in a partial tile; select_pv:
+  /// scalar selects, for a V tile that holds an inf or NaN).
+  KOKKOS_FORCEINLINE_FUNCTION void pv_micro_tile(const Tile& t, bool select_pv, int r0,
+                                                 int c0) const {
+    const int dp = t.dp;
+    // The V tile is packed in panels of NRO columns (v_tile_offset).
+    const T* const v_panel = t.v + c0 * BK;
+    if (t.kind == TileKind::full) {
+      Gemm::template apply<MR, NRO, BK>(BK, t.ss + r0 * BK, BK, v_panel, NRO, t.os + r0 * dp + c0,
+                                        dp, t.alpha + r0);
+    } else if (select_pv) {
+      for (int i = 0; i < MR; ++i) {
+        T* const orow = t.os + (r0 + i) * dp + c0;
+        const T* const prow = t.ss + (r0 + i) * BK;
+        for (int j = 0; j < NRO; ++j) orow[j] *= t.alpha[r0 + i];
+        for (int c = 0; c < t.k_rows; ++c)
+          if (prow[c] != T(0))
+            for (int j = 0; j < NRO; ++j) orow[j] += prow[c] * v_panel[c * NRO + j];
+      }
+    } else {
+      const KeyRange keys = live_keys(r0, t.q0, t.q_rows, t.k0, t.k_rows);
+      Gemm::template apply<MR, NRO, 0>(keys.end - keys.begin, t.ss + r0 * BK + keys.begin, BK,
+                                       v_panel + keys.begin * NRO, NRO, t.os + r0 * dp + c0, dp,
+                                       t.alpha + r0);
+    }
+  }
 
   /// True (on every thread of the team) when n values from p hold an inf or NaN.
   KOKKOS_INLINE_FUNCTION static bool tile_has_nonfinite(const member_type& team, const T* p,
@@ -277,8 +315,16 @@ struct ForwardKernel {
     static_assert(BK % lanes == 0, "BlockAttn: block_k must be a multiple of dim_granule");
     T part[lanes];
     for (int j = 0; j < lanes; ++j) part[j] = -infinity<T>();
-    for (int c = 0; c < BK; c += lanes)
-      for (int j = 0; j < lanes; ++j) part[j] = s[c + j] > part[j] ? s[c + j] : part[j];
+    bool vector_max = false;
+#if BLOCKATTN_SIMD_KERNELS
+    if constexpr (std::is_same<T, float>::value && lanes % SimdVec::width == 0) {
+      simd_lane_max<lanes>(s, BK, part);
+      vector_max = true;
+    }
+#endif
+    if (!vector_max)
+      for (int c = 0; c < BK; c += lanes)
+        for (int j = 0; j < lanes; ++j) part[j] = s[c + j] > part[j] ? s[c + j] : part[j];
     T row_max = m;
     for (int j = 0; j < lanes; ++j) row_max = part[j] > row_max ? part[j] : row_max;
     const T m_new = row_max;

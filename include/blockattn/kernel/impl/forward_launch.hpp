@@ -184,6 +184,9 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.resume = step.resume;
   f.finish = step.finish;
   f.q = typename Kernel::in_view(q);
+  if (kv.panel != Shape::micro_cols)
+    throw std::logic_error(
+        "BlockAttn: packed K panel width differs from the tile shape's micro_cols");
   f.kt = kv.kt;
   f.v = kv.v;
   f.o = typename Kernel::out_view(o);
@@ -240,7 +243,7 @@ void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const K
     check_tile_shape<S>();
     using Kernel = ForwardKernel<ExecSpace, T, SD, S, Mask, QPos, KPos, value_of<QV>, value_of<OV>>;
     auto kv =
-        allocate_packed_kv<T, mem>(e.batch, e.kv_heads, e.keys, Kernel::pad_dim(e.dim), S::block_k);
+        allocate_forward_kv<T, mem, S, SD>(e.batch, e.kv_heads, e.keys, Kernel::pad_dim(e.dim));
     pack_kv(exec, k, v, kv);
     launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, s);
   });

@@ -62,6 +62,8 @@ struct SimdVec {
   static type broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static type mul(type a, type b) { return _mm256_mul_ps(a, b); }
   static type fma(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
+  /// a > b ? a : b per lane (b when either is NaN), as the scalar expression.
+  static type max(type a, type b) { return _mm256_max_ps(a, b); }
 };
 #else
 /// One 128-bit vector of floats (SSE2 or NEON register) as a GNU vector.
@@ -92,6 +94,10 @@ struct SimdVec {
   }
   static type fma(type a, type b, type c) {
     return a * b + c;
+  }
+  /// a > b ? a : b per lane, as the scalar expression.
+  static type max(type a, type b) {
+    return a > b ? a : b;
   }
 };
 #endif
@@ -163,6 +169,25 @@ template <int MR, int NR, int KD>
 inline void simd_micro_gemm_at(int kdim, const float* a, int lda, const float* b, int ldb, float* c,
                                int ldc) {
   simd_tile_product<MR, NR, KD, true>(kdim, a, 1, lda, b, ldb, c, ldc, nullptr);
+}
+
+/// part[j] = max(part[j], s[c + j]) over c = 0, Lanes, 2 Lanes, .. < n, each
+/// step `s[c + j] > part[j] ? s[c + j] : part[j]`: the row-max pass of the
+/// forward softmax, which GCC 12 leaves scalar (Lanes scalar max per step).
+template <int Lanes>
+inline void simd_lane_max(const float* __restrict__ s, int n, float* __restrict__ part) {
+  using V = SimdVec;
+  static_assert(Lanes % V::width == 0, "simd_lane_max: Lanes must be whole vectors");
+  constexpr int NV = Lanes / V::width;
+  typename V::type acc[NV];
+  BLOCKATTN_HOST_UNROLL
+  for (int j = 0; j < NV; ++j) acc[j] = V::load(part + j * V::width);
+  for (int c = 0; c < n; c += Lanes) {
+    BLOCKATTN_HOST_UNROLL
+    for (int j = 0; j < NV; ++j) acc[j] = V::max(V::load(s + c + j * V::width), acc[j]);
+  }
+  BLOCKATTN_HOST_UNROLL
+  for (int j = 0; j < NV; ++j) V::store(part + j * V::width, acc[j]);
 }
 
 }  // namespace blockattn::impl

@@ -8,12 +8,19 @@ namespace blockattn::impl {
 
 /// K and V of one block in kernel layout, zero padded:
 ///   kt (batch, kv_head, key_tile, head_dim_padded, block_k)  K^T, one contiguous
-///                                                            (dim x block_k) panel per tile
-///   v  (batch, kv_head, keys_padded, head_dim_padded)        V, head dim contiguous
-/// so that the micro kernels stream each tile's panel from consecutive memory
-/// (a K^T with the whole sequence as leading dimension put rows 16 KiB apart
-/// and halved the micro kernel's rate through cache-set conflicts). keys_padded
-/// is a multiple of block_k and head_dim_padded of the micro tile width, so the
+///                                                            (dim x block_k) span per tile
+///   v  (batch, kv_head, keys_padded, head_dim_padded)        V, one contiguous
+///                                                            (block_k x dim) span per tile
+/// Inside a tile's span, K^T is stored in panels of `panel` keys (the micro
+/// tile width): panel p holds keys [p panel, (p + 1) panel) as a row-major
+/// (dim x panel) matrix (kt_tile_offset); V in panels of `v_panel` head-dim
+/// columns (the P*V micro tile width): panel p holds columns [p v_panel, (p +
+/// 1) v_panel) as a row-major (block_k x v_panel) matrix (v_tile_offset). So
+/// one micro tile streams its B operand from consecutive memory. (A K^T with the whole sequence as
+/// leading dimension put rows 16 KiB apart and halved the micro kernel's rate
+/// through cache-set conflicts; rows of one tile, 512 B apart, still mapped a
+/// micro tile's dim x 64 B onto an eighth of L1's sets.) keys_padded is a
+/// multiple of block_k and head_dim_padded of the micro tile width, so the
 /// micro kernels never test bounds and padded rows and columns add 0.
 template <class T, class MemorySpace>
 struct PackedKV {
@@ -21,12 +28,26 @@ struct PackedKV {
   using v_view = Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace>;
   kt_view kt;
   v_view v;
-  int keys = 0;  // valid keys (the rest is padding)
+  int keys = 0;     // valid keys (the rest is padding)
+  int panel = 1;    // keys per K^T panel (kt_tile_offset)
+  int v_panel = 1;  // head-dim columns per V panel (v_tile_offset)
 };
+
+/// Offset of K^T element (d, c) (head dim d, key c of the tile) from the start
+/// of its tile's span: panels of `panel` keys, each (dim_padded x panel).
+KOKKOS_INLINE_FUNCTION int kt_tile_offset(int d, int c, int dim_padded, int panel) {
+  return (c / panel) * dim_padded * panel + d * panel + c % panel;
+}
+
+/// Offset of V element (c, d) (key c of the tile, head dim d) from the start
+/// of its tile's span: panels of `v_panel` columns, each (block_k x v_panel).
+KOKKOS_INLINE_FUNCTION int v_tile_offset(int c, int d, int block_k, int v_panel) {
+  return (d / v_panel) * block_k * v_panel + c * v_panel + d % v_panel;
+}
 
 template <class T, class MemorySpace>
 PackedKV<T, MemorySpace> allocate_packed_kv(int batch, int kv_heads, int keys, int dim_padded,
-                                            int block_k) {
+                                            int block_k, int panel, int v_panel) {
   using P = PackedKV<T, MemorySpace>;
   const int tiles = (keys + block_k - 1) / block_k;
   P p;
@@ -36,6 +57,8 @@ PackedKV<T, MemorySpace> allocate_packed_kv(int batch, int kv_heads, int keys, i
   p.v = typename P::v_view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_v"),
                            batch, kv_heads, tiles * block_k, dim_padded);
   p.keys = keys;
+  p.panel = panel;
+  p.v_panel = v_panel;
   return p;
 }
 
@@ -50,6 +73,7 @@ void pack_kv(const ExecSpace& exec, const KView& k, const VView& v,
   const int keys_padded = static_cast<int>(p.v.extent(2));
   const int dim = static_cast<int>(k.extent(3));
   const int keys = p.keys;
+  const int panel = p.panel, v_panel = p.v_panel;
   auto kt = p.kt;
   auto vp = p.v;
   const std::int64_t rows = std::int64_t(batch) * heads * keys_padded;
@@ -61,10 +85,13 @@ void pack_kv(const ExecSpace& exec, const KView& k, const VView& v,
         const int n = static_cast<int>(row % keys_padded);
         const int h = static_cast<int>((row / keys_padded) % heads);
         const int b = static_cast<int>(row / (std::int64_t(keys_padded) * heads));
+        const int c = n % block_k;
+        T* const kt_tile = &kt(b, h, n / block_k, 0, 0);
+        T* const v_tile = &vp(b, h, n - c, 0);
         for (int d = 0; d < dim_padded; ++d) {
           const bool inside = n < keys && d < dim;
-          kt(b, h, n / block_k, d, n % block_k) = inside ? T(k(b, n, h, d)) : T(0);
-          vp(b, h, n, d) = inside ? T(v(b, n, h, d)) : T(0);
+          kt_tile[kt_tile_offset(d, c, dim_padded, panel)] = inside ? T(k(b, n, h, d)) : T(0);
+          v_tile[v_tile_offset(c, d, block_k, v_panel)] = inside ? T(v(b, n, h, d)) : T(0);
         }
       });
 }
