@@ -220,10 +220,14 @@ TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradient
   // impl::launch_backward picks the one-pass FusedKernel on host spaces when
   // there are enough (batch, kv head) pairs for the threads; both must sum in
   // the same order. Forced both ways here, every mask kind, GQA, padding.
+  // With the key tiles split over 3 teams per pair (key_slices, for fewer
+  // pairs than threads), dK and dV stay bitwise the same and dQ adds the 3
+  // partial sums: equal within rounding (1e-12 fp64, 1e-5 fp32 of the largest
+  // |dQ|; a sum of at most 4 tiles' partials in another order).
   using V4 = Kokkos::View<T****, MemSpace>;
   using V3 = Kokkos::View<T***, MemSpace>;
   for (const Shape4& s : {Shape4{2, 70, 45, 4, 2, 40}, Shape4{1, 130, 97, 2, 1, 64},
-                          Shape4{1, 100, 100, 1, 1, 128}}) {
+                          Shape4{1, 100, 100, 1, 1, 128}, Shape4{1, 200, 390, 2, 1, 24}}) {
     std::mt19937_64 rng(11);
     V4 q("q", s.b, s.nq, s.h, s.d), k("k", s.b, s.nk, s.hkv, s.d), v("v", s.b, s.nk, s.hkv, s.d),
         o("o", s.b, s.nq, s.h, s.d), dout("do", s.b, s.nq, s.h, s.d);
@@ -238,8 +242,8 @@ TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradient
     upload(h_dout, dout);
     auto both = [&](const auto& mask) {
       attention_forward(ExecSpace{}, q, k, v, o, lse, mask);
-      V4 dq[2], dk[2], dv[2];
-      for (int f = 0; f < 2; ++f) {
+      V4 dq[3], dk[3], dv[3];
+      for (int f = 0; f < 3; ++f) {
         dq[f] = V4("dq", s.b, s.nq, s.h, s.d);
         dk[f] = V4("dk", s.b, s.nk, s.hkv, s.d);
         dv[f] = V4("dv", s.b, s.nk, s.hkv, s.d);
@@ -256,6 +260,7 @@ TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradient
           impl::BackwardBlock blk;
           blk.kernels =
               f == 0 ? impl::BackwardBlock::Kernels::split : impl::BackwardBlock::Kernels::fused;
+          blk.key_slices = f == 2 ? 3 : 1;
           impl::launch_backward<ExecSpace, T, SD, S>(
               ExecSpace{}, e, queries, keys, dq[f], dk[f], dv[f], mask, OffsetPositions{0},
               OffsetPositions{0}, T(1 / std::sqrt(double(s.d))), blk);
@@ -263,11 +268,22 @@ TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradient
         Kokkos::fence();
       }
       for (auto pair : {std::make_pair(dq[0], dq[1]), std::make_pair(dk[0], dk[1]),
-                        std::make_pair(dv[0], dv[1])}) {
+                        std::make_pair(dv[0], dv[1]), std::make_pair(dk[0], dk[2]),
+                        std::make_pair(dv[0], dv[2])}) {
         auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, pair.first);
         auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, pair.second);
         CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
       }
+      auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, dq[0]);
+      auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, dq[2]);
+      double largest = 0, worst = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        largest = std::max(largest, std::abs(double(a.data()[i])));
+        worst = std::max(worst, std::abs(double(a.data()[i]) - double(b.data()[i])));
+      }
+      INFO("dQ with 3 key slices: largest difference ", worst, " of largest |dQ| ", largest);
+      CHECK(largest > 0);
+      CHECK(worst <= (std::is_same<T, double>::value ? 1e-12 : 1e-5) * largest);
     };
     both(FullMask{});
     both(CausalMask{});

@@ -460,11 +460,15 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
 
 /// dQ, dK and dV of every key tile of one (batch, kv head) with 5 tile
 /// products per tile pair (S, dP, dV += P^T dO, dK += dS^T Q, dQ += dS K).
-/// dQ accumulates in `dqacc` (batch, head, queries_padded, dim_padded; zero on
-/// entry, unscaled), which finish_dq() scales into dq. Every sum runs in the
-/// order of QueryKernel (dQ: key tiles ascending) and KeyKernel (dK, dV: heads,
-/// then query tiles ascending) with the same micro tiles, so the results are
-/// bitwise those of the two-kernel path.
+/// dQ accumulates in `dqacc` (slices x batch, head, queries_padded,
+/// dim_padded; zero on entry, unscaled), which finish_dq() sums over the
+/// slices and scales into dq. With `slices` > 1, a team per (batch, kv head,
+/// slice) takes the key tiles slice, slice + slices, .. and its own dQ
+/// accumulator: for fewer (batch, kv head) pairs than threads. Every sum of dK
+/// and dV, and with one slice of dQ, runs in the order of QueryKernel (dQ: key
+/// tiles ascending) and KeyKernel (dK, dV: heads, then query tiles ascending)
+/// with the same micro tiles, so those results are bitwise those of the
+/// two-kernel path; with several slices dQ adds the slices' partial sums.
 template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
           class GS = T>
 struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS> {
@@ -477,6 +481,7 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
   using typename Base::out4;
   out4 dk, dv;  // (batch, keys, kv_heads, dim)
   typename PackedQueries<T, typename Base::memory_space>::row_view dqacc;
+  int slices = 1;  // teams per (batch, kv head), each with its own dQ accumulator
 
   static std::size_t scratch_bytes(int dim_padded) {
     return (Base::tile_scratch_elems(dim_padded) + std::size_t(BK) * dim_padded + BQ) * sizeof(T);
@@ -484,9 +489,10 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const int p = this->dp();
-    const int league = team.league_rank();
-    const int hk = league % this->kv_heads;
-    const int b = league / this->kv_heads;
+    const int slice = team.league_rank() % slices;
+    const int pair = team.league_rank() / slices;
+    const int hk = pair % this->kv_heads;
+    const int b = pair / this->kv_heads;
     auto& sp = team.team_scratch(this->scratch_level);
     T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
     T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
@@ -497,7 +503,7 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
     const T* const k_head = &this->krows(b, hk, 0, 0);
     const T sc = this->scale;
     const bool acc = this->accumulate;
-    for (int kb = 0; kb < this->k_tiles; ++kb) {
+    for (int kb = slice; kb < this->k_tiles; kb += slices) {
       const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
         dka[i] = T(0);
@@ -516,7 +522,7 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
           this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
                           qt_.drow, ss, dps);
           const auto bad = this->poisoned(team, kind, qs, dos, k_tile);
-          T* const dq_tile = &dqacc(b, h, q0, 0);
+          T* const dq_tile = &dqacc(slice * this->batch + b, h, q0, 0);
           const int kv_tiles = (BK / MR) * (p / NRO), q_tiles_ = (BQ / MR) * (p / NRO);
           Kokkos::parallel_for(
               Kokkos::TeamThreadRange(team, 2 * kv_tiles + q_tiles_), [&](const int t) {
@@ -563,13 +569,14 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
   }
 };
 
-/// dq = [dq +] scale * dqacc on the valid rows (the first `queries` of dq,
-/// which may have more) and columns (FusedKernel's dQ).
+/// dq = [dq +] scale * (sum over the slices of dqacc) on the valid rows (the
+/// first `queries` of dq, which may have more) and columns (FusedKernel's dQ;
+/// slice s holds rows s * batch .. of dqacc; slices added in ascending order).
 template <class ExecSpace, class T, class AccView, class DQV>
 void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, int queries, T scale,
-               bool accumulate) {
+               bool accumulate, int slices = 1) {
   using GS = typename DQV::non_const_value_type;
-  const int heads = int(dq.extent(2)), dim = int(dq.extent(3));
+  const int heads = int(dq.extent(2)), dim = int(dq.extent(3)), batch = int(dq.extent(0));
   const std::int64_t rows = std::int64_t(dq.extent(0)) * heads * queries;
   Kokkos::parallel_for(
       "blockattn::backward_finish_dq",
@@ -578,7 +585,9 @@ void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, int q
         const int i = int(row % queries), h = int((row / queries) % heads),
                   b = int(row / (std::int64_t(queries) * heads));
         for (int d = 0; d < dim; ++d) {
-          const T val = scale * dqacc(b, h, i, d);
+          T sum = dqacc(b, h, i, d);
+          for (int s = 1; s < slices; ++s) sum += dqacc(s * batch + b, h, i, d);
+          const T val = scale * sum;
           dq(b, i, h, d) = GS(accumulate ? T(dq(b, i, h, d)) + val : val);
         }
       });

@@ -25,6 +25,9 @@ struct BackwardBlock {
   /// Which kernels: chosen from the sizes and the threads (automatic), or
   /// forced (tests compare both; the fused one only runs on host spaces).
   enum class Kernels { automatic, split, fused } kernels = Kernels::automatic;
+  /// The fused kernel's teams per (batch, kv head) (FusedKernel::slices); 0:
+  /// chosen with the kernels.
+  int key_slices = 0;
 };
 
 /// dQ (queries side) and dK, dV (keys side) contributions of one block pair.
@@ -77,21 +80,41 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
   // head) keeps every thread busy: on host spaces, at least as many pairs as
   // threads and either a multiple of them or at least 4 per thread. Bitwise
   // the same results as the two kernels below.
+  // With fewer pairs (fp32 compute only), the fused kernel still, each pair's
+  // key tiles split over `slices` teams so that pairs x slices is a multiple
+  // of the threads (at most 4 slices): 5 tile products instead of 7, at the
+  // price of a dQ accumulator per slice and a dQ whose sums depend on the thread count (dK
+  // and dV do not). fp64 keeps the two kernels: bitwise what it computed before.
   const int pairs = e.batch * e.kv_heads, threads = exec.concurrency();
   const bool busy = pairs >= threads && (pairs % threads == 0 || pairs >= 4 * threads);
+  const int k_tiles = (e.keys + Shape::block_k - 1) / Shape::block_k;
+  int slices = blk.key_slices;
+  if (slices <= 0) {
+    int g = threads, r = pairs;  // gcd(threads, pairs)
+    while (r != 0) {
+      const int t = g % r;
+      g = r;
+      r = t;
+    }
+    // At most 4 accumulators (memory); beyond that the two kernels.
+    slices = !busy && std::is_same<T, float>::value && threads / g <= 4 ? threads / g : 1;
+  }
+  slices = slices < k_tiles ? slices : (k_tiles > 0 ? k_tiles : 1);
   using K = BackwardBlock::Kernels;
   if (is_host_space_v<ExecSpace> && blk.run_dq && blk.run_dkv && blk.kernels != K::split &&
-      (busy || blk.kernels == K::fused)) {
+      (busy || blk.kernels == K::fused || slices > 1)) {
     using FK = FusedKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos, value_of<DKV>>;
     FK f;
     setup(f);
     f.dk = typename FK::out4(dk);
     f.dv = typename FK::out4(dv);
     f.accumulate = blk.accumulate_dkv;
+    f.slices = slices;
     f.dqacc = typename PackedQueries<T, typename ExecSpace::memory_space>::row_view(
-        "blockattn::dq_accumulator", e.batch, e.heads, f.q_tiles * Shape::block_q, f.dim_padded);
-    launch(f, pairs, FK::scratch_bytes(f.dim_padded), "blockattn::backward_fused");
-    finish_dq(exec, f.dqacc, dq, e.queries, scale, blk.accumulate_dq);
+        "blockattn::dq_accumulator", std::size_t(slices) * e.batch, e.heads,
+        f.q_tiles * Shape::block_q, f.dim_padded);
+    launch(f, pairs * slices, FK::scratch_bytes(f.dim_padded), "blockattn::backward_fused");
+    finish_dq(exec, f.dqacc, dq, e.queries, scale, blk.accumulate_dq, slices);
     return;
   }
   if (blk.run_dq) {
