@@ -290,3 +290,60 @@ TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradient
     both(causal_window(30));
   }
 }
+
+namespace {
+
+/// O, LSE, dQ, dK, dV of one forward + backward call, flattened on the host.
+template <class T>
+std::vector<double> forward_backward(const Shape4& s, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng),
+             k = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+             v = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+             dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  V4<T> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
+      vd("v", s.b, s.nk, s.hkv, s.d), od("o", s.b, s.nq, s.h, s.d), dod("do", s.b, s.nq, s.h, s.d),
+      dqd("dq", s.b, s.nq, s.h, s.d), dkd("dk", s.b, s.nk, s.hkv, s.d),
+      dvd("dv", s.b, s.nk, s.hkv, s.d);
+  V3<T> ld("lse", s.b, s.h, s.nq);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  upload(dout, dod);
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, CausalMask{});
+  attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, CausalMask{});
+  Kokkos::fence();
+  std::vector<double> all;
+  for (const HostTensor& t : {download(od), download(dqd), download(dkd), download(dvd)})
+    all.insert(all.end(), t.data.begin(), t.data.end());
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ld);
+  all.insert(all.end(), lh.data(), lh.data() + lh.span());
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("the buffer cache gives the results of per-call allocation", T, double, float) {
+  // Calls carve their packed blocks from a cached buffer that earlier, larger
+  // calls filled: a small call after a large one must still see zero padding
+  // and zeroed dQ accumulators, and blocks of one call must not overlap.
+  const Shape4 calls[] = {{1, 70, 45, 2, 1, 40},
+                          {2, 200, 260, 2, 1, 64},
+                          {1, 33, 20, 1, 1, 8},
+                          {1, 130, 97, 4, 2, 128},
+                          {1, 70, 45, 2, 1, 40}};
+  const std::size_t limit = buffer_cache_limit();
+  std::vector<std::vector<double>> cached, uncached, tight;
+  for (const Shape4& s : calls) cached.push_back(forward_backward<T>(s, 3));
+  set_buffer_cache_limit(0);  // off: every block allocated and freed per call
+  CHECK(buffer_cache_limit() == 0);
+  for (const Shape4& s : calls) uncached.push_back(forward_backward<T>(s, 3));
+  set_buffer_cache_limit(64 << 10);  // smaller than the larger calls need
+  for (const Shape4& s : calls) tight.push_back(forward_backward<T>(s, 3));
+  set_buffer_cache_limit(limit);
+  for (std::size_t i = 0; i < cached.size(); ++i) {
+    INFO("call ", i);
+    CHECK(cached[i] == uncached[i]);
+    CHECK(tight[i] == uncached[i]);
+  }
+}

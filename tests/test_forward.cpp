@@ -4,7 +4,9 @@
 
 #include <blockattn/blockattn.hpp>
 
+#include <algorithm>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "backend.hpp"
@@ -147,4 +149,144 @@ TEST_CASE_TEMPLATE("logits of magnitude 1e4 stay finite and exact", T, float, do
              k = random_tensor(1, 130, 1, 128, rng, 30.0);
   const ReferenceResult ref = reference_attention(q, k, k, FullMask{}, 1.0);
   CHECK(ref.max_abs_logit > 5e3);
+}
+
+namespace {
+
+/// Runs launch_forward with `tile_rows` query rows per team; O and LSE on the host.
+template <class T, class Mask>
+std::pair<std::vector<T>, std::vector<T>> forward_with_tile_rows(const Shape& s, const Mask& mask,
+                                                                 index_type q_offset, int tile_rows,
+                                                                 std::uint64_t seed) {
+  using mem = MemSpace;
+  using TS = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng, 2.0);
+  HostTensor k = random_tensor(s.b, s.nk, s.hkv, s.d, rng, 2.0);
+  HostTensor v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  using V4 = Kokkos::View<T****, Kokkos::LayoutRight, mem>;
+  using V3 = Kokkos::View<T***, Kokkos::LayoutRight, mem>;
+  V4 qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d), vd("v", s.b, s.nk, s.hkv, s.d),
+      od("o", s.b, s.nq, s.h, s.d);
+  V3 ld("lse", s.b, s.h, s.nq);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  ExecSpace exec;
+  const impl::ForwardExtents e{s.b, s.h, s.hkv, s.nq, s.nk, s.d};
+  const OffsetPositions qpos{q_offset}, kpos{0};
+  const T scale = T(1) / std::sqrt(T(s.d));
+  impl::with_shape_for<TS>(s.d, [&](auto static_d, auto shape) {
+    constexpr int SD = decltype(static_d)::value;
+    using S = decltype(shape);
+    using Kernel = impl::ForwardKernel<ExecSpace, T, SD, S, Mask, OffsetPositions, OffsetPositions>;
+    auto kv = impl::allocate_forward_kv<T, mem, S, SD>(s.b, s.hkv, s.nk, Kernel::pad_dim(s.d));
+    impl::pack_kv(exec, kd, vd, kv);
+    impl::BlockStep<T, mem> step;
+    // A multiple of micro_rows, at most block_q (0: block_q).
+    step.tile_rows = tile_rows <= 0 ? 0 : std::min(S::block_q, tile_rows * S::micro_rows);
+    impl::launch_forward<ExecSpace, T, SD, S>(exec, e, qd, kv, od, ld, mask, qpos, kpos, scale,
+                                              step);
+  });
+  exec.fence();
+  auto oh = to_host(od);
+  auto lh = to_host(ld);
+  return {std::vector<T>(oh.data(), oh.data() + oh.span()),
+          std::vector<T>(lh.data(), lh.data() + lh.span())};
+}
+
+/// Same values (an exact zero of either sign counts as equal), NaN where NaN.
+template <class T>
+int count_differences(const std::vector<T>& a, const std::vector<T>& b) {
+  int n = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i] || (a[i] != a[i] && b[i] != b[i]));
+  return n;
+}
+
+/// Stands in for a tile shape in balanced_tile_rows (it reads only these two).
+struct Rows96 {
+  static constexpr int block_q = 96, micro_rows = 6;
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("query tiles of any height give the same O and LSE", T, float, double) {
+  // The forward spreads few query tiles over threads by shortening them
+  // (balanced_tile_rows). Each row's sums run over the same key tiles in the
+  // same order whatever tile holds the row, so O and LSE must not change.
+  const Shape shapes_rows[] = {
+      {1, 200, 150, 2, 1, 64}, {2, 97, 130, 2, 2, 40}, {1, 1, 65, 1, 1, 128}};
+  std::uint64_t seed = 40;
+  for (const Shape& s : shapes_rows) {
+    ++seed;
+    const Documents<MemSpace> docs(document_offsets(s.nq + 30));
+    for (int mask_kind = 0; mask_kind < 3; ++mask_kind)
+      for (int micro_rows : {1, 2, 5, 9}) {
+        INFO(describe(s), " mask=", mask_kind, " tile_rows=", micro_rows, " micro rows");
+        auto run = [&](int rows) {
+          if (mask_kind == 0) return forward_with_tile_rows<T>(s, FullMask{}, 0, rows, seed);
+          if (mask_kind == 1) return forward_with_tile_rows<T>(s, CausalMask{}, 30, rows, seed);
+          return forward_with_tile_rows<T>(s, docs.mask(), 30, rows, seed);
+        };
+        const auto whole = run(0), shorter = run(micro_rows);
+        CHECK(count_differences(whole.first, shorter.first) == 0);
+        CHECK(count_differences(whole.second, shorter.second) == 0);
+      }
+  }
+}
+
+TEST_CASE("balanced_tile_rows: shorter query tiles only when they finish sooner") {
+  impl::ForwardExtents e{1, 1, 1, 1024, 1024, 64};
+  // 1 thread, or many tiles per thread: block_q.
+  CHECK(impl::balanced_tile_rows<Rows96>(e, 1) == 96);
+  e.heads = 16;
+  CHECK(impl::balanced_tile_rows<Rows96>(e, 2) == 96);
+  // N = 1024 on 2 threads: 11 tiles of 96 rows are 6 + 5; 12 of 90 are 6 + 6.
+  e.heads = 1;
+  const int rows = impl::balanced_tile_rows<Rows96>(e, 2);
+  CHECK(rows % 6 == 0);
+  CHECK(rows < 96);
+  CHECK(2 * rows >= 96);
+  // A sequence that already splits evenly keeps block_q: 8 tiles of 96 on 4 threads.
+  e.queries = 768;
+  CHECK(impl::balanced_tile_rows<Rows96>(e, 4) == 96);
+  // Shorter than one tile on 2 threads: two halves.
+  e.queries = 90;
+  CHECK(impl::balanced_tile_rows<Rows96>(e, 2) == 48);
+}
+
+TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight", T, float,
+                   double) {
+  // pack_kv reads rows through their stride: a column-major K and V (head-dim
+  // stride = batch x seq x heads) give bitwise the results of row-major ones.
+  const Shape s{2, 70, 150, 2, 1, 40};
+  std::mt19937_64 rng(5);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  HostTensor k = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  HostTensor v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  using VR = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
+  using VL = Kokkos::View<T****, Kokkos::LayoutLeft, MemSpace>;
+  using V3 = Kokkos::View<T***, MemSpace>;
+  VR qd("q", s.b, s.nq, s.h, s.d), kr("k", s.b, s.nk, s.hkv, s.d), vr("v", s.b, s.nk, s.hkv, s.d),
+      o1("o1", s.b, s.nq, s.h, s.d), o2("o2", s.b, s.nq, s.h, s.d);
+  VL kl("kl", s.b, s.nk, s.hkv, s.d), vl("vl", s.b, s.nk, s.hkv, s.d);
+  V3 l1("l1", s.b, s.h, s.nq), l2("l2", s.b, s.h, s.nq);
+  upload(q, qd);
+  upload(k, kr);
+  upload(v, vr);
+  upload(k, kl);
+  upload(v, vl);
+  attention_forward(ExecSpace{}, qd, kr, vr, o1, l1, CausalMask{});
+  attention_forward(ExecSpace{}, qd, kl, vl, o2, l2, CausalMask{});
+  Kokkos::fence();
+  auto h1 = to_host(o1), h2 = to_host(o2);
+  auto g1 = to_host(l1), g2 = to_host(l2);
+  CHECK(count_differences(std::vector<T>(h1.data(), h1.data() + h1.span()),
+                          std::vector<T>(h2.data(), h2.data() + h2.span())) == 0);
+  CHECK(count_differences(std::vector<T>(g1.data(), g1.data() + g1.span()),
+                          std::vector<T>(g2.data(), g2.data() + g2.span())) == 0);
+  const ReferenceResult ref = reference_attention(q, k, v, CausalMask{}, 1.0 / std::sqrt(40.0));
+  const ErrorReport err = compare(ref, o2, l2);
+  CHECK(err.o_err <= tolerance<T>(ref, s.d, s.nk));
+  CHECK(err.lse_err <= tolerance<T>(ref, s.d, s.nk));
 }

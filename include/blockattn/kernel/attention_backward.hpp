@@ -49,14 +49,16 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
       constexpr int SD = decltype(static_d)::value;
       using S = decltype(shape);
       const int dp = impl::padded_head_dim<S, SD>(e.dim);
-      auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, S::block_k);
+      impl::CallBuffers<ExecSpace> buffers(exec);
+      auto keys =
+          impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, S::block_k, &buffers);
       impl::pack_keys(exec, k, v, keys);
-      auto queries =
-          impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp, S::block_q);
+      auto queries = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp,
+                                                           S::block_q, &buffers);
       impl::pack_queries(exec, q, dout, o, lse, queries);
       impl::launch_backward<ExecSpace, T, SD, S>(
           exec, e, queries, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
-          OffsetPositions{opts.k_offset}, s, impl::BackwardBlock{});
+          OffsetPositions{opts.k_offset}, s, impl::BackwardBlock{}, &buffers);
     });
   }
 }

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/kernel/buffer_cache.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/impl/micro_gemm.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
@@ -39,16 +40,19 @@ struct PackedKeys {
   int keys = 0;
 };
 
-template <class T, class MemorySpace>
+template <class T, class MemorySpace, class Buffers = NoCallBuffers>
 PackedKeys<T, MemorySpace> allocate_packed_keys(int batch, int kv_heads, int keys, int dim_padded,
-                                                int block_k) {
+                                                int block_k, Buffers* buffers = nullptr) {
   using P = PackedKeys<T, MemorySpace>;
   const int tiles = (keys + block_k - 1) / block_k;
-  auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_keys");
+  const char* label = "blockattn::packed_keys";
   P p;
-  p.kt = typename P::panel_view(alloc, batch, kv_heads, tiles, dim_padded, block_k);
-  p.vt = typename P::panel_view(alloc, batch, kv_heads, tiles, dim_padded, block_k);
-  p.k = typename P::row_view(alloc, batch, kv_heads, tiles * block_k, dim_padded);
+  p.kt = allocate_view<typename P::panel_view>(buffers, label, batch, kv_heads, tiles, dim_padded,
+                                               block_k);
+  p.vt = allocate_view<typename P::panel_view>(buffers, label, batch, kv_heads, tiles, dim_padded,
+                                               block_k);
+  p.k = allocate_view<typename P::row_view>(buffers, label, batch, kv_heads, tiles * block_k,
+                                            dim_padded);
   p.keys = keys;
   return p;
 }
@@ -95,17 +99,18 @@ struct PackedQueries {
   int queries = 0;
 };
 
-template <class T, class MemorySpace, class S = T>
+template <class T, class MemorySpace, class S = T, class Buffers = NoCallBuffers>
 PackedQueries<T, MemorySpace, S> allocate_packed_queries(int batch, int heads, int queries,
-                                                         int dim_padded, int block_q) {
+                                                         int dim_padded, int block_q,
+                                                         Buffers* buffers = nullptr) {
   using P = PackedQueries<T, MemorySpace, S>;
   const int padded = (queries + block_q - 1) / block_q * block_q;
-  auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_queries");
+  const char* label = "blockattn::packed_queries";
   P p;
-  p.q = typename P::row_view(alloc, batch, heads, padded, dim_padded);
-  p.dout = typename P::row_view(alloc, batch, heads, padded, dim_padded);
-  p.lse2 = typename P::vec_view(alloc, batch, heads, padded);
-  p.drow = typename P::vec_view(alloc, batch, heads, padded);
+  p.q = allocate_view<typename P::row_view>(buffers, label, batch, heads, padded, dim_padded);
+  p.dout = allocate_view<typename P::row_view>(buffers, label, batch, heads, padded, dim_padded);
+  p.lse2 = allocate_view<typename P::vec_view>(buffers, label, batch, heads, padded);
+  p.drow = allocate_view<typename P::vec_view>(buffers, label, batch, heads, padded);
   p.queries = queries;
   return p;
 }

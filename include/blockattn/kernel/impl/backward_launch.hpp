@@ -13,6 +13,7 @@
 #include <blockattn/policy/positions.hpp>
 
 #include <cmath>
+#include <numeric>
 
 namespace blockattn {
 
@@ -33,13 +34,15 @@ struct BackwardBlock {
 /// dQ (queries side) and dK, dV (keys side) contributions of one block pair.
 /// The query and key sides are packed; dq, dk, dv are
 /// written or accumulated per `blk`.
+/// `buffers`: where a single-device call carves its dQ accumulators from.
 template <class ExecSpace, class T, int SD, class Shape, class Mask, class QPos, class KPos,
-          class DQV, class DKV, class DVV>
+          class DQV, class DKV, class DVV, class Buffers = NoCallBuffers>
 void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
                      const PackedQueries<T, typename ExecSpace::memory_space>& queries,
                      const PackedKeys<T, typename ExecSpace::memory_space>& keys, const DQV& dq,
                      const DKV& dk, const DVV& dv, const Mask& mask, const QPos& qpos,
-                     const KPos& kpos, T scale, const BackwardBlock& blk) {
+                     const KPos& kpos, T scale, const BackwardBlock& blk,
+                     Buffers* buffers = nullptr) {
   using QK = QueryKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos, value_of<DQV>>;
   using KK = KeyKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos, value_of<DKV>>;
   static_assert(std::is_same<value_of<DKV>, value_of<DVV>>::value,
@@ -80,22 +83,18 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
   // head) keeps every thread busy: on host spaces, at least as many pairs as
   // threads and either a multiple of them or at least 4 per thread. Bitwise
   // the same results as the two kernels below.
-  // With fewer pairs (fp32 compute only), the fused kernel still, each pair's
-  // key tiles split over `slices` teams so that pairs x slices is a multiple
-  // of the threads (at most 4 slices): 5 tile products instead of 7, at the
-  // price of a dQ accumulator per slice and a dQ whose sums depend on the thread count (dK
-  // and dV do not). fp64 keeps the two kernels: bitwise what it computed before.
+  // With fewer pairs (fp32 compute only) the fused kernel runs too, each
+  // pair's key tiles split over `slices` teams so that pairs x slices is a
+  // multiple of the threads (at most 4 slices): 5 tile products instead of 7,
+  // at the price of a dQ accumulator per slice and a dQ whose sums depend on
+  // the thread count (dK and dV do not). fp64 keeps the two kernels: bitwise
+  // what it computed before.
   const int pairs = e.batch * e.kv_heads, threads = exec.concurrency();
   const bool busy = pairs >= threads && (pairs % threads == 0 || pairs >= 4 * threads);
   const int k_tiles = (e.keys + Shape::block_k - 1) / Shape::block_k;
   int slices = blk.key_slices;
   if (slices <= 0) {
-    int g = threads, r = pairs;  // gcd(threads, pairs)
-    while (r != 0) {
-      const int t = g % r;
-      g = r;
-      r = t;
-    }
+    const int g = std::gcd(threads, pairs);
     // At most 4 accumulators (memory); beyond that the two kernels.
     slices = !busy && std::is_same<T, float>::value && threads / g <= 4 ? threads / g : 1;
   }
@@ -110,9 +109,11 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
     f.dv = typename FK::out4(dv);
     f.accumulate = blk.accumulate_dkv;
     f.slices = slices;
-    f.dqacc = typename PackedQueries<T, typename ExecSpace::memory_space>::row_view(
-        "blockattn::dq_accumulator", std::size_t(slices) * e.batch, e.heads,
-        f.q_tiles * Shape::block_q, f.dim_padded);
+    using acc_view = typename PackedQueries<T, typename ExecSpace::memory_space>::row_view;
+    f.dqacc =
+        allocate_view<acc_view>(buffers, "blockattn::dq_accumulator", std::size_t(slices) * e.batch,
+                                e.heads, f.q_tiles * Shape::block_q, f.dim_padded);
+    Kokkos::deep_copy(exec, f.dqacc, T(0));
     launch(f, pairs * slices, FK::scratch_bytes(f.dim_padded), "blockattn::backward_fused");
     finish_dq(exec, f.dqacc, dq, e.queries, scale, blk.accumulate_dq, slices);
     return;

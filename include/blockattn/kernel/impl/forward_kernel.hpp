@@ -28,10 +28,12 @@ inline constexpr int forward_v_panel = StaticD > 0 ? Shape::micro_cols : Shape::
 
 /// A packed K/V block (PackedKV) laid out for the forward kernel of Shape and
 /// StaticD: K^T panels of micro_cols keys, V panels of forward_v_panel columns.
-template <class T, class MemorySpace, class Shape, int StaticD>
-PackedKV<T, MemorySpace> allocate_forward_kv(int batch, int kv_heads, int keys, int dim_padded) {
+template <class T, class MemorySpace, class Shape, int StaticD, class Buffers = NoCallBuffers>
+PackedKV<T, MemorySpace> allocate_forward_kv(int batch, int kv_heads, int keys, int dim_padded,
+                                             Buffers* buffers = nullptr) {
   return allocate_packed_kv<T, MemorySpace>(batch, kv_heads, keys, dim_padded, Shape::block_k,
-                                            Shape::micro_cols, forward_v_panel<Shape, StaticD>);
+                                            Shape::micro_cols, forward_v_panel<Shape, StaticD>,
+                                            buffers);
 }
 
 /// The functor. StaticD > 0 fixes the (padded) head dim at compile time.
@@ -96,6 +98,9 @@ struct ForwardKernel {
   KPos kpos;
   ForwardExtents ext;
   int dim_padded = 0, q_tiles = 0, k_tiles = 0, group = 1;
+  // Query rows per team: BQ, or fewer (a multiple of MR) so that the teams
+  // spread evenly over few threads (balanced_tile_rows); scratch is sized for BQ.
+  int tile_rows = BQ;
   T q_scale = T(1);  // softmax scale * log2(e): logits are kept in base 2
 
   static std::size_t scratch_bytes(int dim_padded) {
@@ -114,8 +119,8 @@ struct ForwardKernel {
     const int h = (league / q_tiles) % ext.heads;
     const int b = league / (q_tiles * ext.heads);
     const int hk = h / group;
-    const int q0 = qt * BQ;
-    const int q_rows = ext.queries - q0 < BQ ? ext.queries - q0 : BQ;
+    const int q0 = qt * tile_rows;
+    const int q_rows = ext.queries - q0 < tile_rows ? ext.queries - q0 : tile_rows;
 
     const int level = scratch_level;
     T* const qs = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));
@@ -125,9 +130,12 @@ struct ForwardKernel {
     T* const l = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
     T* const alpha = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
 
-    // Q tile (BQ, dp), pre-scaled; the online-softmax state of its rows either
-    // fresh (O = 0, m = -inf, l = 0) or resumed from an earlier block.
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
+    // Rows of micro tiles that hold a query (the last tile of a sequence is
+    // partial): the rest of the tile is never computed.
+    const int q_live = (q_rows + MR - 1) / MR * MR;
+    // Q tile (q_live, dp), pre-scaled; the online-softmax state of its rows
+    // either fresh (O = 0, m = -inf, l = 0) or resumed from an earlier block.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live), [&](const int r) {
       const bool row_in = r < q_rows;
       const bool load = resume && row_in;
       for (int d = 0; d < dp; ++d) {
@@ -141,9 +149,6 @@ struct ForwardKernel {
     team.team_barrier();
 
     const index_type q_begin = qpos(q0), q_end = qpos(q0 + q_rows - 1) + 1;
-    // Rows of micro tiles that hold a query (the last tile of a sequence is
-    // partial): the rest of the tile is never computed.
-    const int q_live = (q_rows + MR - 1) / MR * MR;
     const T* const v_head = &v(b, hk, 0, 0);
     for (int kb = 0; kb < k_tiles; ++kb) {
       const int k0 = kb * BK;
@@ -200,8 +205,8 @@ struct ForwardKernel {
   struct Tile {
     TileKind kind;
     int q0, q_rows, k0, k_rows, dp;
-    const T* kt;  // packed K^T tile (dp, BK)
-    const T* v;   // V tile (BK, dp)
+    const T* kt;  // packed K^T tile: BK / NR panels of (dp, NR) (kt_tile_offset)
+    const T* v;   // packed V tile: dp / NRO panels of (BK, NRO) (v_tile_offset)
     const T* qs;  // Q tile (BQ, dp), scratch
     T* os;        // O accumulator (BQ, dp), scratch
     T* ss;        // S / P tile (BQ, BK), scratch
@@ -221,8 +226,9 @@ struct ForwardKernel {
                         kpos(t.k0 + c1) + 1) == TileKind::empty)
         return;
     }
-    // The K^T tile is packed in panels of NR keys (kt_tile_offset).
-    Gemm::template apply<MR, NR, StaticD>(t.dp, t.qs + r0 * t.dp, t.dp, t.kt + c0 * t.dp, NR,
+    // The K^T tile is packed in panels of NR keys: panel c0 / NR starts here.
+    const T* const kt_panel = t.kt + kt_tile_offset(0, c0, t.dp, NR);
+    Gemm::template apply<MR, NR, StaticD>(t.dp, t.qs + r0 * t.dp, t.dp, kt_panel, NR,
                                           t.ss + r0 * BK + c0, BK, static_cast<const T*>(nullptr));
   }
 
@@ -246,8 +252,8 @@ struct ForwardKernel {
   KOKKOS_FORCEINLINE_FUNCTION void pv_micro_tile(const Tile& t, bool select_pv, int r0,
                                                  int c0) const {
     const int dp = t.dp;
-    // The V tile is packed in panels of NRO columns (v_tile_offset).
-    const T* const v_panel = t.v + c0 * BK;
+    // The V tile is packed in panels of NRO columns: panel c0 / NRO starts here.
+    const T* const v_panel = t.v + v_tile_offset(0, c0, BK, NRO);
     if (t.kind == TileKind::full) {
       Gemm::template apply<MR, NRO, BK>(BK, t.ss + r0 * BK, BK, v_panel, NRO, t.os + r0 * dp + c0,
                                         dp, t.alpha + r0);

@@ -4,6 +4,7 @@
 // distributed step loop (one block pair per call, resumable softmax state).
 #pragma once
 
+#include <algorithm>
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
@@ -16,8 +17,10 @@
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace blockattn {
 
@@ -159,15 +162,63 @@ struct BlockStep {
   // Launch only teams [league_begin, league_end) of (batch, head, query tile);
   // league_end < 0: all. Schedules split a step to progress communication.
   int league_begin = 0, league_end = -1;
+  // Query rows per team (a multiple of the tile shape's micro_rows, at most
+  // its block_q); 0: block_q. See balanced_tile_rows.
+  int tile_rows = 0;
   // Where the unnormalised O lives between calls (resume / !finish): empty
   // means the caller's o, which then must have value type T.
   Kokkos::View<T****, Kokkos::LayoutStride, MemorySpace> o_acc;
 };
 
-/// Number of teams (batch x heads x query tiles) of a forward launch.
+/// Number of teams (batch x heads x query tiles) of a forward launch with
+/// `tile_rows` query rows per team (0: block_q).
 template <class Shape>
-int forward_league_size(const ForwardExtents& e) {
-  return e.batch * e.heads * ((e.queries + Shape::block_q - 1) / Shape::block_q);
+int forward_league_size(const ForwardExtents& e, int tile_rows = 0) {
+  const int rows = tile_rows > 0 ? tile_rows : Shape::block_q;
+  return e.batch * e.heads * ((e.queries + rows - 1) / rows);
+}
+
+/// Query rows per team for `threads` threads taking teams one at a time
+/// (heaviest-first, dynamic): block_q, unless a shorter tile (a multiple of
+/// micro_rows, at least half of block_q) finishes sooner by the row count, as
+/// when 11 tiles of 96 rows (N = 1024) leave one of 2 threads 6 tiles and the
+/// other 5: 12 tiles of 90 rows finish after 540 rows instead of 576. Only
+/// for few teams per thread (below 8): beyond that dynamic scheduling evens
+/// out within a few percent, and every team then streams all of K and V
+/// once more per row it covers. Rows stand for work, which holds for masks
+/// that keep whole rows (full, and the per-tile differences of causal masks
+/// are left to the heaviest-first order).
+template <class Shape>
+int balanced_tile_rows(const ForwardExtents& e, int threads) {
+  constexpr int BQ = Shape::block_q, MR = Shape::micro_rows;
+  const std::int64_t heads = std::int64_t(e.batch) * e.heads;
+  if (threads <= 1 || e.queries <= 0 || heads * ((e.queries + BQ - 1) / BQ) >= 8 * threads)
+    return BQ;
+  // Makespan (in rows, plus a team's fixed cost of one micro-tile row) of the
+  // heaviest-first dynamic order: the tiles of a (batch, head) are taken
+  // last-first, so each round of `threads` teams takes whole tiles except the
+  // partial last tile of each head.
+  auto makespan = [&](int rows) {
+    const int tiles = (e.queries + rows - 1) / rows;
+    const int last = e.queries - (tiles - 1) * rows;
+    std::vector<std::int64_t> load(std::size_t(threads), 0);
+    for (std::int64_t u = 0; u < heads * tiles; ++u) {
+      const int qt = tiles - 1 - int(u % tiles);
+      const std::size_t t = std::size_t(std::min_element(load.begin(), load.end()) - load.begin());
+      load[t] += (qt == tiles - 1 ? (last + MR - 1) / MR * MR : rows) + MR;
+    }
+    return *std::max_element(load.begin(), load.end());
+  };
+  int best = BQ;
+  std::int64_t best_time = makespan(BQ);
+  for (int rows = BQ - MR; rows >= MR && 2 * rows >= BQ; rows -= MR) {
+    const std::int64_t t = makespan(rows);
+    if (t < best_time) {
+      best = rows;
+      best_time = t;
+    }
+  }
+  return best;
 }
 
 template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
@@ -204,7 +255,12 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.kpos = kpos;
   f.ext = e;
   f.dim_padded = static_cast<int>(kv.kt.extent(3));
-  f.q_tiles = (e.queries + Shape::block_q - 1) / Shape::block_q;
+  f.tile_rows = step.tile_rows > 0 ? step.tile_rows : Shape::block_q;
+  if (f.tile_rows > Shape::block_q || f.tile_rows % Shape::micro_rows != 0)
+    throw std::logic_error(
+        "BlockAttn: forward tile_rows must be a multiple of micro_rows "
+        "and at most block_q");
+  f.q_tiles = (e.queries + f.tile_rows - 1) / f.tile_rows;
   f.k_tiles = step.skip_keys ? 0 : (e.keys + Shape::block_k - 1) / Shape::block_k;
   f.group = e.heads / e.kv_heads;
   f.q_scale = scale * log2e<T>;
@@ -242,10 +298,14 @@ void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const K
     using S = decltype(shape);
     check_tile_shape<S>();
     using Kernel = ForwardKernel<ExecSpace, T, SD, S, Mask, QPos, KPos, value_of<QV>, value_of<OV>>;
-    auto kv =
-        allocate_forward_kv<T, mem, S, SD>(e.batch, e.kv_heads, e.keys, Kernel::pad_dim(e.dim));
+    CallBuffers<ExecSpace> buffers(exec);
+    auto kv = allocate_forward_kv<T, mem, S, SD>(e.batch, e.kv_heads, e.keys,
+                                                 Kernel::pad_dim(e.dim), &buffers);
     pack_kv(exec, k, v, kv);
-    launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, s);
+    BlockStep<T, mem> step;
+    if constexpr (is_host_space_v<ExecSpace>)
+      step.tile_rows = balanced_tile_rows<S>(e, exec.concurrency());
+    launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, s, step);
   });
 }
 

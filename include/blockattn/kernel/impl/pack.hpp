@@ -3,6 +3,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/kernel/buffer_cache.hpp>
 
 namespace blockattn::impl {
 
@@ -45,17 +46,19 @@ KOKKOS_INLINE_FUNCTION int v_tile_offset(int c, int d, int block_k, int v_panel)
   return (d / v_panel) * block_k * v_panel + c * v_panel + d % v_panel;
 }
 
-template <class T, class MemorySpace>
+/// Buffers: CallBuffers to carve the block from (a single-device call), or
+/// NoCallBuffers (blocks that outlive a call: the distributed drivers').
+template <class T, class MemorySpace, class Buffers = NoCallBuffers>
 PackedKV<T, MemorySpace> allocate_packed_kv(int batch, int kv_heads, int keys, int dim_padded,
-                                            int block_k, int panel, int v_panel) {
+                                            int block_k, int panel, int v_panel,
+                                            Buffers* buffers = nullptr) {
   using P = PackedKV<T, MemorySpace>;
   const int tiles = (keys + block_k - 1) / block_k;
   P p;
-  p.kt =
-      typename P::kt_view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_kt"),
-                          batch, kv_heads, tiles, dim_padded, block_k);
-  p.v = typename P::v_view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::packed_v"),
-                           batch, kv_heads, tiles * block_k, dim_padded);
+  p.kt = allocate_view<typename P::kt_view>(buffers, "blockattn::packed_kt", batch, kv_heads, tiles,
+                                            dim_padded, block_k);
+  p.v = allocate_view<typename P::v_view>(buffers, "blockattn::packed_v", batch, kv_heads,
+                                          tiles * block_k, dim_padded);
   p.keys = keys;
   p.panel = panel;
   p.v_panel = v_panel;
@@ -77,6 +80,11 @@ void pack_kv(const ExecSpace& exec, const KView& k, const VView& v,
   auto kt = p.kt;
   auto vp = p.v;
   const std::int64_t rows = std::int64_t(batch) * heads * keys_padded;
+  // One key row per iteration, the panel offsets taken once per row (no
+  // division per element) and the source row read through its stride: any
+  // layout of k and v, contiguous rows the common case.
+  const std::ptrdiff_t ks = static_cast<std::ptrdiff_t>(k.stride(3));
+  const std::ptrdiff_t vs = static_cast<std::ptrdiff_t>(v.stride(3));
   Kokkos::parallel_for(
       "blockattn::pack_kv",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
@@ -86,12 +94,25 @@ void pack_kv(const ExecSpace& exec, const KView& k, const VView& v,
         const int h = static_cast<int>((row / keys_padded) % heads);
         const int b = static_cast<int>(row / (std::int64_t(keys_padded) * heads));
         const int c = n % block_k;
-        T* const kt_tile = &kt(b, h, n / block_k, 0, 0);
-        T* const v_tile = &vp(b, h, n - c, 0);
-        for (int d = 0; d < dim_padded; ++d) {
-          const bool inside = n < keys && d < dim;
-          kt_tile[kt_tile_offset(d, c, dim_padded, panel)] = inside ? T(k(b, n, h, d)) : T(0);
-          v_tile[v_tile_offset(c, d, block_k, v_panel)] = inside ? T(v(b, n, h, d)) : T(0);
+        // Column c of the K^T tile (stride `panel` over d), row c of the V tile.
+        T* const kt_col =
+            &kt(b, h, n / block_k, 0, 0) + (c / panel) * dim_padded * panel + c % panel;
+        T* const v_row = &vp(b, h, n - c, 0) + c * v_panel;
+        const int live = n < keys ? dim : 0;  // padding rows: all zero
+        if (live > 0) {
+          const auto* const krow = &k(b, n, h, 0);
+          const auto* const vrow = &v(b, n, h, 0);
+          for (int d = 0; d < live; ++d) kt_col[d * panel] = T(krow[d * ks]);
+          // V panel d0 / v_panel starts d0 * block_k into the tile (v_tile_offset).
+          for (int d0 = 0; d0 < live; d0 += v_panel) {
+            T* const dst = v_row + std::ptrdiff_t(d0) * block_k;
+            const int w = live - d0 < v_panel ? live - d0 : v_panel;
+            for (int j = 0; j < w; ++j) dst[j] = T(vrow[(d0 + j) * vs]);
+          }
+        }
+        for (int d = live; d < dim_padded; ++d) {
+          kt_col[d * panel] = T(0);
+          v_row[std::ptrdiff_t(d / v_panel) * block_k * v_panel + d % v_panel] = T(0);
         }
       });
 }
