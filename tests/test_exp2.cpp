@@ -31,3 +31,32 @@ TEST_CASE("fp32 exp2 gives exactly 0 below the normal range and for -inf") {
   CHECK(exp2_nonpositive(-1.0e30f) == 0.0f);
   CHECK(exp2_nonpositive(-std::numeric_limits<double>::infinity()) == 0.0);
 }
+
+TEST_CASE("fp32 exp2 keeps NaN of either sign, scalar and in a vectorised loop") {
+  // x86's default NaN (e.g. from inf - inf) has the sign bit set. The mask
+  // that clears arguments below -126 must keep NaN: compare a loop the
+  // compiler vectorises (as the softmax row) with scalar calls.
+  const float qnan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(std::isnan(exp2_nonpositive(qnan)));
+  CHECK(std::isnan(exp2_nonpositive(-qnan)));
+  constexpr int n = 64;
+  float in[n], out[n];
+  for (int i = 0; i < n; ++i) in[i] = -0.37f * float(i * i % 97) - (i % 7 == 0 ? 200.0f : 0.0f);
+  in[3] = qnan;
+  in[17] = -qnan;
+  in[40] = -std::numeric_limits<float>::infinity();
+  in[41] = -126.0f;
+  in[42] = -126.0001f;
+  for (int i = 0; i < n; ++i) out[i] = exp2_nonpositive(in[i]);
+  for (int i = 0; i < n; ++i) {
+    INFO("x = ", in[i]);
+    if (std::isnan(in[i])) {
+      CHECK(std::isnan(out[i]));
+    } else if (in[i] < -126.0f) {
+      CHECK(out[i] == 0.0f);
+    } else {
+      const double want = std::exp2(double(in[i]));
+      CHECK(std::abs(double(out[i]) - want) <= 2.5e-7 * want);
+    }
+  }
+}

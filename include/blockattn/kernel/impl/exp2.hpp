@@ -38,37 +38,32 @@ KOKKOS_FORCEINLINE_FUNCTION T quiet_nan() {
 /// straight-line arithmetic so that host compilers vectorise the softmax row
 /// loop and device compilers accept it. Returns exactly 0 for x < -126 and for
 /// x = -inf, so masked logits contribute nothing; NaN of either sign gives
-/// NaN (x86's default NaN, e.g. from inf - inf, is negative: as an unsigned
-/// integer it sorts above -126.0f and would otherwise give 0).
+/// NaN.
 ///
 /// Range reduction x = n + f with n = round(x) (the 1.5 * 2^23 trick, no
 /// float->int conversion) and |f| <= 1/2; 2^f by the degree-6 polynomial of
 /// Cephes' exp2f (relative error <= 1.2e-7, about 1 ulp); 2^n assembled in the
-/// exponent field. The selects are integer masks, not branches: GCC refuses to
-/// if-convert a conditional float computation under its default -ftrapping-math,
-/// and the loop then stays scalar (5x slower).
+/// exponent field. Arguments below -126 run through the same arithmetic (in
+/// unsigned integers: no overflow) and are then cleared by one mask, taken
+/// from a comparison that is true for NaN (not x < -126), so a NaN argument
+/// keeps the NaN the polynomial made of it. The select is an integer mask,
+/// not a branch: GCC refuses to if-convert a conditional float computation
+/// under its default -ftrapping-math, and the loop then stays scalar (5x
+/// slower).
 KOKKOS_FORCEINLINE_FUNCTION float exp2_nonpositive(float x) {
-  constexpr std::uint32_t min_arg_bits = 0xC2FC0000u;  // bit pattern of -126.0f
-  const std::uint32_t ux = bit_cast<std::uint32_t>(x);
-  // As unsigned integers, non-positive floats grow with their magnitude.
-  const std::uint32_t in_range = 0u - static_cast<std::uint32_t>(ux <= min_arg_bits);
-  const float xc = bit_cast<float>(ux < min_arg_bits ? ux : min_arg_bits);
+  const std::uint32_t keep = 0u - static_cast<std::uint32_t>(!(x < -126.0f));
   constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const std::int32_t n =
-      bit_cast<std::int32_t>(xc + round_magic) - bit_cast<std::int32_t>(round_magic);
-  const float f = xc - static_cast<float>(n);  // in [-1/2, 1/2]
+  const std::uint32_t n_bits =
+      bit_cast<std::uint32_t>(x + round_magic) - bit_cast<std::uint32_t>(round_magic);
+  const std::int32_t n = bit_cast<std::int32_t>(n_bits);
+  const float f = x - static_cast<float>(n);  // in [-1/2, 1/2] for x >= -126
   constexpr float c1 = 6.931472028550421e-1f, c2 = 2.402264791363012e-1f,
                   c3 = 5.550332471162809e-2f, c4 = 9.618437357674640e-3f,
                   c5 = 1.339887440266574e-3f, c6 = 1.535336188319500e-4f;
   const float poly = 1.0f + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * c6)))));
-  constexpr std::int32_t exponent_bias = 127, mantissa_bits = 23;
-  // Unsigned: for a NaN argument n is meaningless (the result is replaced by NaN
-  // below) and a signed shift of it would be undefined behaviour.
-  const float two_n = bit_cast<float>(
-      (static_cast<std::uint32_t>(n) + static_cast<std::uint32_t>(exponent_bias)) << mantissa_bits);
-  const std::uint32_t is_nan = 0u - static_cast<std::uint32_t>((ux & 0x7fffffffu) > 0x7f800000u);
-  return bit_cast<float>((bit_cast<std::uint32_t>(poly * two_n) & in_range) |
-                         (is_nan & 0x7fc00000u));
+  constexpr std::uint32_t exponent_bias = 127, mantissa_bits = 23;
+  const float two_n = bit_cast<float>((n_bits + exponent_bias) << mantissa_bits);
+  return bit_cast<float>(bit_cast<std::uint32_t>(poly * two_n) & keep);
 }
 
 /// fp64: the library exp2 (about 1 ulp); fp64 is the accuracy path, not the
