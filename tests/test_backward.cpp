@@ -59,32 +59,54 @@ struct Shape4 {
   int b, nq, nk, h, hkv, d;
 };
 
+/// Random q, k, v, dO of shape s (from `seed`) and what attention_forward +
+/// attention_backward on this backend make of them, on the host.
+struct Run {
+  HostTensor q, k, v, dout;  // inputs
+  HostTensor o, dq, dk, dv;  // outputs
+  std::vector<double> lse;
+};
+
 template <class T, class Mask>
-void run_case(const Shape4& s, const Mask& mask, std::uint64_t seed, ForwardOptions opts = {}) {
+Run forward_backward(const Shape4& s, const Mask& mask, std::uint64_t seed,
+                     const ForwardOptions& opts = {}) {
   std::mt19937_64 rng(seed);
-  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng),
-             k = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
-             v = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
-             dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  Run r;
+  r.q = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  r.k = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  r.v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  r.dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
   V4<T> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
       vd("v", s.b, s.nk, s.hkv, s.d), od("o", s.b, s.nq, s.h, s.d), dod("do", s.b, s.nq, s.h, s.d),
       dqd("dq", s.b, s.nq, s.h, s.d), dkd("dk", s.b, s.nk, s.hkv, s.d),
       dvd("dv", s.b, s.nk, s.hkv, s.d);
   V3<T> ld("lse", s.b, s.h, s.nq);
-  upload(q, qd);
-  upload(k, kd);
-  upload(v, vd);
-  upload(dout, dod);
+  upload(r.q, qd);
+  upload(r.k, kd);
+  upload(r.v, vd);
+  upload(r.dout, dod);
   attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
   attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, mask, opts);
   Kokkos::fence();
+  r.o = download(od);
+  r.dq = download(dqd);
+  r.dk = download(dkd);
+  r.dv = download(dvd);
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ld);
+  r.lse.assign(lh.data(), lh.data() + lh.span());
+  return r;
+}
+
+template <class T, class Mask>
+void run_case(const Shape4& s, const Mask& mask, std::uint64_t seed, ForwardOptions opts = {}) {
+  const Run r = forward_backward<T>(s, mask, seed, opts);
   const double scale = std::isnan(opts.scale) ? 1.0 / std::sqrt(double(s.d)) : opts.scale;
   const ReferenceGrads ref =
-      reference_backward(q, k, v, dout, mask, scale, opts.q_offset, opts.k_offset);
+      reference_backward(r.q, r.k, r.v, r.dout, mask, scale, opts.q_offset, opts.k_offset);
   bool finite = true;
-  const double eq = rel_err(download(dqd), ref.dq, finite);
-  const double ek = rel_err(download(dkd), ref.dk, finite);
-  const double ev = rel_err(download(dvd), ref.dv, finite);
+  const double eq = rel_err(r.dq, ref.dq, finite);
+  const double ek = rel_err(r.dk, ref.dk, finite);
+  const double ev = rel_err(r.dv, ref.dv, finite);
   INFO("B=", s.b, " Nq=", s.nq, " Nk=", s.nk, " H=", s.h, "/", s.hkv, " D=", s.d, " dq ", eq,
        " dk ", ek, " dv ", ev);
   CHECK(finite);
@@ -293,31 +315,14 @@ TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradient
 
 namespace {
 
-/// O, LSE, dQ, dK, dV of one forward + backward call, flattened on the host.
+/// O, LSE, dQ, dK, dV of one causal forward + backward call, flattened.
 template <class T>
-std::vector<double> forward_backward(const Shape4& s, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng),
-             k = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
-             v = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
-             dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
-  V4<T> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
-      vd("v", s.b, s.nk, s.hkv, s.d), od("o", s.b, s.nq, s.h, s.d), dod("do", s.b, s.nq, s.h, s.d),
-      dqd("dq", s.b, s.nq, s.h, s.d), dkd("dk", s.b, s.nk, s.hkv, s.d),
-      dvd("dv", s.b, s.nk, s.hkv, s.d);
-  V3<T> ld("lse", s.b, s.h, s.nq);
-  upload(q, qd);
-  upload(k, kd);
-  upload(v, vd);
-  upload(dout, dod);
-  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, CausalMask{});
-  attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, CausalMask{});
-  Kokkos::fence();
+std::vector<double> flat_outputs(const Shape4& s, std::uint64_t seed) {
+  const Run r = forward_backward<T>(s, CausalMask{}, seed);
   std::vector<double> all;
-  for (const HostTensor& t : {download(od), download(dqd), download(dkd), download(dvd)})
-    all.insert(all.end(), t.data.begin(), t.data.end());
-  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ld);
-  all.insert(all.end(), lh.data(), lh.data() + lh.span());
+  for (const HostTensor* t : {&r.o, &r.dq, &r.dk, &r.dv})
+    all.insert(all.end(), t->data.begin(), t->data.end());
+  all.insert(all.end(), r.lse.begin(), r.lse.end());
   return all;
 }
 
@@ -334,12 +339,12 @@ TEST_CASE_TEMPLATE("the buffer cache gives the results of per-call allocation", 
                           {1, 70, 45, 2, 1, 40}};
   const std::size_t limit = buffer_cache_limit();
   std::vector<std::vector<double>> cached, uncached, tight;
-  for (const Shape4& s : calls) cached.push_back(forward_backward<T>(s, 3));
+  for (const Shape4& s : calls) cached.push_back(flat_outputs<T>(s, 3));
   set_buffer_cache_limit(0);  // off: every block allocated and freed per call
   CHECK(buffer_cache_limit() == 0);
-  for (const Shape4& s : calls) uncached.push_back(forward_backward<T>(s, 3));
+  for (const Shape4& s : calls) uncached.push_back(flat_outputs<T>(s, 3));
   set_buffer_cache_limit(64 << 10);  // smaller than the larger calls need
-  for (const Shape4& s : calls) tight.push_back(forward_backward<T>(s, 3));
+  for (const Shape4& s : calls) tight.push_back(flat_outputs<T>(s, 3));
   set_buffer_cache_limit(limit);
   for (std::size_t i = 0; i < cached.size(); ++i) {
     INFO("call ", i);
