@@ -87,7 +87,8 @@ TEST_CASE("host ISA: the one the compiler targets") {
 #endif
 #if defined(__AVX512F__)
   CHECK(host_isa() == HostIsa::avx512);
-  CHECK(BLOCKATTN_SIMD_KERNELS == 0);
+  CHECK(BLOCKATTN_SIMD_KERNELS == 1);
+  CHECK(DefaultTileShape<float, true>::micro_cols == 64);
 #elif defined(__AVX2__) && defined(__FMA__)
   CHECK(host_isa() == HostIsa::avx2);
   CHECK(BLOCKATTN_SIMD_KERNELS == 1);

@@ -15,9 +15,9 @@ namespace impl {
 /// Host tile constants per vector ISA (isa.hpp), value type and compile-time
 /// head dim (0: any other). See DefaultTileShape for what each one means.
 ///
-/// The default, written for 32 AVX-512 registers: 64x64 tiles keep the Q tile,
-/// S tile and O accumulator of one team in L2, and the 4x64 fp32 micro tile is
-/// 16 AVX-512 accumulators (4x32 for fp64: also 16). fp64 uses it on every ISA.
+/// The default (fp64 on every ISA, and the portable kernels): 64x64 tiles keep
+/// the Q tile, S tile and O accumulator of one team in L2, and the 4x32 fp64
+/// micro tile is 16 AVX-512 accumulators.
 template <HostIsa Isa, class T, int HeadDim>
 struct HostTiles {
   static constexpr int block_q = 64;
@@ -27,14 +27,19 @@ struct HostTiles {
   static constexpr int dim_granule = std::is_same<T, float>::value ? 16 : 8;
 };
 
-/// AVX-512, fp32, D = 128: 6x64 micro tiles (24 of 32 registers) and 128-key
-/// tiles halve the O-accumulator traffic per FMA; measured ~10 % faster than
-/// 64x64x4 on a Sapphire Rapids Xeon, while at D = 64 the smaller shape wins.
-template <>
-struct HostTiles<HostIsa::avx512, float, 128> : HostTiles<HostIsa::avx512, float, 0> {
+/// AVX-512F, fp32 (32 registers of 16 floats): 6x64 micro tiles (24
+/// accumulators, 4 B vectors, 1 broadcast) run by the explicit 512-bit kernels
+/// of impl/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a
+/// 16-core Sapphire Rapids Xeon (1 and 16 threads, N = 1024 / 4096 / 16384)
+/// this ran ~1.8x the portable loops; 12x32 and 6x32 micro tiles, 48- and
+/// 192-row query tiles and 256-key tiles were no faster (docs/measurements.md).
+template <int HeadDim>
+struct HostTiles<HostIsa::avx512, float, HeadDim> {
   static constexpr int block_q = 96;
   static constexpr int block_k = 128;
   static constexpr int micro_rows = 6;
+  static constexpr int micro_cols = 64;
+  static constexpr int dim_granule = 16;
 };
 
 /// AVX2 + FMA (16 registers of 8 floats): the BLIS-style 6x16 fp32 micro tile
@@ -85,6 +90,15 @@ template <>
 struct HostBackwardTiles<HostIsa::avx2, float> : HostTiles<HostIsa::avx2, float, 0> {
   static constexpr int block_q = 48;
   static constexpr int block_k = 96;
+};
+/// AVX-512, fp32: 64x64 with 4x64 micro tiles (16 accumulators) and the
+/// explicit kernels; of 32..96 query rows x 64..128 keys with 4x64, 6x32 and
+/// 12x32 micro tiles on Sapphire Rapids, the best or within noise of it.
+template <>
+struct HostBackwardTiles<HostIsa::avx512, float> : HostTiles<HostIsa::avx512, float, 0> {
+  static constexpr int block_q = 64;
+  static constexpr int block_k = 64;
+  static constexpr int micro_rows = 4;
 };
 template <>
 struct HostBackwardTiles<HostIsa::sse2, float> : HostTiles<HostIsa::sse2, float, 0> {

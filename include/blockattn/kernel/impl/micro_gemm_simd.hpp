@@ -2,10 +2,10 @@
 // Explicit-register host micro kernels, fp32: the tile products of
 // micro_gemm.hpp with the accumulators held as vector values in fully
 // unrolled loops, so that they stay in registers.
+//   AVX-512F (x86-64-v4): 512-bit intrinsics, 32 registers;
 //   AVX2 + FMA (x86-64-v3, no AVX-512): 256-bit intrinsics, 16 registers;
 //   SSE2 (x86-64 baseline, AVX without AVX2) and AArch64 NEON: 128-bit GNU
 //   vectors (GCC, Clang), 16 / 32 registers.
-// AVX-512 builds keep the portable loops, which GCC vectorises well there.
 //
 // The portable loops of micro_gemm.hpp leave register allocation to the
 // compiler; GCC 12 spills the BLIS-style 6x16 fp32 tile on AVX2 (12
@@ -25,9 +25,11 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__) || \
-    defined(__AVX512F__)
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__)
 #define BLOCKATTN_SIMD_KERNELS 0
+#elif defined(__AVX512F__)
+#define BLOCKATTN_SIMD_KERNELS 1  // AVX-512 intrinsics
+#define BLOCKATTN_SIMD_512 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define BLOCKATTN_SIMD_KERNELS 1  // AVX2 intrinsics
 #elif (defined(__GNUC__) || defined(__clang__)) && \
@@ -51,7 +53,25 @@
 
 namespace blockattn::impl {
 
-#if !defined(BLOCKATTN_SIMD_128)
+#if defined(BLOCKATTN_SIMD_512)
+/// One 512-bit AVX-512 vector of floats and its operations.
+struct SimdVec {
+  using type = __m512;
+  static constexpr int width = 16, registers = 32;
+  static type zero() { return _mm512_setzero_ps(); }
+  static type load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, type x) { _mm512_storeu_ps(p, x); }
+  static type broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static type mul(type a, type b) { return _mm512_mul_ps(a, b); }
+  static type fma(type a, type b, type c) { return _mm512_fmadd_ps(a, b, c); }
+  /// a > b ? a : b per lane (b when either is NaN), as the scalar expression.
+  /// (A compare and a blend rather than _mm512_max_ps, whose GCC 12 header
+  /// trips -Wmaybe-uninitialized through _mm512_undefined_ps.)
+  static type max(type a, type b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
+  }
+};
+#elif !defined(BLOCKATTN_SIMD_128)
 /// One 256-bit AVX2 vector of floats and its operations.
 struct SimdVec {
   using type = __m256;
@@ -194,6 +214,7 @@ inline void simd_lane_max(const float* __restrict__ s, int n, float* __restrict_
 
 #undef BLOCKATTN_HOST_UNROLL
 #undef BLOCKATTN_SIMD_128
+#undef BLOCKATTN_SIMD_512
 #endif  // BLOCKATTN_SIMD_KERNELS
 
 #if defined(__NVCC__)
