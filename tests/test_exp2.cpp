@@ -3,9 +3,11 @@
 #include <doctest/doctest.h>
 
 #include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/micro_gemm_simd.hpp>
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 using blockattn::impl::exp2_nonpositive;
 
@@ -60,3 +62,59 @@ TEST_CASE("fp32 exp2 keeps NaN of either sign, scalar and in a vectorised loop")
     }
   }
 }
+
+#if defined(BLOCKATTN_SIMD_EXP2)
+// AVX-512 builds: the forward softmax's exponent pass in 512-bit vectors.
+TEST_CASE("simd_exp2_row: exp2_nonpositive of s - m per element, and the lane sums") {
+  using blockattn::impl::simd_exp2_row;
+  constexpr int lanes = 16, n = 4096;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float qnan = std::numeric_limits<float>::quiet_NaN();
+  for (const float m : {0.0f, 3.25f, -17.5f}) {
+    std::vector<float> s(n), want(n);
+    for (int c = 0; c < n; ++c)
+      s[c] = m - 130.0f * static_cast<float>(c) / static_cast<float>(n);  // s - m in (-130, 0]
+    s[5] = -inf;
+    s[6] = qnan;
+    s[7] = -qnan;
+    s[8] = m - 126.0f;
+    s[9] = m - 126.0001f;
+    s[10] = m;
+    for (int c = 0; c < n; ++c) want[c] = exp2_nonpositive(s[c] - m);
+    std::vector<double> want_part(lanes, 0.25);
+    float part[lanes];
+    for (int j = 0; j < lanes; ++j) part[j] = 0.25f;  // accumulates onto part
+    for (int c = 0; c < n; ++c)
+      if (!std::isnan(want[c])) want_part[c % lanes] += want[c];
+    simd_exp2_row<lanes>(s.data(), n, m, part);
+    // The polynomial runs in FMA steps here; the scalar function may or may
+    // not be contracted (-ffp-contract): within 2 ulp of each other.
+    int bad = 0;
+    for (int c = 0; c < n; ++c) {
+      if (std::isnan(want[c])) {
+        bad += std::isnan(s[c]) ? 0 : 1;
+        continue;
+      }
+      if (want[c] == 0.0f || c == 10) {
+        bad += s[c] == want[c] ? 0 : 1;  // exact zeros below -126, and 2^0 = 1
+        continue;
+      }
+      bad += std::abs(s[c] - want[c]) <= 2.5e-7f * want[c] ? 0 : 1;
+    }
+    CHECK(bad == 0);
+    CHECK(s[5] == 0.0f);
+    CHECK(std::isnan(s[6]));
+    CHECK(std::isnan(s[7]));
+    CHECK(s[9] == 0.0f);
+    CHECK(s[10] == 1.0f);
+    // Lanes 6 and 7 saw a NaN; the others sum within n / lanes roundings.
+    for (int j = 0; j < lanes; ++j) {
+      if (j == 6 || j == 7) {
+        CHECK(std::isnan(part[j]));
+        continue;
+      }
+      CHECK(std::abs(part[j] - want_part[j]) <= 1e-7 * want_part[j] * (n / lanes));
+    }
+  }
+}
+#endif

@@ -349,12 +349,20 @@ struct ForwardKernel {
     // P and its row sum in one pass (0 + p is exactly p: the same sums as
     // summing after the exp pass).
     for (int j = 0; j < lanes; ++j) part[j] = T(0);
-    for (int c = 0; c < BK; c += lanes)
-      for (int j = 0; j < lanes; ++j) {
-        const T p = exp2_nonpositive(s[c + j] - m_new);
-        s[c + j] = p;
-        part[j] += p;
-      }
+    bool vector_exp = false;
+#if defined(BLOCKATTN_SIMD_EXP2)
+    if constexpr (std::is_same<T, float>::value && lanes % 16 == 0) {
+      simd_exp2_row<lanes>(s, BK, m_new, part);
+      vector_exp = true;
+    }
+#endif
+    if (!vector_exp)
+      for (int c = 0; c < BK; c += lanes)
+        for (int j = 0; j < lanes; ++j) {
+          const T p = exp2_nonpositive(s[c + j] - m_new);
+          s[c + j] = p;
+          part[j] += p;
+        }
     T sum = T(0);
     for (int j = 0; j < lanes; ++j) sum += part[j];
     alpha = exp2_nonpositive(m - m_new);

@@ -30,6 +30,7 @@
 #elif defined(__AVX512F__)
 #define BLOCKATTN_SIMD_KERNELS 1  // AVX-512 intrinsics
 #define BLOCKATTN_SIMD_512 1
+#define BLOCKATTN_SIMD_EXP2 1  // simd_exp2_row below
 #elif defined(__AVX2__) && defined(__FMA__)
 #define BLOCKATTN_SIMD_KERNELS 1  // AVX2 intrinsics
 #elif (defined(__GNUC__) || defined(__clang__)) && \
@@ -209,6 +210,59 @@ inline void simd_lane_max(const float* __restrict__ s, int n, float* __restrict_
   BLOCKATTN_HOST_UNROLL
   for (int j = 0; j < NV; ++j) V::store(part + j * V::width, acc[j]);
 }
+
+#if defined(BLOCKATTN_SIMD_512)
+/// The forward softmax's exponent pass in 512-bit vectors: for c < n,
+///   s[c] <- exp2_nonpositive(s[c] - m),  part[c % Lanes] += s[c],
+/// with exp2_nonpositive's arithmetic (exp2.hpp: round by the 1.5 * 2^23
+/// trick, Cephes' degree-6 polynomial in FMA steps, 2^n in the exponent
+/// field, lanes below -126 cleared by a not-less-than mask, so -inf gives 0
+/// and NaN stays NaN). GCC targets 256-bit vectors for its own loops on
+/// Intel AVX-512 CPUs (-mprefer-vector-width=256); this pass was its largest
+/// loop there. The masked (maskz) intrinsics avoid GCC 12's
+/// _mm512_undefined_* (-Wmaybe-uninitialized).
+template <int Lanes>
+inline void simd_exp2_row(float* __restrict__ s, int n, float m, float* __restrict__ part) {
+  static_assert(Lanes % 16 == 0, "simd_exp2_row: Lanes must be whole 512-bit vectors");
+  constexpr int NV = Lanes / 16;
+  constexpr __mmask16 all = 0xFFFF;
+  const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-126.0f),
+               magic = _mm512_set1_ps(12582912.0f), one = _mm512_set1_ps(1.0f);
+  const __m512 c1 = _mm512_set1_ps(6.931472028550421e-1f),
+               c2 = _mm512_set1_ps(2.402264791363012e-1f),
+               c3 = _mm512_set1_ps(5.550332471162809e-2f),
+               c4 = _mm512_set1_ps(9.618437357674640e-3f),
+               c5 = _mm512_set1_ps(1.339887440266574e-3f),
+               c6 = _mm512_set1_ps(1.535336188319500e-4f);
+  const __m512i magic_bits = _mm512_castps_si512(magic), bias = _mm512_set1_epi32(127);
+  __m512 acc[NV];
+  BLOCKATTN_HOST_UNROLL
+  for (int j = 0; j < NV; ++j) acc[j] = _mm512_loadu_ps(part + 16 * j);
+  for (int c = 0; c < n; c += Lanes) {
+    BLOCKATTN_HOST_UNROLL
+    for (int j = 0; j < NV; ++j) {
+      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + c + 16 * j), mv);
+      const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
+      const __m512i n_bits =
+          _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(x, magic)), magic_bits);
+      const __m512 f = _mm512_sub_ps(x, _mm512_maskz_cvtepi32_ps(all, n_bits));
+      __m512 poly = _mm512_fmadd_ps(f, c6, c5);
+      poly = _mm512_fmadd_ps(f, poly, c4);
+      poly = _mm512_fmadd_ps(f, poly, c3);
+      poly = _mm512_fmadd_ps(f, poly, c2);
+      poly = _mm512_fmadd_ps(f, poly, c1);
+      poly = _mm512_fmadd_ps(f, poly, one);
+      const __m512 two_n =
+          _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_add_epi32(n_bits, bias), 23));
+      const __m512 p = _mm512_maskz_mov_ps(keep, _mm512_mul_ps(poly, two_n));
+      _mm512_storeu_ps(s + c + 16 * j, p);
+      acc[j] = _mm512_add_ps(acc[j], p);
+    }
+  }
+  BLOCKATTN_HOST_UNROLL
+  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(part + 16 * j, acc[j]);
+}
+#endif
 
 }  // namespace blockattn::impl
 
