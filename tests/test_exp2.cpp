@@ -64,7 +64,7 @@ TEST_CASE("fp32 exp2 keeps NaN of either sign, scalar and in a vectorised loop")
 }
 
 #if defined(BLOCKATTN_SIMD_EXP2)
-// AVX-512 builds: the forward softmax's exponent pass in 512-bit vectors.
+// AVX2 and AVX-512 builds: the forward softmax's exponent pass in explicit vectors.
 TEST_CASE("simd_exp2_row: exp2_nonpositive of s - m per element, and the lane sums") {
   using blockattn::impl::simd_exp2_row;
   constexpr int lanes = 16, n = 4096;

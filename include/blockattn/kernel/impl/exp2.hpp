@@ -34,6 +34,17 @@ KOKKOS_FORCEINLINE_FUNCTION T quiet_nan() {
   return bit_cast<T>(sizeof(T) == 4 ? Bits(0x7fc00000u) : Bits(0x7ff8000000000000ull));
 }
 
+/// The constants of the fp32 exp2 below (also used by the vector versions,
+/// impl/micro_gemm_simd.hpp).
+struct Exp2fConstants {
+  static constexpr float min_arg = -126.0f;          // smallest argument with a normal result
+  static constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  static constexpr float c1 = 6.931472028550421e-1f, c2 = 2.402264791363012e-1f,
+                         c3 = 5.550332471162809e-2f, c4 = 9.618437357674640e-3f,
+                         c5 = 1.339887440266574e-3f, c6 = 1.535336188319500e-4f;
+  static constexpr std::uint32_t exponent_bias = 127, mantissa_bits = 23;
+};
+
 /// 2^x for x <= 0 in fp32 (also correct for 0 < x < 128), written as
 /// straight-line arithmetic so that host compilers vectorise the softmax row
 /// loop and device compilers accept it. Returns exactly 0 for x < -126 and for
@@ -51,18 +62,15 @@ KOKKOS_FORCEINLINE_FUNCTION T quiet_nan() {
 /// under its default -ftrapping-math, and the loop then stays scalar (5x
 /// slower).
 KOKKOS_FORCEINLINE_FUNCTION float exp2_nonpositive(float x) {
-  const std::uint32_t keep = 0u - static_cast<std::uint32_t>(!(x < -126.0f));
-  constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  using C = Exp2fConstants;
+  const std::uint32_t keep = 0u - static_cast<std::uint32_t>(!(x < C::min_arg));
   const std::uint32_t n_bits =
-      bit_cast<std::uint32_t>(x + round_magic) - bit_cast<std::uint32_t>(round_magic);
+      bit_cast<std::uint32_t>(x + C::round_magic) - bit_cast<std::uint32_t>(C::round_magic);
   const std::int32_t n = bit_cast<std::int32_t>(n_bits);
   const float f = x - static_cast<float>(n);  // in [-1/2, 1/2] for x >= -126
-  constexpr float c1 = 6.931472028550421e-1f, c2 = 2.402264791363012e-1f,
-                  c3 = 5.550332471162809e-2f, c4 = 9.618437357674640e-3f,
-                  c5 = 1.339887440266574e-3f, c6 = 1.535336188319500e-4f;
-  const float poly = 1.0f + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * c6)))));
-  constexpr std::uint32_t exponent_bias = 127, mantissa_bits = 23;
-  const float two_n = bit_cast<float>((n_bits + exponent_bias) << mantissa_bits);
+  const float poly =
+      1.0f + f * (C::c1 + f * (C::c2 + f * (C::c3 + f * (C::c4 + f * (C::c5 + f * C::c6)))));
+  const float two_n = bit_cast<float>((n_bits + C::exponent_bias) << C::mantissa_bits);
   return bit_cast<float>(bit_cast<std::uint32_t>(poly * two_n) & keep);
 }
 

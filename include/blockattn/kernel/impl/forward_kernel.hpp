@@ -351,7 +351,7 @@ struct ForwardKernel {
     for (int j = 0; j < lanes; ++j) part[j] = T(0);
     bool vector_exp = false;
 #if defined(BLOCKATTN_SIMD_EXP2)
-    if constexpr (std::is_same<T, float>::value && lanes % 16 == 0) {
+    if constexpr (std::is_same<T, float>::value && lanes % SimdVec::width == 0) {
       simd_exp2_row<lanes>(s, BK, m_new, part);
       vector_exp = true;
     }

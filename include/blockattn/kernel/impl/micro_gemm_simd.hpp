@@ -21,6 +21,8 @@
 #pragma nv_diag_suppress 1675
 #endif
 
+#include <blockattn/kernel/impl/exp2.hpp>
+
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
@@ -30,9 +32,10 @@
 #elif defined(__AVX512F__)
 #define BLOCKATTN_SIMD_KERNELS 1  // AVX-512 intrinsics
 #define BLOCKATTN_SIMD_512 1
-#define BLOCKATTN_SIMD_EXP2 1  // simd_exp2_row below
+#define BLOCKATTN_SIMD_EXP2 1  // SimdVec::exp2_nonpositive, simd_exp2_row
 #elif defined(__AVX2__) && defined(__FMA__)
 #define BLOCKATTN_SIMD_KERNELS 1  // AVX2 intrinsics
+#define BLOCKATTN_SIMD_EXP2 1
 #elif (defined(__GNUC__) || defined(__clang__)) && \
     (defined(__SSE2__) || (defined(__aarch64__) && defined(__ARM_NEON)))
 #define BLOCKATTN_SIMD_KERNELS 1  // 128-bit GNU vectors
@@ -71,6 +74,30 @@ struct SimdVec {
   static type max(type a, type b) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
   }
+  static type add(type a, type b) { return _mm512_add_ps(a, b); }
+  static type sub(type a, type b) { return _mm512_sub_ps(a, b); }
+  /// exp2_nonpositive (exp2.hpp) per lane, its arithmetic with the polynomial
+  /// in FMA steps. The maskz intrinsics avoid GCC 12's _mm512_undefined_*
+  /// (-Wmaybe-uninitialized).
+  static type exp2_nonpositive(type x) {
+    using C = Exp2fConstants;
+    constexpr __mmask16 all = 0xFFFF;
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(C::min_arg), _CMP_NLT_UQ);
+    const __m512 magic = _mm512_set1_ps(C::round_magic);
+    const __m512i n_bits =
+        _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(x, magic)), _mm512_castps_si512(magic));
+    const __m512 f = _mm512_sub_ps(x, _mm512_maskz_cvtepi32_ps(all, n_bits));
+    __m512 poly = _mm512_fmadd_ps(f, _mm512_set1_ps(C::c6), _mm512_set1_ps(C::c5));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c4));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c3));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c2));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c1));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(1.0f));
+    const __m512i biased = _mm512_add_epi32(n_bits, _mm512_set1_epi32(C::exponent_bias));
+    const __m512 two_n =
+        _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, biased, C::mantissa_bits));
+    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(poly, two_n));
+  }
 };
 #elif !defined(BLOCKATTN_SIMD_128)
 /// One 256-bit AVX2 vector of floats and its operations.
@@ -85,6 +112,27 @@ struct SimdVec {
   static type fma(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
   /// a > b ? a : b per lane (b when either is NaN), as the scalar expression.
   static type max(type a, type b) { return _mm256_max_ps(a, b); }
+  static type add(type a, type b) { return _mm256_add_ps(a, b); }
+  static type sub(type a, type b) { return _mm256_sub_ps(a, b); }
+  /// exp2_nonpositive (exp2.hpp) per lane, its arithmetic with the polynomial
+  /// in FMA steps.
+  static type exp2_nonpositive(type x) {
+    using C = Exp2fConstants;
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(C::min_arg), _CMP_NLT_UQ);
+    const __m256 magic = _mm256_set1_ps(C::round_magic);
+    const __m256i n_bits =
+        _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(x, magic)), _mm256_castps_si256(magic));
+    const __m256 f = _mm256_sub_ps(x, _mm256_cvtepi32_ps(n_bits));
+    __m256 poly = _mm256_fmadd_ps(f, _mm256_set1_ps(C::c6), _mm256_set1_ps(C::c5));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(C::c4));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(C::c3));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(C::c2));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(C::c1));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(1.0f));
+    const __m256i biased = _mm256_add_epi32(n_bits, _mm256_set1_epi32(C::exponent_bias));
+    const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(biased, C::mantissa_bits));
+    return _mm256_and_ps(_mm256_mul_ps(poly, two_n), keep);
+  }
 };
 #else
 /// One 128-bit vector of floats (SSE2 or NEON register) as a GNU vector.
@@ -211,56 +259,30 @@ inline void simd_lane_max(const float* __restrict__ s, int n, float* __restrict_
   for (int j = 0; j < NV; ++j) V::store(part + j * V::width, acc[j]);
 }
 
-#if defined(BLOCKATTN_SIMD_512)
-/// The forward softmax's exponent pass in 512-bit vectors: for c < n,
-///   s[c] <- exp2_nonpositive(s[c] - m),  part[c % Lanes] += s[c],
-/// with exp2_nonpositive's arithmetic (exp2.hpp: round by the 1.5 * 2^23
-/// trick, Cephes' degree-6 polynomial in FMA steps, 2^n in the exponent
-/// field, lanes below -126 cleared by a not-less-than mask, so -inf gives 0
-/// and NaN stays NaN). GCC targets 256-bit vectors for its own loops on
-/// Intel AVX-512 CPUs (-mprefer-vector-width=256); this pass was its largest
-/// loop there. The masked (maskz) intrinsics avoid GCC 12's
-/// _mm512_undefined_* (-Wmaybe-uninitialized).
+#if defined(BLOCKATTN_SIMD_EXP2)
+/// The forward softmax's exponent pass in explicit vectors: for c < n,
+///   s[c] <- exp2_nonpositive(s[c] - m),  part[c % Lanes] += s[c].
+/// GCC vectorises the scalar loop too, but at 256 bits on Intel AVX-512 CPUs
+/// (-mprefer-vector-width=256), where this pass was its largest loop.
 template <int Lanes>
 inline void simd_exp2_row(float* __restrict__ s, int n, float m, float* __restrict__ part) {
-  static_assert(Lanes % 16 == 0, "simd_exp2_row: Lanes must be whole 512-bit vectors");
-  constexpr int NV = Lanes / 16;
-  constexpr __mmask16 all = 0xFFFF;
-  const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-126.0f),
-               magic = _mm512_set1_ps(12582912.0f), one = _mm512_set1_ps(1.0f);
-  const __m512 c1 = _mm512_set1_ps(6.931472028550421e-1f),
-               c2 = _mm512_set1_ps(2.402264791363012e-1f),
-               c3 = _mm512_set1_ps(5.550332471162809e-2f),
-               c4 = _mm512_set1_ps(9.618437357674640e-3f),
-               c5 = _mm512_set1_ps(1.339887440266574e-3f),
-               c6 = _mm512_set1_ps(1.535336188319500e-4f);
-  const __m512i magic_bits = _mm512_castps_si512(magic), bias = _mm512_set1_epi32(127);
-  __m512 acc[NV];
+  using V = SimdVec;
+  static_assert(Lanes % V::width == 0, "simd_exp2_row: Lanes must be whole vectors");
+  constexpr int NV = Lanes / V::width;
+  const typename V::type mv = V::broadcast(&m);
+  typename V::type acc[NV];
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) acc[j] = _mm512_loadu_ps(part + 16 * j);
+  for (int j = 0; j < NV; ++j) acc[j] = V::load(part + j * V::width);
   for (int c = 0; c < n; c += Lanes) {
     BLOCKATTN_HOST_UNROLL
     for (int j = 0; j < NV; ++j) {
-      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + c + 16 * j), mv);
-      const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
-      const __m512i n_bits =
-          _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(x, magic)), magic_bits);
-      const __m512 f = _mm512_sub_ps(x, _mm512_maskz_cvtepi32_ps(all, n_bits));
-      __m512 poly = _mm512_fmadd_ps(f, c6, c5);
-      poly = _mm512_fmadd_ps(f, poly, c4);
-      poly = _mm512_fmadd_ps(f, poly, c3);
-      poly = _mm512_fmadd_ps(f, poly, c2);
-      poly = _mm512_fmadd_ps(f, poly, c1);
-      poly = _mm512_fmadd_ps(f, poly, one);
-      const __m512 two_n =
-          _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_add_epi32(n_bits, bias), 23));
-      const __m512 p = _mm512_maskz_mov_ps(keep, _mm512_mul_ps(poly, two_n));
-      _mm512_storeu_ps(s + c + 16 * j, p);
-      acc[j] = _mm512_add_ps(acc[j], p);
+      const typename V::type p = V::exp2_nonpositive(V::sub(V::load(s + c + j * V::width), mv));
+      V::store(s + c + j * V::width, p);
+      acc[j] = V::add(acc[j], p);
     }
   }
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(part + 16 * j, acc[j]);
+  for (int j = 0; j < NV; ++j) V::store(part + j * V::width, acc[j]);
 }
 #endif
 
