@@ -263,7 +263,9 @@ inline void simd_lane_max(const float* __restrict__ s, int n, float* __restrict_
 /// The forward softmax's exponent pass in explicit vectors: for c < n,
 ///   s[c] <- exp2_nonpositive(s[c] - m),  part[c % Lanes] += s[c].
 /// GCC vectorises the scalar loop too, but at 256 bits on Intel AVX-512 CPUs
-/// (-mprefer-vector-width=256), where this pass was its largest loop.
+/// (-mprefer-vector-width=256), where this pass was its largest loop (+10-12 %
+/// forward on Sapphire Rapids); on AVX2 it runs as fast as GCC's loop and
+/// keeps the pass vectorised whatever the compiler decides.
 template <int Lanes>
 inline void simd_exp2_row(float* __restrict__ s, int n, float m, float* __restrict__ part) {
   using V = SimdVec;
