@@ -63,9 +63,12 @@ struct Exp2fConstants {
 /// slower).
 KOKKOS_FORCEINLINE_FUNCTION float exp2_nonpositive(float x) {
   using C = Exp2fConstants;
+  // A local copy: bit_cast takes a reference, and device code may not refer
+  // to a static member (nvcc: "undefined in device code").
+  constexpr float round_magic = C::round_magic;
   const std::uint32_t keep = 0u - static_cast<std::uint32_t>(!(x < C::min_arg));
   const std::uint32_t n_bits =
-      bit_cast<std::uint32_t>(x + C::round_magic) - bit_cast<std::uint32_t>(C::round_magic);
+      bit_cast<std::uint32_t>(x + round_magic) - bit_cast<std::uint32_t>(round_magic);
   const std::int32_t n = bit_cast<std::int32_t>(n_bits);
   const float f = x - static_cast<float>(n);  // in [-1/2, 1/2] for x >= -126
   const float poly =
