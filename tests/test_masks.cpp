@@ -100,7 +100,8 @@ TEST_CASE("library prefix-LM and document masks: classify agrees with allowed") 
     CHECK(intervals == 2 * 2 * 4 * 4 * 47);
     CHECK(nonempty > intervals / 4);
     static_assert(impl::has_allowed_keys<DocumentMask>::value &&
-                  !impl::has_allowed_keys<CausalMask>::value);
+                  !impl::has_allowed_keys<FullMask>::value &&
+                  !impl::has_allowed_keys<test::DocumentCausalMask>::value);
   }
   SUBCASE("offsets must increase") {
     std::string msg;
@@ -112,6 +113,74 @@ TEST_CASE("library prefix-LM and document masks: classify agrees with allowed") 
     CHECK(msg.find("offsets[2] = 5 after offsets[1] = 5") != std::string::npos);
   }
   static_assert(is_mask_policy_v<PrefixLMMask> && is_mask_policy_v<DocumentMask>);
+}
+
+TEST_CASE("built-in interval masks: allowed_keys(q) is exactly what allowed(q, .) accepts") {
+  // Small positions exhaustively, and positions near the +-2^62 bound with
+  // windows that are unbounded (INT64_MAX), huge, empty or one-sided.
+  constexpr index_type bound = index_type(1) << 62;
+  const std::vector<index_type> qs = {-bound + 1, -bound + 7, -5, 0, 3, 17, bound - 9, bound - 1};
+  auto check = [&](const auto& m, const std::string& what, bool some_allowed = true) {
+    CAPTURE(what);
+    int nonempty = 0;
+    auto one = [&](index_type q, index_type k) {
+      const KeyInterval iv = m.allowed_keys(q);
+      CAPTURE(q);
+      CAPTURE(k);
+      CHECK(m.allowed(q, k) == (iv.begin <= k && k < iv.end));
+      nonempty += iv.begin <= k && k < iv.end;
+    };
+    for (index_type q = -6; q < 20; ++q)
+      for (index_type k = -6; k < 20; ++k) one(q, k);
+    for (index_type q : qs)
+      for (index_type dk = -8; dk <= 8; ++dk) {
+        if (q + dk <= -bound || q + dk >= bound) continue;
+        one(q, q + dk);
+        for (index_type k : qs) one(q, k);
+      }
+    CHECK((nonempty > 0) == some_allowed);
+  };
+  static_assert(impl::has_allowed_keys<CausalMask>::value &&
+                impl::has_allowed_keys<PrefixLMMask>::value &&
+                impl::has_allowed_keys<SlidingWindowMask>::value);
+  check(CausalMask{}, "causal");
+  for (index_type prefix : {-bound + 2, index_type(-5), index_type(0), index_type(4), bound - 3})
+    check(PrefixLMMask{prefix}, "prefix-LM");
+  const index_type max = std::numeric_limits<index_type>::max();
+  for (index_type left : {max, bound, index_type(0), index_type(3), index_type(-2)})
+    for (index_type right : {max, bound, index_type(0), index_type(5), index_type(-1)})
+      check(SlidingWindowMask{left, right}, "sliding window", left >= -right);
+}
+
+TEST_CASE("allowed_columns: the columns of a key tile a query row sees, per position map") {
+  // Brute force: every column whose position allowed() accepts; the kernels
+  // rely on this being one range [lo, hi).
+  auto check = [](const auto& mask, const auto& kpos, int k0, int n) {
+    for (index_type q = -4; q < 60; ++q) {
+      const impl::ColumnRange cols = impl::allowed_columns(mask, q, kpos, k0, n);
+      CAPTURE(q);
+      REQUIRE(0 <= cols.lo);
+      REQUIRE(cols.lo <= cols.hi);
+      REQUIRE(cols.hi <= n);
+      for (int c = 0; c < n; ++c)
+        CHECK(mask.allowed(q, kpos(k0 + c)) == (cols.lo <= c && c < cols.hi));
+    }
+  };
+  const Documents<Kokkos::HostSpace> docs(std::vector<index_type>{0, 5, 6, 20, 41, 56});
+  const std::vector<index_type> table = {1, 2, 4, 7, 8, 13, 21, 22, 23, 30, 34, 40, 47, 51, 55};
+  const TablePositions tp{table.data(), table.data()};
+  for (int n : {0, 1, 5, 11}) {
+    CAPTURE(n);
+    for (int k0 : {0, 3}) {
+      check(CausalMask{}, OffsetPositions{k0 == 0 ? 0 : 17}, k0, n);
+      check(SlidingWindowMask{4, 2}, OffsetPositions{5}, k0, n);
+      check(PrefixLMMask{9}, StridedPositions{2, 3}, k0, n);
+      check(causal_window(6), StridedPositions{-3, 5}, k0, n);
+      check(docs.mask(), StridedPositions{1, 4}, k0, n);
+      check(docs.mask(false, 3, 1), tp, k0, n);
+      check(CausalMask{}, tp, k0, n);
+    }
+  }
 }
 
 TEST_CASE("mask classify agrees with allowed on every small box") {

@@ -13,15 +13,19 @@
 // `full` only if every pair is. When unsure, answer `partial`: the kernel then
 // calls allowed() for every pair of the tile. Empty tiles are never loaded.
 //
-// Optional, for masks whose allowed() is costly (a search, a lookup): when
-// the keys every query sees form one interval of global positions, say so with
+// Optional: when the keys every query sees form one interval of global
+// positions, say so with
 //
 //   KOKKOS_FUNCTION KeyInterval allowed_keys(index_type q) const;
 //
 // returning [begin, end) such that allowed(q, k) == (begin <= k && k < end)
 // for every k (begin >= end: q sees nothing). The kernels then call it once
-// per query row of a partial tile and compare positions, instead of calling
-// allowed() for every pair (DocumentMask: two binary searches per pair).
+// per query row of a partial tile, find the row's columns [lo, hi) from the
+// key positions (kernel/impl/mask_columns.hpp), mask the rest with straight
+// fills and compute softmax terms only in between, instead of calling
+// allowed() for every pair (which stays scalar; DocumentMask: two binary
+// searches per pair). The causal, sliding-window, prefix-LM and document
+// masks have one.
 //
 // Optional: a host member `parameters()` returning a std::array (or any range)
 // of numbers. The distributed entry points compare the mask's type on every
@@ -39,6 +43,13 @@
 namespace blockattn {
 
 enum class TileKind : int { empty = 0, partial = 1, full = 2 };
+
+namespace impl {
+/// a + b, clamped to the range of index_type.
+KOKKOS_INLINE_FUNCTION constexpr index_type saturating_add(index_type a, index_type b) {
+  return b > 0 && a > INT64_MAX - b ? INT64_MAX : b < 0 && a < INT64_MIN - b ? INT64_MIN : a + b;
+}
+}  // namespace impl
 
 /// The global key positions one query sees, [begin, end) (see allowed_keys above).
 struct KeyInterval {
@@ -65,6 +76,12 @@ struct SlidingWindowMask {
     const index_type d = k - q;  // positions are bounded by 2^62: no overflow
     return d >= -left && d <= right;
   }
+  /// [q - left, q + right + 1), saturated: `left` / `right` may be huge.
+  KOKKOS_INLINE_FUNCTION constexpr KeyInterval allowed_keys(index_type q) const {
+    const index_type last = impl::saturating_add(q, right);
+    return KeyInterval{impl::saturating_add(q, left == INT64_MIN ? INT64_MAX : -left),
+                       last == INT64_MAX ? INT64_MAX : last + 1};
+  }
   KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type q_begin, index_type q_end,
                                                      index_type k_begin, index_type k_end) const {
     const index_type q_last = q_end - 1, k_last = k_end - 1;
@@ -82,6 +99,10 @@ struct SlidingWindowMask {
 /// Causal (autoregressive): query q sees keys k <= q.
 struct CausalMask {
   KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type q, index_type k) const { return k <= q; }
+  /// The keys q sees: every position up to q (see allowed_keys above).
+  KOKKOS_INLINE_FUNCTION constexpr KeyInterval allowed_keys(index_type q) const {
+    return KeyInterval{INT64_MIN, q + 1};  // positions are bounded by 2^62: no overflow
+  }
   KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type q_begin, index_type q_end,
                                                      index_type k_begin, index_type k_end) const {
     if (k_begin > q_end - 1) return TileKind::empty;
@@ -97,6 +118,10 @@ struct PrefixLMMask {
 
   KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type q, index_type k) const {
     return k < prefix || k <= q;
+  }
+  /// k < prefix or k <= q: the keys before max(prefix, q + 1).
+  KOKKOS_INLINE_FUNCTION constexpr KeyInterval allowed_keys(index_type q) const {
+    return KeyInterval{INT64_MIN, prefix > q + 1 ? prefix : q + 1};
   }
   KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type q_begin, index_type q_end,
                                                      index_type k_begin, index_type k_end) const {

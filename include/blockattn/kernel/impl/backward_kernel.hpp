@@ -19,6 +19,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/buffer_cache.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/mask_columns.hpp>
 #include <blockattn/kernel/impl/micro_gemm.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -244,6 +245,22 @@ struct BackwardCommon {
           srow[c] = pv;
           drow_[c] = pv * (drow_[c] - d);
         }
+        return;
+      }
+      if constexpr (has_allowed_keys<Mask>::value) {
+        // The row's keys are one interval: P and dS as above on its columns,
+        // zero outside.
+        const ColumnRange cols = !row_live ? ColumnRange{0, 0}
+                                 : kind == TileKind::partial
+                                     ? allowed_columns(mask, qpos(q0 + r), kpos, k0, k_rows)
+                                     : ColumnRange{0, k_rows};
+        for (int c = 0; c < cols.lo; ++c) srow[c] = drow_[c] = T(0);
+        for (int c = cols.lo; c < cols.hi; ++c) {
+          const T pv = exp2_nonpositive(srow[c] * s2 - l2);
+          srow[c] = pv;
+          drow_[c] = pv * (drow_[c] - d);
+        }
+        for (int c = cols.hi; c < BK; ++c) srow[c] = drow_[c] = T(0);
         return;
       }
       // Selects as integer masks (see exp2.hpp): a conditional float

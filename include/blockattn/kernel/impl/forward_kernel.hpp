@@ -5,6 +5,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/mask_columns.hpp>
 #include <blockattn/kernel/impl/micro_gemm.hpp>
 #include <blockattn/kernel/impl/pack.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
@@ -236,7 +237,16 @@ struct ForwardKernel {
   /// the online-softmax update, leaving P in S.
   KOKKOS_FORCEINLINE_FUNCTION void softmax_tile_row(const Tile& t, int r) const {
     T* const srow = t.ss + r * BK;
-    if (t.kind == TileKind::partial || t.k_rows < BK) {
+    if constexpr (has_allowed_keys<Mask>::value) {
+      // The row's keys are one interval: -inf outside its columns.
+      if (t.kind == TileKind::partial || t.k_rows < BK) {
+        const ColumnRange cols = t.kind == TileKind::partial
+                                     ? allowed_columns(mask, qpos(t.q0 + r), kpos, t.k0, t.k_rows)
+                                     : ColumnRange{0, t.k_rows};
+        for (int c = 0; c < cols.lo; ++c) srow[c] = -infinity<T>();
+        for (int c = cols.hi; c < BK; ++c) srow[c] = -infinity<T>();
+      }
+    } else if (t.kind == TileKind::partial || t.k_rows < BK) {
       const impl::RowMask<Mask> allow(mask, qpos(t.q0 + r), t.kind == TileKind::partial);
       for (int c = 0; c < BK; ++c) {
         const bool keep = c < t.k_rows && allow(kpos(t.k0 + c));
