@@ -12,6 +12,7 @@
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -136,14 +137,20 @@ struct ForwardKernel {
     const int q_live = (q_rows + MR - 1) / MR * MR;
     // Q tile (q_live, dp), pre-scaled; the online-softmax state of its rows
     // either fresh (O = 0, m = -inf, l = 0) or resumed from an earlier block.
+    // Rows are read through a pointer and the view's stride (one index
+    // computation per row, not per element; unit stride, the common case,
+    // vectorises).
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live), [&](const int r) {
       const bool row_in = r < q_rows;
       const bool load = resume && row_in;
-      for (int d = 0; d < dp; ++d) {
-        const bool col_in = row_in && d < ext.dim;
-        qs[r * dp + d] = col_in ? q_scale * T(q(b, q0 + r, h, d)) : T(0);
-        os[r * dp + d] = (load && d < ext.dim) ? o_acc(b, q0 + r, h, d) : T(0);
-      }
+      const int n = row_in ? ext.dim : 0;
+      T* const qd = qs + r * dp;
+      T* const od = os + r * dp;
+      if (n > 0) copy_row(qd, &q(b, q0 + r, h, 0), q.stride(3), n, q_scale);
+      for (int d = n; d < dp; ++d) qd[d] = T(0);
+      const int n_o = load ? n : 0;
+      if (n_o > 0) copy_row(od, &o_acc(b, q0 + r, h, 0), o_acc.stride(3), n_o, T(1));
+      for (int d = n_o; d < dp; ++d) od[d] = T(0);
       m[r] = load ? m_state(b, h, q0 + r) : -infinity<T>();
       l[r] = load ? l_state(b, h, q0 + r) : T(0);
     });
@@ -183,7 +190,7 @@ struct ForwardKernel {
     if (!finish) {
       // More blocks follow: keep the unnormalised O in `o` and (m, l) in the state.
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
-        for (int d = 0; d < ext.dim; ++d) o_acc(b, q0 + r, h, d) = os[r * dp + d];
+        store_row(&o_acc(b, q0 + r, h, 0), o_acc.stride(3), os + r * dp, ext.dim, T(1));
         m_state(b, h, q0 + r) = m[r];
         l_state(b, h, q0 + r) = l[r];
       });
@@ -193,9 +200,28 @@ struct ForwardKernel {
     // rows whose allowed logits held a NaN (l = NaN): O and LSE NaN.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
       const T inv_l = SoftmaxRow<T>::inverse_sum(l[r]);
-      for (int d = 0; d < ext.dim; ++d) o(b, q0 + r, h, d) = OS(os[r * dp + d] * inv_l);
+      store_row(&o(b, q0 + r, h, 0), o.stride(3), os + r * dp, ext.dim, inv_l);
       lse(b, h, q0 + r) = SoftmaxRow<T>::lse(m[r], l[r]);
     });
+  }
+
+  /// dst[d] = scale * src[d * stride] for d < n (src in a user view's type).
+  template <class S>
+  KOKKOS_FORCEINLINE_FUNCTION static void copy_row(T* __restrict__ dst, const S* src,
+                                                   std::size_t stride, int n, T scale) {
+    if (stride == 1)
+      for (int d = 0; d < n; ++d) dst[d] = scale * T(src[d]);
+    else
+      for (int d = 0; d < n; ++d) dst[d] = scale * T(src[std::size_t(d) * stride]);
+  }
+  /// dst[d * stride] = S(src[d] * scale) for d < n.
+  template <class S>
+  KOKKOS_FORCEINLINE_FUNCTION static void store_row(S* dst, std::size_t stride,
+                                                    const T* __restrict__ src, int n, T scale) {
+    if (stride == 1)
+      for (int d = 0; d < n; ++d) dst[d] = S(src[d] * scale);
+    else
+      for (int d = 0; d < n; ++d) dst[std::size_t(d) * stride] = S(src[d] * scale);
   }
 
   struct KeyRange {
