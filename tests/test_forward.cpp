@@ -153,10 +153,12 @@ TEST_CASE_TEMPLATE("logits of magnitude 1e4 stay finite and exact", T, float, do
 
 namespace {
 
-/// Runs launch_forward with `tile_rows` query rows per team; O and LSE on the host.
-template <class T, class Mask>
-std::pair<std::vector<T>, std::vector<T>> forward_with_tile_rows(const Shape& s, const Mask& mask,
-                                                                 index_type q_offset, int tile_rows,
+/// Runs launch_forward with position maps qpos, kpos and `tile_rows` query
+/// rows per team; O and LSE on the host.
+template <class T, class Mask, class QPos, class KPos>
+std::pair<std::vector<T>, std::vector<T>> forward_with_positions(const Shape& s, const Mask& mask,
+                                                                 const QPos& qpos, const KPos& kpos,
+                                                                 int tile_rows,
                                                                  std::uint64_t seed) {
   using mem = MemSpace;
   using TS = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
@@ -174,12 +176,11 @@ std::pair<std::vector<T>, std::vector<T>> forward_with_tile_rows(const Shape& s,
   upload(v, vd);
   ExecSpace exec;
   const impl::ForwardExtents e{s.b, s.h, s.hkv, s.nq, s.nk, s.d};
-  const OffsetPositions qpos{q_offset}, kpos{0};
   const T scale = T(1) / std::sqrt(T(s.d));
   impl::with_shape_for<TS>(s.d, [&](auto static_d, auto shape) {
     constexpr int SD = decltype(static_d)::value;
     using S = decltype(shape);
-    using Kernel = impl::ForwardKernel<ExecSpace, T, SD, S, Mask, OffsetPositions, OffsetPositions>;
+    using Kernel = impl::ForwardKernel<ExecSpace, T, SD, S, Mask, QPos, KPos>;
     auto kv = impl::allocate_forward_kv<T, mem, S, SD>(s.b, s.hkv, s.nk, Kernel::pad_dim(s.d));
     impl::pack_kv(exec, kd, vd, kv);
     impl::BlockStep<T, mem> step;
@@ -194,6 +195,27 @@ std::pair<std::vector<T>, std::vector<T>> forward_with_tile_rows(const Shape& s,
   return {std::vector<T>(oh.data(), oh.data() + oh.span()),
           std::vector<T>(lh.data(), lh.data() + lh.span())};
 }
+
+/// The same with offset maps (queries from q_offset, keys from 0).
+template <class T, class Mask>
+std::pair<std::vector<T>, std::vector<T>> forward_with_tile_rows(const Shape& s, const Mask& mask,
+                                                                 index_type q_offset, int tile_rows,
+                                                                 std::uint64_t seed) {
+  return forward_with_positions<T>(s, mask, OffsetPositions{q_offset}, OffsetPositions{0},
+                                   tile_rows, seed);
+}
+
+/// An offset map that counts the reads outside its n rows (a table of
+/// positions ends at its last row: the kernels must not read past it).
+struct CountingPositions {
+  index_type offset = 0;
+  index_type rows = 0;
+  int* outside = nullptr;  // one counter in the execution space's memory
+  KOKKOS_INLINE_FUNCTION index_type operator()(index_type i) const {
+    if (i < 0 || i >= rows) Kokkos::atomic_increment(outside);
+    return offset + i;
+  }
+};
 
 /// Same values (an exact zero of either sign counts as equal), NaN where NaN.
 template <class T>
@@ -232,6 +254,34 @@ TEST_CASE_TEMPLATE("query tiles of any height give the same O and LSE", T, float
         CHECK(count_differences(whole.first, shorter.first) == 0);
         CHECK(count_differences(whole.second, shorter.second) == 0);
       }
+  }
+}
+
+TEST_CASE_TEMPLATE("the forward reads position maps only at its own rows", T, float, double) {
+  // Row counts that leave partial micro tiles and partial key tiles; a mask
+  // with allowed_keys (row ranges) and one without (allowed() per pair). O and
+  // LSE must equal those of plain offset maps, and no position outside the
+  // rows may be read.
+  const Shape shapes[] = {{1, 97, 130, 2, 1, 64}, {2, 7, 61, 1, 1, 40}, {1, 1, 65, 1, 1, 128}};
+  Kokkos::View<int, MemSpace> outside("outside");
+  std::uint64_t seed = 70;
+  for (const Shape& s : shapes) {
+    ++seed;
+    for (int mask_kind = 0; mask_kind < 2; ++mask_kind) {
+      INFO(describe(s), " mask=", mask_kind);
+      Kokkos::deep_copy(outside, 0);
+      const CountingPositions qpos{30, s.nq, outside.data()}, kpos{0, s.nk, outside.data()};
+      auto both = [&](const auto& mask) {
+        return std::make_pair(forward_with_positions<T>(s, mask, qpos, kpos, 0, seed),
+                              forward_with_tile_rows<T>(s, mask, 30, 0, seed));
+      };
+      const auto r = mask_kind == 0 ? both(CausalMask{}) : both(DocumentCausalMask{11});
+      CHECK(count_differences(r.first.first, r.second.first) == 0);
+      CHECK(count_differences(r.first.second, r.second.second) == 0);
+      int reads_outside = -1;
+      Kokkos::deep_copy(reads_outside, outside);
+      CHECK(reads_outside == 0);
+    }
   }
 }
 

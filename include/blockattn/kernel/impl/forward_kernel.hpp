@@ -263,17 +263,21 @@ struct ForwardKernel {
   /// the online-softmax update, leaving P in S.
   KOKKOS_FORCEINLINE_FUNCTION void softmax_tile_row(const Tile& t, int r) const {
     T* const srow = t.ss + r * BK;
+    // Rows past the last query (the rest of its micro tile; their results are
+    // never stored) take the last query's position: the position map is only
+    // read inside the sequence (a table ends there).
+    const int rq = r < t.q_rows ? r : t.q_rows - 1;
     if constexpr (has_allowed_keys<Mask>::value) {
       // The row's keys are one interval: -inf outside its columns.
       if (t.kind == TileKind::partial || t.k_rows < BK) {
         const ColumnRange cols = t.kind == TileKind::partial
-                                     ? allowed_columns(mask, qpos(t.q0 + r), kpos, t.k0, t.k_rows)
+                                     ? allowed_columns(mask, qpos(t.q0 + rq), kpos, t.k0, t.k_rows)
                                      : ColumnRange{0, t.k_rows};
         for (int c = 0; c < cols.lo; ++c) srow[c] = -infinity<T>();
         for (int c = cols.hi; c < BK; ++c) srow[c] = -infinity<T>();
       }
     } else if (t.kind == TileKind::partial || t.k_rows < BK) {
-      const impl::RowMask<Mask> allow(mask, qpos(t.q0 + r), t.kind == TileKind::partial);
+      const impl::RowMask<Mask> allow(mask, qpos(t.q0 + rq), t.kind == TileKind::partial);
       for (int c = 0; c < BK; ++c) {
         const bool keep = c < t.k_rows && allow(kpos(t.k0 + c));
         srow[c] = keep_or_neg_inf(keep, srow[c]);
