@@ -317,10 +317,12 @@ int main(int argc, char** argv) {
       return it == torch.end() ? 0.0 : it->second;
     };
     std::printf(
-        "\nRatios measured in this run (%s, %d thread%s; host ISA %s; sgemm 4096^3 = %.1f "
+        "\nRatios measured in this run (%s, %d thread%s; host ISA %s, fp32 kernels run %s; "
+        "sgemm 4096^3 = %.1f "
         "GFLOP/s; PyTorch: %s; 16-bit types are stored in 16 bits and computed in fp32, "
         "\"/ fp32\" is our rate over our fp32 rate on the same case)\n",
-        Exec::name(), threads, threads == 1 ? "" : "s", blockattn::host_isa_name(), peak,
+        Exec::name(), threads, threads == 1 ? "" : "s", blockattn::host_isa_name(),
+        blockattn::host_isa_name(blockattn::dispatched_host_isa()), peak,
         torch.empty() ? "not run" : "same run, same threads, same dtype");
     std::printf("%-15s %5s %5s %5s %7s %9s %8s %9s %8s %7s %9s %8s\n", "variant", "dtype", "N", "D",
                 "mask", "GFLOP/s", "/sgemm", "/sgemm4k", "c/f", "/ fp32", "torch", "/ torch");

@@ -11,6 +11,7 @@
 #   cmake/blockattn.sh bench [bench args]  build and run the forward/backward benchmark
 #                                          (vs sgemm, and vs PyTorch when torch imports)
 #   cmake/blockattn.sh bench-isa [args]    the same for -march=native and -march=x86-64-v3
+#                                          (its AVX2 kernels; ISAS="..." for other builds)
 #   cmake/blockattn.sh torch               install PyTorch (CPU peer of the bench) into
 #                                          .deps/torch-venv; never needed to build or test
 #   cmake/blockattn.sh bench-ring          KV-ring overlap, bytes and memory benchmarks
@@ -210,9 +211,14 @@ case "$cmd" in
     "$repo/bench/run_forward.sh" "$build/bench/blockattn_bench_forward" "$@"
     ;;
   bench-isa)
-    for a in native x86-64-v3; do
-      echo "##### -march=$a"
-      ARCH=$a BUILD_DIR= "${BASH_SOURCE[0]}" bench "$@"
+    # The x86-64-v3 build runs its AVX2 kernels (BLOCKATTN_HOST_ISA=avx2: it
+    # would dispatch to AVX-512 where the CPU has it). ISAS="native x86-64"
+    # etc. picks other builds; x86-64 alone measures the run-time dispatch.
+    for a in ${ISAS:-native x86-64-v3}; do
+      cap=
+      if [ "$a" = x86-64-v3 ]; then cap=avx2; fi
+      echo "##### -march=$a${cap:+ (BLOCKATTN_HOST_ISA=$cap)}"
+      BLOCKATTN_HOST_ISA=${BLOCKATTN_HOST_ISA:-$cap} ARCH=$a BUILD_DIR= "${BASH_SOURCE[0]}" bench "$@"
     done
     ;;
   torch)

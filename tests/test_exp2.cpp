@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 using blockattn::impl::exp2_nonpositive;
@@ -63,9 +64,9 @@ TEST_CASE("fp32 exp2 keeps NaN of either sign, scalar and in a vectorised loop")
   }
 }
 
-#if defined(BLOCKATTN_SIMD_EXP2)
-// AVX2 and AVX-512 builds: the forward softmax's exponent pass in explicit vectors.
-TEST_CASE("simd_exp2_row: exp2_nonpositive of s - m per element, and the lane sums") {
+#if BLOCKATTN_SIMD_KERNELS
+template <class V>
+void check_simd_exp2_row_of() {
   using blockattn::impl::simd_exp2_row;
   constexpr int lanes = 16, n = 4096;
   const float inf = std::numeric_limits<float>::infinity();
@@ -86,7 +87,7 @@ TEST_CASE("simd_exp2_row: exp2_nonpositive of s - m per element, and the lane su
     for (int j = 0; j < lanes; ++j) part[j] = 0.25f;  // accumulates onto part
     for (int c = 0; c < n; ++c)
       if (!std::isnan(want[c])) want_part[c % lanes] += want[c];
-    simd_exp2_row<lanes>(s.data(), n, m, part);
+    simd_exp2_row<V, lanes>(s.data(), n, m, part);
     // The polynomial runs in FMA steps here; the scalar function may or may
     // not be contracted (-ffp-contract): within 2 ulp of each other.
     int bad = 0;
@@ -118,3 +119,26 @@ TEST_CASE("simd_exp2_row: exp2_nonpositive of s - m per element, and the lane su
   }
 }
 #endif
+
+#if BLOCKATTN_SIMD_KERNELS
+// AVX2 and AVX-512 kernels (the build's, and those it dispatches to at run time
+// where this CPU runs them): the forward softmax's exponent pass in explicit
+// vectors.
+template <blockattn::HostIsa Isa>
+void check_simd_exp2_row() {
+  using namespace blockattn;
+  if constexpr (impl::simd_exp2_rows<Isa, float, 16>()) {
+    if (impl::detect_host_isa() < Isa) return;  // not on this CPU
+    const std::string name = host_isa_name(Isa);
+    MESSAGE(name);
+    impl::HostIsaEntry<Isa>::run([] { check_simd_exp2_row_of<impl::simd_for_t<Isa>>(); });
+  }
+}
+#endif
+
+TEST_CASE("simd_exp2_row: exp2_nonpositive of s - m per element, and the lane sums") {
+#if BLOCKATTN_SIMD_KERNELS
+  check_simd_exp2_row<blockattn::HostIsa::avx2>();
+  check_simd_exp2_row<blockattn::HostIsa::avx512>();
+#endif
+}

@@ -7,6 +7,7 @@
 #include <blockattn/kernel/tile_shape.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -21,7 +22,7 @@ using namespace blockattn;
 /// Tolerance: each element is a sum of kdim (+1) fp32 products, accumulated
 /// in order with FMA: |error| <= (kdim + 2) * eps * sum |terms| (the standard
 /// bound for recursive summation).
-template <int MR, int NR, int KD>
+template <HostIsa Isa, int MR, int NR, int KD>
 void check_tile(int kdim, bool transposed_a, bool scaled, std::uint64_t seed) {
   constexpr int lda_pad = 3, ldb_pad = 5, ldc_pad = 7;  // leading dims wider than the tile
   const int lda = transposed_a ? MR + lda_pad : kdim + lda_pad;
@@ -37,10 +38,14 @@ void check_tile(int kdim, bool transposed_a, bool scaled, std::uint64_t seed) {
   for (float& x : s) x = u(rng);
   const std::vector<float> c0 = c;
   if (transposed_a)
-    impl::micro_gemm_at<MR, NR, KD>(kdim, a.data(), lda, b.data(), ldb, c.data(), ldc);
+    impl::HostIsaEntry<Isa>::run([&] {
+      impl::micro_gemm_at<MR, NR, KD, Isa>(kdim, a.data(), lda, b.data(), ldb, c.data(), ldc);
+    });
   else
-    impl::micro_gemm<MR, NR, KD>(kdim, a.data(), lda, b.data(), ldb, c.data(), ldc,
-                                 scaled ? s.data() : static_cast<const float*>(nullptr));
+    impl::HostIsaEntry<Isa>::run([&] {
+      impl::micro_gemm<MR, NR, KD, Isa>(kdim, a.data(), lda, b.data(), ldb, c.data(), ldc,
+                                        scaled ? s.data() : static_cast<const float*>(nullptr));
+    });
   const double eps = std::ldexp(1.0, -24);
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) {
@@ -66,17 +71,38 @@ void check_tile(int kdim, bool transposed_a, bool scaled, std::uint64_t seed) {
     for (int j = NR; j < ldc; ++j) CHECK(std::memcmp(&c[r * ldc + j], &c0[r * ldc + j], 4) == 0);
 }
 
-/// Every micro tile the forward and backward kernels instantiate for shape S.
+/// Every micro tile the forward and backward kernels instantiate for shape S
+/// (with S's ISA: under run-time dispatch, one above the build's).
 template <class S, int D>
 void check_shape() {
+  constexpr HostIsa I = S::isa;
   constexpr int MR = S::micro_rows, NR = S::micro_cols, BK = S::block_k, BQ = S::block_q;
   constexpr int NRO = D > 0 ? NR : S::dim_granule;
   for (bool scaled : {false, true}) {
-    check_tile<MR, NR, D>(D > 0 ? D : 40, false, scaled, 1);        // S = Q K^T
-    check_tile<MR, NRO, BK>(BK, false, scaled, 2);                  // O = diag(a) O + P V
-    check_tile<MR, NRO, 0>(BK - S::dim_granule, false, scaled, 3);  // partial tile
+    check_tile<I, MR, NR, D>(D > 0 ? D : 40, false, scaled, 1);        // S = Q K^T
+    check_tile<I, MR, NRO, BK>(BK, false, scaled, 2);                  // O = diag(a) O + P V
+    check_tile<I, MR, NRO, 0>(BK - S::dim_granule, false, scaled, 3);  // partial tile
   }
-  check_tile<MR, NRO, BQ>(BQ, true, false, 4);  // backward dV, dK
+  check_tile<I, MR, NRO, BQ>(BQ, true, false, 4);  // backward dV, dK
+}
+
+/// The forward and backward fp32 shapes of host ISA I, when this build has
+/// its kernels and this CPU runs them.
+template <HostIsa I>
+void check_isa_shapes() {
+  if constexpr (impl::host_isa_compiled(I)) {
+    if (impl::detect_host_isa() < I) return;
+    const std::string name = std::string("micro kernels of ") + host_isa_name(I);
+    MESSAGE(name);
+    using F = DefaultTileShape<float, true, 0, I>;
+    static_assert(F::isa == I && impl::simd_tile<I, float, F::micro_rows, F::micro_cols>);
+    check_shape<impl::shape_for_head_dim_t<F, 0>, 0>();
+    check_shape<impl::shape_for_head_dim_t<F, 64>, 64>();
+    check_shape<impl::shape_for_head_dim_t<F, 128>, 128>();
+    using B = BackwardTileShape<float, true, I>;
+    check_shape<B, 0>();
+    check_shape<B, 128>();
+  }
 }
 
 }  // namespace
@@ -107,9 +133,9 @@ TEST_CASE("host ISA: the one the compiler targets") {
 #if BLOCKATTN_SIMD_KERNELS
   using F = DefaultTileShape<float, true>;
   using B = BackwardTileShape<float, true>;
-  CHECK(impl::simd_tile<float, F::micro_rows, F::micro_cols>);
-  CHECK(impl::simd_tile<float, F::micro_rows, F::dim_granule>);
-  CHECK(impl::simd_tile<float, B::micro_rows, B::micro_cols>);
+  CHECK(impl::simd_tile<F::isa, float, F::micro_rows, F::micro_cols>);
+  CHECK(impl::simd_tile<F::isa, float, F::micro_rows, F::dim_granule>);
+  CHECK(impl::simd_tile<B::isa, float, B::micro_rows, B::micro_cols>);
 #endif
   MESSAGE("host ISA: ", host_isa_name());
 }
@@ -123,4 +149,70 @@ TEST_CASE("micro kernels of the default fp32 host tile shapes vs fp64") {
   check_shape<B, 0>();
   check_shape<B, 64>();
   check_shape<B, 128>();
+}
+
+TEST_CASE(
+    "run-time dispatch: the micro kernels of every ISA above the build's that this CPU runs") {
+  check_isa_shapes<HostIsa::avx2>();
+  check_isa_shapes<HostIsa::avx512>();
+}
+
+TEST_CASE("run-time dispatch: which ISA the host kernels run") {
+  using impl::choose_host_isa;
+  const HostIsa build = host_isa();
+  // Without BLOCKATTN_HOST_ISA: the best ISA compiled here that the CPU runs,
+  // never below the build's.
+  const HostIsa best_compiled = impl::host_isa_compiled(HostIsa::avx512) ? HostIsa::avx512
+                                : impl::host_isa_compiled(HostIsa::avx2) ? HostIsa::avx2
+                                                                         : build;
+  CHECK(choose_host_isa(HostIsa::avx512, nullptr) == best_compiled);
+  CHECK(choose_host_isa(HostIsa::avx512, "") == best_compiled);
+  CHECK(choose_host_isa(HostIsa::sse2, nullptr) == build);
+#if BLOCKATTN_HOST_DISPATCH
+  if (build == HostIsa::sse2) {
+    CHECK(choose_host_isa(HostIsa::avx2, nullptr) == HostIsa::avx2);
+    CHECK(choose_host_isa(HostIsa::avx2, "avx512") == HostIsa::avx2);  // the CPU decides
+    CHECK(choose_host_isa(HostIsa::avx512, "avx2") == HostIsa::avx2);  // the cap decides
+    CHECK(choose_host_isa(HostIsa::avx512, "sse2") == HostIsa::sse2);
+  }
+  if (build == HostIsa::avx2) {
+    CHECK(choose_host_isa(HostIsa::avx512, "avx2") == HostIsa::avx2);
+    CHECK(choose_host_isa(HostIsa::avx512, "sse2") == HostIsa::avx2);  // not below the build's
+  }
+#else
+  CHECK(best_compiled == build);
+  CHECK(choose_host_isa(HostIsa::avx512, "avx2") == build);
+#endif
+  // A cap that names no ISA is an error that names the variable and the value.
+  for (const char* bad : {"AVX512", "avx-512", "native"}) {
+    bool threw = false;
+    try {
+      (void)choose_host_isa(HostIsa::avx512, bad);
+    } catch (const blockattn::invalid_argument& e) {
+      threw = true;
+      const std::string what = e.what();
+      CHECK(what.find("BLOCKATTN_HOST_ISA") != std::string::npos);
+      CHECK(what.find(std::string("\"") + bad + "\"") != std::string::npos);
+      CHECK(what.find("avx512, avx2 or sse2") != std::string::npos);
+    }
+    CHECK(threw);
+  }
+  // This process: the CPU's ISA and its environment.
+  const char* cap = std::getenv("BLOCKATTN_HOST_ISA");
+  CHECK(dispatched_host_isa() == choose_host_isa(impl::detect_host_isa(), cap));
+  CHECK(dispatched_host_isa() >= build);
+  // The forward and backward shapes the kernels pick follow it.
+  impl::with_shape_for<DefaultTileShape<float, true>>(
+      64, [&](auto, auto shape) { CHECK(decltype(shape)::isa == dispatched_host_isa()); });
+  impl::with_shape_for<BackwardTileShape<float, true>>(
+      40, [&](auto, auto shape) { CHECK(decltype(shape)::isa == dispatched_host_isa()); });
+  // fp64 stays on the build's ISA.
+  impl::with_shape_for<DefaultTileShape<double, true>>(
+      64, [&](auto, auto shape) { CHECK(decltype(shape)::isa == build); });
+  // ctest names the ISA it expects this run to dispatch to.
+  if (const char* want = std::getenv("BLOCKATTN_EXPECT_DISPATCHED"))
+    CHECK(std::string(host_isa_name(dispatched_host_isa())) == want);
+  const std::string ran = std::string("host kernels run ") + host_isa_name(dispatched_host_isa()) +
+                          " (built for " + host_isa_name(build) + ")";
+  MESSAGE(ran);
 }

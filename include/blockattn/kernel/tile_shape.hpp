@@ -127,22 +127,32 @@ struct HostBackwardTiles<HostIsa::neon, float> : HostTiles<HostIsa::neon, float,
 ///   dim_granule other head dims are padded to a multiple of this and use
 ///               micro tiles this wide for P*V
 ///   tile_gemm   the policy that computes one micro tile (impl::RegisterTileGemm)
-template <class T, bool HostSpace, int HeadDim = 0>
+///   isa         the host ISA whose kernels run it (impl::host_isa: the
+///               compile-time one; others under run-time dispatch, isa.hpp)
+///
+/// `for_isa<I>` is the same shape for host ISA I: with_shape_for switches to
+/// the dispatched ISA's shape (fp32 on the host only; every other shape is its
+/// own for_isa).
+template <class T, bool HostSpace, int HeadDim = 0, HostIsa Isa = impl::host_isa>
 struct DefaultTileShape {
-  using tiles = impl::HostTiles<impl::host_isa, T, HeadDim>;
+  using tiles = impl::HostTiles<Isa, T, HeadDim>;
   static constexpr int block_q = tiles::block_q;
   static constexpr int block_k = tiles::block_k;
   static constexpr int micro_rows = tiles::micro_rows;
   static constexpr int micro_cols = tiles::micro_cols;
   static constexpr int dim_granule = tiles::dim_granule;
-  using tile_gemm = impl::RegisterTileGemm;
+  static constexpr HostIsa isa = Isa;
+  using tile_gemm = impl::RegisterTileGemmFor<Isa>;
   /// The shape used for a given compile-time head dim (0: any other).
   template <int D>
-  using for_head_dim = DefaultTileShape<T, HostSpace, D>;
+  using for_head_dim = DefaultTileShape<T, HostSpace, D, Isa>;
+  template <HostIsa I>
+  using for_isa = std::conditional_t<std::is_same<T, float>::value,
+                                     DefaultTileShape<T, HostSpace, HeadDim, I>, DefaultTileShape>;
 };
 
-template <class T, int HeadDim>
-struct DefaultTileShape<T, false, HeadDim> {
+template <class T, int HeadDim, HostIsa Isa>
+struct DefaultTileShape<T, false, HeadDim, Isa> {
   // GPUs: smaller tiles that fit level-0 scratch, many small micro tiles so
   // that a team has enough threads.
   static constexpr int block_q = 32;
@@ -150,15 +160,18 @@ struct DefaultTileShape<T, false, HeadDim> {
   static constexpr int micro_rows = 2;
   static constexpr int micro_cols = 4;
   static constexpr int dim_granule = 4;
+  static constexpr HostIsa isa = impl::host_isa;
   using tile_gemm = impl::RegisterTileGemm;
   template <int D>
-  using for_head_dim = DefaultTileShape<T, false, D>;
+  using for_head_dim = DefaultTileShape<T, false, D, Isa>;
+  template <HostIsa>
+  using for_isa = DefaultTileShape;
 };
 
 /// Backward tiles: one shape for every head dim.
-template <class T, bool HostSpace>
-struct BackwardTileShape : DefaultTileShape<T, HostSpace, 0> {
-  using tiles = impl::HostBackwardTiles<impl::host_isa, T>;
+template <class T, bool HostSpace, HostIsa Isa = impl::host_isa>
+struct BackwardTileShape : DefaultTileShape<T, HostSpace, 0, Isa> {
+  using tiles = impl::HostBackwardTiles<Isa, T>;
   static constexpr int block_q = tiles::block_q;
   static constexpr int block_k = tiles::block_k;
   static constexpr int micro_rows = tiles::micro_rows;
@@ -166,11 +179,16 @@ struct BackwardTileShape : DefaultTileShape<T, HostSpace, 0> {
   static constexpr int dim_granule = tiles::dim_granule;
   template <int D>
   using for_head_dim = BackwardTileShape;
+  template <HostIsa I>
+  using for_isa = std::conditional_t<std::is_same<T, float>::value,
+                                     BackwardTileShape<T, HostSpace, I>, BackwardTileShape>;
 };
-template <class T>
-struct BackwardTileShape<T, false> : DefaultTileShape<T, false, 0> {
+template <class T, HostIsa Isa>
+struct BackwardTileShape<T, false, Isa> : DefaultTileShape<T, false, 0> {
   template <int D>
   using for_head_dim = BackwardTileShape;
+  template <HostIsa>
+  using for_isa = BackwardTileShape;
 };
 
 namespace impl {
@@ -192,14 +210,58 @@ struct shape_for_head_dim<Shape, D, std::void_t<typename Shape::template for_hea
 template <class Shape, int D>
 using shape_for_head_dim_t = typename shape_for_head_dim<Shape, D>::type;
 
-/// The shape the kernels use for a run-time head dim.
+/// The host ISA of a shape's kernels: its `isa`, else the compile-time one.
+template <class Shape, class = void>
+struct shape_isa {
+  static constexpr HostIsa value = host_isa;
+};
+template <class Shape>
+struct shape_isa<Shape, std::void_t<decltype(Shape::isa)>> {
+  static constexpr HostIsa value = Shape::isa;
+};
+template <class Shape>
+inline constexpr HostIsa shape_isa_v = shape_isa<Shape>::value;
+
+/// Whether a shape follows the run-time ISA: it is of the compile-time ISA
+/// (a shape named for another ISA runs that one), it has for_isa, and its
+/// for_isa of its own ISA is itself (a shape derived from DefaultTileShape with
+/// other members is not replaced by its base).
+template <class Shape, class = void>
+struct is_dispatched_shape : std::false_type {};
+template <class Shape>
+struct is_dispatched_shape<Shape, std::void_t<typename Shape::template for_isa<host_isa>>>
+    : std::bool_constant<shape_isa<Shape>::value == host_isa &&
+                         std::is_same<typename Shape::template for_isa<host_isa>, Shape>::value> {};
+
+/// f(shape) for Shape's variant of the ISA the host kernels dispatch to
+/// (isa.hpp): Shape itself without run-time dispatch, on devices, and for
+/// shapes that do not follow it.
+template <class Shape, class F>
+decltype(auto) with_dispatched_shape(F&& f) {
+#if BLOCKATTN_HOST_DISPATCH
+  if constexpr (is_dispatched_shape<Shape>::value) {
+    using S512 = typename Shape::template for_isa<HostIsa::avx512>;
+    using S256 = typename Shape::template for_isa<HostIsa::avx2>;
+    if constexpr (!std::is_same<S512, Shape>::value && host_isa_compiled(HostIsa::avx512))
+      if (dispatched_host_isa() == HostIsa::avx512) return f(S512{});
+    if constexpr (!std::is_same<S256, Shape>::value && host_isa_compiled(HostIsa::avx2))
+      if (dispatched_host_isa() == HostIsa::avx2) return f(S256{});
+  }
+#endif
+  return f(Shape{});
+}
+
+/// The shape the kernels use for a run-time head dim (and, for shapes that
+/// follow it, the run-time host ISA).
 template <class Shape, class F>
 decltype(auto) with_shape_for(int head_dim, F&& f) {
-  if (head_dim == 64)
-    return f(std::integral_constant<int, 64>{}, shape_for_head_dim_t<Shape, 64>{});
-  if (head_dim == 128)
-    return f(std::integral_constant<int, 128>{}, shape_for_head_dim_t<Shape, 128>{});
-  return f(std::integral_constant<int, 0>{}, shape_for_head_dim_t<Shape, 0>{});
+  return with_dispatched_shape<Shape>([&](auto isa_shape) -> decltype(auto) {
+    using S = decltype(isa_shape);
+    if (head_dim == 64) return f(std::integral_constant<int, 64>{}, shape_for_head_dim_t<S, 64>{});
+    if (head_dim == 128)
+      return f(std::integral_constant<int, 128>{}, shape_for_head_dim_t<S, 128>{});
+    return f(std::integral_constant<int, 0>{}, shape_for_head_dim_t<S, 0>{});
+  });
 }
 
 template <class Shape>

@@ -118,8 +118,12 @@ PackedQueries<T, MemorySpace, S> allocate_packed_queries(int batch, int heads, i
 
 /// Fills `p` from user views q, dout, o (batch, queries, heads, dim) and lse
 /// (batch, heads, queries); computes D = rowsum(dO o O) on the way (in T).
-template <class ExecSpace, class T, class MemorySpace, class S, class QV, class DOV, class OV,
-          class LV>
+/// Isa: the host ISA of the backward kernels that read it. D is computed as
+/// that ISA's build computes it (fused or not), so that a row with one
+/// allowed key, where dP - D is 0 in exact arithmetic, gets dS = 0 exactly
+/// also under run-time dispatch.
+template <HostIsa Isa = host_isa, class ExecSpace, class T, class MemorySpace, class S, class QV,
+          class DOV, class OV, class LV>
 void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV& o, const LV& lse,
                   const PackedQueries<T, MemorySpace, S>& p) {
   const int heads = int(p.q.extent(1)), padded = int(p.q.extent(2)),
@@ -130,24 +134,31 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
   auto l2 = p.lse2;
   auto dr = p.drow;
   const std::int64_t rows = std::int64_t(p.q.extent(0)) * heads * padded;
-  Kokkos::parallel_for(
-      "blockattn::pack_queries",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-      KOKKOS_LAMBDA(const std::int64_t row) {
-        const int i = int(row % padded), h = int((row / padded) % heads),
-                  b = int(row / (std::int64_t(padded) * heads));
-        const bool in = i < queries;
-        T acc = T(0);
-        for (int d = 0; d < dim_padded; ++d) {
-          const bool inside = in && d < dim;
-          const T dov = inside ? T(dout(b, i, h, d)) : T(0);
-          qp(b, h, i, d) = inside ? S(q(b, i, h, d)) : S(T(0));
-          dop(b, h, i, d) = S(dov);
-          if (inside) acc += dov * T(o(b, i, h, d));
-        }
-        l2(b, h, i) = in ? T(lse(b, h, i)) * log2e<T> : -infinity<T>();
-        dr(b, h, i) = acc;
-      });
+  const auto pack_row = KOKKOS_LAMBDA(const std::int64_t row) {
+    const int i = int(row % padded), h = int((row / padded) % heads),
+              b = int(row / (std::int64_t(padded) * heads));
+    const bool in = i < queries;
+    T acc = T(0);
+    for (int d = 0; d < dim_padded; ++d) {
+      const bool inside = in && d < dim;
+      const T dov = inside ? T(dout(b, i, h, d)) : T(0);
+      qp(b, h, i, d) = inside ? S(q(b, i, h, d)) : S(T(0));
+      dop(b, h, i, d) = S(dov);
+      if (inside) acc += dov * T(o(b, i, h, d));
+    }
+    l2(b, h, i) = in ? T(lse(b, h, i)) * log2e<T> : -infinity<T>();
+    dr(b, h, i) = acc;
+  };
+  const Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>> policy(exec, 0, rows);
+#if BLOCKATTN_HOST_DISPATCH
+  if constexpr (host_isa_targeted(Isa)) {
+    Kokkos::parallel_for("blockattn::pack_queries", policy, [=](const std::int64_t row) {
+      HostIsaEntry<Isa>::run([&] { pack_row(row); });
+    });
+    return;
+  }
+#endif
+  Kokkos::parallel_for("blockattn::pack_queries", policy, pack_row);
 }
 
 /// The kernels' packed queries from a travelling copy in storage type S: q
@@ -187,6 +198,7 @@ struct BackwardCommon {
   static constexpr int BQ = Shape::block_q, BK = Shape::block_k, MR = Shape::micro_rows,
                        NR = Shape::micro_cols;
   static constexpr int NRO = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
+  static constexpr HostIsa isa = shape_isa_v<Shape>;
   static_assert(BK % MR == 0,
                 "BlockAttn: backward tile shape: block_k must be a multiple of micro_rows");
 
@@ -226,11 +238,12 @@ struct BackwardCommon {
           const int which = t / ((BQ / MR) * (BK / NR)), u = t % ((BQ / MR) * (BK / NR));
           const int r0 = (u / (BK / NR)) * MR, c0 = (u % (BK / NR)) * NR;
           if (which == 0)
-            micro_gemm<MR, NR, StaticD>(p, qs + r0 * p, p, kt_tile + c0, BK, ss + r0 * BK + c0, BK,
-                                        static_cast<const T*>(nullptr));
+            micro_gemm<MR, NR, StaticD, isa>(p, qs + r0 * p, p, kt_tile + c0, BK, ss + r0 * BK + c0,
+                                             BK, static_cast<const T*>(nullptr));
           else
-            micro_gemm<MR, NR, StaticD>(p, dos + r0 * p, p, vt_tile + c0, BK, dps + r0 * BK + c0,
-                                        BK, static_cast<const T*>(nullptr));
+            micro_gemm<MR, NR, StaticD, isa>(p, dos + r0 * p, p, vt_tile + c0, BK,
+                                             dps + r0 * BK + c0, BK,
+                                             static_cast<const T*>(nullptr));
         });
     team.team_barrier();
     const T s2 = scale * log2e<T>;
@@ -354,6 +367,17 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+#if BLOCKATTN_HOST_DISPATCH
+    if constexpr (host_isa_targeted(Base::isa)) {
+      HostIsaEntry<Base::isa>::run([&] { run(team); });
+      return;
+    }
+#endif
+    run(team);
+  }
+
+  /// One team's work (operator(), inside a function of the shape's ISA).
+  KOKKOS_INLINE_FUNCTION void run(const member_type& team) const {
     const int p = this->dp();
     const int league = team.league_rank();
     const int kb = league % this->k_tiles;
@@ -390,12 +414,14 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
             if (bad.dout)
               Base::select_gemm_at(ss + r0, dos + c0, p, dva + r0 * p + c0, p);
             else
-              micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0, p);
+              micro_gemm_at<MR, NRO, BQ, Base::isa>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0,
+                                                    p);
           } else {
             if (bad.q)
               Base::select_gemm_at(dps + r0, qs + c0, p, dka + r0 * p + c0, p);
             else
-              micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0, p);
+              micro_gemm_at<MR, NRO, BQ, Base::isa>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0,
+                                                    p);
           }
         });
         team.team_barrier();
@@ -431,6 +457,17 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+#if BLOCKATTN_HOST_DISPATCH
+    if constexpr (host_isa_targeted(Base::isa)) {
+      HostIsaEntry<Base::isa>::run([&] { run(team); });
+      return;
+    }
+#endif
+    run(team);
+  }
+
+  /// One team's work (operator(), inside a function of the shape's ISA).
+  KOKKOS_INLINE_FUNCTION void run(const member_type& team) const {
     const int p = this->dp();
     const int league = team.league_rank();
     const int qt = this->q_tiles - 1 - league % this->q_tiles;
@@ -464,8 +501,8 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
         if (bad.k)
           Base::select_gemm(dps + r0 * BK, k_tile + c0, p, dqa + r0 * p + c0, p);
         else
-          micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p, dqa + r0 * p + c0, p,
-                                  ones + r0);
+          micro_gemm<MR, NRO, BK, Base::isa>(BK, dps + r0 * BK, BK, k_tile + c0, p,
+                                             dqa + r0 * p + c0, p, ones + r0);
       });
       team.team_barrier();
     }
@@ -510,6 +547,17 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+#if BLOCKATTN_HOST_DISPATCH
+    if constexpr (host_isa_targeted(Base::isa)) {
+      HostIsaEntry<Base::isa>::run([&] { run(team); });
+      return;
+    }
+#endif
+    run(team);
+  }
+
+  /// One team's work (operator(), inside a function of the shape's ISA).
+  KOKKOS_INLINE_FUNCTION void run(const member_type& team) const {
     const int p = this->dp();
     const int slice = team.league_rank() % slices;
     const int pair = team.league_rank() / slices;
@@ -556,14 +604,14 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
                     if (bad.dout)
                       Base::select_gemm_at(ss + r0, dos + c0, p, dva + r0 * p + c0, p);
                     else
-                      micro_gemm_at<MR, NRO, BQ>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0,
-                                                 p);
+                      micro_gemm_at<MR, NRO, BQ, Base::isa>(BQ, ss + r0, BK, dos + c0, p,
+                                                            dva + r0 * p + c0, p);
                   } else {
                     if (bad.q)
                       Base::select_gemm_at(dps + r0, qs + c0, p, dka + r0 * p + c0, p);
                     else
-                      micro_gemm_at<MR, NRO, BQ>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0,
-                                                 p);
+                      micro_gemm_at<MR, NRO, BQ, Base::isa>(BQ, dps + r0, BK, qs + c0, p,
+                                                            dka + r0 * p + c0, p);
                   }
                 } else {
                   // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
@@ -572,8 +620,8 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
                   if (bad.k)
                     Base::select_gemm(dps + r0 * BK, k_tile + c0, p, dq_tile + r0 * p + c0, p);
                   else
-                    micro_gemm<MR, NRO, BK>(BK, dps + r0 * BK, BK, k_tile + c0, p,
-                                            dq_tile + r0 * p + c0, p, ones + r0);
+                    micro_gemm<MR, NRO, BK, Base::isa>(BK, dps + r0 * BK, BK, k_tile + c0, p,
+                                                       dq_tile + r0 * p + c0, p, ones + r0);
                 }
               });
           team.team_barrier();

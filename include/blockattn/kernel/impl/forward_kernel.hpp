@@ -66,6 +66,7 @@ struct ForwardKernel {
   using v_view = typename PackedKV<T, memory_space>::v_view;
 
   using Gemm = typename Shape::tile_gemm;
+  static constexpr HostIsa isa = shape_isa_v<Shape>;
   static constexpr int BQ = Shape::block_q;
   static constexpr int BK = Shape::block_k;
   static constexpr int MR = Shape::micro_rows;
@@ -114,6 +115,17 @@ struct ForwardKernel {
   KOKKOS_INLINE_FUNCTION int padded_dim() const { return StaticD > 0 ? StaticD : dim_padded; }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+#if BLOCKATTN_HOST_DISPATCH
+    if constexpr (host_isa_targeted(isa)) {
+      HostIsaEntry<isa>::run([&] { run(team); });
+      return;
+    }
+#endif
+    run(team);
+  }
+
+  /// One team's work (operator(), inside a function of the shape's ISA).
+  KOKKOS_INLINE_FUNCTION void run(const member_type& team) const {
     const int dp = padded_dim();
     // Heavier (later) query tiles first: with causal masks they carry more tiles.
     const int league = team.league_rank() + league_begin;
@@ -363,8 +375,8 @@ struct ForwardKernel {
     for (int j = 0; j < lanes; ++j) part[j] = -infinity<T>();
     bool vector_max = false;
 #if BLOCKATTN_SIMD_KERNELS
-    if constexpr (std::is_same<T, float>::value && lanes % SimdVec::width == 0) {
-      simd_lane_max<lanes>(s, BK, part);
+    if constexpr (simd_rows<isa, T, lanes>()) {
+      simd_lane_max<simd_for_t<isa>, lanes>(s, BK, part);
       vector_max = true;
     }
 #endif
@@ -390,9 +402,9 @@ struct ForwardKernel {
     // summing after the exp pass).
     for (int j = 0; j < lanes; ++j) part[j] = T(0);
     bool vector_exp = false;
-#if defined(BLOCKATTN_SIMD_EXP2)
-    if constexpr (std::is_same<T, float>::value && lanes % SimdVec::width == 0) {
-      simd_exp2_row<lanes>(s, BK, m_new, part);
+#if BLOCKATTN_SIMD_KERNELS
+    if constexpr (simd_exp2_rows<isa, T, lanes>()) {
+      simd_exp2_row<simd_for_t<isa>, lanes>(s, BK, m_new, part);
       vector_exp = true;
     }
 #endif

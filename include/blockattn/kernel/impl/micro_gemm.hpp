@@ -12,6 +12,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/impl/micro_gemm_simd.hpp>
+#include <blockattn/kernel/isa.hpp>
 
 #include <cstddef>
 
@@ -22,14 +23,15 @@ namespace blockattn::impl {
 ///
 /// All loops have compile-time trip counts except the reduction (KD == 0 means
 /// "kdim at run time"), so host compilers keep `acc` in vector registers and
-/// device compilers in scalar registers.
-template <int MR, int NR, int KD, class T>
+/// device compilers in scalar registers. Isa picks the host's explicit kernel
+/// (micro_gemm_simd.hpp), where it has one for the tile.
+template <int MR, int NR, int KD, HostIsa Isa = host_isa, class T>
 KOKKOS_FORCEINLINE_FUNCTION void micro_gemm(int kdim, const T* __restrict__ a, int lda,
                                             const T* __restrict__ b, int ldb, T* __restrict__ c,
                                             int ldc, const T* __restrict__ row_scale) {
 #if BLOCKATTN_SIMD_KERNELS
-  if constexpr (simd_tile<T, MR, NR>) {
-    simd_micro_gemm<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc, row_scale);
+  if constexpr (simd_tile<Isa, T, MR, NR>) {
+    simd_micro_gemm<simd_for_t<Isa>, MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc, row_scale);
     return;
   }
 #endif
@@ -58,13 +60,13 @@ KOKKOS_FORCEINLINE_FUNCTION void micro_gemm(int kdim, const T* __restrict__ a, i
 /// with A stored as (kdim x MR, lda): the products P^T dO and dS^T Q of the
 /// backward, where P and dS sit in scratch with queries as rows. Accumulates
 /// into C (beta = 1) unless row_scale is given.
-template <int MR, int NR, int KD, class T>
+template <int MR, int NR, int KD, HostIsa Isa = host_isa, class T>
 KOKKOS_FORCEINLINE_FUNCTION void micro_gemm_at(int kdim, const T* __restrict__ a, int lda,
                                                const T* __restrict__ b, int ldb, T* __restrict__ c,
                                                int ldc) {
 #if BLOCKATTN_SIMD_KERNELS
-  if constexpr (simd_tile<T, MR, NR>) {
-    simd_micro_gemm_at<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc);
+  if constexpr (simd_tile<Isa, T, MR, NR>) {
+    simd_micro_gemm_at<simd_for_t<Isa>, MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc);
     return;
   }
 #endif
@@ -85,17 +87,20 @@ KOKKOS_FORCEINLINE_FUNCTION void micro_gemm_at(int kdim, const T* __restrict__ a
     for (int j = 0; j < NR; ++j) c[r * ldc + j] = acc[r][j];
 }
 
-/// The default tile-product policy: the register micro kernel above. A tile
-/// shape names its policy as `using tile_gemm = ...;` (see tile_shape.hpp);
-/// blockattn/kokkos_kernels_gemm.hpp provides one backed by KokkosBatched.
-struct RegisterTileGemm {
+/// The default tile-product policy: the register micro kernel above, for the
+/// host ISA Isa. A tile shape names its policy as `using tile_gemm = ...;`
+/// (see tile_shape.hpp); blockattn/kokkos_kernels_gemm.hpp provides one
+/// backed by KokkosBatched.
+template <HostIsa Isa = host_isa>
+struct RegisterTileGemmFor {
   static constexpr const char* name() { return "register"; }
   template <int MR, int NR, int KD, class T>
   KOKKOS_FORCEINLINE_FUNCTION static void apply(int kdim, const T* a, int lda, const T* b, int ldb,
                                                 T* c, int ldc, const T* row_scale) {
-    micro_gemm<MR, NR, KD>(kdim, a, lda, b, ldb, c, ldc, row_scale);
+    micro_gemm<MR, NR, KD, Isa>(kdim, a, lda, b, ldb, c, ldc, row_scale);
   }
 };
+using RegisterTileGemm = RegisterTileGemmFor<>;
 
 }  // namespace blockattn::impl
 

@@ -2,10 +2,14 @@
 // Explicit-register host micro kernels, fp32: the tile products of
 // micro_gemm.hpp with the accumulators held as vector values in fully
 // unrolled loops, so that they stay in registers.
-//   AVX-512F (x86-64-v4): 512-bit intrinsics, 32 registers;
-//   AVX2 + FMA (x86-64-v3, no AVX-512): 256-bit intrinsics, 16 registers;
+//   AVX-512F (x86-64-v4): 512-bit intrinsics, 32 registers (SimdVec512);
+//   AVX2 + FMA (x86-64-v3, no AVX-512): 256-bit intrinsics, 16 registers
+//   (SimdVec256);
 //   SSE2 (x86-64 baseline, AVX without AVX2) and AArch64 NEON: 128-bit GNU
-//   vectors (GCC, Clang), 16 / 32 registers.
+//   vectors (GCC, Clang), 16 / 32 registers (SimdVec128).
+// The kernels are templates on the vector class (SimdFor<Isa>): the
+// compile-time ISA's, and under run-time dispatch (isa.hpp) the 256- and
+// 512-bit ones compiled under target attributes.
 //
 // The portable loops of micro_gemm.hpp leave register allocation to the
 // compiler; GCC 12 spills the BLIS-style 6x16 fp32 tile on AVX2 (12
@@ -22,30 +26,46 @@
 #endif
 
 #include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/isa.hpp>
 
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
 
+// Which vector classes this translation unit defines: the compile-time ISA's,
+// and under run-time dispatch (isa.hpp) the 256- and 512-bit ones above it,
+// their operations compiled under target attributes (BLOCKATTN_TARGET_256 /
+// _512, empty where the compile-time ISA has them).
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__)
 #define BLOCKATTN_SIMD_KERNELS 0
-#elif defined(__AVX512F__)
-#define BLOCKATTN_SIMD_KERNELS 1  // AVX-512 intrinsics
+#else
+#if defined(__AVX512F__)
+#define BLOCKATTN_SIMD_512 1  // AVX-512 intrinsics
+#define BLOCKATTN_TARGET_512
+#elif BLOCKATTN_HOST_DISPATCH
 #define BLOCKATTN_SIMD_512 1
-#define BLOCKATTN_SIMD_EXP2 1  // SimdVec::exp2_nonpositive, simd_exp2_row
-#elif defined(__AVX2__) && defined(__FMA__)
-#define BLOCKATTN_SIMD_KERNELS 1  // AVX2 intrinsics
-#define BLOCKATTN_SIMD_EXP2 1
-#elif (defined(__GNUC__) || defined(__clang__)) && \
+#define BLOCKATTN_TARGET_512 BLOCKATTN_TARGET_AVX512
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define BLOCKATTN_SIMD_256 1  // AVX2 intrinsics
+#define BLOCKATTN_TARGET_256
+#elif BLOCKATTN_HOST_DISPATCH && !(defined(__AVX2__) && defined(__FMA__))
+#define BLOCKATTN_SIMD_256 1
+#define BLOCKATTN_TARGET_256 BLOCKATTN_TARGET_AVX2
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && !(defined(__AVX2__) && defined(__FMA__)) && \
     (defined(__SSE2__) || (defined(__aarch64__) && defined(__ARM_NEON)))
-#define BLOCKATTN_SIMD_KERNELS 1  // 128-bit GNU vectors
-#define BLOCKATTN_SIMD_128 1
+#define BLOCKATTN_SIMD_128 1  // 128-bit GNU vectors
+#endif
+#if defined(BLOCKATTN_SIMD_512) || defined(BLOCKATTN_SIMD_256) || defined(BLOCKATTN_SIMD_128)
+#define BLOCKATTN_SIMD_KERNELS 1
 #else
 #define BLOCKATTN_SIMD_KERNELS 0
 #endif
+#endif
 
 #if BLOCKATTN_SIMD_KERNELS
-#if !defined(BLOCKATTN_SIMD_128)
+#if defined(BLOCKATTN_SIMD_512) || defined(BLOCKATTN_SIMD_256)
 #include <immintrin.h>
 #endif
 
@@ -57,35 +77,73 @@
 
 namespace blockattn::impl {
 
+// The operations the kernels below use, on vectors passed by reference: the
+// kernels are templates without target attributes, so under run-time dispatch
+// (isa.hpp) a vector passed by value between them and these targeted
+// functions would use two calling conventions if a call stayed out of line
+// (at -O0, say). By reference, the code is right whatever the compiler
+// inlines; inlined (the kernels run inside a flattened function of the
+// vector's target) nothing of the references remains. The value operations
+// of each class are for functions of its own target only.
+#define BLOCKATTN_SIMD_REFERENCE_OPS(TARGET)                           \
+  TARGET static void set_zero(type& x) {                               \
+    x = zero();                                                        \
+  }                                                                    \
+  TARGET static void load_to(type& x, const float* p) {                \
+    x = load(p);                                                       \
+  }                                                                    \
+  /* x = p[0 .. width), kept in a register (see simd_tile_product) */  \
+  TARGET static void load_pinned(type& x, const float* p) {            \
+    x = in_register(load(p));                                          \
+  }                                                                    \
+  TARGET static void store_from(float* p, const type& x) {             \
+    store(p, x);                                                       \
+  }                                                                    \
+  TARGET static void broadcast_to(type& x, const float* p) {           \
+    x = broadcast(p);                                                  \
+  }                                                                    \
+  TARGET static void mul_to(type& x, const type& a, const type& b) {   \
+    x = mul(a, b);                                                     \
+  }                                                                    \
+  /* acc = a * b + acc */                                              \
+  TARGET static void fma_to(type& acc, const type& a, const type& b) { \
+    acc = fma(a, b, acc);                                              \
+  }                                                                    \
+  /* acc = x > acc ? x : acc */                                        \
+  TARGET static void max_to(type& acc, const type& x) {                \
+    acc = max(x, acc);                                                 \
+  }
+
 #if defined(BLOCKATTN_SIMD_512)
 /// One 512-bit AVX-512 vector of floats and its operations.
-struct SimdVec {
+struct SimdVec512 {
   using type = __m512;
   static constexpr int width = 16, registers = 32;
-  static type zero() { return _mm512_setzero_ps(); }
-  static type load(const float* p) { return _mm512_loadu_ps(p); }
+  static constexpr bool has_exp2 = true;
+  BLOCKATTN_TARGET_512 static type zero() { return _mm512_setzero_ps(); }
+  BLOCKATTN_TARGET_512 static type load(const float* p) { return _mm512_loadu_ps(p); }
   /// x, made opaque to the compiler so that it stays in a register (see
   /// simd_tile_product).
-  static type in_register(type x) {
+  BLOCKATTN_TARGET_512 static type in_register(type x) {
     __asm__("" : "+v"(x));
     return x;
   }
-  static void store(float* p, type x) { _mm512_storeu_ps(p, x); }
-  static type broadcast(const float* p) { return _mm512_set1_ps(*p); }
-  static type mul(type a, type b) { return _mm512_mul_ps(a, b); }
-  static type fma(type a, type b, type c) { return _mm512_fmadd_ps(a, b, c); }
+  BLOCKATTN_TARGET_512 static void store(float* p, type x) { _mm512_storeu_ps(p, x); }
+  BLOCKATTN_TARGET_512 static type broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  BLOCKATTN_TARGET_512 static type mul(type a, type b) { return _mm512_mul_ps(a, b); }
+  BLOCKATTN_TARGET_512 static type fma(type a, type b, type c) { return _mm512_fmadd_ps(a, b, c); }
   /// a > b ? a : b per lane (b when either is NaN), as the scalar expression.
   /// (A compare and a blend rather than _mm512_max_ps, whose GCC 12 header
   /// trips -Wmaybe-uninitialized through _mm512_undefined_ps.)
-  static type max(type a, type b) {
+  BLOCKATTN_TARGET_512 static type max(type a, type b) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
   }
-  static type add(type a, type b) { return _mm512_add_ps(a, b); }
-  static type sub(type a, type b) { return _mm512_sub_ps(a, b); }
+  BLOCKATTN_TARGET_512 static type add(type a, type b) { return _mm512_add_ps(a, b); }
+  BLOCKATTN_TARGET_512 static type sub(type a, type b) { return _mm512_sub_ps(a, b); }
   /// exp2_nonpositive (exp2.hpp) per lane, its arithmetic with the polynomial
   /// in FMA steps. The maskz intrinsics avoid GCC 12's _mm512_undefined_*
   /// (-Wmaybe-uninitialized).
-  static type exp2_nonpositive(type x) {
+  BLOCKATTN_TARGET_512 static type exp2_nonpositive(type x) {
     using C = Exp2fConstants;
     constexpr __mmask16 all = 0xFFFF;
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(C::min_arg), _CMP_NLT_UQ);
@@ -104,29 +162,38 @@ struct SimdVec {
         _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, biased, C::mantissa_bits));
     return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(poly, two_n));
   }
+  BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_512)
+  /// acc = acc + x
+  BLOCKATTN_TARGET_512 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  /// p = exp2_nonpositive(s[0 .. width) - m)
+  BLOCKATTN_TARGET_512 static void exp2_sub_to(type& p, const float* s, const type& m) {
+    p = exp2_nonpositive(sub(load(s), m));
+  }
 };
-#elif !defined(BLOCKATTN_SIMD_128)
+#endif
+#if defined(BLOCKATTN_SIMD_256)
 /// One 256-bit AVX2 vector of floats and its operations.
-struct SimdVec {
+struct SimdVec256 {
   using type = __m256;
   static constexpr int width = 8, registers = 16;
-  static type zero() { return _mm256_setzero_ps(); }
-  static type load(const float* p) { return _mm256_loadu_ps(p); }
-  static type in_register(type x) {  // see the AVX-512 variant
+  static constexpr bool has_exp2 = true;
+  BLOCKATTN_TARGET_256 static type zero() { return _mm256_setzero_ps(); }
+  BLOCKATTN_TARGET_256 static type load(const float* p) { return _mm256_loadu_ps(p); }
+  BLOCKATTN_TARGET_256 static type in_register(type x) {  // see the AVX-512 variant
     __asm__("" : "+v"(x));
     return x;
   }
-  static void store(float* p, type x) { _mm256_storeu_ps(p, x); }
-  static type broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static type mul(type a, type b) { return _mm256_mul_ps(a, b); }
-  static type fma(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
+  BLOCKATTN_TARGET_256 static void store(float* p, type x) { _mm256_storeu_ps(p, x); }
+  BLOCKATTN_TARGET_256 static type broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  BLOCKATTN_TARGET_256 static type mul(type a, type b) { return _mm256_mul_ps(a, b); }
+  BLOCKATTN_TARGET_256 static type fma(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
   /// a > b ? a : b per lane (b when either is NaN), as the scalar expression.
-  static type max(type a, type b) { return _mm256_max_ps(a, b); }
-  static type add(type a, type b) { return _mm256_add_ps(a, b); }
-  static type sub(type a, type b) { return _mm256_sub_ps(a, b); }
+  BLOCKATTN_TARGET_256 static type max(type a, type b) { return _mm256_max_ps(a, b); }
+  BLOCKATTN_TARGET_256 static type add(type a, type b) { return _mm256_add_ps(a, b); }
+  BLOCKATTN_TARGET_256 static type sub(type a, type b) { return _mm256_sub_ps(a, b); }
   /// exp2_nonpositive (exp2.hpp) per lane, its arithmetic with the polynomial
   /// in FMA steps.
-  static type exp2_nonpositive(type x) {
+  BLOCKATTN_TARGET_256 static type exp2_nonpositive(type x) {
     using C = Exp2fConstants;
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(C::min_arg), _CMP_NLT_UQ);
     const __m256 magic = _mm256_set1_ps(C::round_magic);
@@ -143,11 +210,18 @@ struct SimdVec {
     const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(biased, C::mantissa_bits));
     return _mm256_and_ps(_mm256_mul_ps(poly, two_n), keep);
   }
+  BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_256)
+  BLOCKATTN_TARGET_256 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  BLOCKATTN_TARGET_256 static void exp2_sub_to(type& p, const float* s, const type& m) {
+    p = exp2_nonpositive(sub(load(s), m));
+  }
 };
-#else
+#endif
+#if defined(BLOCKATTN_SIMD_128)
 /// One 128-bit vector of floats (SSE2 or NEON register) as a GNU vector.
-struct SimdVec {
+struct SimdVec128 {
   typedef float type __attribute__((vector_size(16)));
+  static constexpr bool has_exp2 = false;
 #if defined(__aarch64__)
   static constexpr int width = 4, registers = 32;
 #else
@@ -181,41 +255,104 @@ struct SimdVec {
   static type max(type a, type b) {
     return a > b ? a : b;
   }
+  BLOCKATTN_SIMD_REFERENCE_OPS()
 };
 #endif
 
-/// Whether an MR x NR tile of T has an explicit kernel: fp32 (fp64 keeps the
-/// portable kernel, see tile_shape.hpp), NR whole vectors, and the
+/// The vector class of a host ISA's kernels here (void: none in this
+/// translation unit).
+template <HostIsa Isa>
+struct SimdFor {
+  using type = void;
+};
+#if defined(BLOCKATTN_SIMD_512)
+template <>
+struct SimdFor<HostIsa::avx512> {
+  using type = SimdVec512;
+};
+#endif
+#if defined(BLOCKATTN_SIMD_256)
+template <>
+struct SimdFor<HostIsa::avx2> {
+  using type = SimdVec256;
+};
+#endif
+#if defined(BLOCKATTN_SIMD_128)
+template <>
+struct SimdFor<host_isa> {
+  using type = SimdVec128;
+};
+#endif
+template <HostIsa Isa>
+using simd_for_t = typename SimdFor<Isa>::type;
+
+template <class V, class T, int MR, int NR>
+constexpr bool simd_tile_fits() {
+  if constexpr (std::is_void<V>::value) {
+    return false;
+  } else {
+    return std::is_same<T, float>::value && (NR % V::width == 0) &&
+           (MR * (NR / V::width) + NR / V::width + 1 <= V::registers);
+  }
+}
+
+/// Whether an MR x NR tile of T has an explicit kernel for Isa: fp32 (fp64
+/// keeps the portable kernel, see tile_shape.hpp), NR whole vectors, and the
 /// accumulators, one B row and the broadcast A value fit in the registers.
-template <class T, int MR, int NR>
-inline constexpr bool simd_tile = std::is_same<T, float>::value && (NR % SimdVec::width == 0) &&
-                                  (MR * (NR / SimdVec::width) + NR / SimdVec::width + 1 <=
-                                   SimdVec::registers);
+template <HostIsa Isa, class T, int MR, int NR>
+inline constexpr bool simd_tile = simd_tile_fits<simd_for_t<Isa>, T, MR, NR>();
+
+/// Whether Isa's row passes (simd_lane_max, and simd_exp2_row where the vector
+/// class has an exp2) run in explicit vectors of `lanes` floats.
+template <HostIsa Isa, class T, int Lanes>
+constexpr bool simd_rows() {
+  using V = simd_for_t<Isa>;
+  if constexpr (std::is_void<V>::value) {
+    return false;
+  } else {
+    return std::is_same<T, float>::value && Lanes % V::width == 0;
+  }
+}
+template <HostIsa Isa, class T, int Lanes>
+constexpr bool simd_exp2_rows() {
+  if constexpr (simd_rows<Isa, T, Lanes>()) {
+    return simd_for_t<Isa>::has_exp2;
+  } else {
+    return false;
+  }
+}
 
 /// The one kernel: C (MR x NR) <- init + A B with A(r, k) = a[r * a_row + k * a_k],
 /// init = C (LoadC), diag(row_scale) C (row_scale), or 0.
-template <int MR, int NR, int KD, bool LoadC>
+template <class V, int MR, int NR, int KD, bool LoadC>
 inline void simd_tile_product(int kdim, const float* __restrict__ a, int a_row, int a_k,
                               const float* __restrict__ b, int ldb, float* __restrict__ c, int ldc,
                               const float* __restrict__ row_scale) {
-  using V = SimdVec;
   constexpr int NV = NR / V::width;
   typename V::type acc[MR][NV];
-  if (LoadC || row_scale != nullptr) {
+  if (LoadC) {
     BLOCKATTN_HOST_UNROLL
     for (int r = 0; r < MR; ++r) {
-      const typename V::type sr = LoadC ? V::zero() : V::broadcast(row_scale + r);
+      BLOCKATTN_HOST_UNROLL
+      for (int j = 0; j < NV; ++j) V::load_to(acc[r][j], c + r * ldc + j * V::width);
+    }
+  } else if (row_scale != nullptr) {
+    BLOCKATTN_HOST_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      typename V::type sr;
+      V::broadcast_to(sr, row_scale + r);
       BLOCKATTN_HOST_UNROLL
       for (int j = 0; j < NV; ++j) {
-        const typename V::type cv = V::load(c + r * ldc + j * V::width);
-        acc[r][j] = LoadC ? cv : V::mul(sr, cv);
+        typename V::type cv;
+        V::load_to(cv, c + r * ldc + j * V::width);
+        V::mul_to(acc[r][j], sr, cv);
       }
     }
   } else {
     BLOCKATTN_HOST_UNROLL
     for (int r = 0; r < MR; ++r) {
       BLOCKATTN_HOST_UNROLL
-      for (int j = 0; j < NV; ++j) acc[r][j] = V::zero();
+      for (int j = 0; j < NV; ++j) V::set_zero(acc[r][j]);
     }
   }
   const int kend = KD > 0 ? KD : kdim;
@@ -230,89 +367,96 @@ inline void simd_tile_product(int kdim, const float* __restrict__ a, int a_row, 
     // memory operands).
     typename V::type bv[NV];
     BLOCKATTN_HOST_UNROLL
-    for (int j = 0; j < NV; ++j) bv[j] = V::in_register(V::load(brow + j * V::width));
+    for (int j = 0; j < NV; ++j) V::load_pinned(bv[j], brow + j * V::width);
     BLOCKATTN_HOST_UNROLL
     for (int r = 0; r < MR; ++r) {
-      const typename V::type ar = V::broadcast(ak + r * a_row);
+      typename V::type ar;
+      V::broadcast_to(ar, ak + r * a_row);
       BLOCKATTN_HOST_UNROLL
-      for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(ar, bv[j], acc[r][j]);
+      for (int j = 0; j < NV; ++j) V::fma_to(acc[r][j], ar, bv[j]);
     }
   }
   BLOCKATTN_HOST_UNROLL
   for (int r = 0; r < MR; ++r) {
     BLOCKATTN_HOST_UNROLL
-    for (int j = 0; j < NV; ++j) V::store(c + r * ldc + j * V::width, acc[r][j]);
+    for (int j = 0; j < NV; ++j) V::store_from(c + r * ldc + j * V::width, acc[r][j]);
   }
 }
 
 /// C (MR x NR) <- [row_scale ? diag(row_scale) C : 0] + A (MR x kdim, lda) B (kdim x NR, ldb).
-template <int MR, int NR, int KD>
+template <class V, int MR, int NR, int KD>
 inline void simd_micro_gemm(int kdim, const float* a, int lda, const float* b, int ldb, float* c,
                             int ldc, const float* row_scale) {
-  simd_tile_product<MR, NR, KD, false>(kdim, a, lda, 1, b, ldb, c, ldc, row_scale);
+  simd_tile_product<V, MR, NR, KD, false>(kdim, a, lda, 1, b, ldb, c, ldc, row_scale);
 }
 
 /// C (MR x NR) += A^T B with A stored (kdim x MR, lda): see micro_gemm_at.
-template <int MR, int NR, int KD>
+template <class V, int MR, int NR, int KD>
 inline void simd_micro_gemm_at(int kdim, const float* a, int lda, const float* b, int ldb, float* c,
                                int ldc) {
-  simd_tile_product<MR, NR, KD, true>(kdim, a, 1, lda, b, ldb, c, ldc, nullptr);
+  simd_tile_product<V, MR, NR, KD, true>(kdim, a, 1, lda, b, ldb, c, ldc, nullptr);
 }
 
 /// part[j] = max(part[j], s[c + j]) over c = 0, Lanes, 2 Lanes, .. < n, each
 /// step `s[c + j] > part[j] ? s[c + j] : part[j]`: the row-max pass of the
 /// forward softmax, which GCC 12 leaves scalar (Lanes scalar max per step).
-template <int Lanes>
+template <class V, int Lanes>
 inline void simd_lane_max(const float* __restrict__ s, int n, float* __restrict__ part) {
-  using V = SimdVec;
   static_assert(Lanes % V::width == 0, "simd_lane_max: Lanes must be whole vectors");
   constexpr int NV = Lanes / V::width;
   typename V::type acc[NV];
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) acc[j] = V::load(part + j * V::width);
+  for (int j = 0; j < NV; ++j) V::load_to(acc[j], part + j * V::width);
   for (int c = 0; c < n; c += Lanes) {
     BLOCKATTN_HOST_UNROLL
-    for (int j = 0; j < NV; ++j) acc[j] = V::max(V::load(s + c + j * V::width), acc[j]);
+    for (int j = 0; j < NV; ++j) {
+      typename V::type x;
+      V::load_to(x, s + c + j * V::width);
+      V::max_to(acc[j], x);
+    }
   }
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) V::store(part + j * V::width, acc[j]);
+  for (int j = 0; j < NV; ++j) V::store_from(part + j * V::width, acc[j]);
 }
 
-#if defined(BLOCKATTN_SIMD_EXP2)
 /// The forward softmax's exponent pass in explicit vectors: for c < n,
 ///   s[c] <- exp2_nonpositive(s[c] - m),  part[c % Lanes] += s[c].
 /// GCC vectorises the scalar loop too, but at 256 bits on Intel AVX-512 CPUs
 /// (-mprefer-vector-width=256), where this pass was its largest loop (+10-12 %
 /// forward on Sapphire Rapids); on AVX2 it runs as fast as GCC's loop and
 /// keeps the pass vectorised whatever the compiler decides.
-template <int Lanes>
+template <class V, int Lanes>
 inline void simd_exp2_row(float* __restrict__ s, int n, float m, float* __restrict__ part) {
-  using V = SimdVec;
   static_assert(Lanes % V::width == 0, "simd_exp2_row: Lanes must be whole vectors");
   constexpr int NV = Lanes / V::width;
-  const typename V::type mv = V::broadcast(&m);
+  typename V::type mv;
+  V::broadcast_to(mv, &m);
   typename V::type acc[NV];
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) acc[j] = V::load(part + j * V::width);
+  for (int j = 0; j < NV; ++j) V::load_to(acc[j], part + j * V::width);
   for (int c = 0; c < n; c += Lanes) {
     BLOCKATTN_HOST_UNROLL
     for (int j = 0; j < NV; ++j) {
-      const typename V::type p = V::exp2_nonpositive(V::sub(V::load(s + c + j * V::width), mv));
-      V::store(s + c + j * V::width, p);
-      acc[j] = V::add(acc[j], p);
+      typename V::type p;
+      V::exp2_sub_to(p, s + c + j * V::width, mv);
+      V::store_from(s + c + j * V::width, p);
+      V::add_to(acc[j], p);
     }
   }
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) V::store(part + j * V::width, acc[j]);
+  for (int j = 0; j < NV; ++j) V::store_from(part + j * V::width, acc[j]);
 }
-#endif
 
 }  // namespace blockattn::impl
 
 #undef BLOCKATTN_HOST_UNROLL
-#undef BLOCKATTN_SIMD_128
-#undef BLOCKATTN_SIMD_512
+#undef BLOCKATTN_SIMD_REFERENCE_OPS
 #endif  // BLOCKATTN_SIMD_KERNELS
+#undef BLOCKATTN_SIMD_128
+#undef BLOCKATTN_SIMD_256
+#undef BLOCKATTN_SIMD_512
+#undef BLOCKATTN_TARGET_256
+#undef BLOCKATTN_TARGET_512
 
 #if defined(__NVCC__)
 #pragma nv_diagnostic pop
