@@ -38,7 +38,13 @@ ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, con
   using T = typename OV::non_const_value_type;
   std::string error;
   ForwardExtents e;
+  // The host fp32 kernels' ISA (run-time dispatch, kernel/isa.hpp): ranks on
+  // different CPUs may pick different ones, whose tile sizes (and so packed
+  // buffers that travel) and last bits differ.
+  std::string kernel_isa = "none (not fp32 on the host)";
   try {
+    if constexpr (is_host_space_v<ExecSpace> && std::is_same<compute_t<T>, float>::value)
+      kernel_isa = host_isa_name(dispatched_host_isa());
     e = validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale, lengths != nullptr);
     if (k.extent(1) != q.extent(1))
       fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ", q.extent(1),
@@ -62,6 +68,10 @@ ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, con
   if (uses_communicate) f.number("options.communicate", opts.communicate ? 1 : 0);
   f.number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
            check_policies_always || opts.check_policies ? 1 : 0);
+  f.text(
+      "host ISA of the fp32 kernels (dispatched_host_isa(); the same BLOCKATTN_HOST_ISA on "
+      "every rank makes them agree)",
+      kernel_isa);
   reach_consensus(comm, name, error, f, e.queries, lengths);
   return e;
 }
