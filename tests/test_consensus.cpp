@@ -572,6 +572,20 @@ TEST_CASE("a table partition: the same table on every rank, built for the call's
     CHECK(error_of([&] { to_local(wrong, ExecSpace(), P, rank, global, c2.q); }).find("to_local") !=
           std::string::npos);
   }
+  {
+    // The permutation helpers name a local extent that does not match: a
+    // head count, and the tokens this rank holds.
+    V4<double> global("g", 1, 8 * P, 2, 8), heads("l", 1, 8, 3, 8), tokens("l", 1, 7, 2, 8);
+    const std::string m1 =
+        error_of([&] { to_local<ContiguousPartition>(ExecSpace(), P, rank, global, heads); });
+    CHECK_MESSAGE(m1.find("to_local") != std::string::npos, m1);
+    CHECK_MESSAGE(m1.find("argument 'local' has extent(2) = 3, expected 2") != std::string::npos,
+                  m1);
+    const std::string m2 =
+        error_of([&] { from_local<ContiguousPartition>(ExecSpace(), P, rank, tokens, global); });
+    CHECK_MESSAGE(m2.find("argument 'local' has extent(1) = 7, expected 8") != std::string::npos,
+                  m2);
+  }
   // The constructor names the first bad entry.
   const auto bad = [](std::vector<std::vector<index_type>> t) {
     return error_of([&] { Table x(t); });

@@ -28,6 +28,8 @@
 #include <blockattn/core/errors.hpp>
 #include <blockattn/policy/positions.hpp>
 
+#include <array>
+#include <cstddef>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -409,6 +411,15 @@ struct PermuteFunctor {
   }
 };
 
+/// A View's extents as an array, read at compile-time indices (a run-time
+/// index loop over extent(d) trips GCC 12's -Warray-bounds inside Kokkos 4's
+/// mdspan extents when nvcc hands GCC its preprocessed host code, where
+/// Kokkos' headers are no longer system headers).
+template <class V, std::size_t... I>
+std::array<std::size_t, sizeof...(I)> extents_of(const V& v, std::index_sequence<I...>) {
+  return {{static_cast<std::size_t>(v.extent(I))...}};
+}
+
 template <bool ToLocal, class Partition, class ExecSpace, class GV, class LV>
 void permute(const char* fn, const Partition& partition, const ExecSpace& exec, int P, int rank,
              const GV& global, const LV& local) {
@@ -420,10 +431,13 @@ void permute(const char* fn, const Partition& partition, const ExecSpace& exec, 
   if (rank < 0 || rank >= P) fail(fn, "rank = ", rank, ", expected 0 <= rank < ", P);
   check_partition_contract(partition, fn, N, P);
   const index_type n_local = local_length(partition, N, P, rank);
-  for (int d = 0; d < int(GV::rank); ++d) {
-    const std::size_t want = d == sd ? std::size_t(n_local) : global.extent(d);
-    if (local.extent(d) != want)
-      fail(fn, "argument 'local' has extent(", d, ") = ", local.extent(d), ", expected ", want,
+  constexpr std::size_t rank_v = std::size_t(GV::rank);
+  const auto global_ext = extents_of(global, std::make_index_sequence<rank_v>());
+  const auto local_ext = extents_of(local, std::make_index_sequence<rank_v>());
+  for (int d = 0; d < int(rank_v); ++d) {
+    const std::size_t want = d == sd ? std::size_t(n_local) : global_ext[d];
+    if (local_ext[d] != want)
+      fail(fn, "argument 'local' has extent(", d, ") = ", local_ext[d], ", expected ", want,
            d == sd ? " (the tokens this rank holds: local_length<Partition>(N, P, rank))"
                    : " (the same extent of 'global')");
   }
