@@ -7,7 +7,9 @@
 #                        [google-benchmark flags]
 # (--dtype: the value types to run, ours and PyTorch's; default fp32,bf16.)
 # Environment: BLOCKATTN_PYTHON  a python with torch (default: .deps/torch-venv's
-#              python if present, else python3); THREADS  thread counts (default "1 nproc").
+#              python if present, else python3); THREADS  thread counts (default "1 nproc");
+#              LENGTHS  sequence lengths, comma-separated, a subset of the bench's
+#              512,1024,2048,4096,16384 (default: all of them; --quick: up to 4096).
 set -euo pipefail
 bin=$1
 shift
@@ -40,6 +42,13 @@ for a in "$@"; do
 done
 lengths=512,1024,2048,4096,16384
 [ $quick = 1 ] && lengths=512,1024,2048,4096
+filter=()
+if [ -n "${LENGTHS:-}" ]; then
+  lengths=$LENGTHS
+  # Ours at those lengths (attention, backward, same-size sgemm) and sgemm 4096^3.
+  alt=${LENGTHS//,/|}
+  filter=("--benchmark_filter=(/N:($alt)/|/M:($alt)/|4096\\^3)")
+fi
 
 for t in ${THREADS:-1 $(nproc)}; do
   echo "=== ${t} thread(s) ==="
@@ -50,5 +59,5 @@ for t in ${THREADS:-1 $(nproc)}; do
       --dtypes "$dtypes" --out "$out"
     torch_arg=(--torch="$out")
   fi
-  OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "$@" "${torch_arg[@]}"
+  OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "${filter[@]}" "$@" "${torch_arg[@]}"
 done

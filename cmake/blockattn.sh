@@ -11,7 +11,8 @@
 #   cmake/blockattn.sh bench [bench args]  build and run the forward/backward benchmark
 #                                          (vs sgemm, and vs PyTorch when torch imports)
 #   cmake/blockattn.sh bench-isa [args]    the same for -march=native and -march=x86-64-v3
-#                                          (its AVX2 kernels; ISAS="..." for other builds)
+#                                          (its AVX2 kernels next to PyTorch's, MKL's, oneDNN's
+#                                          and OpenBLAS's AVX2 kernels; ISAS="..." for others)
 #   cmake/blockattn.sh torch               install PyTorch (CPU peer of the bench) into
 #                                          .deps/torch-venv; never needed to build or test
 #   cmake/blockattn.sh bench-ring          KV-ring overlap, bytes and memory benchmarks
@@ -212,13 +213,26 @@ case "$cmd" in
     ;;
   bench-isa)
     # The x86-64-v3 build runs its AVX2 kernels (BLOCKATTN_HOST_ISA=avx2: it
-    # would dispatch to AVX-512 where the CPU has it). ISAS="native x86-64"
+    # would dispatch to AVX-512 where the CPU has it) next to PyTorch's and
+    # OpenBLAS's AVX2 kernels, so that an AVX-512 machine also measures what
+    # an AVX2-only CPU gets from all three (each variable only where it is
+    # not set already). PyTorch needs three: ATEN_CPU_CAPABILITY for its own
+    # kernels, and MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA for the
+    # matrix products its CPU SDPA calls, which otherwise stay AVX-512 (on a
+    # Sapphire Rapids, ATEN_CPU_CAPABILITY=avx2 alone left its fp32 forward
+    # at 60-100 GFLOP/s on 1 thread; all three: 31-62). ISAS="native x86-64"
     # etc. picks other builds; x86-64 alone measures the run-time dispatch.
     for a in ${ISAS:-native x86-64-v3}; do
-      cap=
-      if [ "$a" = x86-64-v3 ]; then cap=avx2; fi
-      echo "##### -march=$a${cap:+ (BLOCKATTN_HOST_ISA=$cap)}"
-      BLOCKATTN_HOST_ISA=${BLOCKATTN_HOST_ISA:-$cap} ARCH=$a BUILD_DIR= "${BASH_SOURCE[0]}" bench "$@"
+      caps=()  # (an empty ATEN_CPU_CAPABILITY makes PyTorch warn: set only what applies)
+      if [ "$a" = x86-64-v3 ]; then
+        caps=("BLOCKATTN_HOST_ISA=${BLOCKATTN_HOST_ISA:-avx2}"
+              "ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2}"
+              "MKL_ENABLE_INSTRUCTIONS=${MKL_ENABLE_INSTRUCTIONS:-AVX2}"
+              "ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX2}"
+              "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}")
+      fi
+      echo "##### -march=$a${caps[*]:+ (${caps[*]})}"
+      env "${caps[@]}" ARCH="$a" BUILD_DIR= "${BASH_SOURCE[0]}" bench "$@"
     done
     ;;
   torch)
