@@ -420,6 +420,24 @@ std::array<std::size_t, sizeof...(I)> extents_of(const V& v, std::index_sequence
   return {{static_cast<std::size_t>(v.extent(I))...}};
 }
 
+/// The permutations' shape check: `local` has n_local tokens along the
+/// sequence dimension sd and the extents of `global` elsewhere; `holds` names
+/// how the expected token count is computed.
+template <class GV, class LV>
+void check_local_extents(const char* fn, const GV& global, const LV& local, int sd,
+                         index_type n_local, const char* holds) {
+  constexpr std::size_t rank_v = std::size_t(GV::rank);
+  const auto global_ext = extents_of(global, std::make_index_sequence<rank_v>());
+  const auto local_ext = extents_of(local, std::make_index_sequence<rank_v>());
+  for (int d = 0; d < int(rank_v); ++d) {
+    const std::size_t want = d == sd ? std::size_t(n_local) : global_ext[d];
+    if (local_ext[d] != want)
+      fail(fn, "argument 'local' has extent(", d, ") = ", local_ext[d], ", expected ", want,
+           d == sd ? " (the tokens this rank holds: " : " (the same extent of 'global'",
+           d == sd ? holds : "", ")");
+  }
+}
+
 template <bool ToLocal, class Partition, class ExecSpace, class GV, class LV>
 void permute(const char* fn, const Partition& partition, const ExecSpace& exec, int P, int rank,
              const GV& global, const LV& local) {
@@ -431,16 +449,7 @@ void permute(const char* fn, const Partition& partition, const ExecSpace& exec, 
   if (rank < 0 || rank >= P) fail(fn, "rank = ", rank, ", expected 0 <= rank < ", P);
   check_partition_contract(partition, fn, N, P);
   const index_type n_local = local_length(partition, N, P, rank);
-  constexpr std::size_t rank_v = std::size_t(GV::rank);
-  const auto global_ext = extents_of(global, std::make_index_sequence<rank_v>());
-  const auto local_ext = extents_of(local, std::make_index_sequence<rank_v>());
-  for (int d = 0; d < int(rank_v); ++d) {
-    const std::size_t want = d == sd ? std::size_t(n_local) : global_ext[d];
-    if (local_ext[d] != want)
-      fail(fn, "argument 'local' has extent(", d, ") = ", local_ext[d], ", expected ", want,
-           d == sd ? " (the tokens this rank holds: local_length<Partition>(N, P, rank))"
-                   : " (the same extent of 'global')");
-  }
+  check_local_extents(fn, global, local, sd, n_local, "local_length<Partition>(N, P, rank)");
   const auto map = partition.positions(N, P, rank);
   const index_type outer = sd == 0 ? 1 : index_type(global.extent(0));
   if (n_local == 0) return;

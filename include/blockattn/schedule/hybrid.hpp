@@ -124,13 +124,7 @@ void hybrid_permute(const char* fn, const ExecSpace& exec, const HybridGrid& g, 
   const index_type N = static_cast<index_type>(global.extent(sd));
   require_hybrid_layout<Partition>(fn, N, g, rank);
   const index_type n_local = hybrid_length<Partition>(N, g, rank);
-  for (int d = 0; d < int(GV::rank); ++d) {
-    const std::size_t want = d == sd ? std::size_t(n_local) : global.extent(d);
-    if (local.extent(d) != want)
-      fail(fn, "argument 'local' has extent(", d, ") = ", local.extent(d), ", expected ", want,
-           d == sd ? " (the tokens this rank holds: hybrid_length<Partition>(N, grid, rank))"
-                   : " (the same extent of 'global')");
-  }
+  check_local_extents(fn, global, local, sd, n_local, "hybrid_length<Partition>(N, grid, rank)");
   const auto map = hybrid_position_map<Partition>(N, g, rank);
   const index_type outer = sd == 0 ? 1 : index_type(global.extent(0));
   if (n_local == 0) return;
