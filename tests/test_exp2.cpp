@@ -68,55 +68,66 @@ TEST_CASE("fp32 exp2 keeps NaN of either sign, scalar and in a vectorised loop")
 template <class V>
 void check_simd_exp2_row_of() {
   using blockattn::impl::simd_exp2_row;
+  using blockattn::impl::simd_row_max;
   constexpr int lanes = 16, n = 4096;
   const float inf = std::numeric_limits<float>::infinity();
   const float qnan = std::numeric_limits<float>::quiet_NaN();
-  for (const float m : {0.0f, 3.25f, -17.5f}) {
-    std::vector<float> s(n), want(n);
-    for (int c = 0; c < n; ++c)
-      s[c] = m - 130.0f * static_cast<float>(c) / static_cast<float>(n);  // s - m in (-130, 0]
-    s[5] = -inf;
-    s[6] = qnan;
-    s[7] = -qnan;
-    s[8] = m - 126.0f;
-    s[9] = m - 126.0001f;
-    s[10] = m;
-    for (int c = 0; c < n; ++c) want[c] = exp2_nonpositive(s[c] - m);
-    std::vector<double> want_part(lanes, 0.25);
-    float part[lanes];
-    for (int j = 0; j < lanes; ++j) part[j] = 0.25f;  // accumulates onto part
-    for (int c = 0; c < n; ++c)
-      if (!std::isnan(want[c])) want_part[c % lanes] += want[c];
-    simd_exp2_row<V, lanes>(s.data(), n, m, part);
-    // The polynomial runs in FMA steps here; the scalar function may or may
-    // not be contracted (-ffp-contract): within 2 ulp of each other.
-    int bad = 0;
-    for (int c = 0; c < n; ++c) {
-      if (std::isnan(want[c])) {
-        bad += std::isnan(s[c]) ? 0 : 1;
-        continue;
+  for (const bool with_nan : {true, false})
+    for (const float m : {0.0f, 3.25f, -17.5f}) {
+      std::vector<float> s(n), want(n);
+      for (int c = 0; c < n; ++c)
+        s[c] = m - 130.0f * static_cast<float>(c) / static_cast<float>(n);  // s - m in (-130, 0]
+      s[5] = -inf;
+      s[6] = with_nan ? qnan : m - 1.0f;
+      s[7] = with_nan ? -qnan : m - 2.0f;
+      s[8] = m - 126.0f;
+      s[9] = m - 126.0001f;
+      s[10] = m;
+      // The row max skips NaN and starts from its m argument.
+      CHECK(simd_row_max<V, lanes>(s.data(), n, -inf) == m);
+      CHECK(simd_row_max<V, lanes>(s.data(), n, m + 0.5f) == m + 0.5f);
+      s[n - 1] = m + 7.0f;  // the largest in the last vector
+      CHECK(simd_row_max<V, lanes>(s.data(), n, -inf) == m + 7.0f);
+      s[n - 1] = m - 1.0f;
+      std::vector<float> masked(n, -inf);
+      masked[3] = with_nan ? qnan : -inf;
+      CHECK(simd_row_max<V, lanes>(masked.data(), n, -inf) == -inf);
+
+      double want_sum = 0.0;
+      for (int c = 0; c < n; ++c) {
+        want[c] = exp2_nonpositive(s[c] - m);
+        want_sum += std::isnan(want[c]) ? 0.0 : double(want[c]);
       }
-      if (want[c] == 0.0f || c == 10) {
-        bad += s[c] == want[c] ? 0 : 1;  // exact zeros below -126, and 2^0 = 1
-        continue;
+      const float sum = simd_exp2_row<V, lanes>(s.data(), n, m);
+      // The polynomial runs in FMA steps here; the scalar function may or may
+      // not be contracted (-ffp-contract): within 2 ulp of each other.
+      int bad = 0;
+      for (int c = 0; c < n; ++c) {
+        if (std::isnan(want[c])) {
+          bad += std::isnan(s[c]) ? 0 : 1;
+          continue;
+        }
+        if (want[c] == 0.0f || c == 10) {
+          bad += s[c] == want[c] ? 0 : 1;  // exact zeros below -126, and 2^0 = 1
+          continue;
+        }
+        bad += std::abs(s[c] - want[c]) <= 2.5e-7f * want[c] ? 0 : 1;
       }
-      bad += std::abs(s[c] - want[c]) <= 2.5e-7f * want[c] ? 0 : 1;
+      CHECK(bad == 0);
+      CHECK(s[5] == 0.0f);
+      CHECK(s[9] == 0.0f);
+      CHECK(s[10] == 1.0f);
+      if (with_nan) {
+        CHECK(std::isnan(s[6]));
+        CHECK(std::isnan(s[7]));
+        CHECK(std::isnan(sum));  // a NaN logit makes the row sum NaN
+      } else {
+        // n / lanes additions per lane, then log2(lanes) pairwise ones, each
+        // within half an ulp of its partial sum (all terms positive), and the
+        // terms themselves within 2.5e-7 of the fp64 sum's.
+        CHECK(std::abs(double(sum) - want_sum) <= (n / lanes + 4 + 4) * 6e-8 * want_sum);
+      }
     }
-    CHECK(bad == 0);
-    CHECK(s[5] == 0.0f);
-    CHECK(std::isnan(s[6]));
-    CHECK(std::isnan(s[7]));
-    CHECK(s[9] == 0.0f);
-    CHECK(s[10] == 1.0f);
-    // Lanes 6 and 7 saw a NaN; the others sum within n / lanes roundings.
-    for (int j = 0; j < lanes; ++j) {
-      if (j == 6 || j == 7) {
-        CHECK(std::isnan(part[j]));
-        continue;
-      }
-      CHECK(std::abs(part[j] - want_part[j]) <= 1e-7 * want_part[j] * (n / lanes));
-    }
-  }
 }
 #endif
 
@@ -136,7 +147,9 @@ void check_simd_exp2_row() {
 }
 #endif
 
-TEST_CASE("simd_exp2_row: exp2_nonpositive of s - m per element, and the lane sums") {
+TEST_CASE(
+    "simd_exp2_row, simd_row_max: exp2_nonpositive of s - m per element, the row sum and the row "
+    "max") {
 #if BLOCKATTN_SIMD_KERNELS
   check_simd_exp2_row<blockattn::HostIsa::avx2>();
   check_simd_exp2_row<blockattn::HostIsa::avx512>();

@@ -367,24 +367,27 @@ struct ForwardKernel {
   /// A row with no allowed key so far keeps m = -inf, l = 0 and P = 0 (never
   /// computes -inf - -inf). A NaN logit gives p = NaN and l = NaN.
   /// The max and the sum run in `lanes` independent partial results so that
-  /// host compilers vectorise them without reassociating (no -ffast-math).
+  /// host compilers vectorise them without reassociating (no -ffast-math);
+  /// the explicit vector passes add the partial sums pairwise, the scalar
+  /// loop in lane order.
   KOKKOS_FORCEINLINE_FUNCTION static void softmax_row(T* __restrict__ s, T& m, T& l, T& alpha) {
     constexpr int lanes = Shape::dim_granule;
     static_assert(BK % lanes == 0, "BlockAttn: block_k must be a multiple of dim_granule");
-    T part[lanes];
-    for (int j = 0; j < lanes; ++j) part[j] = -infinity<T>();
+    T row_max = m;
     bool vector_max = false;
 #if BLOCKATTN_SIMD_KERNELS
     if constexpr (simd_rows<isa, T, lanes>()) {
-      simd_lane_max<simd_for_t<isa>, lanes>(s, BK, part);
+      row_max = simd_row_max<simd_for_t<isa>, lanes>(s, BK, m);
       vector_max = true;
     }
 #endif
-    if (!vector_max)
+    if (!vector_max) {
+      T part[lanes];
+      for (int j = 0; j < lanes; ++j) part[j] = -infinity<T>();
       for (int c = 0; c < BK; c += lanes)
         for (int j = 0; j < lanes; ++j) part[j] = s[c + j] > part[j] ? s[c + j] : part[j];
-    T row_max = m;
-    for (int j = 0; j < lanes; ++j) row_max = part[j] > row_max ? part[j] : row_max;
+      for (int j = 0; j < lanes; ++j) row_max = part[j] > row_max ? part[j] : row_max;
+    }
     const T m_new = row_max;
     if (m_new == -infinity<T>()) {
       // No finite allowed logit: masked (-inf) or NaN (the max skips NaN).
@@ -400,23 +403,25 @@ struct ForwardKernel {
     }
     // P and its row sum in one pass (0 + p is exactly p: the same sums as
     // summing after the exp pass).
-    for (int j = 0; j < lanes; ++j) part[j] = T(0);
+    T sum = T(0);
     bool vector_exp = false;
 #if BLOCKATTN_SIMD_KERNELS
     if constexpr (simd_exp2_rows<isa, T, lanes>()) {
-      simd_exp2_row<simd_for_t<isa>, lanes>(s, BK, m_new, part);
+      sum = simd_exp2_row<simd_for_t<isa>, lanes>(s, BK, m_new);
       vector_exp = true;
     }
 #endif
-    if (!vector_exp)
+    if (!vector_exp) {
+      T part[lanes];
+      for (int j = 0; j < lanes; ++j) part[j] = T(0);
       for (int c = 0; c < BK; c += lanes)
         for (int j = 0; j < lanes; ++j) {
           const T p = exp2_nonpositive(s[c + j] - m_new);
           s[c + j] = p;
           part[j] += p;
         }
-    T sum = T(0);
-    for (int j = 0; j < lanes; ++j) sum += part[j];
+      for (int j = 0; j < lanes; ++j) sum += part[j];
+    }
     alpha = exp2_nonpositive(m - m_new);
     l = alpha * l + sum;
     m = m_new;

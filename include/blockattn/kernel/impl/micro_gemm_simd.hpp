@@ -132,12 +132,11 @@ struct SimdVec512 {
   BLOCKATTN_TARGET_512 static type broadcast(const float* p) { return _mm512_set1_ps(*p); }
   BLOCKATTN_TARGET_512 static type mul(type a, type b) { return _mm512_mul_ps(a, b); }
   BLOCKATTN_TARGET_512 static type fma(type a, type b, type c) { return _mm512_fmadd_ps(a, b, c); }
-  /// a > b ? a : b per lane (b when either is NaN), as the scalar expression.
-  /// (A compare and a blend rather than _mm512_max_ps, whose GCC 12 header
-  /// trips -Wmaybe-uninitialized through _mm512_undefined_ps.)
-  BLOCKATTN_TARGET_512 static type max(type a, type b) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
-  }
+  /// a > b ? a : b per lane (b when either is NaN), as the scalar expression:
+  /// vmaxps' rule, which GCC keeps (operands never swapped unless
+  /// -ffinite-math-only). The maskz form: _mm512_max_ps's GCC 12 header trips
+  /// -Wmaybe-uninitialized through _mm512_undefined_ps.
+  BLOCKATTN_TARGET_512 static type max(type a, type b) { return _mm512_maskz_max_ps(0xFFFF, a, b); }
   BLOCKATTN_TARGET_512 static type add(type a, type b) { return _mm512_add_ps(a, b); }
   BLOCKATTN_TARGET_512 static type sub(type a, type b) { return _mm512_sub_ps(a, b); }
   /// exp2_nonpositive (exp2.hpp) per lane, its arithmetic with the polynomial
@@ -162,9 +161,32 @@ struct SimdVec512 {
         _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, biased, C::mantissa_bits));
     return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(poly, two_n));
   }
+  /// The largest lane (NaN-free x): halves folded onto each other, 8 lanes,
+  /// 4, 2, 1 (four steps instead of fifteen dependent scalar ones).
+  /// (The maskz intrinsics: see exp2_nonpositive.)
+  BLOCKATTN_TARGET_512 static float reduce_max(type x) {
+    constexpr __mmask16 all = 0xFFFF;
+    const __m512 folded = max(x, _mm512_maskz_shuffle_f32x4(all, x, x, 0x4E));  // halves swapped
+    const __m128 x4 = _mm_max_ps(_mm512_maskz_extractf32x4_ps(0xF, folded, 0),
+                                 _mm512_maskz_extractf32x4_ps(0xF, folded, 1));
+    const __m128 x2 = _mm_max_ps(x4, _mm_movehl_ps(x4, x4));
+    return _mm_cvtss_f32(_mm_max_ss(x2, _mm_movehdup_ps(x2)));
+  }
+  /// The sum of the lanes in the same pairwise order: lane i + lane i + 8,
+  /// then + 4, + 2, + 1.
+  BLOCKATTN_TARGET_512 static float reduce_add(type x) {
+    constexpr __mmask16 all = 0xFFFF;
+    const __m512 folded = add(x, _mm512_maskz_shuffle_f32x4(all, x, x, 0x4E));
+    const __m128 x4 = _mm_add_ps(_mm512_maskz_extractf32x4_ps(0xF, folded, 0),
+                                 _mm512_maskz_extractf32x4_ps(0xF, folded, 1));
+    const __m128 x2 = _mm_add_ps(x4, _mm_movehl_ps(x4, x4));
+    return _mm_cvtss_f32(_mm_add_ss(x2, _mm_movehdup_ps(x2)));
+  }
   BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_512)
   /// acc = acc + x
   BLOCKATTN_TARGET_512 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  BLOCKATTN_TARGET_512 static void reduce_max_to(float& out, const type& x) { out = reduce_max(x); }
+  BLOCKATTN_TARGET_512 static void reduce_add_to(float& out, const type& x) { out = reduce_add(x); }
   /// p = exp2_nonpositive(s[0 .. width) - m)
   BLOCKATTN_TARGET_512 static void exp2_sub_to(type& p, const float* s, const type& m) {
     p = exp2_nonpositive(sub(load(s), m));
@@ -210,8 +232,22 @@ struct SimdVec256 {
     const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(biased, C::mantissa_bits));
     return _mm256_and_ps(_mm256_mul_ps(poly, two_n), keep);
   }
+  /// The largest lane (NaN-free x) and the lane sum, pairwise as the
+  /// AVX-512 variant's last three steps.
+  BLOCKATTN_TARGET_256 static float reduce_max(type x) {
+    const __m128 x4 = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 x2 = _mm_max_ps(x4, _mm_movehl_ps(x4, x4));
+    return _mm_cvtss_f32(_mm_max_ss(x2, _mm_movehdup_ps(x2)));
+  }
+  BLOCKATTN_TARGET_256 static float reduce_add(type x) {
+    const __m128 x4 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 x2 = _mm_add_ps(x4, _mm_movehl_ps(x4, x4));
+    return _mm_cvtss_f32(_mm_add_ss(x2, _mm_movehdup_ps(x2)));
+  }
   BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_256)
   BLOCKATTN_TARGET_256 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  BLOCKATTN_TARGET_256 static void reduce_max_to(float& out, const type& x) { out = reduce_max(x); }
+  BLOCKATTN_TARGET_256 static void reduce_add_to(float& out, const type& x) { out = reduce_add(x); }
   BLOCKATTN_TARGET_256 static void exp2_sub_to(type& p, const float* s, const type& m) {
     p = exp2_nonpositive(sub(load(s), m));
   }
@@ -255,7 +291,15 @@ struct SimdVec128 {
   static type max(type a, type b) {
     return a > b ? a : b;
   }
+  /// The largest lane (NaN-free x), pairwise as the wider variants.
+  static float reduce_max(type x) {
+    const float a = x[0] > x[2] ? x[0] : x[2], b = x[1] > x[3] ? x[1] : x[3];
+    return a > b ? a : b;
+  }
   BLOCKATTN_SIMD_REFERENCE_OPS()
+  static void reduce_max_to(float& out, const type& x) {
+    out = reduce_max(x);
+  }
 };
 #endif
 
@@ -397,16 +441,18 @@ inline void simd_micro_gemm_at(int kdim, const float* a, int lda, const float* b
   simd_tile_product<V, MR, NR, KD, true>(kdim, a, 1, lda, b, ldb, c, ldc, nullptr);
 }
 
-/// part[j] = max(part[j], s[c + j]) over c = 0, Lanes, 2 Lanes, .. < n, each
-/// step `s[c + j] > part[j] ? s[c + j] : part[j]`: the row-max pass of the
-/// forward softmax, which GCC 12 leaves scalar (Lanes scalar max per step).
+/// max(m, max_c s[c]) over c < n, a NaN s[c] skipped (each step
+/// `s[c] > acc ? s[c] : acc`, as the scalar loop; m is never NaN): the row-max
+/// pass of the forward softmax, which GCC 12 leaves scalar. Lanes independent
+/// maxima, then one in-register reduction (reduce_max): the order does not
+/// matter for a maximum of NaN-free values.
 template <class V, int Lanes>
-inline void simd_lane_max(const float* __restrict__ s, int n, float* __restrict__ part) {
-  static_assert(Lanes % V::width == 0, "simd_lane_max: Lanes must be whole vectors");
+inline float simd_row_max(const float* __restrict__ s, int n, float m) {
+  static_assert(Lanes % V::width == 0, "simd_row_max: Lanes must be whole vectors");
   constexpr int NV = Lanes / V::width;
   typename V::type acc[NV];
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) V::load_to(acc[j], part + j * V::width);
+  for (int j = 0; j < NV; ++j) V::broadcast_to(acc[j], &m);
   for (int c = 0; c < n; c += Lanes) {
     BLOCKATTN_HOST_UNROLL
     for (int j = 0; j < NV; ++j) {
@@ -416,24 +462,30 @@ inline void simd_lane_max(const float* __restrict__ s, int n, float* __restrict_
     }
   }
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) V::store_from(part + j * V::width, acc[j]);
+  for (int j = 1; j < NV; ++j) V::max_to(acc[0], acc[j]);
+  float row_max;
+  V::reduce_max_to(row_max, acc[0]);
+  return row_max;
 }
 
 /// The forward softmax's exponent pass in explicit vectors: for c < n,
-///   s[c] <- exp2_nonpositive(s[c] - m),  part[c % Lanes] += s[c].
+///   s[c] <- exp2_nonpositive(s[c] - m),
+/// returning the sum of the new s[c]: Lanes partial sums (element c into
+/// c % Lanes), then added in registers (reduce_add's pairwise order) instead
+/// of one dependent scalar add per lane. NaN when any s[c] is NaN.
 /// GCC vectorises the scalar loop too, but at 256 bits on Intel AVX-512 CPUs
 /// (-mprefer-vector-width=256), where this pass was its largest loop (+10-12 %
 /// forward on Sapphire Rapids); on AVX2 it runs as fast as GCC's loop and
 /// keeps the pass vectorised whatever the compiler decides.
 template <class V, int Lanes>
-inline void simd_exp2_row(float* __restrict__ s, int n, float m, float* __restrict__ part) {
+inline float simd_exp2_row(float* __restrict__ s, int n, float m) {
   static_assert(Lanes % V::width == 0, "simd_exp2_row: Lanes must be whole vectors");
   constexpr int NV = Lanes / V::width;
   typename V::type mv;
   V::broadcast_to(mv, &m);
   typename V::type acc[NV];
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) V::load_to(acc[j], part + j * V::width);
+  for (int j = 0; j < NV; ++j) V::set_zero(acc[j]);
   for (int c = 0; c < n; c += Lanes) {
     BLOCKATTN_HOST_UNROLL
     for (int j = 0; j < NV; ++j) {
@@ -444,7 +496,10 @@ inline void simd_exp2_row(float* __restrict__ s, int n, float m, float* __restri
     }
   }
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) V::store_from(part + j * V::width, acc[j]);
+  for (int j = 1; j < NV; ++j) V::add_to(acc[0], acc[j]);
+  float sum;
+  V::reduce_add_to(sum, acc[0]);
+  return sum;
 }
 
 }  // namespace blockattn::impl
