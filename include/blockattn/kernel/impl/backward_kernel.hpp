@@ -253,6 +253,12 @@ struct BackwardCommon {
       const bool row_live = r < q_rows && lse2[r] != -infinity<T>();
       const T l2 = row_live ? lse2[r] : T(0), d = dr[r];
       if (row_live && kind == TileKind::full && k_rows == BK) {
+#if BLOCKATTN_SIMD_KERNELS
+        if constexpr (simd_exp2_rows<isa, T, BK>()) {
+          simd_p_ds_row<simd_for_t<isa>>(srow, drow_, BK, s2, l2, d);
+          return;
+        }
+#endif
         for (int c = 0; c < BK; ++c) {  // every pair allowed: straight, vectorisable
           const T pv = exp2_nonpositive(srow[c] * s2 - l2);
           srow[c] = pv;

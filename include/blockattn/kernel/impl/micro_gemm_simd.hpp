@@ -185,6 +185,14 @@ struct SimdVec512 {
   BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_512)
   /// acc = acc + x
   BLOCKATTN_TARGET_512 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  /// p = exp2_nonpositive(s[0 .. width) * s2 - l2) (one rounding for the
+  /// product and difference), ds = p * (dp[0 .. width) - d): the backward's
+  /// P and dS of a row (see simd_p_ds_row).
+  BLOCKATTN_TARGET_512 static void p_ds_to(type& p, type& ds, const float* s, const float* dp,
+                                           const type& s2, const type& l2, const type& d) {
+    p = exp2_nonpositive(_mm512_fmsub_ps(load(s), s2, l2));
+    ds = mul(p, sub(load(dp), d));
+  }
   BLOCKATTN_TARGET_512 static void reduce_max_to(float& out, const type& x) { out = reduce_max(x); }
   BLOCKATTN_TARGET_512 static void reduce_add_to(float& out, const type& x) { out = reduce_add(x); }
   /// p = exp2_nonpositive(s[0 .. width) - m)
@@ -246,6 +254,11 @@ struct SimdVec256 {
   }
   BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_256)
   BLOCKATTN_TARGET_256 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  BLOCKATTN_TARGET_256 static void p_ds_to(type& p, type& ds, const float* s, const float* dp,
+                                           const type& s2, const type& l2, const type& d) {
+    p = exp2_nonpositive(_mm256_fmsub_ps(load(s), s2, l2));
+    ds = mul(p, sub(load(dp), d));
+  }
   BLOCKATTN_TARGET_256 static void reduce_max_to(float& out, const type& x) { out = reduce_max(x); }
   BLOCKATTN_TARGET_256 static void reduce_add_to(float& out, const type& x) { out = reduce_add(x); }
   BLOCKATTN_TARGET_256 static void exp2_sub_to(type& p, const float* s, const type& m) {
@@ -500,6 +513,28 @@ inline float simd_exp2_row(float* __restrict__ s, int n, float m) {
   float sum;
   V::reduce_add_to(sum, acc[0]);
   return sum;
+}
+
+/// The backward's P and dS of one query row whose n keys (a multiple of
+/// V::width) are all allowed, in explicit vectors:
+///   s[c] <- p = exp2_nonpositive(s[c] * s2 - l2),  dp[c] <- p * (dp[c] - d).
+/// GCC vectorises the scalar loop (the same arithmetic, the product and
+/// difference contracted into one FMA), but at 256 bits on Intel AVX-512
+/// CPUs (-mprefer-vector-width=256), as it did the forward's exponent pass
+/// (simd_exp2_row).
+template <class V>
+inline void simd_p_ds_row(float* __restrict__ s, float* __restrict__ dp, int n, float s2, float l2,
+                          float d) {
+  typename V::type s2v, l2v, dv;
+  V::broadcast_to(s2v, &s2);
+  V::broadcast_to(l2v, &l2);
+  V::broadcast_to(dv, &d);
+  for (int c = 0; c < n; c += V::width) {
+    typename V::type p, ds;
+    V::p_ds_to(p, ds, s + c, dp + c, s2v, l2v, dv);
+    V::store_from(s + c, p);
+    V::store_from(dp + c, ds);
+  }
 }
 
 }  // namespace blockattn::impl
