@@ -277,7 +277,8 @@ TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradient
           auto keys = impl::allocate_packed_keys<T, MemSpace>(s.b, s.hkv, s.nk, dp, S::block_k);
           impl::pack_keys(ExecSpace{}, k, v, keys);
           auto queries = impl::allocate_packed_queries<T, MemSpace>(s.b, s.h, s.nq, dp, S::block_q);
-          impl::pack_queries<impl::shape_isa_v<S>>(ExecSpace{}, q, dout, o, lse, queries);
+          impl::pack_queries<impl::kernel_isa_v<ExecSpace, S>>(ExecSpace{}, q, dout, o, lse,
+                                                               queries);
           impl::ForwardExtents e{s.b, s.h, s.hkv, s.nq, s.nk, s.d};
           impl::BackwardBlock blk;
           blk.kernels =

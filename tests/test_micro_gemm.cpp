@@ -11,6 +11,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -138,6 +139,30 @@ TEST_CASE("host ISA: the one the compiler targets") {
   CHECK(impl::simd_tile<B::isa, float, B::micro_rows, B::micro_cols>);
 #endif
   MESSAGE("host ISA: ", host_isa_name());
+}
+
+// A device shape's type must not depend on the host ISA: nvcc's device pass
+// sees none (host_isa is generic there) while its host pass sees the
+// compiler's, and a kernel named after a type only the host pass has is
+// launched unregistered (cudaErrorInvalidResourceHandle on the GPU; the cuda
+// build also checks its binaries with tests/check_cuda_kernels.sh). On an x86
+// or Arm host this build's host_isa is not generic, so a shape that defaulted
+// to it would fail here.
+TEST_CASE("device tile shapes name no host ISA; host kernels use the shape's") {
+  CHECK(std::is_same<DefaultTileShape<float, false>,
+                     DefaultTileShape<float, false, 0, HostIsa::generic>>::value);
+  CHECK(std::is_same<DefaultTileShape<double, false>::for_head_dim<128>,
+                     DefaultTileShape<double, false, 128, HostIsa::generic>>::value);
+  CHECK(std::is_same<BackwardTileShape<float, false>,
+                     BackwardTileShape<float, false, HostIsa::generic>>::value);
+  CHECK(DefaultTileShape<float, false>::isa == HostIsa::generic);
+  CHECK(BackwardTileShape<float, false>::isa == HostIsa::generic);
+  CHECK(impl::shape_isa_v<DefaultTileShape<float, false, 64>> == HostIsa::generic);
+  using Host = Kokkos::DefaultHostExecutionSpace;
+  CHECK(std::is_same<DefaultTileShape<float, true>,
+                     DefaultTileShape<float, true, 0, impl::host_isa>>::value);
+  CHECK(impl::kernel_isa_v<Host, DefaultTileShape<float, true>> == impl::host_isa);
+  CHECK(impl::kernel_isa_v<Host, BackwardTileShape<float, true, HostIsa::sse2>> == HostIsa::sse2);
 }
 
 TEST_CASE("micro kernels of the default fp32 host tile shapes vs fp64") {

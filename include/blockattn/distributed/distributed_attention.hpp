@@ -343,7 +343,7 @@ class DistributedAttention {
     for (auto& b : qs)
       b = impl::allocate_packed_queries<T, mem, V>(e.batch, e.heads, most, dp, Shape::block_q);
     qs[0].queries = e.queries;  // ours: the rest of the slot is zero padding
-    impl::pack_queries<impl::shape_isa_v<Shape>>(m_exec, q, dout, o, lse, qs[0]);
+    impl::pack_queries<impl::kernel_isa_v<ExecSpace, Shape>>(m_exec, q, dout, o, lse, qs[0]);
     impl::PackedQueries<T, mem> wide;
     if constexpr (half) {
       wide = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, most, dp, Shape::block_q);

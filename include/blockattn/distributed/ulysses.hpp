@@ -549,7 +549,7 @@ class UlyssesAttention {
       live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();
       impl::pack_keys(m_exec, kf, vf, keys);
-      impl::pack_queries<impl::shape_isa_v<S>>(m_exec, qf, dof, of, lf, rows);
+      impl::pack_queries<impl::kernel_isa_v<ExecSpace, S>>(m_exec, qf, dof, of, lf, rows);
       impl::launch_backward<ExecSpace, C, SD, S>(m_exec, fe, rows, keys, dqf, dkf, dvf, m_mask,
                                                  OffsetPositions{}, OffsetPositions{}, scale,
                                                  impl::BackwardBlock{});

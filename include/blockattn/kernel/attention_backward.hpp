@@ -55,7 +55,7 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
       impl::pack_keys(exec, k, v, keys);
       auto queries = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp,
                                                            S::block_q, &buffers);
-      impl::pack_queries<impl::shape_isa_v<S>>(exec, q, dout, o, lse, queries);
+      impl::pack_queries<impl::kernel_isa_v<ExecSpace, S>>(exec, q, dout, o, lse, queries);
       impl::launch_backward<ExecSpace, T, SD, S>(
           exec, e, queries, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
           OffsetPositions{opts.k_offset}, s, impl::BackwardBlock{}, &buffers);

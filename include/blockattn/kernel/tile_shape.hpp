@@ -111,6 +111,17 @@ struct HostBackwardTiles<HostIsa::neon, float> : HostTiles<HostIsa::neon, float,
   static constexpr int block_k = 96;
 };
 
+/// The host ISA a default shape names for a kind of execution space: the
+/// compile-time one on the host, `generic` on devices. A device shape's type
+/// must be the same in the host and device passes of nvcc / hipcc, and the
+/// device pass sees no host ISA (host_isa is `generic` there): the kernels'
+/// names contain the shape, and the CUDA runtime launches a kernel through the
+/// name its device pass registered (a host pass that instantiates a kernel
+/// under another name launches an unregistered function:
+/// cudaErrorInvalidResourceHandle at the launch).
+template <bool HostSpace>
+inline constexpr HostIsa default_shape_isa = HostSpace ? host_isa : HostIsa::generic;
+
 }  // namespace impl
 
 /// Block sizes of the forward tile kernel, chosen per value type, per kind of
@@ -133,7 +144,8 @@ struct HostBackwardTiles<HostIsa::neon, float> : HostTiles<HostIsa::neon, float,
 /// `for_isa<I>` is the same shape for host ISA I: with_shape_for switches to
 /// the dispatched ISA's shape (fp32 on the host only; every other shape is its
 /// own for_isa).
-template <class T, bool HostSpace, int HeadDim = 0, HostIsa Isa = impl::host_isa>
+template <class T, bool HostSpace, int HeadDim = 0,
+          HostIsa Isa = impl::default_shape_isa<HostSpace>>
 struct DefaultTileShape {
   using tiles = impl::HostTiles<Isa, T, HeadDim>;
   static constexpr int block_q = tiles::block_q;
@@ -160,7 +172,7 @@ struct DefaultTileShape<T, false, HeadDim, Isa> {
   static constexpr int micro_rows = 2;
   static constexpr int micro_cols = 4;
   static constexpr int dim_granule = 4;
-  static constexpr HostIsa isa = impl::host_isa;
+  static constexpr HostIsa isa = HostIsa::generic;  // no host kernels (see default_shape_isa)
   using tile_gemm = impl::RegisterTileGemm;
   template <int D>
   using for_head_dim = DefaultTileShape<T, false, D, Isa>;
@@ -169,7 +181,7 @@ struct DefaultTileShape<T, false, HeadDim, Isa> {
 };
 
 /// Backward tiles: one shape for every head dim.
-template <class T, bool HostSpace, HostIsa Isa = impl::host_isa>
+template <class T, bool HostSpace, HostIsa Isa = impl::default_shape_isa<HostSpace>>
 struct BackwardTileShape : DefaultTileShape<T, HostSpace, 0, Isa> {
   using tiles = impl::HostBackwardTiles<Isa, T>;
   static constexpr int block_q = tiles::block_q;
@@ -221,6 +233,14 @@ struct shape_isa<Shape, std::void_t<decltype(Shape::isa)>> {
 };
 template <class Shape>
 inline constexpr HostIsa shape_isa_v = shape_isa<Shape>::value;
+
+/// The host ISA of the kernels that run Shape on ExecSpace: the shape's on
+/// host spaces, `generic` on devices (whatever a user's device shape says), so
+/// that the functors and the functions that launch kernels name the same
+/// types in a device compiler's host and device passes (default_shape_isa).
+template <class ExecSpace, class Shape>
+inline constexpr HostIsa kernel_isa_v =
+    is_host_space_v<ExecSpace> ? shape_isa_v<Shape> : HostIsa::generic;
 
 /// Whether a shape follows the run-time ISA: it is of the compile-time ISA
 /// (a shape named for another ISA runs that one), it has for_isa, and its

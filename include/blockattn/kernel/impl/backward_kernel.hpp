@@ -121,9 +121,11 @@ PackedQueries<T, MemorySpace, S> allocate_packed_queries(int batch, int heads, i
 /// Isa: the host ISA of the backward kernels that read it. D is computed as
 /// that ISA's build computes it (fused or not), so that a row with one
 /// allowed key, where dP - D is 0 in exact arithmetic, gets dS = 0 exactly
-/// also under run-time dispatch.
-template <HostIsa Isa = host_isa, class ExecSpace, class T, class MemorySpace, class S, class QV,
-          class DOV, class OV, class LV>
+/// also under run-time dispatch. Callers pass kernel_isa_v<ExecSpace, Shape>
+/// (`generic` on devices: this function's kernel is named after Isa, which
+/// must be the same in a device compiler's host and device passes).
+template <HostIsa Isa, class ExecSpace, class T, class MemorySpace, class S, class QV, class DOV,
+          class OV, class LV>
 void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV& o, const LV& lse,
                   const PackedQueries<T, MemorySpace, S>& p) {
   const int heads = int(p.q.extent(1)), padded = int(p.q.extent(2)),
@@ -198,7 +200,7 @@ struct BackwardCommon {
   static constexpr int BQ = Shape::block_q, BK = Shape::block_k, MR = Shape::micro_rows,
                        NR = Shape::micro_cols;
   static constexpr int NRO = StaticD > 0 ? Shape::micro_cols : Shape::dim_granule;
-  static constexpr HostIsa isa = shape_isa_v<Shape>;
+  static constexpr HostIsa isa = kernel_isa_v<ExecSpace, Shape>;
   static_assert(BK % MR == 0,
                 "BlockAttn: backward tile shape: block_k must be a multiple of micro_rows");
 

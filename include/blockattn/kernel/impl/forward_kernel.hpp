@@ -66,7 +66,7 @@ struct ForwardKernel {
   using v_view = typename PackedKV<T, memory_space>::v_view;
 
   using Gemm = typename Shape::tile_gemm;
-  static constexpr HostIsa isa = shape_isa_v<Shape>;
+  static constexpr HostIsa isa = kernel_isa_v<ExecSpace, Shape>;
   static constexpr int BQ = Shape::block_q;
   static constexpr int BK = Shape::block_k;
   static constexpr int MR = Shape::micro_rows;
