@@ -353,3 +353,53 @@ TEST_CASE_TEMPLATE("the buffer cache gives the results of per-call allocation", 
     CHECK(tight[i] == uncached[i]);
   }
 }
+
+TEST_CASE_TEMPLATE(
+    "every backward input and output in LayoutLeft gives bitwise the LayoutRight "
+    "gradients",
+    T, double, float) {
+  // pack_queries and pack_keys read the user's rows through their stride: a
+  // column-major Q, K, V, O, LSE, dO (head-dim stride = batch x seq x heads)
+  // and column-major dQ, dK, dV give bitwise the gradients of row-major ones.
+  // Shapes with query, key and head-dim padding, and GQA.
+  using VR = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
+  using VL = Kokkos::View<T****, Kokkos::LayoutLeft, MemSpace>;
+  using LR = Kokkos::View<T***, Kokkos::LayoutRight, MemSpace>;
+  using LL = Kokkos::View<T***, Kokkos::LayoutLeft, MemSpace>;
+  for (const Shape4& s : {Shape4{2, 70, 45, 4, 2, 40}, Shape4{1, 97, 130, 2, 1, 128}}) {
+    std::mt19937_64 rng(23);
+    HostTensor hq = random_tensor(s.b, s.nq, s.h, s.d, rng);
+    HostTensor hk = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+    HostTensor hv = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+    HostTensor hdo = random_tensor(s.b, s.nq, s.h, s.d, rng);
+    VR q("q", s.b, s.nq, s.h, s.d), k("k", s.b, s.nk, s.hkv, s.d), v("v", s.b, s.nk, s.hkv, s.d),
+        o("o", s.b, s.nq, s.h, s.d), dout("do", s.b, s.nq, s.h, s.d), dq("dq", s.b, s.nq, s.h, s.d),
+        dk("dk", s.b, s.nk, s.hkv, s.d), dv("dv", s.b, s.nk, s.hkv, s.d);
+    VL ql("ql", s.b, s.nq, s.h, s.d), kl("kl", s.b, s.nk, s.hkv, s.d),
+        vl("vl", s.b, s.nk, s.hkv, s.d), ol("ol", s.b, s.nq, s.h, s.d),
+        doutl("dol", s.b, s.nq, s.h, s.d), dql("dql", s.b, s.nq, s.h, s.d),
+        dkl("dkl", s.b, s.nk, s.hkv, s.d), dvl("dvl", s.b, s.nk, s.hkv, s.d);
+    LR lse("lse", s.b, s.h, s.nq);
+    LL lsel("lsel", s.b, s.h, s.nq);
+    upload(hq, q);
+    upload(hk, k);
+    upload(hv, v);
+    upload(hdo, dout);
+    upload(hq, ql);
+    upload(hk, kl);
+    upload(hv, vl);
+    upload(hdo, doutl);
+    attention_forward(ExecSpace{}, q, k, v, o, lse, CausalMask{});
+    Kokkos::deep_copy(ol, o);
+    Kokkos::deep_copy(lsel, lse);
+    attention_backward(ExecSpace{}, q, k, v, o, lse, dout, dq, dk, dv, CausalMask{});
+    attention_backward(ExecSpace{}, ql, kl, vl, ol, lsel, doutl, dql, dkl, dvl, CausalMask{});
+    Kokkos::fence();
+    INFO("B=", s.b, " Nq=", s.nq, " Nk=", s.nk, " H=", s.h, "/", s.hkv, " D=", s.d);
+    const HostTensor right = download(dq);
+    CHECK(right.data == download(dql).data);
+    CHECK(download(dk).data == download(dkl).data);
+    CHECK(download(dv).data == download(dvl).data);
+    CHECK(right.data != std::vector<double>(right.data.size(), 0.0));
+  }
+}

@@ -68,18 +68,36 @@ void pack_keys(const ExecSpace& exec, const KView& k, const VView& v,
   auto vt = p.vt;
   auto kr = p.k;
   const std::int64_t rows = std::int64_t(p.k.extent(0)) * heads * keys_padded;
+  // One key row per iteration through pointers (no view index per element):
+  // the source rows through their stride (any layout of k and v), the row of
+  // K contiguous, the columns of the K^T and V^T panels `block_k` apart.
+  const std::ptrdiff_t ks = static_cast<std::ptrdiff_t>(k.stride(3));
+  const std::ptrdiff_t vs = static_cast<std::ptrdiff_t>(v.stride(3));
+  const std::ptrdiff_t ps = static_cast<std::ptrdiff_t>(p.kt.stride(3));
   Kokkos::parallel_for(
       "blockattn::pack_keys",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
       KOKKOS_LAMBDA(const std::int64_t row) {
         const int n = int(row % keys_padded), h = int((row / keys_padded) % heads),
                   b = int(row / (std::int64_t(keys_padded) * heads));
-        for (int d = 0; d < dim_padded; ++d) {
-          const bool inside = n < keys && d < dim;
-          const T kv = inside ? T(k(b, n, h, d)) : T(0);
-          kt(b, h, n / block_k, d, n % block_k) = kv;
-          kr(b, h, n, d) = kv;
-          vt(b, h, n / block_k, d, n % block_k) = inside ? T(v(b, n, h, d)) : T(0);
+        T* const kt_col = &kt(b, h, n / block_k, 0, n % block_k);
+        T* const vt_col = &vt(b, h, n / block_k, 0, n % block_k);
+        T* const k_row = &kr(b, h, n, 0);
+        const int live = n < keys ? dim : 0;  // padding rows: all zero
+        if (live > 0) {
+          const auto* const krow = &k(b, n, h, 0);
+          const auto* const vrow = &v(b, n, h, 0);
+          for (int d = 0; d < live; ++d) {
+            const T kv = T(krow[d * ks]);
+            kt_col[d * ps] = kv;
+            k_row[d] = kv;
+            vt_col[d * ps] = T(vrow[d * vs]);
+          }
+        }
+        for (int d = live; d < dim_padded; ++d) {
+          kt_col[d * ps] = T(0);
+          k_row[d] = T(0);
+          vt_col[d * ps] = T(0);
         }
       });
 }
@@ -136,17 +154,34 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
   auto l2 = p.lse2;
   auto dr = p.drow;
   const std::int64_t rows = std::int64_t(p.q.extent(0)) * heads * padded;
+  // One query row per iteration through pointers (no view index per
+  // element): the source rows through their stride (any layout), the packed
+  // rows contiguous. D sums d = 0, 1, ... in order, one product at a time.
+  const std::ptrdiff_t qs = static_cast<std::ptrdiff_t>(q.stride(3));
+  const std::ptrdiff_t ds = static_cast<std::ptrdiff_t>(dout.stride(3));
+  const std::ptrdiff_t os = static_cast<std::ptrdiff_t>(o.stride(3));
   const auto pack_row = KOKKOS_LAMBDA(const std::int64_t row) {
     const int i = int(row % padded), h = int((row / padded) % heads),
               b = int(row / (std::int64_t(padded) * heads));
     const bool in = i < queries;
+    S* const q_row = &qp(b, h, i, 0);
+    S* const do_row = &dop(b, h, i, 0);
+    const int live = in ? dim : 0;  // padding rows: all zero
     T acc = T(0);
-    for (int d = 0; d < dim_padded; ++d) {
-      const bool inside = in && d < dim;
-      const T dov = inside ? T(dout(b, i, h, d)) : T(0);
-      qp(b, h, i, d) = inside ? S(q(b, i, h, d)) : S(T(0));
-      dop(b, h, i, d) = S(dov);
-      if (inside) acc += dov * T(o(b, i, h, d));
+    if (live > 0) {
+      const auto* const qrow = &q(b, i, h, 0);
+      const auto* const dorow = &dout(b, i, h, 0);
+      const auto* const orow = &o(b, i, h, 0);
+      for (int d = 0; d < live; ++d) {
+        const T dov = T(dorow[d * ds]);
+        q_row[d] = S(qrow[d * qs]);
+        do_row[d] = S(dov);
+        acc += dov * T(orow[d * os]);
+      }
+    }
+    for (int d = live; d < dim_padded; ++d) {
+      q_row[d] = S(T(0));
+      do_row[d] = S(T(0));
     }
     l2(b, h, i) = in ? T(lse(b, h, i)) * log2e<T> : -infinity<T>();
     dr(b, h, i) = acc;
