@@ -6,6 +6,8 @@
 #include <blockattn/kernel/impl/micro_gemm_simd.hpp>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -130,6 +132,78 @@ void check_simd_exp2_row_of() {
     }
 }
 #endif
+
+#if BLOCKATTN_SIMD_KERNELS
+/// exp2_nonpositive's arithmetic with every polynomial step one fused
+/// multiply-add (std::fma: one rounding, as vfmadd) and 2^n applied by one
+/// rounded multiply: what every vector exp2 must return, bit for bit (the
+/// AVX2 one builds 2^n in the exponent field, the AVX-512 one scales by
+/// vscalefps).
+float exp2_fma_form(float x) {
+  using C = blockattn::impl::Exp2fConstants;
+  if (x < C::min_arg) return 0.0f;
+  const float magic = C::round_magic;
+  const float n = (x + magic) - magic;
+  const float f = x - n;
+  float poly = std::fma(f, C::c6, C::c5);
+  poly = std::fma(f, poly, C::c4);
+  poly = std::fma(f, poly, C::c3);
+  poly = std::fma(f, poly, C::c2);
+  poly = std::fma(f, poly, C::c1);
+  poly = std::fma(f, poly, 1.0f);
+  return poly * std::ldexp(1.0f, static_cast<int>(n));
+}
+
+template <class V>
+void check_simd_exp2_bitwise_of() {
+  // Every 997th float in [-127, -0] and [+0, 127), and the edges.
+  std::vector<float> x;
+  auto from_bits = [](std::uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  };
+  for (std::uint32_t u = 0x80000000u; u <= 0xC2FE0000u; u += 997) x.push_back(from_bits(u));
+  for (std::uint32_t u = 0x00000000u; u < 0x42FE0000u; u += 997) x.push_back(from_bits(u));
+  for (const float e :
+       {-126.0f, -126.00001f, -125.99999f, -125.5f, -126.5f, -149.5f, -0.5f, 0.5f, -1.0e30f,
+        -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()})
+    x.push_back(e);
+  while (x.size() % 16 != 0) x.push_back(0.0f);
+  // The softmax's exponent pass with row max 0: exp2 of s - 0 = s.
+  std::vector<float> got = x;
+  blockattn::impl::simd_exp2_row<V, 16>(got.data(), static_cast<int>(got.size()), 0.0f);
+  int differ = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float want = exp2_fma_form(x[i]);
+    if (std::isnan(want)) {
+      differ += std::isnan(got[i]) ? 0 : 1;
+    } else if (std::memcmp(&want, &got[i], sizeof want) != 0) {
+      if (differ < 5) MESSAGE("x = ", x[i], ": got ", got[i], ", want ", want);
+      ++differ;
+    }
+  }
+  CHECK(x.size() > 2000000);
+  CHECK(differ == 0);
+}
+
+template <blockattn::HostIsa Isa>
+void check_simd_exp2_bitwise() {
+  using namespace blockattn;
+  if constexpr (impl::simd_exp2_rows<Isa, float, 16>()) {
+    if (impl::detect_host_isa() < Isa) return;  // not on this CPU
+    MESSAGE(std::string(host_isa_name(Isa)));
+    impl::HostIsaEntry<Isa>::run([] { check_simd_exp2_bitwise_of<impl::simd_for_t<Isa>>(); });
+  }
+}
+#endif
+
+TEST_CASE("vector exp2 (AVX2, AVX-512): bitwise exp2_nonpositive's arithmetic in FMA steps") {
+#if BLOCKATTN_SIMD_KERNELS
+  check_simd_exp2_bitwise<blockattn::HostIsa::avx2>();
+  check_simd_exp2_bitwise<blockattn::HostIsa::avx512>();
+#endif
+}
 
 #if BLOCKATTN_SIMD_KERNELS
 // AVX2 and AVX-512 kernels (the build's, and those it dispatches to at run time

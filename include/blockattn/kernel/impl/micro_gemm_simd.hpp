@@ -140,26 +140,27 @@ struct SimdVec512 {
   BLOCKATTN_TARGET_512 static type add(type a, type b) { return _mm512_add_ps(a, b); }
   BLOCKATTN_TARGET_512 static type sub(type a, type b) { return _mm512_sub_ps(a, b); }
   /// exp2_nonpositive (exp2.hpp) per lane, its arithmetic with the polynomial
-  /// in FMA steps. The maskz intrinsics avoid GCC 12's _mm512_undefined_*
-  /// (-Wmaybe-uninitialized).
+  /// in FMA steps, and bitwise its result: n = round(x) as the float
+  /// (x + 1.5 * 2^23) - 1.5 * 2^23 (exact for |x| < 2^22), f = x - n, and
+  /// 2^n applied by vscalefps (poly * 2^n rounded once, as the scalar
+  /// poly * two_n with two_n = 2^n normal for n >= -126) instead of building
+  /// 2^n in the exponent field: 11 vector operations instead of 15. The
+  /// zero-masking keeps exp2_nonpositive's rule (0 below -126 and for -inf,
+  /// where f is NaN; NaN for a NaN x). The maskz intrinsics avoid GCC 12's
+  /// _mm512_undefined_* (-Wmaybe-uninitialized).
   BLOCKATTN_TARGET_512 static type exp2_nonpositive(type x) {
     using C = Exp2fConstants;
-    constexpr __mmask16 all = 0xFFFF;
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(C::min_arg), _CMP_NLT_UQ);
     const __m512 magic = _mm512_set1_ps(C::round_magic);
-    const __m512i n_bits =
-        _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(x, magic)), _mm512_castps_si512(magic));
-    const __m512 f = _mm512_sub_ps(x, _mm512_maskz_cvtepi32_ps(all, n_bits));
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
+    const __m512 f = _mm512_sub_ps(x, n);
     __m512 poly = _mm512_fmadd_ps(f, _mm512_set1_ps(C::c6), _mm512_set1_ps(C::c5));
     poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c4));
     poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c3));
     poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c2));
     poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c1));
     poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(1.0f));
-    const __m512i biased = _mm512_add_epi32(n_bits, _mm512_set1_epi32(C::exponent_bias));
-    const __m512 two_n =
-        _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, biased, C::mantissa_bits));
-    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(poly, two_n));
+    return _mm512_maskz_scalef_ps(keep, poly, n);
   }
   /// The largest lane (NaN-free x): halves folded onto each other, 8 lanes,
   /// 4, 2, 1 (four steps instead of fifteen dependent scalar ones).
