@@ -5,7 +5,10 @@
 #include <blockattn/blockattn.hpp>
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -339,4 +342,87 @@ TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight"
   const ErrorReport err = compare(ref, o2, l2);
   CHECK(err.o_err <= tolerance<T>(ref, s.d, s.nk));
   CHECK(err.lse_err <= tolerance<T>(ref, s.d, s.nk));
+}
+
+TEST_CASE_TEMPLATE("pack_kv writes bitwise the block of the one-key-per-thread pack", T, float,
+                   double) {
+  // On host spaces pack_kv packs groups of 16 or 8 keys of a panel (K^T rows
+  // written G keys at a time); pack_kv_rows is the device path (one key per
+  // thread). Both buffers start as NaN, so a padding element (keys past the
+  // end, head-dim columns past dim) one of them leaves unwritten shows up.
+  // Panels of 64 / 32 / 16 keys take groups of 16, 24 and 8 groups of 8, 12
+  // the row path; 150 keys end inside a group and inside a tile; sources
+  // in LayoutRight and LayoutLeft.
+  using VR = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
+  using VL = Kokkos::View<T****, Kokkos::LayoutLeft, MemSpace>;
+  const int b = 2, nk = 150, hkv = 3, d = 40, dim_padded = 48;
+  std::mt19937_64 rng(11);
+  HostTensor k = random_tensor(b, nk, hkv, d, rng);
+  HostTensor v = random_tensor(b, nk, hkv, d, rng);
+  VR kr("k", b, nk, hkv, d), vr("v", b, nk, hkv, d);
+  VL kl("kl", b, nk, hkv, d), vl("vl", b, nk, hkv, d);
+  upload(k, kr);
+  upload(v, vr);
+  upload(k, kl);
+  upload(v, vl);
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  // (The packed views are contiguous, LayoutRight.)
+  auto host = [](const auto& view) {
+    return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
+  };
+  auto bits = [&](const auto& view) {
+    auto h = host(view);
+    std::vector<unsigned char> out(h.span() * sizeof(T));
+    std::memcpy(out.data(), h.data(), out.size());
+    return out;
+  };
+  struct Blocking {
+    int block_k, panel, v_panel;
+  };
+  for (const Blocking& bl : {Blocking{128, 64, 16}, Blocking{192, 64, 48}, Blocking{64, 32, 16},
+                             Blocking{96, 24, 8}, Blocking{48, 16, 48}, Blocking{96, 12, 16}})
+    for (const bool left : {false, true}) {
+      INFO("block_k=", bl.block_k, " panel=", bl.panel, " v_panel=", bl.v_panel,
+           " layout=", std::string(left ? "left" : "right"));
+      auto grouped = impl::allocate_packed_kv<T, MemSpace>(b, hkv, nk, dim_padded, bl.block_k,
+                                                           bl.panel, bl.v_panel);
+      auto rows = impl::allocate_packed_kv<T, MemSpace>(b, hkv, nk, dim_padded, bl.block_k,
+                                                        bl.panel, bl.v_panel);
+      for (auto* p : {&grouped, &rows}) {
+        Kokkos::deep_copy(p->kt, nan);
+        Kokkos::deep_copy(p->v, nan);
+      }
+      if (left) {
+        impl::pack_kv(ExecSpace{}, kl, vl, grouped);
+        impl::pack_kv_rows(ExecSpace{}, kl, vl, rows);
+      } else {
+        impl::pack_kv(ExecSpace{}, kr, vr, grouped);
+        impl::pack_kv_rows(ExecSpace{}, kr, vr, rows);
+      }
+      Kokkos::fence();
+      const auto kt_rows = bits(rows.kt), v_rows = bits(rows.v);
+      CHECK(bits(grouped.kt) == kt_rows);
+      CHECK(bits(grouped.v) == v_rows);
+      // The row path itself: no element left unwritten (NaN), and K^T element
+      // (d, c) / V row c of the last tile (partial: padding keys) where
+      // kt_tile_offset and v_tile_offset put them.
+      auto kth = host(rows.kt);
+      auto vh = host(rows.v);
+      int unwritten = 0, misplaced = 0;
+      for (std::size_t i = 0; i < kth.span(); ++i) unwritten += kth.data()[i] != kth.data()[i];
+      for (std::size_t i = 0; i < vh.span(); ++i) unwritten += vh.data()[i] != vh.data()[i];
+      const int last = (nk - 1) / bl.block_k;
+      const T* kt_tile = &kth(1, 2, last, 0, 0);
+      const T* v_tile = &vh(1, 2, last * bl.block_k, 0);
+      for (int c = 0; c < bl.block_k; ++c)
+        for (int dd = 0; dd < dim_padded; ++dd) {
+          const int n = last * bl.block_k + c;
+          const T want_k = n < nk && dd < d ? T(k(1, n, 2, dd)) : T(0);
+          const T want_v = n < nk && dd < d ? T(v(1, n, 2, dd)) : T(0);
+          misplaced += kt_tile[impl::kt_tile_offset(dd, c, dim_padded, bl.panel)] != want_k;
+          misplaced += v_tile[impl::v_tile_offset(c, dd, bl.block_k, bl.v_panel)] != want_v;
+        }
+      CHECK(unwritten == 0);
+      CHECK(misplaced == 0);
+    }
 }
