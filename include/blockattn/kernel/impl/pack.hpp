@@ -69,56 +69,73 @@ PackedKV<T, MemorySpace> allocate_packed_kv(int batch, int kv_heads, int keys, i
   return p;
 }
 
+/// The extents and strides both pack_kv paths read (copied into their kernels).
+struct PackDims {
+  int batch, heads, dim_padded, block_k, keys_padded, dim, keys, panel, v_panel;
+  std::ptrdiff_t ks, vs;  // head-dim strides of k and v
+};
+
+template <class T, class MemorySpace, class KView, class VView>
+PackDims pack_dims(const KView& k, const VView& v, const PackedKV<T, MemorySpace>& p) {
+  return {static_cast<int>(p.kt.extent(0)),
+          static_cast<int>(p.kt.extent(1)),
+          static_cast<int>(p.kt.extent(3)),
+          static_cast<int>(p.kt.extent(4)),
+          static_cast<int>(p.v.extent(2)),
+          static_cast<int>(k.extent(3)),
+          p.keys,
+          p.panel,
+          p.v_panel,
+          static_cast<std::ptrdiff_t>(k.stride(3)),
+          static_cast<std::ptrdiff_t>(v.stride(3))};
+}
+
+/// Row c of a V tile (v_row = its start in panel 0): the first `live` values
+/// from vrow (stride vs), zeros up to dim_padded. V panel d0 / v_panel starts
+/// d0 * block_k into the tile (v_tile_offset).
+template <class T, class S>
+KOKKOS_FORCEINLINE_FUNCTION void pack_v_row(T* v_row, const S* vrow, std::ptrdiff_t vs, int live,
+                                            const PackDims& s) {
+  for (int d0 = 0; d0 < live; d0 += s.v_panel) {
+    T* const dst = v_row + std::ptrdiff_t(d0) * s.block_k;
+    const int w = live - d0 < s.v_panel ? live - d0 : s.v_panel;
+    for (int j = 0; j < w; ++j) dst[j] = T(vrow[(d0 + j) * vs]);
+  }
+  for (int d = live; d < s.dim_padded; ++d)
+    v_row[std::ptrdiff_t(d / s.v_panel) * s.block_k * s.v_panel + d % s.v_panel] = T(0);
+}
+
 /// pack_kv on a device: one key row per thread (adjacent threads write
 /// adjacent K^T columns: coalesced).
 template <class ExecSpace, class T, class MemorySpace, class KView, class VView>
 void pack_kv_rows(const ExecSpace& exec, const KView& k, const VView& v,
                   const PackedKV<T, MemorySpace>& p) {
-  const int batch = static_cast<int>(p.kt.extent(0));
-  const int heads = static_cast<int>(p.kt.extent(1));
-  const int dim_padded = static_cast<int>(p.kt.extent(3));
-  const int block_k = static_cast<int>(p.kt.extent(4));
-  const int keys_padded = static_cast<int>(p.v.extent(2));
-  const int dim = static_cast<int>(k.extent(3));
-  const int keys = p.keys;
-  const int panel = p.panel, v_panel = p.v_panel;
+  const PackDims s = pack_dims(k, v, p);
   auto kt = p.kt;
   auto vp = p.v;
-  const std::int64_t rows = std::int64_t(batch) * heads * keys_padded;
+  const std::int64_t rows = std::int64_t(s.batch) * s.heads * s.keys_padded;
   // One key row per iteration, the panel offsets taken once per row (no
   // division per element) and the source row read through its stride: any
   // layout of k and v, contiguous rows the common case.
-  const std::ptrdiff_t ks = static_cast<std::ptrdiff_t>(k.stride(3));
-  const std::ptrdiff_t vs = static_cast<std::ptrdiff_t>(v.stride(3));
   Kokkos::parallel_for(
       "blockattn::pack_kv",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-
       KOKKOS_LAMBDA(const std::int64_t row) {
-        const int n = static_cast<int>(row % keys_padded);
-        const int h = static_cast<int>((row / keys_padded) % heads);
-        const int b = static_cast<int>(row / (std::int64_t(keys_padded) * heads));
-        const int c = n % block_k;
+        const int n = static_cast<int>(row % s.keys_padded);
+        const int h = static_cast<int>((row / s.keys_padded) % s.heads);
+        const int b = static_cast<int>(row / (std::int64_t(s.keys_padded) * s.heads));
+        const int c = n % s.block_k;
         // Column c of the K^T tile (stride `panel` over d), row c of the V tile.
         T* const kt_col =
-            &kt(b, h, n / block_k, 0, 0) + (c / panel) * dim_padded * panel + c % panel;
-        T* const v_row = &vp(b, h, n - c, 0) + c * v_panel;
-        const int live = n < keys ? dim : 0;  // padding rows: all zero
+            &kt(b, h, n / s.block_k, 0, 0) + (c / s.panel) * s.dim_padded * s.panel + c % s.panel;
+        const int live = n < s.keys ? s.dim : 0;  // padding rows: all zero
         if (live > 0) {
           const auto* const krow = &k(b, n, h, 0);
-          const auto* const vrow = &v(b, n, h, 0);
-          for (int d = 0; d < live; ++d) kt_col[d * panel] = T(krow[d * ks]);
-          // V panel d0 / v_panel starts d0 * block_k into the tile (v_tile_offset).
-          for (int d0 = 0; d0 < live; d0 += v_panel) {
-            T* const dst = v_row + std::ptrdiff_t(d0) * block_k;
-            const int w = live - d0 < v_panel ? live - d0 : v_panel;
-            for (int j = 0; j < w; ++j) dst[j] = T(vrow[(d0 + j) * vs]);
-          }
+          for (int d = 0; d < live; ++d) kt_col[d * s.panel] = T(krow[d * s.ks]);
         }
-        for (int d = live; d < dim_padded; ++d) {
-          kt_col[d * panel] = T(0);
-          v_row[std::ptrdiff_t(d / v_panel) * block_k * v_panel + d % v_panel] = T(0);
-        }
+        for (int d = live; d < s.dim_padded; ++d) kt_col[d * s.panel] = T(0);
+        pack_v_row(&vp(b, h, n - c, 0) + c * s.v_panel, live > 0 ? &v(b, n, h, 0) : nullptr, s.vs,
+                   live, s);
       });
 }
 
@@ -131,58 +148,39 @@ void pack_kv_rows(const ExecSpace& exec, const KView& k, const VView& v,
 template <int G, class ExecSpace, class T, class MemorySpace, class KView, class VView>
 void pack_kv_groups(const ExecSpace& exec, const KView& k, const VView& v,
                     const PackedKV<T, MemorySpace>& p) {
-  const int batch = static_cast<int>(p.kt.extent(0));
-  const int heads = static_cast<int>(p.kt.extent(1));
-  const int dim_padded = static_cast<int>(p.kt.extent(3));
-  const int block_k = static_cast<int>(p.kt.extent(4));
-  const int keys_padded = static_cast<int>(p.v.extent(2));
-  const int dim = static_cast<int>(k.extent(3));
-  const int keys = p.keys;
-  const int panel = p.panel, v_panel = p.v_panel;
-  const int groups = keys_padded / G;  // G divides panel, panel divides block_k
+  const PackDims s = pack_dims(k, v, p);
+  const int groups = s.keys_padded / G;  // G divides panel, panel divides block_k
   auto kt = p.kt;
   auto vp = p.v;
-  const std::ptrdiff_t ks = static_cast<std::ptrdiff_t>(k.stride(3));
-  const std::ptrdiff_t vs = static_cast<std::ptrdiff_t>(v.stride(3));
   Kokkos::parallel_for(
       "blockattn::pack_kv",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
-          exec, 0, std::int64_t(batch) * heads * groups),
+          exec, 0, std::int64_t(s.batch) * s.heads * groups),
       KOKKOS_LAMBDA(const std::int64_t gi) {
         const int n0 = static_cast<int>(gi % groups) * G;
-        const int h = static_cast<int>((gi / groups) % heads);
-        const int b = static_cast<int>(gi / (std::int64_t(groups) * heads));
-        const int c0 = n0 % block_k;
-        T* const kt_cols =
-            &kt(b, h, n0 / block_k, 0, 0) + (c0 / panel) * dim_padded * panel + c0 % panel;
-        const int live = keys - n0 < G ? (keys > n0 ? keys - n0 : 0) : G;
+        const int h = static_cast<int>((gi / groups) % s.heads);
+        const int b = static_cast<int>(gi / (std::int64_t(groups) * s.heads));
+        const int c0 = n0 % s.block_k;
+        T* const kt_cols = &kt(b, h, n0 / s.block_k, 0, 0) +
+                           (c0 / s.panel) * s.dim_padded * s.panel + c0 % s.panel;
+        const int live = s.keys - n0 < G ? (s.keys > n0 ? s.keys - n0 : 0) : G;
         using S = std::remove_cv_t<std::remove_reference_t<decltype(k(0, 0, 0, 0))>>;
         const S* krow[G];
         for (int j = 0; j < live; ++j) krow[j] = &k(b, n0 + j, h, 0);
-        for (int d = 0; d < dim_padded; ++d) {
-          T* const dst = kt_cols + std::ptrdiff_t(d) * panel;
-          if (d < dim && live == G) {
-            for (int j = 0; j < G; ++j) dst[j] = T(krow[j][d * ks]);
+        for (int d = 0; d < s.dim_padded; ++d) {
+          T* const dst = kt_cols + std::ptrdiff_t(d) * s.panel;
+          if (d < s.dim && live == G) {
+            for (int j = 0; j < G; ++j) dst[j] = T(krow[j][d * s.ks]);
           } else {
-            for (int j = 0; j < G; ++j) dst[j] = d < dim && j < live ? T(krow[j][d * ks]) : T(0);
+            for (int j = 0; j < G; ++j)
+              dst[j] = d < s.dim && j < live ? T(krow[j][d * s.ks]) : T(0);
           }
         }
-        for (int j = 0; j < G; ++j) {
-          // Row c0 + j of the V tile; V panel d0 / v_panel starts d0 * block_k
-          // into the tile (v_tile_offset).
-          T* const v_row = &vp(b, h, n0 - c0, 0) + (c0 + j) * v_panel;
-          const int n = j < live ? dim : 0;
-          if (n > 0) {
-            const auto* const vrow = &v(b, n0 + j, h, 0);
-            for (int d0 = 0; d0 < n; d0 += v_panel) {
-              T* const out = v_row + std::ptrdiff_t(d0) * block_k;
-              const int w = n - d0 < v_panel ? n - d0 : v_panel;
-              for (int i = 0; i < w; ++i) out[i] = T(vrow[(d0 + i) * vs]);
-            }
-          }
-          for (int d = n; d < dim_padded; ++d)
-            v_row[std::ptrdiff_t(d / v_panel) * block_k * v_panel + d % v_panel] = T(0);
-        }
+        // Rows c0 .. c0 + G - 1 of the V tile.
+        T* const v_tile = &vp(b, h, n0 - c0, 0);
+        for (int j = 0; j < G; ++j)
+          pack_v_row(v_tile + (c0 + j) * s.v_panel, j < live ? &v(b, n0 + j, h, 0) : nullptr, s.vs,
+                     j < live ? s.dim : 0, s);
       });
 }
 
