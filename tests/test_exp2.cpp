@@ -229,3 +229,82 @@ TEST_CASE(
   check_simd_exp2_row<blockattn::HostIsa::avx512>();
 #endif
 }
+
+#if BLOCKATTN_SIMD_KERNELS
+// The forward softmax's R-row passes (simd_row_max_group, simd_exp2_row_group)
+// interleave independent rows; each row's max, P and sum must be bitwise the
+// one-row passes' (simd_row_max, simd_exp2_row), whatever the other rows hold.
+template <class V>
+void check_simd_row_groups_of() {
+  using namespace blockattn::impl;
+  constexpr int lanes = 16, R = 3, n = 128, ld = 160;  // ld > n: the gap is left alone
+  const float inf = std::numeric_limits<float>::infinity();
+  const float qnan = std::numeric_limits<float>::quiet_NaN();
+  std::uint32_t state = 12345u;
+  auto uniform = [&state] {  // [0, 1), 24 bits
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(state >> 8) / 16777216.0f;
+  };
+  int cases = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<float> s(R * ld), m(R);
+    for (int r = 0; r < R; ++r) {
+      const float spread = 1.0f + 200.0f * uniform();  // some rows reach below -126
+      for (int c = 0; c < ld; ++c) s[r * ld + c] = (c < n) ? spread * (uniform() - 0.5f) : 777.0f;
+      const int kind = (trial + 5 * r) % 7;
+      if (kind == 1) s[r * ld + (trial % n)] = -inf;
+      if (kind == 2) s[r * ld + (trial * 7 % n)] = qnan;
+      if (kind == 3)  // a row without a finite logit: the caller's -inf row max
+        for (int c = 0; c < n; ++c) s[r * ld + c] = -inf;
+      if (kind == 4) s[r * ld + n - 1] = 90.0f;  // the largest in the last vector
+      m[r] = kind == 5 ? 3.0f : (kind == 6 ? -inf : -100.0f * uniform());
+    }
+    // One row at a time.
+    std::vector<float> want = s, want_max(R), want_sum(R);
+    for (int r = 0; r < R; ++r) {
+      want_max[r] = simd_row_max<V, lanes>(want.data() + r * ld, n, m[r]);
+      if (want_max[r] != -inf)
+        want_sum[r] = simd_exp2_row<V, lanes>(want.data() + r * ld, n, want_max[r]);
+    }
+    bool all_finite = true;
+    for (int r = 0; r < R; ++r) all_finite = all_finite && want_max[r] != -inf;
+    // R rows at once.
+    std::vector<float> got = s, got_max(R), got_sum(R);
+    simd_row_max_group<V, lanes, R>(got.data(), ld, n, m.data(), got_max.data());
+    for (int r = 0; r < R; ++r) CHECK(std::memcmp(&got_max[r], &want_max[r], sizeof(float)) == 0);
+    if (!all_finite) continue;  // the kernel takes such groups row by row
+    simd_exp2_row_group<V, lanes, R>(got.data(), ld, n, got_max.data(), got_sum.data());
+    ++cases;
+    for (int r = 0; r < R; ++r) {
+      const bool same_sum = std::memcmp(&got_sum[r], &want_sum[r], sizeof(float)) == 0 ||
+                            (std::isnan(got_sum[r]) && std::isnan(want_sum[r]));
+      CHECK(same_sum);
+    }
+    int differ = 0;
+    for (int i = 0; i < R * ld; ++i) {
+      const bool same = std::memcmp(&got[i], &want[i], sizeof(float)) == 0 ||
+                        (std::isnan(got[i]) && std::isnan(want[i]));
+      differ += same ? 0 : 1;
+    }
+    CHECK(differ == 0);
+  }
+  CHECK(cases > 50);
+}
+
+template <blockattn::HostIsa Isa>
+void check_simd_row_groups() {
+  using namespace blockattn;
+  if constexpr (impl::simd_exp2_rows<Isa, float, 16>()) {
+    if (impl::detect_host_isa() < Isa) return;  // not on this CPU
+    MESSAGE(std::string(host_isa_name(Isa)));
+    impl::HostIsaEntry<Isa>::run([] { check_simd_row_groups_of<impl::simd_for_t<Isa>>(); });
+  }
+}
+#endif
+
+TEST_CASE("softmax row groups (AVX2, AVX-512): each row bitwise the one-row max and exp2 passes") {
+#if BLOCKATTN_SIMD_KERNELS
+  check_simd_row_groups<blockattn::HostIsa::avx2>();
+  check_simd_row_groups<blockattn::HostIsa::avx512>();
+#endif
+}

@@ -76,11 +76,22 @@ struct ForwardKernel {
   static constexpr int NRO = forward_v_panel<Shape, StaticD>;
   // Granularity (keys) at which partial tiles trim the P*V reduction.
   static constexpr int KG = Shape::dim_granule;
+  // Rows per softmax step: 3 rows' dependent max and sum chains interleave in
+  // the explicit-vector passes (host ISAs with a vector exp2; one AVX-512
+  // vector per row and step leaves one row's chain latency-bound). 2 and 6
+  // rows ran no faster than 3 (AVX-512 and AVX2, Emerald Rapids); 1 elsewhere.
+#if BLOCKATTN_SIMD_KERNELS
+  static constexpr int SR = simd_exp2_rows<isa, T, KG>() && MR % 3 == 0 ? 3 : 1;
+#else
+  static constexpr int SR = 1;
+#endif
   static_assert(StaticD % NRO == 0,
                 "BlockAttn: a static head dim must be a multiple of micro_cols");
 
   /// The head dim as stored in scratch and in the packed K/V block.
-  static int pad_dim(int dim) { return padded_head_dim<Shape, StaticD>(dim); }
+  static int pad_dim(int dim) {
+    return padded_head_dim<Shape, StaticD>(dim);
+  }
 
   in_view q;   // (batch, queries, heads, dim)
   kt_view kt;  // packed block, see PackedKV
@@ -112,7 +123,9 @@ struct ForwardKernel {
     return elems * sizeof(T);
   }
 
-  KOKKOS_INLINE_FUNCTION int padded_dim() const { return StaticD > 0 ? StaticD : dim_padded; }
+  KOKKOS_INLINE_FUNCTION int padded_dim() const {
+    return StaticD > 0 ? StaticD : dim_padded;
+  }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
 #if BLOCKATTN_HOST_DISPATCH
@@ -187,9 +200,10 @@ struct ForwardKernel {
           Kokkos::TeamThreadRange(team, (q_live / MR) * (BK / NR)),
           [&](const int t) { score_micro_tile(tile, (t / (BK / NR)) * MR, (t % (BK / NR)) * NR); });
       team.team_barrier();
-      // Online softmax on the rows of S (masked in partial tiles): S becomes P.
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live),
-                           [&](const int r) { softmax_tile_row(tile, r); });
+      // Online softmax on the rows of S (masked in partial tiles): S becomes P,
+      // SR rows at a time.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live / SR),
+                           [&](const int g) { softmax_tile_rows(tile, g * SR); });
       team.team_barrier();
       // O (BQ, dp) = diag(alpha) O + P (BQ, BK) * V (BK, dp)
       Kokkos::parallel_for(
@@ -271,9 +285,22 @@ struct ForwardKernel {
                                           t.ss + r0 * BK + c0, BK, static_cast<const T*>(nullptr));
   }
 
-  /// Row r of S: the mask (partial tiles, or keys past the block's end), then
-  /// the online-softmax update, leaving P in S.
-  KOKKOS_FORCEINLINE_FUNCTION void softmax_tile_row(const Tile& t, int r) const {
+  /// Rows r0 .. r0 + SR - 1 of S: the mask (partial tiles, or keys past the
+  /// block's end), then the online-softmax update, leaving P in S.
+  KOKKOS_FORCEINLINE_FUNCTION void softmax_tile_rows(const Tile& t, int r0) const {
+    for (int r = r0; r < r0 + SR; ++r) mask_tile_row(t, r);
+#if BLOCKATTN_SIMD_KERNELS
+    if constexpr (SR > 1) {
+      softmax_row_group(t.ss + r0 * BK, t.m + r0, t.l + r0, t.alpha + r0);
+      return;
+    }
+#endif
+    for (int r = r0; r < r0 + SR; ++r) softmax_row(t.ss + r * BK, t.m[r], t.l[r], t.alpha[r]);
+  }
+
+  /// Row r of S: -inf where the mask (partial tiles) or the block's end rules
+  /// a key out.
+  KOKKOS_FORCEINLINE_FUNCTION void mask_tile_row(const Tile& t, int r) const {
     T* const srow = t.ss + r * BK;
     // Rows past the last query (the rest of its micro tile; their results are
     // never stored) take the last query's position: the position map is only
@@ -295,7 +322,6 @@ struct ForwardKernel {
         srow[c] = keep_or_neg_inf(keep, srow[c]);
       }
     }
-    softmax_row(srow, t.m[r], t.l[r], t.alpha[r]);
   }
 
   /// O micro tile (r0, c0) = diag(alpha) O + P rows r0.. times V columns c0..
@@ -388,7 +414,13 @@ struct ForwardKernel {
         for (int j = 0; j < lanes; ++j) part[j] = s[c + j] > part[j] ? s[c + j] : part[j];
       for (int j = 0; j < lanes; ++j) row_max = part[j] > row_max ? part[j] : row_max;
     }
-    const T m_new = row_max;
+    softmax_row_update(s, row_max, m, l, alpha);
+  }
+
+  /// The rest of softmax_row for a row whose new max is m_new.
+  KOKKOS_FORCEINLINE_FUNCTION static void softmax_row_update(T* __restrict__ s, T m_new, T& m, T& l,
+                                                             T& alpha) {
+    constexpr int lanes = Shape::dim_granule;
     if (m_new == -infinity<T>()) {
       // No finite allowed logit: masked (-inf) or NaN (the max skips NaN).
       // A NaN makes l NaN, which stays NaN through later tiles and blocks.
@@ -426,6 +458,33 @@ struct ForwardKernel {
     l = alpha * l + sum;
     m = m_new;
   }
+
+#if BLOCKATTN_SIMD_KERNELS
+  /// softmax_row on the SR rows from s (row stride BK), their max and
+  /// exponent passes interleaved (simd_row_max_group, simd_exp2_row_group):
+  /// each row's values bitwise softmax_row's.
+  KOKKOS_FORCEINLINE_FUNCTION static void softmax_row_group(T* __restrict__ s, T* m, T* l,
+                                                            T* alpha) {
+    if constexpr (SR > 1) {
+      using V = simd_for_t<isa>;
+      constexpr int lanes = Shape::dim_granule;
+      T m_new[SR], sum[SR];
+      simd_row_max_group<V, lanes, SR>(s, BK, BK, m, m_new);
+      bool finite = true;
+      for (int r = 0; r < SR; ++r) finite = finite && m_new[r] != -infinity<T>();
+      if (!finite) {  // a row without a finite allowed logit (rare): row by row
+        for (int r = 0; r < SR; ++r) softmax_row_update(s + r * BK, m_new[r], m[r], l[r], alpha[r]);
+        return;
+      }
+      simd_exp2_row_group<V, lanes, SR>(s, BK, BK, m_new, sum);
+      for (int r = 0; r < SR; ++r) {
+        alpha[r] = exp2_nonpositive(m[r] - m_new[r]);
+        l[r] = alpha[r] * l[r] + sum[r];
+        m[r] = m_new[r];
+      }
+    }
+  }
+#endif
 
   int scratch_level = 0;
 };

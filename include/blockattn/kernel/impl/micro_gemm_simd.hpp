@@ -460,25 +460,46 @@ inline void simd_micro_gemm_at(int kdim, const float* a, int lda, const float* b
 /// pass of the forward softmax, which GCC 12 leaves scalar. Lanes independent
 /// maxima, then one in-register reduction (reduce_max): the order does not
 /// matter for a maximum of NaN-free values.
-template <class V, int Lanes>
-inline float simd_row_max(const float* __restrict__ s, int n, float m) {
+///
+/// R rows at a time (row r at s + r * ld, its start value m[r], its maximum
+/// into out[r]): each row's arithmetic is the one-row pass's, the R rows'
+/// dependent max chains interleaved (with 16-float lanes, one AVX-512 vector
+/// per row and step: one row alone is a chain of n / 16 dependent maxima).
+template <class V, int Lanes, int R>
+inline void simd_row_max_group(const float* __restrict__ s, int ld, int n,
+                               const float* __restrict__ m, float* __restrict__ out) {
   static_assert(Lanes % V::width == 0, "simd_row_max: Lanes must be whole vectors");
   constexpr int NV = Lanes / V::width;
-  typename V::type acc[NV];
+  typename V::type acc[R][NV];
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) V::broadcast_to(acc[j], &m);
+  for (int r = 0; r < R; ++r) {
+    BLOCKATTN_HOST_UNROLL
+    for (int j = 0; j < NV; ++j) V::broadcast_to(acc[r][j], m + r);
+  }
   for (int c = 0; c < n; c += Lanes) {
     BLOCKATTN_HOST_UNROLL
-    for (int j = 0; j < NV; ++j) {
-      typename V::type x;
-      V::load_to(x, s + c + j * V::width);
-      V::max_to(acc[j], x);
+    for (int r = 0; r < R; ++r) {
+      BLOCKATTN_HOST_UNROLL
+      for (int j = 0; j < NV; ++j) {
+        typename V::type x;
+        V::load_to(x, s + static_cast<std::ptrdiff_t>(r) * ld + c + j * V::width);
+        V::max_to(acc[r][j], x);
+      }
     }
   }
   BLOCKATTN_HOST_UNROLL
-  for (int j = 1; j < NV; ++j) V::max_to(acc[0], acc[j]);
+  for (int r = 0; r < R; ++r) {
+    BLOCKATTN_HOST_UNROLL
+    for (int j = 1; j < NV; ++j) V::max_to(acc[r][0], acc[r][j]);
+    V::reduce_max_to(out[r], acc[r][0]);
+  }
+}
+
+/// One row of simd_row_max_group.
+template <class V, int Lanes>
+inline float simd_row_max(const float* __restrict__ s, int n, float m) {
   float row_max;
-  V::reduce_max_to(row_max, acc[0]);
+  simd_row_max_group<V, Lanes, 1>(s, 0, n, &m, &row_max);
   return row_max;
 }
 
@@ -491,28 +512,49 @@ inline float simd_row_max(const float* __restrict__ s, int n, float m) {
 /// (-mprefer-vector-width=256), where this pass was its largest loop (+10-12 %
 /// forward on Sapphire Rapids); on AVX2 it runs as fast as GCC's loop and
 /// keeps the pass vectorised whatever the compiler decides.
-template <class V, int Lanes>
-inline float simd_exp2_row(float* __restrict__ s, int n, float m) {
+///
+/// R rows at a time (row r at s + r * ld, its max m[r], its sum into
+/// sum[r]), as simd_row_max_group: each row's values and sum bitwise the
+/// one-row pass's, the rows' sum chains interleaved.
+template <class V, int Lanes, int R>
+inline void simd_exp2_row_group(float* __restrict__ s, int ld, int n, const float* __restrict__ m,
+                                float* __restrict__ sum) {
   static_assert(Lanes % V::width == 0, "simd_exp2_row: Lanes must be whole vectors");
   constexpr int NV = Lanes / V::width;
-  typename V::type mv;
-  V::broadcast_to(mv, &m);
-  typename V::type acc[NV];
+  typename V::type mv[R];
+  typename V::type acc[R][NV];
   BLOCKATTN_HOST_UNROLL
-  for (int j = 0; j < NV; ++j) V::set_zero(acc[j]);
+  for (int r = 0; r < R; ++r) {
+    V::broadcast_to(mv[r], m + r);
+    BLOCKATTN_HOST_UNROLL
+    for (int j = 0; j < NV; ++j) V::set_zero(acc[r][j]);
+  }
   for (int c = 0; c < n; c += Lanes) {
     BLOCKATTN_HOST_UNROLL
-    for (int j = 0; j < NV; ++j) {
-      typename V::type p;
-      V::exp2_sub_to(p, s + c + j * V::width, mv);
-      V::store_from(s + c + j * V::width, p);
-      V::add_to(acc[j], p);
+    for (int r = 0; r < R; ++r) {
+      float* const sr = s + static_cast<std::ptrdiff_t>(r) * ld + c;
+      BLOCKATTN_HOST_UNROLL
+      for (int j = 0; j < NV; ++j) {
+        typename V::type p;
+        V::exp2_sub_to(p, sr + j * V::width, mv[r]);
+        V::store_from(sr + j * V::width, p);
+        V::add_to(acc[r][j], p);
+      }
     }
   }
   BLOCKATTN_HOST_UNROLL
-  for (int j = 1; j < NV; ++j) V::add_to(acc[0], acc[j]);
+  for (int r = 0; r < R; ++r) {
+    BLOCKATTN_HOST_UNROLL
+    for (int j = 1; j < NV; ++j) V::add_to(acc[r][0], acc[r][j]);
+    V::reduce_add_to(sum[r], acc[r][0]);
+  }
+}
+
+/// One row of simd_exp2_row_group.
+template <class V, int Lanes>
+inline float simd_exp2_row(float* __restrict__ s, int n, float m) {
   float sum;
-  V::reduce_add_to(sum, acc[0]);
+  simd_exp2_row_group<V, Lanes, 1>(s, 0, n, &m, &sum);
   return sum;
 }
 
