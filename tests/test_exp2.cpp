@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using blockattn::impl::exp2_nonpositive;
@@ -67,6 +68,26 @@ TEST_CASE("fp32 exp2 keeps NaN of either sign, scalar and in a vectorised loop")
 }
 
 #if BLOCKATTN_SIMD_KERNELS
+/// check(V*) for the vector class of Isa (AVX2 or AVX-512: the build's, or one
+/// it dispatches to at run time) where this CPU runs it, inside a function of
+/// that ISA's target; nothing where the build or the CPU lacks it.
+template <blockattn::HostIsa Isa, class Check>
+void on_vector_isa(const Check& check) {
+  using namespace blockattn;
+  if constexpr (impl::simd_exp2_rows<Isa, float, 16>()) {
+    if (impl::detect_host_isa() < Isa) return;  // not on this CPU
+    MESSAGE(std::string(host_isa_name(Isa)));
+    impl::HostIsaEntry<Isa>::run([&] { check(static_cast<impl::simd_for_t<Isa>*>(nullptr)); });
+  }
+}
+
+/// on_vector_isa for AVX2 and AVX-512.
+template <class Check>
+void on_vector_isas(const Check& check) {
+  on_vector_isa<blockattn::HostIsa::avx2>(check);
+  on_vector_isa<blockattn::HostIsa::avx512>(check);
+}
+
 template <class V>
 void check_simd_exp2_row_of() {
   using blockattn::impl::simd_exp2_row;
@@ -187,46 +208,20 @@ void check_simd_exp2_bitwise_of() {
   CHECK(differ == 0);
 }
 
-template <blockattn::HostIsa Isa>
-void check_simd_exp2_bitwise() {
-  using namespace blockattn;
-  if constexpr (impl::simd_exp2_rows<Isa, float, 16>()) {
-    if (impl::detect_host_isa() < Isa) return;  // not on this CPU
-    MESSAGE(std::string(host_isa_name(Isa)));
-    impl::HostIsaEntry<Isa>::run([] { check_simd_exp2_bitwise_of<impl::simd_for_t<Isa>>(); });
-  }
-}
 #endif
 
 TEST_CASE("vector exp2 (AVX2, AVX-512): bitwise exp2_nonpositive's arithmetic in FMA steps") {
 #if BLOCKATTN_SIMD_KERNELS
-  check_simd_exp2_bitwise<blockattn::HostIsa::avx2>();
-  check_simd_exp2_bitwise<blockattn::HostIsa::avx512>();
+  on_vector_isas([](auto* v) { check_simd_exp2_bitwise_of<std::remove_pointer_t<decltype(v)>>(); });
 #endif
 }
-
-#if BLOCKATTN_SIMD_KERNELS
-// AVX2 and AVX-512 kernels (the build's, and those it dispatches to at run time
-// where this CPU runs them): the forward softmax's exponent pass in explicit
-// vectors.
-template <blockattn::HostIsa Isa>
-void check_simd_exp2_row() {
-  using namespace blockattn;
-  if constexpr (impl::simd_exp2_rows<Isa, float, 16>()) {
-    if (impl::detect_host_isa() < Isa) return;  // not on this CPU
-    const std::string name = host_isa_name(Isa);
-    MESSAGE(name);
-    impl::HostIsaEntry<Isa>::run([] { check_simd_exp2_row_of<impl::simd_for_t<Isa>>(); });
-  }
-}
-#endif
 
 TEST_CASE(
     "simd_exp2_row, simd_row_max: exp2_nonpositive of s - m per element, the row sum and the row "
     "max") {
 #if BLOCKATTN_SIMD_KERNELS
-  check_simd_exp2_row<blockattn::HostIsa::avx2>();
-  check_simd_exp2_row<blockattn::HostIsa::avx512>();
+  // The forward softmax's exponent pass in explicit vectors.
+  on_vector_isas([](auto* v) { check_simd_exp2_row_of<std::remove_pointer_t<decltype(v)>>(); });
 #endif
 }
 
@@ -291,20 +286,10 @@ void check_simd_row_groups_of() {
   CHECK(cases > 50);
 }
 
-template <blockattn::HostIsa Isa>
-void check_simd_row_groups() {
-  using namespace blockattn;
-  if constexpr (impl::simd_exp2_rows<Isa, float, 16>()) {
-    if (impl::detect_host_isa() < Isa) return;  // not on this CPU
-    MESSAGE(std::string(host_isa_name(Isa)));
-    impl::HostIsaEntry<Isa>::run([] { check_simd_row_groups_of<impl::simd_for_t<Isa>>(); });
-  }
-}
 #endif
 
 TEST_CASE("softmax row groups (AVX2, AVX-512): each row bitwise the one-row max and exp2 passes") {
 #if BLOCKATTN_SIMD_KERNELS
-  check_simd_row_groups<blockattn::HostIsa::avx2>();
-  check_simd_row_groups<blockattn::HostIsa::avx512>();
+  on_vector_isas([](auto* v) { check_simd_row_groups_of<std::remove_pointer_t<decltype(v)>>(); });
 #endif
 }
