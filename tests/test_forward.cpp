@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <utility>
@@ -156,12 +157,21 @@ TEST_CASE_TEMPLATE("logits of magnitude 1e4 stay finite and exact", T, float, do
 
 namespace {
 
-/// Runs launch_forward with position maps qpos, kpos and `tile_rows` query
-/// rows per team; O and LSE on the host.
+/// How a test cuts the queries into team tiles (impl::QueryTiles): `rows`
+/// micro-tile rows per tile (0: block_q rows), or with `even`, the fewest tiles
+/// of at most block_q rows plus `extra` more, of (nearly) equal height.
+struct TileSplit {
+  int rows = 0;
+  bool even = false;
+  int extra = 0;
+};
+
+/// Runs launch_forward with position maps qpos, kpos and the query tiles
+/// `split`; O and LSE on the host.
 template <class T, class Mask, class QPos, class KPos>
 std::pair<std::vector<T>, std::vector<T>> forward_with_positions(const Shape& s, const Mask& mask,
                                                                  const QPos& qpos, const KPos& kpos,
-                                                                 int tile_rows,
+                                                                 TileSplit split,
                                                                  std::uint64_t seed) {
   using mem = MemSpace;
   using TS = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
@@ -187,8 +197,14 @@ std::pair<std::vector<T>, std::vector<T>> forward_with_positions(const Shape& s,
     auto kv = impl::allocate_forward_kv<T, mem, S, SD>(s.b, s.hkv, s.nk, Kernel::pad_dim(s.d));
     impl::pack_kv(exec, kd, vd, kv);
     impl::BlockStep<T, mem> step;
-    // A multiple of micro_rows, at most block_q (0: block_q).
-    step.tile_rows = tile_rows <= 0 ? 0 : std::min(S::block_q, tile_rows * S::micro_rows);
+    constexpr int MR = S::micro_rows, BQ = S::block_q;
+    if (split.even) {
+      const int groups = (s.nq + MR - 1) / MR;
+      const int fewest = (groups + BQ / MR - 1) / (BQ / MR);
+      step.query_tiles = impl::QueryTiles::even(s.nq, std::min(groups, fewest + split.extra), MR);
+    } else if (split.rows > 0) {
+      step.query_tiles = impl::QueryTiles::rows(s.nq, std::min(BQ, split.rows * MR), MR);
+    }
     impl::launch_forward<ExecSpace, T, SD, S>(exec, e, qd, kv, od, ld, mask, qpos, kpos, scale,
                                               step);
   });
@@ -201,11 +217,11 @@ std::pair<std::vector<T>, std::vector<T>> forward_with_positions(const Shape& s,
 
 /// The same with offset maps (queries from q_offset, keys from 0).
 template <class T, class Mask>
-std::pair<std::vector<T>, std::vector<T>> forward_with_tile_rows(const Shape& s, const Mask& mask,
-                                                                 index_type q_offset, int tile_rows,
-                                                                 std::uint64_t seed) {
-  return forward_with_positions<T>(s, mask, OffsetPositions{q_offset}, OffsetPositions{0},
-                                   tile_rows, seed);
+std::pair<std::vector<T>, std::vector<T>> forward_with_tiles(const Shape& s, const Mask& mask,
+                                                             index_type q_offset, TileSplit split,
+                                                             std::uint64_t seed) {
+  return forward_with_positions<T>(s, mask, OffsetPositions{q_offset}, OffsetPositions{0}, split,
+                                   seed);
 }
 
 /// An offset map that counts the reads outside its n rows (a table of
@@ -228,32 +244,43 @@ int count_differences(const std::vector<T>& a, const std::vector<T>& b) {
   return n;
 }
 
-/// Stands in for a tile shape in balanced_tile_rows (it reads only these two).
+/// Stands in for a tile shape in balanced_query_tiles (it reads only these two).
 struct Rows96 {
   static constexpr int block_q = 96, micro_rows = 6;
 };
 
+/// Rows of each query tile of `split` (MR rows per micro-row group).
+std::vector<int> tile_heights(const impl::QueryTiles& split, int queries, int mr) {
+  std::vector<int> h;
+  for (int qt = 0; qt < split.tiles; ++qt)
+    h.push_back(split.end(qt, mr, queries) - split.begin(qt, mr));
+  return h;
+}
+
 }  // namespace
 
 TEST_CASE_TEMPLATE("query tiles of any height give the same O and LSE", T, float, double) {
-  // The forward spreads few query tiles over threads by shortening them
-  // (balanced_tile_rows). Each row's sums run over the same key tiles in the
-  // same order whatever tile holds the row, so O and LSE must not change.
+  // The forward spreads few query tiles over threads by cutting the queries
+  // into more, shorter tiles (balanced_query_tiles). Each row's sums run over
+  // the same key tiles in the same order whatever tile holds the row, so O and
+  // LSE must not change.
   const Shape shapes_rows[] = {
       {1, 200, 150, 2, 1, 64}, {2, 97, 130, 2, 2, 40}, {1, 1, 65, 1, 1, 128}};
+  const TileSplit splits[] = {{1}, {2}, {5}, {9}, {0, true, 0}, {0, true, 1}, {0, true, 4}};
   std::uint64_t seed = 40;
   for (const Shape& s : shapes_rows) {
     ++seed;
     const Documents<MemSpace> docs(document_offsets(s.nq + 30));
     for (int mask_kind = 0; mask_kind < 3; ++mask_kind)
-      for (int micro_rows : {1, 2, 5, 9}) {
-        INFO(describe(s), " mask=", mask_kind, " tile_rows=", micro_rows, " micro rows");
-        auto run = [&](int rows) {
-          if (mask_kind == 0) return forward_with_tile_rows<T>(s, FullMask{}, 0, rows, seed);
-          if (mask_kind == 1) return forward_with_tile_rows<T>(s, CausalMask{}, 30, rows, seed);
-          return forward_with_tile_rows<T>(s, docs.mask(), 30, rows, seed);
+      for (const TileSplit& split : splits) {
+        INFO(describe(s), " mask=", mask_kind, " tile rows=", split.rows,
+             " micro rows; even=", split.even, " extra=", split.extra);
+        auto run = [&](TileSplit t) {
+          if (mask_kind == 0) return forward_with_tiles<T>(s, FullMask{}, 0, t, seed);
+          if (mask_kind == 1) return forward_with_tiles<T>(s, CausalMask{}, 30, t, seed);
+          return forward_with_tiles<T>(s, docs.mask(), 30, t, seed);
         };
-        const auto whole = run(0), shorter = run(micro_rows);
+        const auto whole = run({}), shorter = run(split);
         CHECK(count_differences(whole.first, shorter.first) == 0);
         CHECK(count_differences(whole.second, shorter.second) == 0);
       }
@@ -275,8 +302,8 @@ TEST_CASE_TEMPLATE("the forward reads position maps only at its own rows", T, fl
       Kokkos::deep_copy(outside, 0);
       const CountingPositions qpos{30, s.nq, outside.data()}, kpos{0, s.nk, outside.data()};
       auto both = [&](const auto& mask) {
-        return std::make_pair(forward_with_positions<T>(s, mask, qpos, kpos, 0, seed),
-                              forward_with_tile_rows<T>(s, mask, 30, 0, seed));
+        return std::make_pair(forward_with_positions<T>(s, mask, qpos, kpos, {}, seed),
+                              forward_with_tiles<T>(s, mask, 30, {}, seed));
       };
       const auto r = mask_kind == 0 ? both(CausalMask{}) : both(DocumentCausalMask{11});
       CHECK(count_differences(r.first.first, r.second.first) == 0);
@@ -288,24 +315,42 @@ TEST_CASE_TEMPLATE("the forward reads position maps only at its own rows", T, fl
   }
 }
 
-TEST_CASE("balanced_tile_rows: shorter query tiles only when they finish sooner") {
+TEST_CASE("balanced_query_tiles: even query tiles only when they finish sooner") {
   impl::ForwardExtents e{1, 1, 1, 1024, 1024, 64};
-  // 1 thread, or many tiles per thread: block_q.
-  CHECK(impl::balanced_tile_rows<Rows96>(e, 1) == 96);
+  // 1 thread, or many tiles per thread: tiles of block_q rows.
+  CHECK(impl::balanced_query_tiles<Rows96>(e, 1).tiles == 0);
   e.heads = 16;
-  CHECK(impl::balanced_tile_rows<Rows96>(e, 2) == 96);
-  // N = 1024 on 2 threads: 11 tiles of 96 rows are 6 + 5; 12 of 90 are 6 + 6.
+  CHECK(impl::balanced_query_tiles<Rows96>(e, 2).tiles == 0);
+  // N = 1024 on 2 threads: 11 tiles of 96 rows are 6 + 5 (576 rows vs 448);
+  // 171 groups of 6 rows over 12 tiles of 14 or 15 groups are 6 + 6 tiles.
   e.heads = 1;
-  const int rows = impl::balanced_tile_rows<Rows96>(e, 2);
-  CHECK(rows % 6 == 0);
-  CHECK(rows < 96);
-  CHECK(2 * rows >= 96);
+  impl::QueryTiles split = impl::balanced_query_tiles<Rows96>(e, 2);
+  CHECK(split.tiles == 12);
+  std::vector<int> h = tile_heights(split, e.queries, 6);
+  CHECK(std::accumulate(h.begin(), h.end(), 0) == 1024);
+  CHECK(*std::min_element(h.begin(), h.end()) >= 84);
+  CHECK(*std::max_element(h.begin(), h.end()) == 90);
+  for (std::size_t t = 0; t + 1 < h.size(); ++t) CHECK(h[t] % 6 == 0);
+  CHECK(h.back() == 88);  // the last tile ends at the last query
   // A sequence that already splits evenly keeps block_q: 8 tiles of 96 on 4 threads.
   e.queries = 768;
-  CHECK(impl::balanced_tile_rows<Rows96>(e, 4) == 96);
-  // Shorter than one tile on 2 threads: two halves.
+  CHECK(impl::balanced_query_tiles<Rows96>(e, 4).tiles == 0);
+  // Shorter than one tile on 2 threads: two tiles, 42 and 48 rows.
   e.queries = 90;
-  CHECK(impl::balanced_tile_rows<Rows96>(e, 2) == 48);
+  split = impl::balanced_query_tiles<Rows96>(e, 2);
+  CHECK(split.tiles == 2);
+  CHECK(tile_heights(split, e.queries, 6) == std::vector<int>{42, 48});
+  // Never a tile above block_q or below half of it (bar the last): N = 1000..1100, 2..5 threads.
+  for (int n = 1000; n <= 1100; ++n)
+    for (int threads = 2; threads <= 5; ++threads) {
+      e.queries = n;
+      split = impl::balanced_query_tiles<Rows96>(e, threads).resolved(n, 96, 6);
+      h = tile_heights(split, n, 6);
+      INFO("N=", n, " threads=", threads);
+      CHECK(std::accumulate(h.begin(), h.end(), 0) == n);
+      CHECK(*std::max_element(h.begin(), h.end()) <= 96);
+      CHECK(*std::min_element(h.begin(), h.end() - 1) >= 48);
+    }
 }
 
 TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight", T, float,

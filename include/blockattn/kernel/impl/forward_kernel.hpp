@@ -112,9 +112,12 @@ struct ForwardKernel {
   KPos kpos;
   ForwardExtents ext;
   int dim_padded = 0, q_tiles = 0, k_tiles = 0, group = 1;
-  // Query rows per team: BQ, or fewer (a multiple of MR) so that the teams
-  // spread evenly over few threads (balanced_tile_rows); scratch is sized for BQ.
-  int tile_rows = BQ;
+  // Query tile qt of a (batch, head) holds the micro-row groups (MR rows each)
+  // [qt * q_groups / q_tiles, (qt + 1) * q_groups / q_tiles), clipped to the
+  // queries (QueryTiles in forward_launch.hpp): tiles of BQ rows, or an even
+  // split over more, shorter tiles when few tiles per thread would leave
+  // threads idle (balanced_query_tiles). At most BQ rows: scratch is sized for BQ.
+  int q_groups = 0;
   T q_scale = T(1);  // softmax scale * log2(e): logits are kept in base 2
 
   static std::size_t scratch_bytes(int dim_padded) {
@@ -146,8 +149,9 @@ struct ForwardKernel {
     const int h = (league / q_tiles) % ext.heads;
     const int b = league / (q_tiles * ext.heads);
     const int hk = h / group;
-    const int q0 = qt * tile_rows;
-    const int q_rows = ext.queries - q0 < tile_rows ? ext.queries - q0 : tile_rows;
+    const int q0 = MR * static_cast<int>(std::int64_t(qt) * q_groups / q_tiles);
+    const int q_stop = MR * static_cast<int>(std::int64_t(qt + 1) * q_groups / q_tiles);
+    const int q_rows = (q_stop < ext.queries ? q_stop : ext.queries) - q0;
 
     const int level = scratch_level;
     T* const qs = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));

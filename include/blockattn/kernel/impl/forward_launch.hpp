@@ -151,6 +151,38 @@ T softmax_scale(double requested, int head_dim) {
   return std::isnan(requested) ? T(1) / std::sqrt(T(head_dim)) : T(requested);
 }
 
+/// How a forward launch cuts the queries of each (batch, head) into team
+/// tiles: tile qt holds the micro-row groups (micro_rows rows each)
+/// [qt * groups / tiles, (qt + 1) * groups / tiles), the last one clipped to
+/// the queries. `tiles` = 0 means tiles of block_q rows (`rows`); `even`
+/// spreads all groups over `tiles` tiles whose heights differ by at most one
+/// group. Every tile holds at most block_q rows (checked at the launch).
+struct QueryTiles {
+  int tiles = 0;   // per (batch, head); 0: tiles of block_q rows
+  int groups = 0;  // micro-row groups spread over the tiles
+
+  /// Tiles of `rows` rows (a multiple of micro_rows; the last one partial).
+  static QueryTiles rows(int queries, int rows, int micro_rows) {
+    const int t = (queries + rows - 1) / rows;
+    return {t, t * (rows / micro_rows)};
+  }
+  /// `tiles` tiles of (nearly) equal height.
+  static QueryTiles even(int queries, int tiles, int micro_rows) {
+    return {tiles, (queries + micro_rows - 1) / micro_rows};
+  }
+  /// The concrete split of `queries` queries (resolves tiles = 0).
+  QueryTiles resolved(int queries, int block_q, int micro_rows) const {
+    return tiles > 0 ? *this : rows(queries, block_q, micro_rows);
+  }
+  /// First query row of tile qt, and one past its last.
+  int begin(int qt, int micro_rows) const {
+    return micro_rows * static_cast<int>(std::int64_t(qt) * groups / tiles);
+  }
+  int end(int qt, int micro_rows, int queries) const {
+    return std::min(queries, begin(qt + 1, micro_rows));
+  }
+};
+
 /// How one kernel call relates to the calls before and after it over other
 /// K/V blocks of the same queries (the ring schedules make one call per step).
 template <class T, class MemorySpace>
@@ -162,59 +194,64 @@ struct BlockStep {
   // Launch only teams [league_begin, league_end) of (batch, head, query tile);
   // league_end < 0: all. Schedules split a step to progress communication.
   int league_begin = 0, league_end = -1;
-  // Query rows per team (a multiple of the tile shape's micro_rows, at most
-  // its block_q); 0: block_q. See balanced_tile_rows.
-  int tile_rows = 0;
+  // How the queries are cut into team tiles; default: tiles of block_q rows.
+  // See balanced_query_tiles.
+  QueryTiles query_tiles;
   // Where the unnormalised O lives between calls (resume / !finish): empty
   // means the caller's o, which then must have value type T.
   Kokkos::View<T****, Kokkos::LayoutStride, MemorySpace> o_acc;
 };
 
-/// Number of teams (batch x heads x query tiles) of a forward launch with
-/// `tile_rows` query rows per team (0: block_q).
+/// Number of teams (batch x heads x query tiles) of a forward launch with the
+/// query split `split` (default: tiles of block_q rows).
 template <class Shape>
-int forward_league_size(const ForwardExtents& e, int tile_rows = 0) {
-  const int rows = tile_rows > 0 ? tile_rows : Shape::block_q;
-  return e.batch * e.heads * ((e.queries + rows - 1) / rows);
+int forward_league_size(const ForwardExtents& e, const QueryTiles& split = {}) {
+  return e.batch * e.heads * split.resolved(e.queries, Shape::block_q, Shape::micro_rows).tiles;
 }
 
-/// Query rows per team for `threads` threads taking teams one at a time
-/// (heaviest-first, dynamic): block_q, unless a shorter tile (a multiple of
-/// micro_rows, at least half of block_q) finishes sooner by the row count, as
-/// when 11 tiles of 96 rows (N = 1024) leave one of 2 threads 6 tiles and the
-/// other 5: 12 tiles of 90 rows finish after 540 rows instead of 576. Only
-/// for few teams per thread (below 8): beyond that dynamic scheduling evens
-/// out within a few percent, and every team then streams all of K and V
-/// once more per row it covers. Rows stand for work, which holds for masks
-/// that keep whole rows (full, and the per-tile differences of causal masks
+/// The query split for `threads` threads taking teams one at a time
+/// (heaviest-first, dynamic): tiles of block_q rows, unless an even split over
+/// as many or more tiles (each at most block_q and at least half of it tall)
+/// finishes sooner by the row count. At N = 1024 on 2 threads 11 tiles of 96
+/// rows are 6 tiles (544 rows) on one thread and 5 (480) on the other; 12
+/// tiles of 84 or 90 rows are 6 + 6 (about 512 rows each). Only for few teams
+/// per thread (below 8): beyond that dynamic scheduling evens out within a few
+/// percent, every extra tile streams all of K and V once more, and tile
+/// heights other than block_q cut more key tiles on the diagonal of causal
+/// masks (an even split of the same number of tiles measured 2-5 % slower at
+/// N = 2048 and 4096, causal, 2 threads). Rows stand for work, which holds for
+/// masks that keep whole rows (full; the per-tile differences of causal masks
 /// are left to the heaviest-first order).
 template <class Shape>
-int balanced_tile_rows(const ForwardExtents& e, int threads) {
+QueryTiles balanced_query_tiles(const ForwardExtents& e, int threads) {
   constexpr int BQ = Shape::block_q, MR = Shape::micro_rows;
+  const QueryTiles whole = QueryTiles::rows(e.queries, BQ, MR);
   const std::int64_t heads = std::int64_t(e.batch) * e.heads;
-  if (threads <= 1 || e.queries <= 0 || heads * ((e.queries + BQ - 1) / BQ) >= 8 * threads)
-    return BQ;
+  if (threads <= 1 || e.queries <= 0 || heads * whole.tiles >= 8 * std::int64_t(threads)) return {};
   // Makespan (in rows, plus a team's fixed cost of one micro-tile row) of the
   // heaviest-first dynamic order: the tiles of a (batch, head) are taken
-  // last-first, so each round of `threads` teams takes whole tiles except the
-  // partial last tile of each head.
-  auto makespan = [&](int rows) {
-    const int tiles = (e.queries + rows - 1) / rows;
-    const int last = e.queries - (tiles - 1) * rows;
+  // last-first, each by the thread that is free first.
+  auto makespan = [&](const QueryTiles& split) {
     std::vector<std::int64_t> load(std::size_t(threads), 0);
-    for (std::int64_t u = 0; u < heads * tiles; ++u) {
-      const int qt = tiles - 1 - int(u % tiles);
+    for (std::int64_t u = 0; u < heads * split.tiles; ++u) {
+      const int qt = split.tiles - 1 - int(u % split.tiles);
+      const int rows = split.end(qt, MR, e.queries) - split.begin(qt, MR);
       const std::size_t t = std::size_t(std::min_element(load.begin(), load.end()) - load.begin());
-      load[t] += (qt == tiles - 1 ? (last + MR - 1) / MR * MR : rows) + MR;
+      load[t] += (rows + MR - 1) / MR * MR + MR;
     }
     return *std::max_element(load.begin(), load.end());
   };
-  int best = BQ;
-  std::int64_t best_time = makespan(BQ);
-  for (int rows = BQ - MR; rows >= MR && 2 * rows >= BQ; rows -= MR) {
-    const std::int64_t t = makespan(rows);
+  QueryTiles best{};
+  std::int64_t best_time = makespan(whole);
+  const int groups = (e.queries + MR - 1) / MR;
+  for (int tiles = whole.tiles; tiles <= groups; ++tiles) {
+    const int tallest = (groups + tiles - 1) / tiles * MR;  // rows of the tallest tile
+    if (tallest > BQ) continue;
+    if (2 * tallest < BQ) break;
+    const QueryTiles split = QueryTiles::even(e.queries, tiles, MR);
+    const std::int64_t t = makespan(split);
     if (t < best_time) {
-      best = rows;
+      best = split;
       best_time = t;
     }
   }
@@ -255,12 +292,18 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.kpos = kpos;
   f.ext = e;
   f.dim_padded = static_cast<int>(kv.kt.extent(3));
-  f.tile_rows = step.tile_rows > 0 ? step.tile_rows : Shape::block_q;
-  if (f.tile_rows > Shape::block_q || f.tile_rows % Shape::micro_rows != 0)
+  const QueryTiles split = step.query_tiles.resolved(e.queries, Shape::block_q, Shape::micro_rows);
+  constexpr int MR = Shape::micro_rows;
+  // Every tile non-empty and at most block_q rows, the last one reaching the
+  // last query.
+  if (e.queries > 0 && (split.tiles < 1 || split.groups < split.tiles ||
+                        (split.groups + split.tiles - 1) / split.tiles * MR > Shape::block_q ||
+                        std::int64_t(split.groups) * MR < e.queries ||
+                        split.begin(split.tiles - 1, MR) >= e.queries))
     throw std::logic_error(
-        "BlockAttn: forward tile_rows must be a multiple of micro_rows "
-        "and at most block_q");
-  f.q_tiles = (e.queries + f.tile_rows - 1) / f.tile_rows;
+        "BlockAttn: forward query tiles must hold 1 to block_q rows each and cover the queries");
+  f.q_tiles = split.tiles;
+  f.q_groups = split.groups;
   f.k_tiles = step.skip_keys ? 0 : (e.keys + Shape::block_k - 1) / Shape::block_k;
   f.group = e.heads / e.kv_heads;
   f.q_scale = scale * log2e<T>;
@@ -304,7 +347,7 @@ void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const K
     pack_kv(exec, k, v, kv);
     BlockStep<T, mem> step;
     if constexpr (is_host_space_v<ExecSpace>)
-      step.tile_rows = balanced_tile_rows<S>(e, exec.concurrency());
+      step.query_tiles = balanced_query_tiles<S>(e, exec.concurrency());
     launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, s, step);
   });
 }
