@@ -315,42 +315,53 @@ TEST_CASE_TEMPLATE("the forward reads position maps only at its own rows", T, fl
   }
 }
 
-TEST_CASE("balanced_query_tiles: even query tiles only when they finish sooner") {
+TEST_CASE("balanced_query_tiles: other query tiles only when they finish sooner") {
   impl::ForwardExtents e{1, 1, 1, 1024, 1024, 64};
-  // 1 thread, or many tiles per thread: tiles of block_q rows.
-  CHECK(impl::balanced_query_tiles<Rows96>(e, 1).tiles == 0);
-  e.heads = 16;
-  CHECK(impl::balanced_query_tiles<Rows96>(e, 2).tiles == 0);
-  // N = 1024 on 2 threads: 11 tiles of 96 rows are 6 + 5 (576 rows vs 448);
-  // 171 groups of 6 rows over 12 tiles of 14 or 15 groups are 6 + 6 tiles.
-  e.heads = 1;
-  impl::QueryTiles split = impl::balanced_query_tiles<Rows96>(e, 2);
-  CHECK(split.tiles == 12);
-  std::vector<int> h = tile_heights(split, e.queries, 6);
-  CHECK(std::accumulate(h.begin(), h.end(), 0) == 1024);
-  CHECK(*std::min_element(h.begin(), h.end()) >= 84);
-  CHECK(*std::max_element(h.begin(), h.end()) == 90);
-  for (std::size_t t = 0; t + 1 < h.size(); ++t) CHECK(h[t] % 6 == 0);
-  CHECK(h.back() == 88);  // the last tile ends at the last query
-  // A sequence that already splits evenly keeps block_q: 8 tiles of 96 on 4 threads.
-  e.queries = 768;
-  CHECK(impl::balanced_query_tiles<Rows96>(e, 4).tiles == 0);
-  // Shorter than one tile on 2 threads: two tiles, 42 and 48 rows.
-  e.queries = 90;
-  split = impl::balanced_query_tiles<Rows96>(e, 2);
-  CHECK(split.tiles == 2);
-  CHECK(tile_heights(split, e.queries, 6) == std::vector<int>{42, 48});
-  // Never a tile above block_q or below half of it (bar the last): N = 1000..1100, 2..5 threads.
-  for (int n = 1000; n <= 1100; ++n)
-    for (int threads = 2; threads <= 5; ++threads) {
-      e.queries = n;
-      split = impl::balanced_query_tiles<Rows96>(e, threads).resolved(n, 96, 6);
-      h = tile_heights(split, n, 6);
-      INFO("N=", n, " threads=", threads);
-      CHECK(std::accumulate(h.begin(), h.end(), 0) == n);
-      CHECK(*std::max_element(h.begin(), h.end()) <= 96);
-      CHECK(*std::min_element(h.begin(), h.end() - 1) >= 48);
+  for (bool rows_are_work : {true, false}) {
+    INFO("rows_are_work=", rows_are_work);
+    // 1 thread, or many tiles per thread: tiles of block_q rows.
+    e.queries = 1024;
+    e.heads = 1;
+    CHECK(impl::balanced_query_tiles<Rows96>(e, 1, rows_are_work).tiles == 0);
+    e.heads = 16;
+    CHECK(impl::balanced_query_tiles<Rows96>(e, 2, rows_are_work).tiles == 0);
+    // N = 1024 on 2 threads: 11 tiles of 96 rows are 6 + 5 (544 rows vs 480).
+    // Rows as work: 171 groups of 6 rows over 12 tiles of 14 or 15 groups.
+    // Otherwise 13 tiles of 84 rows, the last 16 (7 + 6 tiles, 520 and 504 rows).
+    e.heads = 1;
+    impl::QueryTiles split = impl::balanced_query_tiles<Rows96>(e, 2, rows_are_work);
+    std::vector<int> h = tile_heights(split, e.queries, 6);
+    CHECK(std::accumulate(h.begin(), h.end(), 0) == 1024);
+    for (std::size_t t = 0; t + 1 < h.size(); ++t) CHECK(h[t] % 6 == 0);
+    if (rows_are_work) {
+      CHECK(split.tiles == 12);
+      CHECK(*std::min_element(h.begin(), h.end()) >= 84);
+      CHECK(*std::max_element(h.begin(), h.end()) == 90);
+      CHECK(h.back() == 88);  // the last tile ends at the last query
+    } else {
+      CHECK(split.tiles == 13);
+      CHECK(std::count(h.begin(), h.end(), 84) == 12);
+      CHECK(h.back() == 16);
     }
+    // A sequence that already splits evenly keeps block_q: 8 tiles of 96 on 4 threads.
+    e.queries = 768;
+    CHECK(impl::balanced_query_tiles<Rows96>(e, 4, rows_are_work).tiles == 0);
+    // Shorter than one tile on 2 threads: two tiles, 48 and 42 rows.
+    e.queries = 90;
+    split = impl::balanced_query_tiles<Rows96>(e, 2, rows_are_work);
+    CHECK(tile_heights(split, e.queries, 6) == std::vector<int>{48, 42});
+    // Never a tile above block_q or below half of it (bar the last): N = 1000..1100, 2..5 threads.
+    for (int n = 1000; n <= 1100; ++n)
+      for (int threads = 2; threads <= 5; ++threads) {
+        e.queries = n;
+        split = impl::balanced_query_tiles<Rows96>(e, threads, rows_are_work).resolved(n, 96, 6);
+        h = tile_heights(split, n, 6);
+        INFO("N=", n, " threads=", threads);
+        CHECK(std::accumulate(h.begin(), h.end(), 0) == n);
+        CHECK(*std::max_element(h.begin(), h.end()) <= 96);
+        CHECK(*std::min_element(h.begin(), h.end() - 1) >= 48);
+      }
+  }
 }
 
 TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight", T, float,

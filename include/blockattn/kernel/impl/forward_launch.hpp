@@ -210,20 +210,22 @@ int forward_league_size(const ForwardExtents& e, const QueryTiles& split = {}) {
 }
 
 /// The query split for `threads` threads taking teams one at a time
-/// (heaviest-first, dynamic): tiles of block_q rows, unless an even split over
-/// as many or more tiles (each at most block_q and at least half of it tall)
+/// (heaviest-first, dynamic): tiles of block_q rows, unless another split
 /// finishes sooner by the row count. At N = 1024 on 2 threads 11 tiles of 96
-/// rows are 6 tiles (544 rows) on one thread and 5 (480) on the other; 12
-/// tiles of 84 or 90 rows are 6 + 6 (about 512 rows each). Only for few teams
-/// per thread (below 8): beyond that dynamic scheduling evens out within a few
-/// percent, every extra tile streams all of K and V once more, and tile
-/// heights other than block_q cut more key tiles on the diagonal of causal
-/// masks (an even split of the same number of tiles measured 2-5 % slower at
-/// N = 2048 and 4096, causal, 2 threads). Rows stand for work, which holds for
-/// masks that keep whole rows (full; the per-tile differences of causal masks
-/// are left to the heaviest-first order).
+/// rows are 6 tiles (544 rows) on one thread and 5 (480) on the other. The
+/// candidates, each tile at most block_q and at least half of it tall:
+///  - tiles of fewer rows (a multiple of micro_rows; 13 tiles of 84 rows, the
+///    last 16, are 7 + 6 tiles, 520 and 504 rows);
+///  - where `rows_are_work` (every query row meets the same keys: the mask
+///    keeps the whole block), an even split over as many or more tiles (12
+///    tiles of 84 or 90 rows: about 512 rows per thread). Elsewhere tile
+///    heights other than block_q cut more key tiles on a causal diagonal:
+///    there an even split measured up to 6 % slower at N = 512, 2 threads.
+/// Only for few teams per thread (below 8): beyond that dynamic scheduling
+/// evens out within a few percent, and every extra tile streams all of K and
+/// V once more.
 template <class Shape>
-QueryTiles balanced_query_tiles(const ForwardExtents& e, int threads) {
+QueryTiles balanced_query_tiles(const ForwardExtents& e, int threads, bool rows_are_work) {
   constexpr int BQ = Shape::block_q, MR = Shape::micro_rows;
   const QueryTiles whole = QueryTiles::rows(e.queries, BQ, MR);
   const std::int64_t heads = std::int64_t(e.batch) * e.heads;
@@ -243,16 +245,22 @@ QueryTiles balanced_query_tiles(const ForwardExtents& e, int threads) {
   };
   QueryTiles best{};
   std::int64_t best_time = makespan(whole);
-  const int groups = (e.queries + MR - 1) / MR;
-  for (int tiles = whole.tiles; tiles <= groups; ++tiles) {
-    const int tallest = (groups + tiles - 1) / tiles * MR;  // rows of the tallest tile
-    if (tallest > BQ) continue;
-    if (2 * tallest < BQ) break;
-    const QueryTiles split = QueryTiles::even(e.queries, tiles, MR);
+  auto consider = [&](const QueryTiles& split) {
     const std::int64_t t = makespan(split);
     if (t < best_time) {
       best = split;
       best_time = t;
+    }
+  };
+  for (int rows = BQ - MR; rows >= MR && 2 * rows >= BQ; rows -= MR)
+    consider(QueryTiles::rows(e.queries, rows, MR));
+  if (rows_are_work) {
+    const int groups = (e.queries + MR - 1) / MR;
+    for (int tiles = whole.tiles; tiles <= groups; ++tiles) {
+      const int tallest = (groups + tiles - 1) / tiles * MR;  // rows of the tallest tile
+      if (tallest > BQ) continue;
+      if (2 * tallest < BQ) break;
+      consider(QueryTiles::even(e.queries, tiles, MR));
     }
   }
   return best;
@@ -346,8 +354,13 @@ void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const K
                                                  Kernel::pad_dim(e.dim), &buffers);
     pack_kv(exec, k, v, kv);
     BlockStep<T, mem> step;
-    if constexpr (is_host_space_v<ExecSpace>)
-      step.query_tiles = balanced_query_tiles<S>(e, exec.concurrency());
+    if constexpr (is_host_space_v<ExecSpace>) {
+      // Rows are work where every query meets every key of the block.
+      const bool rows_are_work = e.queries > 0 && e.keys > 0 &&
+                                 mask.classify(qpos(0), qpos(e.queries - 1) + 1, kpos(0),
+                                               kpos(e.keys - 1) + 1) == TileKind::full;
+      step.query_tiles = balanced_query_tiles<S>(e, exec.concurrency(), rows_are_work);
+    }
     launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, s, step);
   });
 }
