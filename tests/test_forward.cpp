@@ -319,12 +319,17 @@ TEST_CASE("balanced_query_tiles: other query tiles only when they finish sooner"
   impl::ForwardExtents e{1, 1, 1, 1024, 1024, 64};
   for (bool rows_are_work : {true, false}) {
     INFO("rows_are_work=", rows_are_work);
-    // 1 thread, or many tiles per thread: tiles of block_q rows.
+    // 1 thread: tiles of block_q rows.
     e.queries = 1024;
     e.heads = 1;
     CHECK(impl::balanced_query_tiles<Rows96>(e, 1, rows_are_work).tiles == 0);
+    // Many: as many tiles, of (nearly) equal height where rows are work.
     e.heads = 16;
-    CHECK(impl::balanced_query_tiles<Rows96>(e, 2, rows_are_work).tiles == 0);
+    const impl::QueryTiles many = impl::balanced_query_tiles<Rows96>(e, 2, rows_are_work);
+    CHECK(many.tiles == (rows_are_work ? 11 : 0));
+    if (rows_are_work)
+      CHECK(tile_heights(many, 1024, 6) ==
+            std::vector<int>{90, 96, 90, 96, 90, 96, 90, 96, 90, 96, 94});
     // N = 1024 on 2 threads: 11 tiles of 96 rows are 6 + 5 (544 rows vs 480).
     // Rows as work: 171 groups of 6 rows over 12 tiles of 14 or 15 groups.
     // Otherwise 13 tiles of 84 rows, the last 16 (7 + 6 tiles, 520 and 504 rows).

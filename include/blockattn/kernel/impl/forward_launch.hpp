@@ -221,15 +221,18 @@ int forward_league_size(const ForwardExtents& e, const QueryTiles& split = {}) {
 ///    tiles of 84 or 90 rows: about 512 rows per thread). Elsewhere tile
 ///    heights other than block_q cut more key tiles on a causal diagonal:
 ///    there an even split measured up to 6 % slower at N = 512, 2 threads.
-/// Only for few teams per thread (below 8): beyond that dynamic scheduling
-/// evens out within a few percent, and every extra tile streams all of K and
-/// V once more.
+/// With 8 or more teams per thread dynamic scheduling evens out within a few
+/// percent and every extra tile streams all of K and V once more: there only
+/// the even split over the same number of tiles, where rows are work (N = 2048
+/// on 2 threads: 22 tiles of 90 or 96 rows instead of 21 of 96 and one of 32).
 template <class Shape>
 QueryTiles balanced_query_tiles(const ForwardExtents& e, int threads, bool rows_are_work) {
   constexpr int BQ = Shape::block_q, MR = Shape::micro_rows;
   const QueryTiles whole = QueryTiles::rows(e.queries, BQ, MR);
   const std::int64_t heads = std::int64_t(e.batch) * e.heads;
-  if (threads <= 1 || e.queries <= 0 || heads * whole.tiles >= 8 * std::int64_t(threads)) return {};
+  if (threads <= 1 || e.queries <= 0) return {};
+  if (heads * whole.tiles >= 8 * std::int64_t(threads))
+    return rows_are_work ? QueryTiles::even(e.queries, whole.tiles, MR) : QueryTiles{};
   // Makespan (in rows, plus a team's fixed cost of one micro-tile row) of the
   // heaviest-first dynamic order: the tiles of a (batch, head) are taken
   // last-first, each by the thread that is free first.
