@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // Forward and backward throughput on Kokkos' default execution space (a GPU in
 // a CUDA/HIP build of Kokkos), on the shapes issue "GPU" asks for: B = 1,
-// H = 16, D = 128, N = 4096 / 8192 / 16384, full and causal, fp32; with
+// H = 16, D = 128, N = 4096 / 8192 / 16384, full and causal, fp32 and bf16
+// (16-bit storage, computed in fp32); with
 // `--torch FILE` (bench/torch_sdpa.py --device cuda --heads 16 ...) PyTorch's
 // scaled_dot_product_attention rates on the same GPU are printed next to
 // ours, measured in the same job.
 //
 //   blockattn_bench_gpu [--lengths 4096,8192,16384] [--heads 16] [--dim 128]
-//                       [--reps 5] [--torch FILE]
+//                       [--reps 5] [--dtypes fp32,bf16] [--torch FILE]
 //
 // FLOP conventions (as bench_forward.cpp and FlashAttention's): 4 * D per
 // allowed query-key pair forward, 2.5x that backward, counted on the pairs the
@@ -31,15 +32,22 @@
 namespace {
 
 using Exec = Kokkos::DefaultExecutionSpace;
-using T = float;
-using V4 = Kokkos::View<T****, Kokkos::LayoutRight, Exec::memory_space>;
-using V3 = Kokkos::View<T***, Kokkos::LayoutRight, Exec::memory_space>;
+using V4f = Kokkos::View<float****, Kokkos::LayoutRight, Exec::memory_space>;
+using V3 = Kokkos::View<float***, Kokkos::LayoutRight, Exec::memory_space>;
 
 std::vector<int> parse_list(const std::string& s) {
   std::vector<int> out;
   std::stringstream in(s);
   std::string item;
   while (std::getline(in, item, ',')) out.push_back(std::atoi(item.c_str()));
+  return out;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(item);
   return out;
 }
 
@@ -73,10 +81,78 @@ double best_seconds(const Exec& exec, int reps, F&& f) {
 
 }  // namespace
 
+namespace bench_gpu {
+
+/// Forward and backward of every length and mask in value type T (float or
+/// bf16; bf16 is stored in 16 bits and computed in fp32, LSE in fp32).
+template <class T>
+void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengths, int heads,
+              int dim, int reps,
+              const std::map<std::string, std::pair<double, std::string>>& torch) {
+  using V4 = Kokkos::View<T****, Kokkos::LayoutRight, Exec::memory_space>;
+  Kokkos::Random_XorShift64_Pool<Exec> pool(7);
+  for (int n : lengths) {
+    V4 q("q", 1, n, heads, dim), k("k", 1, n, heads, dim), v("v", 1, n, heads, dim);
+    V4 o("o", 1, n, heads, dim), dout("dout", 1, n, heads, dim);
+    V4 dq("dq", 1, n, heads, dim), dk("dk", 1, n, heads, dim), dv("dv", 1, n, heads, dim);
+    V3 lse("lse", 1, heads, n);
+    {
+      V4f r("r", 1, n, heads, dim);
+      for (auto* x : {&q, &k, &v, &dout}) {
+        Kokkos::fill_random(r, pool, 1.0f);  // [0, 1)
+        V4 dst = *x;
+        const std::size_t count = r.size();
+        float* src = r.data();
+        T* out = dst.data();
+        Kokkos::parallel_for(
+            "bench_gpu_fill", Kokkos::RangePolicy<Exec>(exec, 0, count),
+            KOKKOS_LAMBDA(std::size_t i) { out[i] = T(2.0f * src[i] - 1.0f); });
+      }
+      exec.fence();
+    }
+    for (bool causal : {false, true}) {
+      const double pairs = causal ? double(n) * (n + 1) / 2 : double(n) * n;
+      const double fwd_flops = 4.0 * dim * pairs * heads;
+      const char* mask = causal ? "causal" : "full";
+      auto fwd = [&] {
+        if (causal)
+          blockattn::attention_forward(exec, q, k, v, o, lse, blockattn::CausalMask{});
+        else
+          blockattn::attention_forward(exec, q, k, v, o, lse);
+      };
+      auto bwd = [&] {
+        if (causal)
+          blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv,
+                                        blockattn::CausalMask{});
+        else
+          blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv);
+      };
+      for (int op = 0; op < 2; ++op) {
+        const double s = op == 0 ? best_seconds(exec, reps, fwd) : best_seconds(exec, reps, bwd);
+        const double tf = (op == 0 ? 1.0 : 2.5) * fwd_flops / s * 1e-12;
+        const std::string key = std::string(op == 0 ? "fwd" : "bwd") + "/" + std::to_string(n) +
+                                "/" + std::to_string(dim) + "/" + mask + "/" + dtype;
+        const auto it = torch.find(key);
+        if (it != torch.end())
+          std::printf("%-4s %-5s %6d %-7s %10.3f %12.2f %7.2f %-4s %8.2f\n",
+                      op == 0 ? "fwd" : "bwd", dtype, n, mask, s * 1e3, tf, it->second.first,
+                      it->second.second.c_str(), tf / it->second.first);
+        else
+          std::printf("%-4s %-5s %6d %-7s %10.3f %12.2f %12s %8s\n", op == 0 ? "fwd" : "bwd", dtype,
+                      n, mask, s * 1e3, tf, "-", "-");
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
+}  // namespace bench_gpu
+
 int main(int argc, char** argv) {
   Kokkos::initialize(argc, argv);
   {
     std::vector<int> lengths{4096, 8192, 16384};
+    std::vector<std::string> dtypes{"fp32", "bf16"};
     int heads = 16, dim = 128, reps = 5;
     std::string torch_file;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -89,6 +165,8 @@ int main(int argc, char** argv) {
         dim = std::atoi(argv[i + 1]);
       else if (a == "--reps")
         reps = std::atoi(argv[i + 1]);
+      else if (a == "--dtypes")
+        dtypes = split(argv[i + 1]);
       else if (a == "--torch")
         torch_file = argv[i + 1];
       else {
@@ -96,52 +174,22 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
+    for (const auto& d : dtypes)
+      if (d != "fp32" && d != "bf16") {
+        std::fprintf(stderr, "--dtypes: expected fp32 and/or bf16, got %s\n", d.c_str());
+        return 2;
+      }
     const auto torch = torch_file.empty() ? decltype(read_torch("")){} : read_torch(torch_file);
     const Exec exec;
-    std::printf("BlockAttn %s on %s, fp32, B = 1, H = %d, D = %d\n", "bench_gpu", Exec::name(),
-                heads, dim);
-    std::printf("%-4s %6s %-7s %10s %12s %12s %8s\n", "op", "N", "mask", "ms", "TFLOP/s", "torch",
-                "ours/pt");
-    Kokkos::Random_XorShift64_Pool<Exec> pool(7);
-    for (int n : lengths) {
-      V4 q("q", 1, n, heads, dim), k("k", 1, n, heads, dim), v("v", 1, n, heads, dim);
-      V4 o("o", 1, n, heads, dim), dout("dout", 1, n, heads, dim);
-      V4 dq("dq", 1, n, heads, dim), dk("dk", 1, n, heads, dim), dv("dv", 1, n, heads, dim);
-      V3 lse("lse", 1, heads, n);
-      for (auto* x : {&q, &k, &v, &dout}) Kokkos::fill_random(*x, pool, T(-1), T(1));
-      for (bool causal : {false, true}) {
-        const double pairs = causal ? double(n) * (n + 1) / 2 : double(n) * n;
-        const double fwd_flops = 4.0 * dim * pairs * heads;
-        const char* mask = causal ? "causal" : "full";
-        auto fwd = [&] {
-          if (causal)
-            blockattn::attention_forward(exec, q, k, v, o, lse, blockattn::CausalMask{});
-          else
-            blockattn::attention_forward(exec, q, k, v, o, lse);
-        };
-        auto bwd = [&] {
-          if (causal)
-            blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv,
-                                          blockattn::CausalMask{});
-          else
-            blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv);
-        };
-        for (int op = 0; op < 2; ++op) {
-          const double s = op == 0 ? best_seconds(exec, reps, fwd) : best_seconds(exec, reps, bwd);
-          const double tf = (op == 0 ? 1.0 : 2.5) * fwd_flops / s * 1e-12;
-          const std::string key = std::string(op == 0 ? "fwd" : "bwd") + "/" + std::to_string(n) +
-                                  "/" + std::to_string(dim) + "/" + mask + "/fp32";
-          const auto it = torch.find(key);
-          if (it != torch.end())
-            std::printf("%-4s %6d %-7s %10.3f %12.2f %7.2f %-4s %8.2f\n", op == 0 ? "fwd" : "bwd",
-                        n, mask, s * 1e3, tf, it->second.first, it->second.second.c_str(),
-                        tf / it->second.first);
-          else
-            std::printf("%-4s %6d %-7s %10.3f %12.2f %12s %8s\n", op == 0 ? "fwd" : "bwd", n, mask,
-                        s * 1e3, tf, "-", "-");
-          std::fflush(stdout);
-        }
-      }
+    std::printf("BlockAttn %s on %s, B = 1, H = %d, D = %d\n", "bench_gpu", Exec::name(), heads,
+                dim);
+    std::printf("%-4s %-5s %6s %-7s %10s %12s %12s %8s\n", "op", "dtype", "N", "mask", "ms",
+                "TFLOP/s", "torch", "ours/pt");
+    for (const auto& d : dtypes) {
+      if (d == "fp32")
+        bench_gpu::run_type<float>(exec, "fp32", lengths, heads, dim, reps, torch);
+      else
+        bench_gpu::run_type<blockattn::bf16>(exec, "bf16", lengths, heads, dim, reps, torch);
     }
   }
   Kokkos::finalize();
