@@ -283,9 +283,10 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.resume = step.resume;
   f.finish = step.finish;
   f.q = typename Kernel::in_view(q);
-  if (kv.panel != Shape::micro_cols)
+  if (kv.panel != Kernel::Panels::kt ||
+      kv.v_panel != Kernel::Panels::v(static_cast<int>(kv.kt.extent(3))))
     throw std::logic_error(
-        "BlockAttn: packed K panel width differs from the tile shape's micro_cols");
+        "BlockAttn: packed K/V panels differ from the forward kernel's (allocate_forward_kv)");
   f.kt = kv.kt;
   f.v = kv.v;
   f.o = typename Kernel::out_view(o);

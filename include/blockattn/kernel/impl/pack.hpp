@@ -16,17 +16,19 @@ namespace blockattn::impl {
 ///                                                            (dim x block_k) span per tile
 ///   v  (batch, kv_head, keys_padded, head_dim_padded)        V, one contiguous
 ///                                                            (block_k x dim) span per tile
-/// Inside a tile's span, K^T is stored in panels of `panel` keys (the micro
-/// tile width): panel p holds keys [p panel, (p + 1) panel) as a row-major
-/// (dim x panel) matrix (kt_tile_offset); V in panels of `v_panel` head-dim
-/// columns (the P*V micro tile width): panel p holds columns [p v_panel, (p +
-/// 1) v_panel) as a row-major (block_k x v_panel) matrix (v_tile_offset). So
-/// one micro tile streams its B operand from consecutive memory. (A K^T with the whole sequence as
-/// leading dimension put rows 16 KiB apart and halved the micro kernel's rate
-/// through cache-set conflicts; rows of one tile, 512 B apart, still mapped a
-/// micro tile's dim x 64 B onto an eighth of L1's sets.) keys_padded is a
-/// multiple of block_k and head_dim_padded of the micro tile width, so the
-/// micro kernels never test bounds and padded rows and columns add 0.
+/// Inside a tile's span, K^T is stored in panels of `panel` keys: panel p
+/// holds keys [p panel, (p + 1) panel) as a row-major (dim x panel) matrix
+/// (kt_tile_offset); V in panels of `v_panel` head-dim columns: panel p holds
+/// columns [p v_panel, (p + 1) v_panel) as a row-major (block_k x v_panel)
+/// matrix (v_tile_offset). The forward kernel's widths are ForwardPanels: on
+/// host spaces the micro tile's width, so that one micro tile streams its B
+/// operand from consecutive memory; on devices the whole tile (one panel).
+/// (A K^T with the whole sequence as leading dimension put rows 16 KiB apart
+/// and halved the micro kernel's rate through cache-set conflicts; rows of
+/// one tile, 512 B apart, still mapped a micro tile's dim x 64 B onto an
+/// eighth of L1's sets.) keys_padded is a multiple of block_k and
+/// head_dim_padded of the micro tile width, so the micro kernels never test
+/// bounds and padded rows and columns add 0.
 template <class T, class MemorySpace>
 struct PackedKV {
   using kt_view = Kokkos::View<T*****, Kokkos::LayoutRight, MemorySpace>;
