@@ -23,6 +23,39 @@ struct ForwardExtents {
   int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0, dim = 0;
 };
 
+/// How a forward launch cuts the queries of each (batch, head) into team
+/// tiles: tile qt holds the micro-row groups (micro_rows rows each)
+/// [qt * groups / tiles, (qt + 1) * groups / tiles), the last one clipped to
+/// the queries. `tiles` = 0 means tiles of block_q rows (`rows`); `even`
+/// spreads all groups over `tiles` tiles whose heights differ by at most one
+/// group. Every tile holds at most block_q rows (checked at the launch).
+struct QueryTiles {
+  int tiles = 0;   // per (batch, head); 0: tiles of block_q rows
+  int groups = 0;  // micro-row groups spread over the tiles
+
+  /// Tiles of `rows` rows (a multiple of micro_rows; the last one partial).
+  static QueryTiles rows(int queries, int rows, int micro_rows) {
+    const int t = (queries + rows - 1) / rows;
+    return {t, t * (rows / micro_rows)};
+  }
+  /// `tiles` tiles of (nearly) equal height.
+  static QueryTiles even(int queries, int tiles, int micro_rows) {
+    return {tiles, (queries + micro_rows - 1) / micro_rows};
+  }
+  /// The concrete split of `queries` queries (resolves tiles = 0).
+  QueryTiles resolved(int queries, int block_q, int micro_rows) const {
+    return tiles > 0 ? *this : rows(queries, block_q, micro_rows);
+  }
+  /// First query row of tile qt, and one past its last.
+  KOKKOS_INLINE_FUNCTION int begin(int qt, int micro_rows) const {
+    return micro_rows * static_cast<int>(std::int64_t(qt) * groups / tiles);
+  }
+  KOKKOS_INLINE_FUNCTION int end(int qt, int micro_rows, int queries) const {
+    const int stop = begin(qt + 1, micro_rows);
+    return stop < queries ? stop : queries;
+  }
+};
+
 /// Width of the forward's P*V micro tile, and so of the packed V panels: the
 /// full micro tile for the compile-time head dims, one granule otherwise.
 template <class Shape, int StaticD>
@@ -135,13 +168,12 @@ struct ForwardKernel {
   QPos qpos;
   KPos kpos;
   ForwardExtents ext;
-  int dim_padded = 0, q_tiles = 0, k_tiles = 0, group = 1;
-  // Query tile qt of a (batch, head) holds the micro-row groups (MR rows each)
-  // [qt * q_groups / q_tiles, (qt + 1) * q_groups / q_tiles), clipped to the
-  // queries (QueryTiles in forward_launch.hpp): tiles of BQ rows, or an even
-  // split over more, shorter tiles when few tiles per thread would leave
-  // threads idle (balanced_query_tiles). At most BQ rows: scratch is sized for BQ.
-  int q_groups = 0;
+  int dim_padded = 0, k_tiles = 0, group = 1;
+  // The query tiles of each (batch, head), resolved (tiles > 0): tiles of BQ
+  // rows, or an even split over more, shorter tiles when few tiles per thread
+  // would leave threads idle (balanced_query_tiles). At most BQ rows each:
+  // scratch is sized for BQ.
+  QueryTiles q_split;
   T q_scale = T(1);  // softmax scale * log2(e): logits are kept in base 2
 
   static std::size_t scratch_bytes(int dim_padded) {
@@ -169,13 +201,13 @@ struct ForwardKernel {
     const int dp = padded_dim();
     // Heavier (later) query tiles first: with causal masks they carry more tiles.
     const int league = team.league_rank() + league_begin;
+    const int q_tiles = q_split.tiles;
     const int qt = q_tiles - 1 - league % q_tiles;
     const int h = (league / q_tiles) % ext.heads;
     const int b = league / (q_tiles * ext.heads);
     const int hk = h / group;
-    const int q0 = MR * static_cast<int>(std::int64_t(qt) * q_groups / q_tiles);
-    const int q_stop = MR * static_cast<int>(std::int64_t(qt + 1) * q_groups / q_tiles);
-    const int q_rows = (q_stop < ext.queries ? q_stop : ext.queries) - q0;
+    const int q0 = q_split.begin(qt, MR);
+    const int q_rows = q_split.end(qt, MR, ext.queries) - q0;
 
     const int level = scratch_level;
     T* const qs = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));

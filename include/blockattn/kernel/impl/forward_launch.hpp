@@ -151,38 +151,6 @@ T softmax_scale(double requested, int head_dim) {
   return std::isnan(requested) ? T(1) / std::sqrt(T(head_dim)) : T(requested);
 }
 
-/// How a forward launch cuts the queries of each (batch, head) into team
-/// tiles: tile qt holds the micro-row groups (micro_rows rows each)
-/// [qt * groups / tiles, (qt + 1) * groups / tiles), the last one clipped to
-/// the queries. `tiles` = 0 means tiles of block_q rows (`rows`); `even`
-/// spreads all groups over `tiles` tiles whose heights differ by at most one
-/// group. Every tile holds at most block_q rows (checked at the launch).
-struct QueryTiles {
-  int tiles = 0;   // per (batch, head); 0: tiles of block_q rows
-  int groups = 0;  // micro-row groups spread over the tiles
-
-  /// Tiles of `rows` rows (a multiple of micro_rows; the last one partial).
-  static QueryTiles rows(int queries, int rows, int micro_rows) {
-    const int t = (queries + rows - 1) / rows;
-    return {t, t * (rows / micro_rows)};
-  }
-  /// `tiles` tiles of (nearly) equal height.
-  static QueryTiles even(int queries, int tiles, int micro_rows) {
-    return {tiles, (queries + micro_rows - 1) / micro_rows};
-  }
-  /// The concrete split of `queries` queries (resolves tiles = 0).
-  QueryTiles resolved(int queries, int block_q, int micro_rows) const {
-    return tiles > 0 ? *this : rows(queries, block_q, micro_rows);
-  }
-  /// First query row of tile qt, and one past its last.
-  int begin(int qt, int micro_rows) const {
-    return micro_rows * static_cast<int>(std::int64_t(qt) * groups / tiles);
-  }
-  int end(int qt, int micro_rows, int queries) const {
-    return std::min(queries, begin(qt + 1, micro_rows));
-  }
-};
-
 /// How one kernel call relates to the calls before and after it over other
 /// K/V blocks of the same queries (the ring schedules make one call per step).
 template <class T, class MemorySpace>
@@ -314,12 +282,11 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
                         split.begin(split.tiles - 1, MR) >= e.queries))
     throw std::logic_error(
         "BlockAttn: forward query tiles must hold 1 to block_q rows each and cover the queries");
-  f.q_tiles = split.tiles;
-  f.q_groups = split.groups;
+  f.q_split = split;
   f.k_tiles = step.skip_keys ? 0 : (e.keys + Shape::block_k - 1) / Shape::block_k;
   f.group = e.heads / e.kv_heads;
   f.q_scale = scale * log2e<T>;
-  const int full_league = e.batch * e.heads * f.q_tiles;
+  const int full_league = e.batch * e.heads * split.tiles;
   f.league_begin = step.league_begin;
   const int league = (step.league_end < 0 ? full_league : step.league_end) - step.league_begin;
   if (league <= 0) return;
