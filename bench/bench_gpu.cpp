@@ -20,7 +20,9 @@
 #include <Kokkos_Core.hpp>
 #include <Kokkos_Random.hpp>
 
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -35,20 +37,32 @@ using Exec = Kokkos::DefaultExecutionSpace;
 using V4f = Kokkos::View<float****, Kokkos::LayoutRight, Exec::memory_space>;
 using V3 = Kokkos::View<float***, Kokkos::LayoutRight, Exec::memory_space>;
 
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::atoi(item.c_str()));
-  return out;
-}
-
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream in(s);
   std::string item;
   while (std::getline(in, item, ',')) out.push_back(item);
   return out;
+}
+
+/// A positive int, or false (the caller names the flag).
+bool positive_int(const std::string& s, int& out) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(s.c_str(), &end, 10);
+  if (s.empty() || *end != '\0' || errno != 0 || v <= 0 || v > INT_MAX) return false;
+  out = static_cast<int>(v);
+  return true;
+}
+
+bool parse_list(const std::string& s, std::vector<int>& out) {
+  out.clear();
+  for (const std::string& item : split(s)) {
+    int v = 0;
+    if (!positive_int(item, v)) return false;
+    out.push_back(v);
+  }
+  return !out.empty();
 }
 
 /// PyTorch's rates: "<fwd|bwd> N D mask dtype TFLOP/s backend" per line.
@@ -148,48 +162,65 @@ void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengt
 
 }  // namespace bench_gpu
 
+/// The command line (after Kokkos::initialize took its own flags).
+struct Args {
+  std::vector<int> lengths{4096, 8192, 16384};
+  std::vector<std::string> dtypes{"fp32", "bf16"};
+  int heads = 16, dim = 128, reps = 5;
+  std::string torch_file;
+};
+
+/// Fills `args`; returns what is wrong with the command line, or "".
+std::string parse_args(int argc, char** argv, Args& args) {
+  for (int i = 1; i < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a != "--lengths" && a != "--heads" && a != "--dim" && a != "--reps" && a != "--dtypes" &&
+        a != "--torch")
+      return "unknown argument " + a +
+             " (expected --lengths, --heads, --dim, --reps, --dtypes or --torch)";
+    if (i + 1 == argc) return a + " needs a value";
+    const std::string val = argv[i + 1];
+    if (a == "--lengths" && !parse_list(val, args.lengths))
+      return a + ": expected a comma-separated list of positive integers, got '" + val + "'";
+    if ((a == "--heads" && !positive_int(val, args.heads)) ||
+        (a == "--dim" && !positive_int(val, args.dim)) ||
+        (a == "--reps" && !positive_int(val, args.reps)))
+      return a + ": expected a positive integer, got '" + val + "'";
+    if (a == "--dtypes") {
+      args.dtypes = split(val);
+      bool ok = !args.dtypes.empty();
+      for (const auto& d : args.dtypes) ok = ok && (d == "fp32" || d == "bf16");
+      if (!ok) return a + ": expected fp32 and/or bf16 (comma-separated), got '" + val + "'";
+    }
+    if (a == "--torch") args.torch_file = val;
+  }
+  return "";
+}
+
 int main(int argc, char** argv) {
   Kokkos::initialize(argc, argv);
+  Args args;
+  const std::string error = parse_args(argc, argv, args);
+  if (!error.empty()) {
+    std::fprintf(stderr, "blockattn_bench_gpu: %s\n", error.c_str());
+    Kokkos::finalize();
+    return 2;
+  }
   {
-    std::vector<int> lengths{4096, 8192, 16384};
-    std::vector<std::string> dtypes{"fp32", "bf16"};
-    int heads = 16, dim = 128, reps = 5;
-    std::string torch_file;
-    for (int i = 1; i + 1 < argc; i += 2) {
-      const std::string a = argv[i];
-      if (a == "--lengths")
-        lengths = parse_list(argv[i + 1]);
-      else if (a == "--heads")
-        heads = std::atoi(argv[i + 1]);
-      else if (a == "--dim")
-        dim = std::atoi(argv[i + 1]);
-      else if (a == "--reps")
-        reps = std::atoi(argv[i + 1]);
-      else if (a == "--dtypes")
-        dtypes = split(argv[i + 1]);
-      else if (a == "--torch")
-        torch_file = argv[i + 1];
-      else {
-        std::fprintf(stderr, "unknown argument %s\n", a.c_str());
-        return 2;
-      }
-    }
-    for (const auto& d : dtypes)
-      if (d != "fp32" && d != "bf16") {
-        std::fprintf(stderr, "--dtypes: expected fp32 and/or bf16, got %s\n", d.c_str());
-        return 2;
-      }
-    const auto torch = torch_file.empty() ? decltype(read_torch("")){} : read_torch(torch_file);
+    const auto torch =
+        args.torch_file.empty() ? decltype(read_torch("")){} : read_torch(args.torch_file);
     const Exec exec;
-    std::printf("BlockAttn %s on %s, B = 1, H = %d, D = %d\n", "bench_gpu", Exec::name(), heads,
-                dim);
+    std::printf("BlockAttn %s on %s, B = 1, H = %d, D = %d\n", "bench_gpu", Exec::name(),
+                args.heads, args.dim);
     std::printf("%-4s %-5s %6s %-7s %10s %12s %12s %8s\n", "op", "dtype", "N", "mask", "ms",
                 "TFLOP/s", "torch", "ours/pt");
-    for (const auto& d : dtypes) {
+    for (const auto& d : args.dtypes) {
       if (d == "fp32")
-        bench_gpu::run_type<float>(exec, "fp32", lengths, heads, dim, reps, torch);
+        bench_gpu::run_type<float>(exec, "fp32", args.lengths, args.heads, args.dim, args.reps,
+                                   torch);
       else
-        bench_gpu::run_type<blockattn::bf16>(exec, "bf16", lengths, heads, dim, reps, torch);
+        bench_gpu::run_type<blockattn::bf16>(exec, "bf16", args.lengths, args.heads, args.dim,
+                                             args.reps, torch);
     }
   }
   Kokkos::finalize();
