@@ -275,6 +275,15 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+/// num / den to two decimals, rounded (std::to_string(x).substr(0, 4) truncated
+/// them, and so printed 0.999 as 0.99); "-" where den was not measured.
+std::string ratio(double num, double den) {
+  if (!(den > 0) || !(num > 0)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", num / den);
+  return buf;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -298,6 +307,7 @@ int main(int argc, char** argv) {
     for (const std::string& dt : dtypes)
       if (dt != "fp32" && dt != "bf16" && dt != "fp16") {
         std::fprintf(stderr, "--dtype: '%s' is not one of fp32, bf16, fp16\n", dt.c_str());
+        Kokkos::finalize();
         return 2;
       }
     int bargc = int(args.size());
@@ -308,6 +318,9 @@ int main(int argc, char** argv) {
 
     const int threads = Exec().concurrency();
     const double peak = reporter.rate["sgemm/4096^3"];
+    char peak_buf[48];
+    std::snprintf(peak_buf, sizeof peak_buf, "%.1f GFLOP/s", peak);
+    const std::string peak_text = peak > 0 ? peak_buf : "not run";
     auto rate = [&](const std::string& name) {
       auto it = reporter.rate.find(name);
       return it == reporter.rate.end() ? 0.0 : it->second;
@@ -318,11 +331,10 @@ int main(int argc, char** argv) {
     };
     std::printf(
         "\nRatios measured in this run (%s, %d thread%s; host ISA %s, fp32 kernels run %s; "
-        "sgemm 4096^3 = %.1f "
-        "GFLOP/s; PyTorch: %s; 16-bit types are stored in 16 bits and computed in fp32, "
+        "sgemm 4096^3 = %s; PyTorch: %s; 16-bit types are stored in 16 bits and computed in fp32, "
         "\"/ fp32\" is our rate over our fp32 rate on the same case)\n",
         Exec::name(), threads, threads == 1 ? "" : "s", blockattn::host_isa_name(),
-        blockattn::host_isa_name(blockattn::dispatched_host_isa()), peak,
+        blockattn::host_isa_name(blockattn::dispatched_host_isa()), peak_text.c_str(),
         torch.empty() ? "not run" : "same run, same threads, same dtype");
     std::printf("%-15s %5s %5s %5s %7s %9s %8s %9s %8s %7s %9s %8s\n", "variant", "dtype", "N", "D",
                 "mask", "GFLOP/s", "/sgemm", "/sgemm4k", "c/f", "/ fp32", "torch", "/ torch");
@@ -337,13 +349,11 @@ int main(int argc, char** argv) {
               const double f = rate(attn_name(variant, dt, n, d, full));
               const double r32 = rate(attn_name(variant, "fp32", n, d, mask));
               const double tr = torch_rate(torch_key("fwd", dt, n, d, mask));
-              std::printf(
-                  "%-15s %5s %5d %5d %7s %9.1f %8.2f %9.2f %8s %7s %9.1f %8s\n", variant,
-                  dt.c_str(), n, d, mask == causal ? "causal" : "full", r, r / g,
-                  peak > 0 ? r / peak : 0.0,
-                  mask == causal ? std::to_string(r / f).substr(0, 4).c_str() : "",
-                  dt != "fp32" && r32 > 0 ? std::to_string(r / r32).substr(0, 4).c_str() : "", tr,
-                  tr > 0 ? std::to_string(r / tr).substr(0, 4).c_str() : "-");
+              std::printf("%-15s %5s %5d %5d %7s %9.1f %8s %9s %8s %7s %9.1f %8s\n", variant,
+                          dt.c_str(), n, d, mask == causal ? "causal" : "full", r,
+                          ratio(r, g).c_str(), ratio(r, peak).c_str(),
+                          mask == causal ? ratio(r, f).c_str() : "",
+                          dt != "fp32" ? ratio(r, r32).c_str() : "", tr, ratio(r, tr).c_str());
             }
     std::printf("\nBackward (dQ, dK, dV; GFLOP/s = 2.5 x forward FLOPs on allowed pairs)\n");
     std::printf("%5s %5s %5s %7s %9s %8s %9s %8s %7s %9s %8s\n", "dtype", "N", "D", "mask",
@@ -358,11 +368,10 @@ int main(int argc, char** argv) {
             const double f = rate(attn_name("register", dt, n, d, mask));
             const double r32 = rate(bwd_name("fp32", n, d, mask));
             const double tr = torch_rate(torch_key("bwd", dt, n, d, mask));
-            std::printf("%5s %5d %5d %7s %9.1f %8.2f %9.2f %8.2f %7s %9.1f %8s\n", dt.c_str(), n, d,
-                        mask == causal ? "causal" : "full", r, r / g, peak > 0 ? r / peak : 0.0,
-                        f > 0 ? 2.5 * f / r : 0.0,
-                        dt != "fp32" && r32 > 0 ? std::to_string(r / r32).substr(0, 4).c_str() : "",
-                        tr, tr > 0 ? std::to_string(r / tr).substr(0, 4).c_str() : "-");
+            std::printf("%5s %5d %5d %7s %9.1f %8s %9s %8s %7s %9.1f %8s\n", dt.c_str(), n, d,
+                        mask == causal ? "causal" : "full", r, ratio(r, g).c_str(),
+                        ratio(r, peak).c_str(), ratio(2.5 * f, r).c_str(),
+                        dt != "fp32" ? ratio(r, r32).c_str() : "", tr, ratio(r, tr).c_str());
           }
     benchmark::Shutdown();
   }
