@@ -202,32 +202,35 @@ std::string gemm_name(int n, int d) {
   return "sgemm/M:" + std::to_string(n) + "/N:" + std::to_string(n) + "/K:" + std::to_string(d);
 }
 
+/// Manual time in ms, for at least 0.3 s; at N >= 16384, where one call
+/// takes longer than that, exactly two timed iterations (after the warm-up
+/// call), so that the fastest is of two as PyTorch's (bench/torch_sdpa.py: at
+/// least 2 repetitions forward, 2 backward at N >= 16384).
+benchmark::internal::Benchmark* timed(benchmark::internal::Benchmark* b, int n) {
+  b->UseManualTime()->Unit(benchmark::kMillisecond);
+  return n >= 16384 ? b->Iterations(2) : b->MinTime(0.3);
+}
+
 template <class V>
 void register_dtype(int n, int d) {
   const std::string dt = blockattn::value_type_name<V>();
   for (int mask : {full, causal}) {
-    benchmark::RegisterBenchmark(attn_name("register", dt, n, d, mask).c_str(),
-                                 bm_attention<RegisterShape, V>)
-        ->Args({n, d, mask})
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond)
-        ->MinTime(0.3);
+    timed(benchmark::RegisterBenchmark(attn_name("register", dt, n, d, mask).c_str(),
+                                       bm_attention<RegisterShape, V>)
+              ->Args({n, d, mask}),
+          n);
 #ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
     if (n <= 1024 && std::is_same<V, float>::value)  // the slower variant: one size is enough
-      benchmark::RegisterBenchmark(attn_name("kokkos_batched", dt, n, d, mask).c_str(),
-                                   bm_attention<BatchedShape, V>)
-          ->Args({n, d, mask})
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond)
-          ->MinTime(0.3);
+      timed(benchmark::RegisterBenchmark(attn_name("kokkos_batched", dt, n, d, mask).c_str(),
+                                         bm_attention<BatchedShape, V>)
+                ->Args({n, d, mask}),
+            n);
 #endif
   }
   for (int mask : {full, causal})
-    benchmark::RegisterBenchmark(bwd_name(dt, n, d, mask).c_str(), bm_backward<V>)
-        ->Args({n, d, mask})
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond)
-        ->MinTime(0.3);
+    timed(benchmark::RegisterBenchmark(bwd_name(dt, n, d, mask).c_str(), bm_backward<V>)
+              ->Args({n, d, mask}),
+          n);
 }
 
 void register_all(bool quick, const std::vector<std::string>& dtypes) {
@@ -242,11 +245,7 @@ void register_all(bool quick, const std::vector<std::string>& dtypes) {
         else if (dt == "fp16")
           register_dtype<blockattn::fp16>(n, d);
       }
-      benchmark::RegisterBenchmark(gemm_name(n, d).c_str(), bm_sgemm)
-          ->Args({n, n, d})
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond)
-          ->MinTime(0.3);
+      timed(benchmark::RegisterBenchmark(gemm_name(n, d).c_str(), bm_sgemm)->Args({n, n, d}), n);
     }
   benchmark::RegisterBenchmark("sgemm/4096^3", bm_sgemm)
       ->Args({4096, 4096, 4096})
