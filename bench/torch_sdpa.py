@@ -26,15 +26,28 @@ import sys
 import time
 
 
-def best_time(fn, min_time, max_reps=50):
-    fn()  # warm-up
+def fastest(timed, min_time):
+    """The fastest of repetitions of timed() (which returns its own seconds),
+    after one warm-up call, until they add up to min_time and at least 2: the
+    rule bench_forward.cpp applies to ours (Google Benchmark's iterations up to
+    its 0.3 s minimum, and a second call where one takes longer). Earlier the
+    forward stopped at 50 repetitions and the backward took the best of 3 (2
+    at N >= 16384): fewer samples than ours at N <= 2048."""
+    timed()  # warm-up
     best, total, reps = float("inf"), 0.0, 0
-    while (total < min_time or reps < 2) and reps < max_reps:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
+    while total < min_time or reps < 2:
+        dt = timed()
         best, total, reps = min(best, dt), total + dt, reps + 1
     return best
+
+
+def best_time(fn, min_time):
+    """fastest() of fn() timed whole."""
+    def timed():
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return fastest(timed, min_time)
 
 
 def cases(a, device, heads):
@@ -92,10 +105,9 @@ def main():
                 o.backward(do)
                 return time.perf_counter() - t0
 
-            bwd()
-            times = [bwd() for _ in range(2 if n >= 16384 else 3)]
+            t = fastest(bwd, a.min_time)
             out.write(f"bwd {n} {d} {mask} {name} "
-                      f"{2.5 * 4 * d * pairs / min(times) * 1e-9:.3f}\n")
+                      f"{2.5 * 4 * d * pairs / t * 1e-9:.3f}\n")
             out.flush()
 
 
