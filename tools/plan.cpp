@@ -32,6 +32,8 @@
 #include <blockattn/calibrate.hpp>
 #include <blockattn/plan/balance.hpp>
 
+#include "cli_args.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -56,14 +58,17 @@ struct Args {
   bool steps = false, json = false;
   long long balance = -1;  // --balance SEED (>= 0: the balance analysis)
   index_type chunk = 0;
+  index_type window = 0;  // --mask window:W
 };
 
 [[noreturn]] void usage(const char* what) {
-  std::fprintf(stderr, "blockattn_plan: %s (see the header of examples/plan.cpp)\n", what);
+  std::fprintf(stderr, "blockattn_plan: %s (see the header of tools/plan.cpp)\n", what);
   std::exit(2);
 }
 
 Args parse(int argc, char** argv) {
+  using blockattn_cli::read_int;
+  using blockattn_cli::read_real;
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -71,18 +76,21 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) usage(("missing value after " + f).c_str());
       return argv[++i];
     };
+    auto check = [](const std::string& error) {
+      if (!error.empty()) usage(error.c_str());
+    };
     if (f == "--n")
-      a.n = std::atoll(val().c_str());
+      check(read_int(f, val(), a.n));
     else if (f == "--p")
-      a.p = std::atoi(val().c_str());
+      check(read_int(f, val(), a.p));
     else if (f == "--batch")
-      a.batch = std::atoi(val().c_str());
+      check(read_int(f, val(), a.batch));
     else if (f == "--heads")
-      a.heads = std::atoi(val().c_str());
+      check(read_int(f, val(), a.heads));
     else if (f == "--kv-heads")
-      a.kv_heads = std::atoi(val().c_str());
+      check(read_int(f, val(), a.kv_heads));
     else if (f == "--dim")
-      a.dim = std::atoi(val().c_str());
+      check(read_int(f, val(), a.dim));
     else if (f == "--dtype") {
       a.dtype_name = val();
       if (a.dtype_name == "fp32")
@@ -92,29 +100,32 @@ Args parse(int argc, char** argv) {
       else if (a.dtype_name == "bf16" || a.dtype_name == "fp16")
         a.dtype = 2;
       else
-        usage("--dtype must be fp32, fp64, bf16 or fp16");
+        usage(("--dtype: expected fp32, fp64, bf16 or fp16, got '" + a.dtype_name + "'").c_str());
     } else if (f == "--mask")
       a.mask = val();
     else if (f == "--tile") {
       const std::string t = val();
-      if (std::sscanf(t.c_str(), "%dx%d", &a.block_q, &a.block_k) != 2)
-        usage("--tile expects BQxBK, e.g. 64x64");
+      const std::vector<std::string> bq_bk = blockattn_cli::split(t, 'x');
+      if (bq_bk.size() != 2 || !read_int(f, bq_bk[0], a.block_q).empty() ||
+          !read_int(f, bq_bk[1], a.block_k).empty())
+        usage(
+            ("--tile: expected BQxBK with positive integers, e.g. 64x64, got '" + t + "'").c_str());
     } else if (f == "--hw")
       a.hw = val();
     else if (f == "--flops")
-      a.flops = std::atof(val().c_str());
+      check(read_real(f, val(), a.flops, true));
     else if (f == "--bandwidth")
-      a.bandwidth = std::atof(val().c_str());
+      check(read_real(f, val(), a.bandwidth, true));
     else if (f == "--latency")
-      a.latency = std::atof(val().c_str());
-    else if (f == "--memory")
-      a.memory = std::atof(val().c_str());
-    else if (f == "--ranks-per-node")
-      a.ranks_per_node = std::atoi(val().c_str());
+      check(read_real(f, val(), a.latency, false));
+    else if (f == "--memory")  // 0: unlimited
+      check(read_real(f, val(), a.memory, false));
+    else if (f == "--ranks-per-node")  // 0: one link level
+      check(read_int(f, val(), a.ranks_per_node, 0));
     else if (f == "--intra-bandwidth")
-      a.intra_bandwidth = std::atof(val().c_str());
+      check(read_real(f, val(), a.intra_bandwidth, true));
     else if (f == "--intra-latency")
-      a.intra_latency = std::atof(val().c_str());
+      check(read_real(f, val(), a.intra_latency, false));
     else if (f == "--data")
       a.data = val();
     else if (f == "--steps")
@@ -122,16 +133,22 @@ Args parse(int argc, char** argv) {
     else if (f == "--json")
       a.json = true;
     else if (f == "--balance")
-      a.balance = std::atoll(val().c_str());
+      check(read_int(f, val(), a.balance, 0));
     else if (f == "--chunk")
-      a.chunk = std::atoll(val().c_str());
+      check(read_int(f, val(), a.chunk));
     else if (f.rfind("--kokkos", 0) != 0)
       usage(("unknown option " + f).c_str());
   }
   if (a.kv_heads == 0) a.kv_heads = a.heads;
-  if (a.n <= 0 || a.p <= 0 || a.batch <= 0 || a.heads <= 0 || a.dim <= 0 ||
-      a.heads % a.kv_heads != 0)
-    usage("--n, --p, --batch, --heads, --dim must be positive and --kv-heads divide --heads");
+  if (a.mask.rfind("window:", 0) == 0) {
+    if (!read_int("--mask window:W", a.mask.substr(7), a.window).empty())
+      usage(("--mask: expected window:W with W >= 1, got '" + a.mask + "'").c_str());
+  } else if (a.mask != "full" && a.mask != "causal")
+    usage(("--mask: expected full, causal or window:W, got '" + a.mask + "'").c_str());
+  if (a.heads % a.kv_heads != 0)
+    usage(("--kv-heads: expected a divisor of --heads (" + std::to_string(a.heads) + "), got " +
+           std::to_string(a.kv_heads))
+              .c_str());
   return a;
 }
 
@@ -384,10 +401,8 @@ int main(int argc, char** argv) {
       rc = run(a, FullMask{});
     else if (a.mask == "causal")
       rc = run(a, CausalMask{});
-    else if (a.mask.rfind("window:", 0) == 0)
-      rc = run(a, causal_window(std::atoll(a.mask.c_str() + 7)));
-    else
-      usage("--mask must be full, causal or window:W");
+    else  // window:W (parse checked it)
+      rc = run(a, causal_window(a.window));
   }
   if (kernels) Kokkos::finalize();
   return rc;
