@@ -21,6 +21,8 @@
 #include <blockattn/calibrate.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
+#include "../tools/cli_args.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -49,33 +51,25 @@ struct Args {
   int heads = 1, dim = 64, reps = 3;
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
+/// Fills `a` from the command line; returns what is wrong with it, or "".
+std::string parse(int argc, char** argv, Args& a) {
+  using blockattn_cli::read_int;
+  for (int i = 1; i < argc; i += 2) {
     const std::string f = argv[i];
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "bench_balance: %s needs a value\n", f.c_str());
-      std::exit(2);
-    }
-    const char* v = argv[++i];
-    if (f == "--n")
-      a.n = std::atoll(v);
-    else if (f == "--seed")
-      a.seed = std::atoll(v);
-    else if (f == "--heads")
-      a.heads = std::atoi(v);
-    else if (f == "--dim")
-      a.dim = std::atoi(v);
-    else if (f == "--chunk")
-      a.chunk = std::atoll(v);
-    else if (f == "--reps")
-      a.reps = std::atoi(v);
-    else {
-      std::fprintf(stderr, "bench_balance: unknown argument %s\n", f.c_str());
-      std::exit(2);
-    }
+    if (f != "--n" && f != "--seed" && f != "--heads" && f != "--dim" && f != "--chunk" &&
+        f != "--reps")
+      return "unknown argument " + f + " (expected --n, --seed, --heads, --dim, --chunk, --reps)";
+    if (i + 1 >= argc) return f + " needs a value";
+    const std::string v = argv[i + 1];
+    const std::string error = f == "--n"       ? read_int(f, v, a.n)
+                              : f == "--seed"  ? read_int(f, v, a.seed, 0)
+                              : f == "--heads" ? read_int(f, v, a.heads)
+                              : f == "--dim"   ? read_int(f, v, a.dim)
+                              : f == "--chunk" ? read_int(f, v, a.chunk)
+                                               : read_int(f, v, a.reps);
+    if (!error.empty()) return error;
   }
-  return a;
+  return "";
 }
 
 /// What one layout did on every rank (gathered on every rank).
@@ -124,112 +118,119 @@ Measured run(Comm& comm, const Args& a, const plan::Layout& layout, const Docume
   return m;
 }
 
+/// Every layout run as a TablePartition next to the planner (the report).
+void bench(Comm& comm, const Args& a) {
+  const int P = comm.size(), rank = comm.rank();
+  const std::vector<index_type> off = plan::long_tailed_documents(a.n, std::uint64_t(a.seed));
+  Documents<> docs(off);
+  const DocumentMask mask = docs.mask();
+  const DocumentMask host_mask = plan::host_document_mask(off);
+  const TileSizes ts = forward_tile_sizes<T, Exec>(a.dim);
+  const index_type chunk = a.chunk > 0 ? a.chunk : 4 * index_type(std::lcm(ts.block_q, ts.block_k));
+  // The partial-tile cost of this machine, measured by rank 0 alone while the
+  // others sleep (not spin in MPI): with more ranks than cores a calibration
+  // on every rank at once measures the sharing, not the tiles.
+  double c = 0;
+  if (rank == 0) c = plan::calibrate<T, Exec>(2048, a.heads, a.dim, 3).partial_tile_cost;
+  {
+    MPI_Request req;
+    MPI_Ibarrier(MPI_COMM_WORLD, &req);
+    for (int done = 0; MPI_Test(&req, &done, MPI_STATUS_IGNORE), !done;)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  c = comm.allreduce(c, ReduceOp::sum);
+  std::vector<index_type> len;
+  for (std::size_t d = 0; d + 1 < off.size(); ++d) len.push_back(off[d + 1] - off[d]);
+  std::sort(len.begin(), len.end());
+  if (rank == 0) {
+    std::printf(
+        "BlockAttn layout balance, run: N = %lld, P = %d, H = %d, D = %d, fp32 forward, KV "
+        "ring, %s (%d threads per rank)\n",
+        (long long)a.n, P, a.heads, a.dim, Exec::name(), Exec().concurrency());
+    std::printf(
+        "documents: %zu, long-tailed (Pareto alpha 1.1, at least 64 tokens, seed %lld): "
+        "lengths %lld .. %lld, median %lld; causal within each document\n",
+        len.size(), a.seed, (long long)len.front(), (long long)len.back(),
+        (long long)len[len.size() / 2]);
+    std::printf(
+        "tiles %d x %d; a partial tile costs %.2f x a full one (plan::calibrate here, rank 0 "
+        "alone); "
+        "mask-aware chunk %lld tokens\n\n",
+        ts.block_q, ts.block_k, c, (long long)chunk);
+  }
+  std::vector<plan::Layout> layouts;
+  layouts.push_back(plan::layout_of<ContiguousPartition>(a.n, P));
+  layouts.push_back(plan::layout_of<StripedPartition>(a.n, P));
+  layouts.push_back(plan::layout_of<ZigzagPartition>(a.n, P));
+  layouts.push_back(plan::per_document_zigzag(off, P));
+  layouts.push_back(plan::mask_balanced(host_mask, a.n, P, chunk, ts.block_q, ts.block_k, c));
+  std::vector<plan::Balance> planned;
+  std::vector<Measured> measured;
+  double least_work = 0, least_busy = 0;
+  for (const auto& l : layouts) {
+    planned.push_back(plan::balance_of(l, host_mask, ts.block_q, ts.block_k, c, false));
+    measured.push_back(run(comm, a, l, mask));
+    const Measured& m = measured.back();
+    double work = 0, busy = 0;
+    for (int r = 0; r < P; ++r) {
+      work += double(m.full[std::size_t(r)]) + c * double(m.partial[std::size_t(r)]);
+      busy += m.busy[std::size_t(r)];
+    }
+    if (least_work == 0 || work < least_work) least_work = work;
+    if (least_busy == 0 || busy < least_busy) least_busy = busy;
+  }
+  if (rank == 0) {
+    std::printf("%-16s %12s %11s %13s %16s %13s %12s\n", "layout", "tokens/rank", "total work",
+                "work / ideal", "planner / ideal", "busy / ideal", "wall ms");
+    for (std::size_t i = 0; i < layouts.size(); ++i) {
+      const Measured& m = measured[i];
+      double work = 0, most = 0, busy = 0;
+      for (int r = 0; r < P; ++r) {
+        const double w = double(m.full[std::size_t(r)]) + c * double(m.partial[std::size_t(r)]);
+        work += w;
+        most = std::max(most, w);
+        busy = std::max(busy, m.busy[std::size_t(r)]);
+      }
+      const auto [lo, hi] = std::minmax_element(planned[i].tokens.begin(), planned[i].tokens.end());
+      char toks[40];
+      std::snprintf(toks, sizeof toks, *lo == *hi ? "%lld" : "%lld..%lld", (long long)*lo,
+                    (long long)*hi);
+      std::printf("%-16s %12s %10.3fx %13.3f %16.3f %13.3f %12.1f\n", layouts[i].name.c_str(), toks,
+                  work / least_work, most / (least_work / P),
+                  planned[i].max_cost() / (least_work / P), busy / (least_busy / P), 1e3 * m.wall);
+    }
+    std::printf("\nper rank: tiles run (full + partial) = planner's; busy ms\n");
+    for (std::size_t i = 0; i < layouts.size(); ++i) {
+      std::printf("%s\n", layouts[i].name.c_str());
+      for (int r = 0; r < P; ++r) {
+        const Measured& m = measured[i];
+        const TileCounts& p = planned[i].ranks[std::size_t(r)];
+        const bool same =
+            p.full == m.full[std::size_t(r)] && p.partial == m.partial[std::size_t(r)];
+        std::printf("  rank %3d  %9lld + %8lld  %s  %10.2f\n", r, (long long)m.full[std::size_t(r)],
+                    (long long)m.partial[std::size_t(r)], same ? "=" : "!= planner",
+                    1e3 * m.busy[std::size_t(r)]);
+      }
+    }
+  }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   Kokkos::initialize(argc, argv);
+  int rc = 0;
   {
-    const Args a = parse(argc, argv);
+    Args a;
+    const std::string error = parse(argc, argv, a);
     Comm comm(MPI_COMM_WORLD);
-    const int P = comm.size(), rank = comm.rank();
-    const std::vector<index_type> off = plan::long_tailed_documents(a.n, std::uint64_t(a.seed));
-    Documents<> docs(off);
-    const DocumentMask mask = docs.mask();
-    const DocumentMask host_mask = plan::host_document_mask(off);
-    const TileSizes ts = forward_tile_sizes<T, Exec>(a.dim);
-    const index_type chunk =
-        a.chunk > 0 ? a.chunk : 4 * index_type(std::lcm(ts.block_q, ts.block_k));
-    // The partial-tile cost of this machine, measured by rank 0 alone while the
-    // others sleep (not spin in MPI): with more ranks than cores a calibration
-    // on every rank at once measures the sharing, not the tiles.
-    double c = 0;
-    if (rank == 0) c = plan::calibrate<T, Exec>(2048, a.heads, a.dim, 3).partial_tile_cost;
-    {
-      MPI_Request req;
-      MPI_Ibarrier(MPI_COMM_WORLD, &req);
-      for (int done = 0; MPI_Test(&req, &done, MPI_STATUS_IGNORE), !done;)
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    c = comm.allreduce(c, ReduceOp::sum);
-    std::vector<index_type> len;
-    for (std::size_t d = 0; d + 1 < off.size(); ++d) len.push_back(off[d + 1] - off[d]);
-    std::sort(len.begin(), len.end());
-    if (rank == 0) {
-      std::printf(
-          "BlockAttn layout balance, run: N = %lld, P = %d, H = %d, D = %d, fp32 forward, KV "
-          "ring, %s (%d threads per rank)\n",
-          (long long)a.n, P, a.heads, a.dim, Exec::name(), Exec().concurrency());
-      std::printf(
-          "documents: %zu, long-tailed (Pareto alpha 1.1, at least 64 tokens, seed %lld): "
-          "lengths %lld .. %lld, median %lld; causal within each document\n",
-          len.size(), a.seed, (long long)len.front(), (long long)len.back(),
-          (long long)len[len.size() / 2]);
-      std::printf(
-          "tiles %d x %d; a partial tile costs %.2f x a full one (plan::calibrate here, rank 0 "
-          "alone); "
-          "mask-aware chunk %lld tokens\n\n",
-          ts.block_q, ts.block_k, c, (long long)chunk);
-    }
-    std::vector<plan::Layout> layouts;
-    layouts.push_back(plan::layout_of<ContiguousPartition>(a.n, P));
-    layouts.push_back(plan::layout_of<StripedPartition>(a.n, P));
-    layouts.push_back(plan::layout_of<ZigzagPartition>(a.n, P));
-    layouts.push_back(plan::per_document_zigzag(off, P));
-    layouts.push_back(plan::mask_balanced(host_mask, a.n, P, chunk, ts.block_q, ts.block_k, c));
-    std::vector<plan::Balance> planned;
-    std::vector<Measured> measured;
-    double least_work = 0, least_busy = 0;
-    for (const auto& l : layouts) {
-      planned.push_back(plan::balance_of(l, host_mask, ts.block_q, ts.block_k, c, false));
-      measured.push_back(run(comm, a, l, mask));
-      const Measured& m = measured.back();
-      double work = 0, busy = 0;
-      for (int r = 0; r < P; ++r) {
-        work += double(m.full[std::size_t(r)]) + c * double(m.partial[std::size_t(r)]);
-        busy += m.busy[std::size_t(r)];
-      }
-      if (least_work == 0 || work < least_work) least_work = work;
-      if (least_busy == 0 || busy < least_busy) least_busy = busy;
-    }
-    if (rank == 0) {
-      std::printf("%-16s %12s %11s %13s %16s %13s %12s\n", "layout", "tokens/rank", "total work",
-                  "work / ideal", "planner / ideal", "busy / ideal", "wall ms");
-      for (std::size_t i = 0; i < layouts.size(); ++i) {
-        const Measured& m = measured[i];
-        double work = 0, most = 0, busy = 0;
-        for (int r = 0; r < P; ++r) {
-          const double w = double(m.full[std::size_t(r)]) + c * double(m.partial[std::size_t(r)]);
-          work += w;
-          most = std::max(most, w);
-          busy = std::max(busy, m.busy[std::size_t(r)]);
-        }
-        const auto [lo, hi] =
-            std::minmax_element(planned[i].tokens.begin(), planned[i].tokens.end());
-        char toks[40];
-        std::snprintf(toks, sizeof toks, *lo == *hi ? "%lld" : "%lld..%lld", (long long)*lo,
-                      (long long)*hi);
-        std::printf("%-16s %12s %10.3fx %13.3f %16.3f %13.3f %12.1f\n", layouts[i].name.c_str(),
-                    toks, work / least_work, most / (least_work / P),
-                    planned[i].max_cost() / (least_work / P), busy / (least_busy / P),
-                    1e3 * m.wall);
-      }
-      std::printf("\nper rank: tiles run (full + partial) = planner's; busy ms\n");
-      for (std::size_t i = 0; i < layouts.size(); ++i) {
-        std::printf("%s\n", layouts[i].name.c_str());
-        for (int r = 0; r < P; ++r) {
-          const Measured& m = measured[i];
-          const TileCounts& p = planned[i].ranks[std::size_t(r)];
-          const bool same =
-              p.full == m.full[std::size_t(r)] && p.partial == m.partial[std::size_t(r)];
-          std::printf("  rank %3d  %9lld + %8lld  %s  %10.2f\n", r,
-                      (long long)m.full[std::size_t(r)], (long long)m.partial[std::size_t(r)],
-                      same ? "=" : "!= planner", 1e3 * m.busy[std::size_t(r)]);
-        }
-      }
-    }
+    if (!error.empty()) {  // every rank read the same command line
+      if (comm.rank() == 0) std::fprintf(stderr, "bench_balance: %s\n", error.c_str());
+      rc = 2;
+    } else
+      bench(comm, a);
   }
   Kokkos::finalize();
   MPI_Finalize();
-  return 0;
+  return rc;
 }

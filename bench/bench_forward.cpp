@@ -18,6 +18,8 @@
 #include <cblas.h>
 
 #include <blockattn/blockattn.hpp>
+
+#include "../tools/cli_args.hpp"
 #ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
 #include <blockattn/kokkos_kernels_gemm.hpp>
 #endif
@@ -53,12 +55,19 @@ void fill(const View& view, unsigned seed) {
   Kokkos::deep_copy(view, h);
 }
 
+/// Google Benchmark's minimum time per case (seconds): iterations until their
+/// manual times add up to it.
+constexpr double min_time = 0.3;
+constexpr double peak_min_time = 0.5;  // sgemm 4096^3
+
 /// Runs and times each iteration of `run` (manual time); returns the fastest.
 /// Google Benchmark stops after one iteration when that one takes its minimum
-/// time (0.3 s); then a second call is timed too (outside its mean), so that
+/// time `min_s`; then a second call is timed too (outside its mean), so that
 /// the fastest is always of at least two, as PyTorch's (bench/torch_sdpa.py).
+/// A one-iteration trial shorter than `min_s` is not reported (a longer trial
+/// follows), so it gets no second call.
 template <class Run>
-double time_iterations(benchmark::State& state, const Run& run) {
+double time_iterations(benchmark::State& state, const Run& run, double min_s = min_time) {
   auto seconds = [&] {
     const auto t0 = std::chrono::steady_clock::now();
     run();
@@ -70,7 +79,7 @@ double time_iterations(benchmark::State& state, const Run& run) {
     state.SetIterationTime(s);
     best = std::min(best, s);
   }
-  if (state.iterations() < 2) best = std::min(best, seconds());
+  if (state.iterations() < 2 && best >= min_s) best = std::min(best, seconds());
   return best;
 }
 
@@ -167,7 +176,7 @@ void bm_sgemm(benchmark::State& state) {
                 0.f, c.data(), nn);
   };
   run();
-  const double best = time_iterations(state, run);
+  const double best = time_iterations(state, run, state.range(3) * 1e-3);
   set_rates(state, 2.0 * m * nn * kk * 1e-9, best);
   state.counters["threads"] = Exec().concurrency();
 }
@@ -209,10 +218,10 @@ std::string gemm_name(int n, int d) {
   return "sgemm/M:" + std::to_string(n) + "/N:" + std::to_string(n) + "/K:" + std::to_string(d);
 }
 
-/// Manual time in ms, iterations for at least 0.3 s (time_iterations adds a
-/// second call where one takes longer).
-benchmark::internal::Benchmark* timed(benchmark::internal::Benchmark* b) {
-  return b->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+/// Manual time in ms, iterations for at least `min_s` seconds
+/// (time_iterations adds a second call where one takes longer).
+benchmark::internal::Benchmark* timed(benchmark::internal::Benchmark* b, double min_s = min_time) {
+  return b->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(min_s);
 }
 
 template <class V>
@@ -246,13 +255,13 @@ void register_all(bool quick, const std::vector<std::string>& dtypes) {
         else if (dt == "fp16")
           register_dtype<blockattn::fp16>(n, d);
       }
-      timed(benchmark::RegisterBenchmark(gemm_name(n, d).c_str(), bm_sgemm)->Args({n, n, d}));
+      timed(benchmark::RegisterBenchmark(gemm_name(n, d).c_str(), bm_sgemm)
+                ->Args({n, n, d, int(min_time * 1e3)}));
     }
-  benchmark::RegisterBenchmark("sgemm/4096^3", bm_sgemm)
-      ->Args({4096, 4096, 4096})
-      ->UseManualTime()
-      ->Unit(benchmark::kMillisecond)
-      ->MinTime(0.5);
+  // The 4th argument: the minimum time in ms (time_iterations needs it too).
+  timed(benchmark::RegisterBenchmark("sgemm/4096^3", bm_sgemm)
+            ->Args({4096, 4096, 4096, int(peak_min_time * 1e3)}),
+        peak_min_time);
 }
 
 /// PyTorch's rates from bench/torch_sdpa.py: "<fwd|bwd> N D mask dtype GFLOP/s" per line.
@@ -270,18 +279,6 @@ std::map<std::string, double> read_torch(const std::string& path) {
 std::string torch_key(const char* op, const std::string& dtype, int n, int d, int mask) {
   return std::string(op) + "/" + dtype + "/" + std::to_string(n) + "/" + std::to_string(d) +
          (mask == causal ? "/causal" : "/full");
-}
-
-/// Comma-separated list.
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t b = 0;
-  while (b <= s.size()) {
-    const std::size_t e = std::min(s.find(',', b), s.size());
-    if (e > b) out.push_back(s.substr(b, e - b));
-    b = e + 1;
-  }
-  return out;
 }
 
 /// num / den to two decimals, rounded (std::to_string(x).substr(0, 4) truncated
@@ -309,7 +306,7 @@ int main(int argc, char** argv) {
       else if (a.rfind("--torch=", 0) == 0)
         torch = read_torch(a.substr(8));
       else if (a.rfind("--dtype=", 0) == 0)
-        dtypes = split(a.substr(8));
+        dtypes = blockattn_cli::split(a.substr(8));
       else
         args.push_back(argv[i]);
     }

@@ -20,14 +20,13 @@
 #include <Kokkos_Core.hpp>
 #include <Kokkos_Random.hpp>
 
-#include <cerrno>
+#include "../tools/cli_args.hpp"
+
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -36,34 +35,6 @@ namespace {
 using Exec = Kokkos::DefaultExecutionSpace;
 using V4f = Kokkos::View<float****, Kokkos::LayoutRight, Exec::memory_space>;
 using V3 = Kokkos::View<float***, Kokkos::LayoutRight, Exec::memory_space>;
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(item);
-  return out;
-}
-
-/// A positive int, or false (the caller names the flag).
-bool positive_int(const std::string& s, int& out) {
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || errno != 0 || v <= 0 || v > INT_MAX) return false;
-  out = static_cast<int>(v);
-  return true;
-}
-
-bool parse_list(const std::string& s, std::vector<int>& out) {
-  out.clear();
-  for (const std::string& item : split(s)) {
-    int v = 0;
-    if (!positive_int(item, v)) return false;
-    out.push_back(v);
-  }
-  return !out.empty();
-}
 
 /// PyTorch's rates: "<fwd|bwd> N D mask dtype TFLOP/s backend" per line.
 std::map<std::string, std::pair<double, std::string>> read_torch(const std::string& path) {
@@ -180,14 +151,14 @@ std::string parse_args(int argc, char** argv, Args& args) {
              " (expected --lengths, --heads, --dim, --reps, --dtypes or --torch)";
     if (i + 1 == argc) return a + " needs a value";
     const std::string val = argv[i + 1];
-    if (a == "--lengths" && !parse_list(val, args.lengths))
-      return a + ": expected a comma-separated list of positive integers, got '" + val + "'";
-    if ((a == "--heads" && !positive_int(val, args.heads)) ||
-        (a == "--dim" && !positive_int(val, args.dim)) ||
-        (a == "--reps" && !positive_int(val, args.reps)))
-      return a + ": expected a positive integer, got '" + val + "'";
+    std::string error;
+    if (a == "--lengths") error = blockattn_cli::read_int_list(a, val, args.lengths);
+    if (a == "--heads") error = blockattn_cli::read_int(a, val, args.heads);
+    if (a == "--dim") error = blockattn_cli::read_int(a, val, args.dim);
+    if (a == "--reps") error = blockattn_cli::read_int(a, val, args.reps);
+    if (!error.empty()) return error;
     if (a == "--dtypes") {
-      args.dtypes = split(val);
+      args.dtypes = blockattn_cli::split(val);
       bool ok = !args.dtypes.empty();
       for (const auto& d : args.dtypes) ok = ok && (d == "fp32" || d == "bf16");
       if (!ok) return a + ": expected fp32 and/or bf16 (comma-separated), got '" + val + "'";

@@ -15,6 +15,8 @@
 #include <blockattn/calibrate.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
+#include "../tools/cli_args.hpp"
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -41,7 +43,37 @@ double now() {
 struct Args {
   int n_local = 4096, heads = 1, dim = 128, reps = 10;
   std::string mask = "causal";
+  index_type window = 0;  // --mask window:W
 };
+
+/// Fills `a` from the command line; returns what is wrong with it, or "".
+std::string parse(int argc, char** argv, Args& a) {
+  using blockattn_cli::read_int;
+  for (int i = 1; i < argc; i += 2) {
+    const std::string f = argv[i];
+    if (f != "--n-local" && f != "--heads" && f != "--dim" && f != "--reps" && f != "--mask")
+      return "unknown argument " + f + " (expected --n-local, --heads, --dim, --reps, --mask)";
+    if (i + 1 >= argc) return f + " needs a value";
+    const std::string v = argv[i + 1];
+    std::string error;
+    if (f == "--n-local")
+      error = read_int(f, v, a.n_local);
+    else if (f == "--heads")
+      error = read_int(f, v, a.heads);
+    else if (f == "--dim")
+      error = read_int(f, v, a.dim);
+    else if (f == "--reps")
+      error = read_int(f, v, a.reps);
+    else if (v == "causal")
+      a.mask = v;
+    else if (v.rfind("window:", 0) == 0 && read_int(f, v.substr(7), a.window).empty())
+      a.mask = v;
+    else
+      error = f + ": expected causal or window:W with W >= 1, got '" + v + "'";
+    if (!error.empty()) return error;
+  }
+  return "";
+}
 
 /// One forward of a partition x schedule on its own local Views; returns the
 /// slowest rank's time and keeps the run's step count and the most bytes any
@@ -257,31 +289,20 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   Kokkos::initialize(argc, argv);
+  int rc = 0;
   {
     Args a;
-    for (int i = 1; i < argc; ++i) {
-      const std::string f = argv[i];
-      const char* val = i + 1 < argc ? argv[i + 1] : "";
-      if (f == "--n-local")
-        a.n_local = std::atoi(val), ++i;
-      else if (f == "--heads")
-        a.heads = std::atoi(val), ++i;
-      else if (f == "--dim")
-        a.dim = std::atoi(val), ++i;
-      else if (f == "--reps")
-        a.reps = std::atoi(val), ++i;
-      else if (f == "--mask")
-        a.mask = val, ++i;
-    }
+    const std::string error = parse(argc, argv, a);
     Comm comm(MPI_COMM_WORLD);
-    if (a.mask == "causal")
+    if (!error.empty()) {  // every rank read the same command line
+      if (comm.rank() == 0) std::fprintf(stderr, "bench_plan: %s\n", error.c_str());
+      rc = 2;
+    } else if (a.mask == "causal")
       run(comm, a, CausalMask{});
-    else if (a.mask.rfind("window:", 0) == 0)
-      run(comm, a, causal_window(std::atoll(a.mask.c_str() + 7)));
-    else if (comm.rank() == 0)
-      std::fprintf(stderr, "--mask must be causal or window:W\n");
+    else
+      run(comm, a, causal_window(a.window));
   }
   Kokkos::finalize();
   MPI_Finalize();
-  return 0;
+  return rc;
 }

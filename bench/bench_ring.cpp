@@ -17,6 +17,8 @@
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
+#include "../tools/cli_args.hpp"
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -176,17 +178,32 @@ void bytes(Comm& comm, int reps) {
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   Kokkos::initialize(argc, argv);
+  int rc = 0;
   {
     Comm comm(MPI_COMM_WORLD);
     bool mem = false, byt = false;
     int c = 4096, reps = 5;
-    std::string dtype = "fp32";
-    for (int i = 1; i < argc; ++i) {
-      if (!std::strcmp(argv[i], "--memory")) mem = true;
-      if (!std::strcmp(argv[i], "--bytes")) byt = true;
-      if (!std::strcmp(argv[i], "--c") && i + 1 < argc) c = std::atoi(argv[++i]);
-      if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
-      if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc) dtype = argv[++i];
+    std::string dtype = "fp32", error;
+    for (int i = 1; i < argc && error.empty(); ++i) {
+      const std::string f = argv[i];
+      const bool has_value = i + 1 < argc;
+      if (f == "--memory")
+        mem = true;
+      else if (f == "--bytes")
+        byt = true;
+      else if (f != "--c" && f != "--reps" && f != "--dtype")
+        error = "unknown argument " + f + " (expected --memory, --bytes, --c, --reps, --dtype)";
+      else if (!has_value)
+        error = f + " needs a value";
+      else if (f == "--c")
+        error = blockattn_cli::read_int(f, argv[++i], c);
+      else if (f == "--reps")
+        error = blockattn_cli::read_int(f, argv[++i], reps);
+      else {
+        dtype = argv[++i];
+        if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
+          error = "--dtype: expected fp32, bf16 or fp16, got '" + dtype + "'";
+      }
     }
     const auto run = [&](auto value) {
       using T = decltype(value);
@@ -197,17 +214,17 @@ int main(int argc, char** argv) {
       else
         overlap<T>(comm, reps);
     };
-    if (dtype == "fp32")
+    if (!error.empty()) {  // every rank read the same command line
+      if (comm.rank() == 0) std::fprintf(stderr, "bench_ring: %s\n", error.c_str());
+      rc = 2;
+    } else if (dtype == "fp32")
       run(float{});
     else if (dtype == "bf16")
       run(blockattn::bf16{});
-    else if (dtype == "fp16")
+    else
       run(blockattn::fp16{});
-    else if (comm.rank() == 0)
-      std::fprintf(stderr, "bench_ring: --dtype must be fp32, bf16 or fp16, not %s\n",
-                   dtype.c_str());
   }
   Kokkos::finalize();
   MPI_Finalize();
-  return 0;
+  return rc;
 }
