@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Per-case summary of several runs of bench/run_forward.sh or
+`cmake/blockattn.sh bench-isa` (their console logs, ANSI colours or not).
+
+Each run's ratios are measured in that run (ours and PyTorch's rate on the
+same case, same threads, minutes apart at most). On a shared, noisy machine a
+single cell moves by 5-10 % between runs, more than the margin of the closest
+cells, so this prints, per case, every run's ratio and their median and
+minimum: the median says where the case stands, the minimum how far one run
+can fall. Ratios are recomputed from the printed rates (not the rounded ratio
+columns).
+
+    bench/summarize_runs.py run1.log run2.log ... [--dtype fp32]
+
+Markdown on stdout: one table per build and thread count (fwd = forward,
+bwd = backward, "÷ PyTorch" = ours / PyTorch's scaled_dot_product_attention,
+"÷ sgemm" = ours / OpenBLAS sgemm of the same N x N x D), then a line per
+table with the range of the medians and the cells whose median or minimum
+is below 1.0.
+"""
+import argparse
+import re
+import statistics
+import sys
+
+HEADER = re.compile(r"Ratios measured in this run \(\S+, (\d+) threads?; host ISA (\S+), ")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def parse(path, dtype):
+    """{(build, threads): {(D, N, mask): {"fwd": ours/torch, "bwd": ..., "sgemm": ...}}}"""
+    out = {}
+    build, table, mode = None, None, None
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = ANSI.sub("", line.rstrip("\n"))
+            if line.startswith("##### -march="):
+                build = line[len("##### -march="):].split()[0]
+                continue
+            m = HEADER.match(line)
+            if m:
+                key = (build or "host ISA " + m.group(2).rstrip(","), int(m.group(1)))
+                table, mode = out.setdefault(key, {}), "fwd"
+                continue
+            if line.startswith("Backward"):
+                mode = "bwd"
+                continue
+            if table is None:
+                continue
+            p = line.split()
+            try:
+                if mode == "fwd" and len(p) >= 10 and p[0] == "register" and p[1] == dtype:
+                    n, d, mask, ours, torch = int(p[2]), int(p[3]), p[4], float(p[5]), float(p[-2])
+                    cell = table.setdefault((d, n, mask), {})
+                    cell["sgemm"] = float(p[6])
+                    if torch > 0:
+                        cell["fwd"] = ours / torch
+                elif mode == "bwd" and len(p) >= 8 and p[0] == dtype:
+                    n, d, mask, ours, torch = int(p[1]), int(p[2]), p[3], float(p[4]), float(p[-2])
+                    if torch > 0:
+                        table.setdefault((d, n, mask), {})["bwd"] = ours / torch
+            except ValueError:  # a line of another table
+                continue
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("logs", nargs="+")
+    ap.add_argument("--dtype", default="fp32")
+    a = ap.parse_args()
+    runs = [parse(p, a.dtype) for p in a.logs]
+    keys = []
+    for r in runs:
+        keys += [k for k in r if k not in keys]
+    if not keys:
+        sys.exit("summarize_runs.py: no ratio tables in " + ", ".join(a.logs))
+    for key in keys:
+        present = [r[key] for r in runs if key in r]
+        print(f"\n**{key[0]}, {key[1]} thread{'s' if key[1] > 1 else ''}** "
+              f"({len(present)} run{'s' if len(present) > 1 else ''})\n")
+        print("| D | N | mask | fwd ÷ PyTorch, each run | median | min | "
+              "bwd ÷ PyTorch median | min | fwd ÷ sgemm median |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        cells = sorted({c for t in present for c in t},
+                       key=lambda c: (c[0], c[1], c[2] != "full"))
+        medians, low = [], []
+        for c in cells:
+            fwd = [t[c]["fwd"] for t in present if "fwd" in t.get(c, {})]
+            bwd = [t[c]["bwd"] for t in present if "bwd" in t.get(c, {})]
+            sg = [t[c]["sgemm"] for t in present if "sgemm" in t.get(c, {})]
+            if not fwd:
+                continue
+            med = statistics.median(fwd)
+            medians.append(med)
+            if med < 1.0 or min(fwd) < 1.0:
+                low.append(f"D={c[0]} N={c[1]} {c[2]} (median {med:.3f}, min {min(fwd):.3f})")
+            fmt = lambda v: f"{v:.2f}"
+            print(f"| {c[0]} | {c[1]} | {c[2]} | {' '.join(fmt(v) for v in fwd)} | {med:.3f} | "
+                  f"{min(fwd):.3f} | {fmt(statistics.median(bwd)) if bwd else '-'} | "
+                  f"{fmt(min(bwd)) if bwd else '-'} | {fmt(statistics.median(sg)) if sg else '-'} |")
+        if medians:
+            print(f"\nfwd ÷ PyTorch medians {min(medians):.2f}-{max(medians):.2f}; "
+                  f"below 1.0 in a median or a run: {'; '.join(low) if low else 'none'}")
+
+
+if __name__ == "__main__":
+    main()
