@@ -10,6 +10,8 @@
 #              python if present, else python3); THREADS  thread counts (default "1 nproc");
 #              LENGTHS  sequence lengths, comma-separated, a subset of the bench's
 #              512,1024,2048,4096,16384 (default: all of them; --quick: up to 4096).
+# A case moves by 5-10 % between runs on a shared machine: keep the logs of a
+# few runs and summarise them per case with bench/summarize_runs.py LOG...
 set -euo pipefail
 bin=$1
 shift
