@@ -192,7 +192,7 @@ case "$cmd" in
     ensure_deps
     configure
     cmake --build "$build" -j "$jobs"
-    (cd "$build" && ctest --output-on-failure "$@")
+    (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
     "${BASH_SOURCE[0]}" test-sanitize
     ;;
   test-sanitize)
@@ -203,7 +203,7 @@ case "$cmd" in
     configure -DBLOCKATTN_SANITIZE=ON -DBLOCKATTN_BUILD_EXAMPLES=OFF -DBLOCKATTN_BUILD_BENCH=OFF \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g"
     cmake --build "$build" -j "$jobs"
-    (cd "$build" && ctest --output-on-failure -L sanitize "$@")
+    (cd "$build" && ctest --output-on-failure -j "$jobs" -L sanitize "$@")
     ;;
   bench)
     ensure_deps

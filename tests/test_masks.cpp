@@ -179,8 +179,29 @@ TEST_CASE("allowed_columns: the columns of a key tile a query row sees, per posi
       check(docs.mask(), StridedPositions{1, 4}, k0, n);
       check(docs.mask(false, 3, 1), tp, k0, n);
       check(CausalMask{}, tp, k0, n);
+      // The kernels' form of the built-in maps (canonical_positions): one
+      // piece, and two pieces as zigzag's (the second starting later, with a gap).
+      check(CausalMask{}, canonical_positions(OffsetPositions{k0 == 0 ? 0 : 17}), k0, n);
+      check(causal_window(6), canonical_positions(StridedPositions{-3, 5}), k0, n);
+      check(SlidingWindowMask{4, 2}, canonical_positions(ZigzagPositions{4, 2, 30}), k0, n);
+      check(docs.mask(), canonical_positions(ZigzagPositions{7, 0, 41}), k0, n);
+      check(PrefixLMMask{9}, AffinePositions{3, -2, 20, 3}, k0, n);
     }
   }
+}
+
+TEST_CASE("canonical_positions: the built-in maps as AffinePositions, value for value") {
+  for (index_type i = 0; i < 50; ++i) {
+    CAPTURE(i);
+    CHECK(canonical_positions(OffsetPositions{-7})(i) == OffsetPositions{-7}(i));
+    CHECK(canonical_positions(StridedPositions{3, 4})(i) == StridedPositions{3, 4}(i));
+    const ZigzagPositions z = ZigzagPartition::positions(103, 4, 1);
+    CHECK(canonical_positions(z)(i) == z(i));
+  }
+  // Maps of other types pass through unchanged.
+  const std::vector<index_type> table = {1, 2, 4};
+  const TablePositions tp{table.data(), table.data()};
+  CHECK(canonical_positions(tp).host == tp.host);
 }
 
 TEST_CASE("mask classify agrees with allowed on every small box") {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Opt-in tile-product policy backed by KokkosBatched::SerialGemm (Kokkos
 // Kernels). Needs Kokkos Kernels at build time; the rest of BlockAttn does not.
-// The benchmark compares it with impl::RegisterTileGemm, the default.
+// The benchmark compares it with the default register-tile product (DefaultTileShape::tile_gemm).
 #pragma once
 
 #include <KokkosBatched_Gemm_Decl.hpp>

@@ -18,14 +18,26 @@ endfunction()
 
 function(consumer mode kokkos_dir tag)
   set(bdir ${WORK_DIR}/${mode}-${tag})
+  # BlockAttn::kernels was compiled against the main Kokkos: only with it.
+  set(kernels OFF)
+  if(mode STREQUAL "package" AND tag STREQUAL "main")
+    set(kernels ON)
+  endif()
   run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${bdir}
       -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=Release
       -DCONSUMER_MODE=${mode} -DBLOCKATTN_SOURCE_DIR=${SOURCE_DIR}
+      -DCONSUMER_KERNELS=${kernels}
       -DCMAKE_PREFIX_PATH=${prefix} -DKokkos_DIR=${kokkos_dir})
   run(${CMAKE_COMMAND} --build ${bdir} -j 2)
   run(${bdir}/consumer)
   if(EXISTS ${bdir}/consumer_mpi)
     run(${bdir}/consumer_mpi)
+  endif()
+  if(kernels)
+    if(NOT EXISTS ${bdir}/consumer_kernels)
+      message(FATAL_ERROR "the installed package has no BlockAttn::kernels")
+    endif()
+    run(${bdir}/consumer_kernels)
   endif()
   message("consumer (${mode}, Kokkos from ${kokkos_dir}): OK")
 endfunction()

@@ -169,11 +169,8 @@ class DistributedAttention {
     if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
       const Call c = validate(fn, q, k, v, o, lse, opts);
       using T = compute_t<typename OV::non_const_value_type>;
-      using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
       RunStats stats;
-      impl::with_shape_for<Shape>(c.e.dim, [&](auto static_d, auto shape) {
-        run_forward<decltype(static_d)::value, decltype(shape)>(c, q, k, v, o, lse, opts, stats);
-      });
+      run_forward(c, forward_layout<T, ExecSpace>(c.e.dim), q, k, v, o, lse, opts, stats);
       return stats;
     } else {
       return RunStats{};
@@ -203,12 +200,8 @@ class DistributedAttention {
                                            true);
       });
       using T = compute_t<V>;
-      using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
-      impl::with_shape_for<Shape>(c.e.dim, [&](auto static_d, auto shape) {
-        constexpr int SD = decltype(static_d)::value;
-        using S = decltype(shape);
-        run_backward<SD, S>(c, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
-      });
+      run_backward(c, backward_layout<T, ExecSpace>(c.e.dim), q, k, v, o, lse, dout, dq, dk, dv,
+                   opts, stats);
     }
     return stats;
   }
@@ -220,13 +213,13 @@ class DistributedAttention {
   /// extents, the global length N (the sum of the local lengths) and every
   /// rank's local length.
   struct Call {
-    impl::ForwardExtents e;
+    BlockExtents e;
     index_type N = 0;
     std::vector<index_type> lengths;
     int most = 0;  // the longest local length: the size of every buffer that travels
     /// The extents of the block pair (queries of q_rank, keys of k_rank).
-    impl::ForwardExtents task(int q_rank, int k_rank) const {
-      impl::ForwardExtents t = e;
+    BlockExtents task(int q_rank, int k_rank) const {
+      BlockExtents t = e;
       t.queries = int(lengths[std::size_t(q_rank)]);
       t.keys = int(lengths[std::size_t(k_rank)]);
       return t;
@@ -300,11 +293,11 @@ class DistributedAttention {
   /// partial of a task without work is zeroed), completes the transfers due
   /// at this step and adds the partials that arrived where the description
   /// says, then posts the partials this step produced.
-  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV, class DOV,
-            class DQV, class DKV, class DVV>
-  void run_backward(const Call& c, const QV& q, const KV& k, const VV& v, const OV& o,
-                    const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
-                    const DistributedOptions& opts, RunStats& stats) {
+  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+            class DVV>
+  void run_backward(const Call& c, const BlockLayout& layout, const QV& q, const KV& k, const VV& v,
+                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
     using B = typename Schedule::backward_type;
     // V: the storage type (what travels: K, V, Q, dO); T: the compute type
     // (the kernels, LSE, D, and the gradient partials and sums).
@@ -315,11 +308,10 @@ class DistributedAttention {
     using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
     impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, bfn, opts.timeout_seconds);
     const int P = m_comm.size(), rank = m_comm.rank();
-    const impl::ForwardExtents& e = c.e;  // this rank's
+    const BlockExtents& e = c.e;  // this rank's
     const index_type N = c.N;
     const int most = c.most;  // rows of every buffer that travels
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
-    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const ScheduleContext ctx = schedule_context(m_part, m_mask, N, P);
     const int steps = B::steps(ctx);
     std::vector<BackwardStep> desc(static_cast<std::size_t>(steps));
@@ -339,19 +331,19 @@ class DistributedAttention {
     }
     // Query slots hold Q and dO in the storage type (what the Q ring moves);
     // with 16-bit storage the kernels read `wide`, widened from the slot in use.
-    std::vector<impl::PackedQueries<T, mem, V>> qs(std::size_t(slots.q));
+    std::vector<PackedQueries<T, mem, V>> qs(std::size_t(slots.q));
     for (auto& b : qs)
-      b = impl::allocate_packed_queries<T, mem, V>(e.batch, e.heads, most, dp, Shape::block_q);
+      b = allocate_backward_queries<T, ExecSpace, V>(layout, e.batch, e.heads, most);
     qs[0].queries = e.queries;  // ours: the rest of the slot is zero padding
-    impl::pack_queries<impl::kernel_isa_v<ExecSpace, Shape>>(m_exec, q, dout, o, lse, qs[0]);
-    impl::PackedQueries<T, mem> wide;
+    pack_backward_queries(m_exec, q, dout, o, lse, qs[0]);
+    PackedQueries<T, mem> wide;
     if constexpr (half) {
-      wide = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, most, dp, Shape::block_q);
+      wide = allocate_backward_queries<T, ExecSpace>(layout, e.batch, e.heads, most);
       wide.lse2 = {};
       wide.drow = {};
     }
     int widened = -1;  // the query slot whose rows `wide` holds (-1: none)
-    auto keys = impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, most, dp, Shape::block_k);
+    auto keys = allocate_backward_keys<T, ExecSpace>(layout, e.batch, e.kv_heads, most);
     int packed = -1;  // the K/V slot whose block `keys` holds (-1: none)
     const auto slot_buffers = [&](int n, const auto& like, const char* label) {
       std::vector<Buffer4<T>> b(static_cast<std::size_t>(n));
@@ -384,8 +376,8 @@ class DistributedAttention {
         std::int64_t(e.batch) * e.queries * e.heads * e.dim * std::int64_t(sizeof(T));
     const std::int64_t own_dkv_bytes =
         2 * std::int64_t(e.batch) * e.keys * e.kv_heads * e.dim * std::int64_t(sizeof(T));
-    stats.block_q = Shape::block_q;
-    stats.block_k = Shape::block_k;
+    stats.block_q = layout.block_q;
+    stats.block_k = layout.block_k;
     stats.workspace_bytes = std::int64_t(kv.size() - (slots.kv_copy ? 0 : 1)) * kv_bytes +
                             std::int64_t(qs.size()) * q_bytes +
                             (half ? bytes_of(wide.q) + bytes_of(wide.dout) : 0) +
@@ -494,26 +486,25 @@ class DistributedAttention {
         if (packed != f.kv_slot) {
           keys.keys = int(c.lengths[std::size_t(task.k_rank)]);
           if (f.kv_slot == 0 && !slots.kv_copy)
-            impl::pack_keys(m_exec, k, v, keys);
+            pack_backward_keys(m_exec, k, v, keys);
           else
-            impl::pack_keys(m_exec, kv[std::size_t(f.kv_slot)][0], kv[std::size_t(f.kv_slot)][1],
-                            keys);
+            pack_backward_keys(m_exec, kv[std::size_t(f.kv_slot)][0], kv[std::size_t(f.kv_slot)][1],
+                               keys);
           packed = f.kv_slot;
         }
-        impl::BackwardBlock blk;
+        BackwardBlockOptions blk;
         blk.accumulate_dq = f.dq_slot < 0 && dq_written;
         blk.accumulate_dkv = f.dkv_slot < 0 && dkv_written;
-        const impl::PackedQueries<T, mem>* rows = nullptr;
+        const PackedQueries<T, mem>* rows = nullptr;
         if constexpr (half) {
-          if (widened != f.q_slot) impl::widen_queries(m_exec, qs[std::size_t(f.q_slot)], wide);
+          if (widened != f.q_slot) widen_backward_queries(m_exec, qs[std::size_t(f.q_slot)], wide);
           widened = f.q_slot;
           rows = &wide;
         } else {
           rows = &qs[std::size_t(f.q_slot)];
         }
-        impl::launch_backward<ExecSpace, T, SD, Shape>(
-            m_exec, c.task(task.q_rank, task.k_rank), *rows, keys, dqt, dkt, dvt, m_mask,
-            pos(task.q_rank), pos(task.k_rank), scale, blk);
+        backward_block(m_exec, c.task(task.q_rank, task.k_rank), *rows, keys, dqt, dkt, dvt, m_mask,
+                       pos(task.q_rank), pos(task.k_rank), scale, blk);
         dq_written = dq_written || f.dq_slot < 0;
         dkv_written = dkv_written || f.dkv_slot < 0;
       } else if (!task.idle()) {
@@ -534,7 +525,7 @@ class DistributedAttention {
       st.source = task.k_rank;
       st.query_source = task.q_rank;
       st.tiles =
-          task_work(m_part, m_mask, N, P, task, Shape::block_q, Shape::block_k, opts.count_pairs);
+          task_work(m_part, m_mask, N, P, task, layout.block_q, layout.block_k, opts.count_pairs);
       st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stats.steps.push_back(st);
     }
@@ -626,9 +617,9 @@ class DistributedAttention {
   /// results still arrive, then SoftmaxState::finalize does after the merge.
   /// Without communication (opts.communicate = false) every remote buffer is
   /// the local one: the same steps and work, no transfers, a wrong result.
-  template <int SD, class Shape, class QV, class KV, class VV, class OV, class LV>
-  void run_forward(const Call& c, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
-                   const DistributedOptions& opts, RunStats& stats) {
+  template <class QV, class KV, class VV, class OV, class LV>
+  void run_forward(const Call& c, const BlockLayout& layout, const QV& q, const KV& k, const VV& v,
+                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
     // V: the storage type (what travels: K, V, Q); T: the compute type (the
     // kernels, the softmax state, the unnormalised O, partial results).
     using V = typename OV::non_const_value_type;
@@ -638,11 +629,10 @@ class DistributedAttention {
     using request = typename impl::Transfers<Communicator, ExecSpace>::transfer_type;
     impl::Transfers<Communicator, ExecSpace> x(m_comm, m_exec, fn, opts.timeout_seconds);
     const int P = m_comm.size(), rank = m_comm.rank();
-    const impl::ForwardExtents& e = c.e;  // this rank's
+    const BlockExtents& e = c.e;  // this rank's
     const index_type N = c.N;
     const int most = c.most;  // rows of every buffer that travels
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
-    const int dp = impl::padded_head_dim<Shape, SD>(e.dim);
     const bool comm = opts.communicate;
     const ScheduleContext ctx = schedule_context(m_part, m_mask, N, P);
     const int steps = Schedule::steps(ctx);
@@ -658,14 +648,13 @@ class DistributedAttention {
     // Buffers: the packed K/V slots (slot 0: own) in the storage type, query
     // copies, results (fp32 for 16-bit storage). With 16-bit storage the
     // kernels read `wide`, the slot in use widened to T.
-    std::vector<impl::PackedKV<V, mem>> kv(std::size_t(slots.kv));
-    for (auto& b : kv)
-      b = impl::allocate_forward_kv<V, mem, Shape, SD>(e.batch, e.kv_heads, most, dp);
+    std::vector<PackedKV<V, mem>> kv(std::size_t(slots.kv));
+    for (auto& b : kv) b = allocate_forward_block<V, ExecSpace>(layout, e.batch, e.kv_heads, most);
     kv[0].keys = e.keys;  // ours: the rest of the slot is zero padding
-    impl::pack_kv(m_exec, k, v, kv[0]);
-    impl::PackedKV<T, mem> wide;
+    pack_forward_block(m_exec, k, v, kv[0]);
+    PackedKV<T, mem> wide;
     if constexpr (half)
-      wide = impl::allocate_forward_kv<T, mem, Shape, SD>(e.batch, e.kv_heads, most, dp);
+      wide = allocate_forward_block<T, ExecSpace>(layout, e.batch, e.kv_heads, most);
     int widened = -1;  // the K/V slot whose block `wide` holds (-1: none)
     std::vector<Buffer4<V>> qs(std::size_t(slots.q));
     std::vector<Buffer4<T>> rout(std::size_t(slots.results_in)),
@@ -688,9 +677,9 @@ class DistributedAttention {
       rout[i] = buffer_like<T>(o, "blockattn::result_in", most);
       rlse[i] = lse_buffer("blockattn::result_in_lse");
     }
-    impl::BlockStep<T, mem> state;
+    ForwardBlockState<T, mem> state;
     // Rows of the longest rank: a helper's task on another rank's queries uses it too.
-    state.state = impl::SoftmaxState<T, mem>(e.batch, e.heads, most, "blockattn::forward");
+    state.state = SoftmaxState<T, mem>(e.batch, e.heads, most, "blockattn::forward");
     // 16-bit o: the unnormalised O between steps lives in an fp32 accumulator.
     Buffer4<T> acc;
     if constexpr (half) {
@@ -702,8 +691,8 @@ class DistributedAttention {
     const std::int64_t q_bytes = q_elems * std::int64_t(sizeof(V));
     const std::int64_t res_bytes =
         (q_elems + std::int64_t(e.batch) * e.heads * most) * std::int64_t(sizeof(T));
-    stats.block_q = Shape::block_q;
-    stats.block_k = Shape::block_k;
+    stats.block_q = layout.block_q;
+    stats.block_k = layout.block_k;
     stats.workspace_bytes = slots.kv * kv_bytes + state.state.bytes() +
                             (slots.q - 1 + (slots.q_copy ? 1 : 0)) * q_bytes +
                             std::int64_t(hout.size() + rout.size()) * res_bytes +
@@ -758,10 +747,10 @@ class DistributedAttention {
       const auto c0 = std::chrono::steady_clock::now();
       st.computed = !task.idle() && !block_is_empty(m_part, m_mask, N, P, task.q_rank, task.k_rank);
       const int kv_slot = comm ? f.kv_slot : 0;
-      const impl::PackedKV<T, mem>* kp = nullptr;
+      const PackedKV<T, mem>* kp = nullptr;
       if constexpr (half) {
         if (st.computed && widened != kv_slot) {
-          impl::widen_kv(m_exec, kv[std::size_t(kv_slot)], wide);
+          widen_forward_block(m_exec, kv[std::size_t(kv_slot)], wide);
           widened = kv_slot;
         }
         kp = &wide;
@@ -770,33 +759,33 @@ class DistributedAttention {
       }
       const auto& keys = *kp;
       // The block pair's extents; without communication the queries are ours.
-      impl::ForwardExtents te = task.idle() ? e : c.task(task.q_rank, task.k_rank);
+      BlockExtents te = task.idle() ? e : c.task(task.q_rank, task.k_rank);
       if (!comm && te.queries > e.queries) te.queries = e.queries;
       if (task.q_rank == rank) {
         const bool finish = s == last_own && !merges;
         if (st.computed || finish) {
-          impl::BlockStep<T, mem> b = state;
+          ForwardBlockState<T, mem> b = state;
           b.resume = opened;
           b.finish = finish;
           b.skip_keys = !st.computed;
-          launch_chunked<SD, Shape>(x, te, q, keys, o, lse, pos(rank), pos(task.k_rank), scale, b,
-                                    in_flight);
+          launch_chunked(layout, x, te, q, keys, o, lse, pos(rank), pos(task.k_rank), scale, b,
+                         in_flight);
           opened = true;
         }
       } else if (!task.idle()) {
         // A helper's task: fresh state, normalised result to its slot.
-        impl::BlockStep<T, mem> b = state;
+        ForwardBlockState<T, mem> b = state;
         b.resume = false;
         b.finish = true;
         b.skip_keys = !st.computed;
         b.o_acc = {};  // a fresh, finished result: no accumulator
         const std::size_t out = std::size_t(f.result_slot);
         if (comm)
-          launch_chunked<SD, Shape>(x, te, qs[std::size_t(f.q_slot)], keys, hout[out], hlse[out],
-                                    pos(task.q_rank), pos(task.k_rank), scale, b, in_flight);
+          launch_chunked(layout, x, te, qs[std::size_t(f.q_slot)], keys, hout[out], hlse[out],
+                         pos(task.q_rank), pos(task.k_rank), scale, b, in_flight);
         else
-          launch_chunked<SD, Shape>(x, te, q, keys, hout[out], hlse[out], pos(task.q_rank),
-                                    pos(task.k_rank), scale, b, in_flight);
+          launch_chunked(layout, x, te, q, keys, hout[out], hlse[out], pos(task.q_rank),
+                         pos(task.k_rank), scale, b, in_flight);
       }
       m_exec.fence();
       st.compute_seconds =
@@ -817,7 +806,7 @@ class DistributedAttention {
       st.source = task.k_rank;
       st.query_source = task.q_rank;
       st.tiles =
-          task_work(m_part, m_mask, N, P, task, Shape::block_q, Shape::block_k, opts.count_pairs);
+          task_work(m_part, m_mask, N, P, task, layout.block_q, layout.block_k, opts.count_pairs);
       st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stats.steps.push_back(st);
     }
@@ -839,19 +828,17 @@ class DistributedAttention {
 
   /// Compute launches of one step in chunks of query tiles, testing the
   /// transfers in flight between them (see run_forward).
-  template <int SD, class Shape, class QV, class OV, class LV, class QPos, class KPos, class T,
-            class Reqs, class Xfer>
-  void launch_chunked(Xfer& x, const impl::ForwardExtents& e, const QV& q,
-                      const impl::PackedKV<T, typename ExecSpace::memory_space>& kv, const OV& o,
-                      const LV& lse, const QPos& qpos, const KPos& kpos, T scale,
-                      impl::BlockStep<T, typename ExecSpace::memory_space> state, Reqs& reqs) {
-    const int league = impl::forward_league_size<Shape>(e);
+  template <class QV, class OV, class LV, class Pos, class T, class Reqs, class Xfer>
+  void launch_chunked(const BlockLayout& layout, Xfer& x, const BlockExtents& e, const QV& q,
+                      const PackedKV<T, typename ExecSpace::memory_space>& kv, const OV& o,
+                      const LV& lse, const Pos& qpos, const Pos& kpos, T scale,
+                      ForwardBlockState<T, typename ExecSpace::memory_space> state, Reqs& reqs) {
+    const int league = layout.forward_league(e);
     const int chunks = reqs.empty() ? 1 : (league < progress_chunks ? league : progress_chunks);
     for (int c = 0; c < chunks; ++c) {
       state.league_begin = int(std::int64_t(league) * c / chunks);
       state.league_end = int(std::int64_t(league) * (c + 1) / chunks);
-      impl::launch_forward<ExecSpace, T, SD, Shape>(m_exec, e, q, kv, o, lse, m_mask, qpos, kpos,
-                                                    scale, state);
+      forward_block(m_exec, e, q, kv, o, lse, m_mask, qpos, kpos, scale, state);
       if (!reqs.empty()) {
         m_exec.fence();
         for (auto* r : reqs) x.test(*r);

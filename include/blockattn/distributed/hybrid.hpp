@@ -201,12 +201,12 @@ class HybridAttention {
   /// Returns this rank's extents and the global length (the sum of the
   /// local lengths, which the consensus gathers).
   template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
-  std::pair<impl::ForwardExtents, index_type> validate(
+  std::pair<BlockExtents, index_type> validate(
       const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
       const DistributedOptions& opts, Extra extra = [] {}) {
     const int ulysses = m_grid.ulysses;
     std::vector<std::int64_t> lengths;
-    const impl::ForwardExtents e = impl::agree_on_call<ExecSpace>(
+    const BlockExtents e = impl::agree_on_call<ExecSpace>(
         m_comm, name, m_mask, q, k, v, o, lse, opts, false,
         [ulysses](impl::Fingerprint& f) {
           f.text("schedule", std::string("hybrid (ulysses x ") + Schedule::name() + ")")
@@ -247,9 +247,8 @@ class HybridAttention {
   }
 
   template <class QV, class KV, class VV, class OV, class LV>
-  void run_forward(const impl::ForwardExtents& e, index_type N, const QV& q, const KV& k,
-                   const VV& v, const OV& o, const LV& lse, const DistributedOptions& opts,
-                   RunStats& stats) {
+  void run_forward(const BlockExtents& e, index_type N, const QV& q, const KV& k, const VV& v,
+                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int Pa = m_grid.ulysses;
@@ -282,9 +281,9 @@ class HybridAttention {
 
   template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
             class DVV>
-  void run_backward(const impl::ForwardExtents& e, index_type N, const QV& q, const KV& k,
-                    const VV& v, const OV& o, const LV& lse, const DOV& dout, const DQV& dq,
-                    const DKV& dk, const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+  void run_backward(const BlockExtents& e, index_type N, const QV& q, const KV& k, const VV& v,
+                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int Pa = m_grid.ulysses;

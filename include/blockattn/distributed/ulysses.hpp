@@ -399,11 +399,11 @@ class UlyssesAttention {
   /// also gathers every rank's local length). Returns this rank's extents
   /// and the global length.
   template <class QV, class KV, class VV, class OV, class LV, class Extra = void (*)()>
-  std::pair<impl::ForwardExtents, index_type> validate(
+  std::pair<BlockExtents, index_type> validate(
       const char* name, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
       const DistributedOptions& opts, Extra extra = [] {}) {
     std::vector<std::int64_t> lengths;
-    const impl::ForwardExtents e = impl::agree_on_call<ExecSpace>(
+    const BlockExtents e = impl::agree_on_call<ExecSpace>(
         m_comm, name, m_mask, q, k, v, o, lse, opts, false,
         [](impl::Fingerprint& f) {
           f.text("schedule", "ulysses")
@@ -424,15 +424,15 @@ class UlyssesAttention {
 
   /// The one "step" of RunStats: the local attention's tiles (per batch and
   /// head, over the whole sequence) and the bytes of the all-to-alls.
-  template <class Shape>
-  StepStats step_stats(index_type N, const DistributedOptions& opts, std::int64_t sent) const {
+  StepStats step_stats(const BlockLayout& layout, index_type N, const DistributedOptions& opts,
+                       std::int64_t sent) const {
     const int rank = m_comm.rank();
     StepStats st;
     st.step = 0;
     st.source = rank;
     st.query_source = rank;
     st.computed = true;
-    st.tiles = count_tiles(m_mask, N, N, Shape::block_q, Shape::block_k, OffsetPositions{},
+    st.tiles = count_tiles(m_mask, N, N, layout.block_q, layout.block_k, OffsetPositions{},
                            OffsetPositions{}, opts.count_pairs);
     st.bytes_sent = sent;
     st.bytes_received = sent;  // every rank sends and receives the same amounts
@@ -440,9 +440,8 @@ class UlyssesAttention {
   }
 
   template <class QV, class KV, class VV, class OV, class LV>
-  void run_forward(const impl::ForwardExtents& e, index_type N, const QV& q, const KV& k,
-                   const VV& v, const OV& o, const LV& lse, const DistributedOptions& opts,
-                   RunStats& stats) {
+  void run_forward(const BlockExtents& e, index_type N, const QV& q, const KV& k, const VV& v,
+                   const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int P = m_comm.size();
@@ -465,44 +464,40 @@ class UlyssesAttention {
     Buf4<V> of(alloc("blockattn::ulysses_o"), e.batch, N, hl, e.dim);
     Buf3<C> lf(alloc("blockattn::ulysses_lse"), e.batch, hl, N);
     live.add(impl::ulysses_bytes(of) + impl::ulysses_bytes(lf));
-    impl::ForwardExtents fe = e;
+    BlockExtents fe = e;
     fe.queries = fe.keys = int(N);
     fe.heads = hl;
     fe.kv_heads = kl;
-    using Shape = DefaultTileShape<C, impl::is_host_space_v<ExecSpace>>;
+    const BlockLayout layout = forward_layout<C, ExecSpace>(e.dim);
     const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
     double busy = 0.0;  // seconds of packing + attention on this rank
-    impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
-      constexpr int SD = decltype(static_d)::value;
-      using S = decltype(shape);
-      impl::check_tile_shape<S>();
-      const int dp = impl::padded_head_dim<S, SD>(e.dim);
-      const auto kv = impl::allocate_forward_kv<C, mem, S, SD>(e.batch, kl, int(N), dp);
+    {
+      const auto kv = allocate_forward_block<C, ExecSpace>(layout, e.batch, kl, int(N));
       const std::int64_t packed = impl::ulysses_bytes(kv.kt) + impl::ulysses_bytes(kv.v);
       live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();
-      impl::pack_kv(m_exec, kf, vf, kv);
-      impl::launch_forward<ExecSpace, C, SD, S>(m_exec, fe, qf, kv, of, lf, m_mask,
-                                                OffsetPositions{}, OffsetPositions{}, scale);
+      pack_forward_block(m_exec, kf, vf, kv);
+      forward_block(m_exec, fe, qf, kv, of, lf, m_mask, OffsetPositions{}, OffsetPositions{},
+                    scale);
       m_exec.fence();  // the packed block is freed here
       busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       live.sub(packed);
-    });
+    }
     // Phase 3: O and LSE back to the sequence split.
     impl::ulysses_from_heads<C>(m_comm, m_exec, of, o, hl, fq, where, sent, live);
     impl::ulysses_lse_from_heads(m_comm, m_exec, lf, lse, hl, fq, where, sent, live);
-    stats.block_q = Shape::block_q;
-    stats.block_k = Shape::block_k;
+    stats.block_q = layout.block_q;
+    stats.block_k = layout.block_k;
     stats.workspace_bytes = live.peak;
-    stats.steps.push_back(step_stats<Shape>(N, opts, sent));
+    stats.steps.push_back(step_stats(layout, N, opts, sent));
     stats.steps.back().compute_seconds = busy;  // packing and the local attention
   }
 
   template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
             class DVV>
-  void run_backward(const impl::ForwardExtents& e, index_type N, const QV& q, const KV& k,
-                    const VV& v, const OV& o, const LV& lse, const DOV& dout, const DQV& dq,
-                    const DKV& dk, const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
+  void run_backward(const BlockExtents& e, index_type N, const QV& q, const KV& k, const VV& v,
+                    const OV& o, const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
+                    const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int P = m_comm.size();
@@ -529,41 +524,37 @@ class UlyssesAttention {
     Buf4<C> dkf(alloc("blockattn::ulysses_dk"), e.batch, N, kl, e.dim),
         dvf(alloc("blockattn::ulysses_dv"), e.batch, N, kl, e.dim);
     live.add(impl::ulysses_bytes(dqf) + impl::ulysses_bytes(dkf) + impl::ulysses_bytes(dvf));
-    impl::ForwardExtents fe = e;
+    BlockExtents fe = e;
     fe.queries = fe.keys = int(N);
     fe.heads = hl;
     fe.kv_heads = kl;
-    using Shape = BackwardTileShape<C, impl::is_host_space_v<ExecSpace>>;
+    const BlockLayout layout = backward_layout<C, ExecSpace>(e.dim);
     const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
     double busy = 0.0;  // seconds of packing + attention on this rank
-    impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
-      constexpr int SD = decltype(static_d)::value;
-      using S = decltype(shape);
-      const int dp = impl::padded_head_dim<S, SD>(e.dim);
-      auto keys = impl::allocate_packed_keys<C, mem>(e.batch, kl, int(N), dp, S::block_k);
-      auto rows = impl::allocate_packed_queries<C, mem>(e.batch, hl, int(N), dp, S::block_q);
+    {
+      auto keys = allocate_backward_keys<C, ExecSpace>(layout, e.batch, kl, int(N));
+      auto rows = allocate_backward_queries<C, ExecSpace>(layout, e.batch, hl, int(N));
       const std::int64_t packed = impl::ulysses_bytes(keys.kt) + impl::ulysses_bytes(keys.vt) +
                                   impl::ulysses_bytes(keys.k) + impl::ulysses_bytes(rows.q) +
                                   impl::ulysses_bytes(rows.dout) + impl::ulysses_bytes(rows.lse2) +
                                   impl::ulysses_bytes(rows.drow);
       live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();
-      impl::pack_keys(m_exec, kf, vf, keys);
-      impl::pack_queries<impl::kernel_isa_v<ExecSpace, S>>(m_exec, qf, dof, of, lf, rows);
-      impl::launch_backward<ExecSpace, C, SD, S>(m_exec, fe, rows, keys, dqf, dkf, dvf, m_mask,
-                                                 OffsetPositions{}, OffsetPositions{}, scale,
-                                                 impl::BackwardBlock{});
+      pack_backward_keys(m_exec, kf, vf, keys);
+      pack_backward_queries(m_exec, qf, dof, of, lf, rows);
+      backward_block(m_exec, fe, rows, keys, dqf, dkf, dvf, m_mask, OffsetPositions{},
+                     OffsetPositions{}, scale);
       m_exec.fence();  // the packed buffers are freed here
       busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       live.sub(packed);
-    });
+    }
     impl::ulysses_from_heads<C>(m_comm, m_exec, dqf, dq, hl, fq, where, sent, live);
     impl::ulysses_from_heads<C>(m_comm, m_exec, dkf, dk, kl, fkv, where, sent, live);
     impl::ulysses_from_heads<C>(m_comm, m_exec, dvf, dv, kl, fkv, where, sent, live);
-    stats.block_q = Shape::block_q;
-    stats.block_k = Shape::block_k;
+    stats.block_q = layout.block_q;
+    stats.block_k = layout.block_k;
     stats.workspace_bytes = live.peak;
-    stats.steps.push_back(step_stats<Shape>(N, opts, sent));
+    stats.steps.push_back(step_stats(layout, N, opts, sent));
     stats.steps.back().compute_seconds = busy;  // packing and the local attention
   }
 };

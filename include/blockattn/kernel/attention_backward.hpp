@@ -4,7 +4,7 @@
 #pragma once
 
 #include <blockattn/kernel/attention_forward.hpp>
-#include <blockattn/kernel/impl/backward_launch.hpp>
+#include <blockattn/kernel/block_product.hpp>
 
 #include <cmath>
 
@@ -35,31 +35,24 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
                   "BlockAttn: dq, dk and dv are outputs and must not be Views of const");
     // Tiles and every sum in the compute type (fp32 for bf16 and fp16).
     using T = compute_t<V>;
-    using mem = typename ExecSpace::memory_space;
-    using Shape = BackwardTileShape<T, impl::is_host_space_v<ExecSpace>>;
     const char* fn = "attention_backward";
     impl::require_offsets(fn, opts);
-    const impl::ForwardExtents e =
+    const BlockExtents e =
         impl::validate_backward<ExecSpace>(fn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale);
     if (impl::check_policies_always || opts.check_policies)
       impl::check_mask_contract(fn, exec, mask, opts.q_offset, opts.q_offset + e.queries,
                                 opts.k_offset, opts.k_offset + e.keys);
-    const T s = impl::softmax_scale<T>(opts.scale, e.dim);
-    impl::with_shape_for<Shape>(e.dim, [&](auto static_d, auto shape) {
-      constexpr int SD = decltype(static_d)::value;
-      using S = decltype(shape);
-      const int dp = impl::padded_head_dim<S, SD>(e.dim);
-      impl::CallBuffers<ExecSpace> buffers(exec);
-      auto keys =
-          impl::allocate_packed_keys<T, mem>(e.batch, e.kv_heads, e.keys, dp, S::block_k, &buffers);
-      impl::pack_keys(exec, k, v, keys);
-      auto queries = impl::allocate_packed_queries<T, mem>(e.batch, e.heads, e.queries, dp,
-                                                           S::block_q, &buffers);
-      impl::pack_queries<impl::kernel_isa_v<ExecSpace, S>>(exec, q, dout, o, lse, queries);
-      impl::launch_backward<ExecSpace, T, SD, S>(
-          exec, e, queries, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
-          OffsetPositions{opts.k_offset}, s, impl::BackwardBlock{}, &buffers);
-    });
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    const BlockLayout layout = backward_layout<T, ExecSpace>(e.dim);
+    impl::CallBuffers<ExecSpace> buffers(exec);
+    const auto keys =
+        allocate_backward_keys<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys, &buffers);
+    pack_backward_keys(exec, k, v, keys);
+    const auto rows =
+        allocate_backward_queries<T, ExecSpace>(layout, e.batch, e.heads, e.queries, &buffers);
+    pack_backward_queries(exec, q, dout, o, lse, rows);
+    backward_block(exec, e, rows, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
+                   OffsetPositions{opts.k_offset}, scale, BackwardBlockOptions{}, &buffers);
   }
 }
 

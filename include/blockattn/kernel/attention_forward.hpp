@@ -5,6 +5,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/kernel/block_product.hpp>
 #include <blockattn/kernel/impl/forward_launch.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
@@ -40,13 +41,36 @@ template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, cla
           class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
 void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV& v, const OV& o,
                        const LV& lse, const Mask& mask = {}, const ForwardOptions& opts = {}) {
-  // Tiles of the compute type: bf16 and fp16 are converted to fp32 when packed.
-  using T = compute_t<typename OV::non_const_value_type>;
-  using Shape = DefaultTileShape<T, impl::is_host_space_v<ExecSpace>>;
-  impl::require_offsets("attention_forward", opts);
-  impl::forward<Shape>("attention_forward", exec, q, k, v, o, lse, mask,
-                       OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, opts.scale,
-                       opts.check_policies);
+  impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+  impl::check_mask_policy<Mask>();
+  // Stop here when a requirement failed: the static_assert above is the only
+  // diagnostic, not a backtrace from deeper templates.
+  if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask>) {
+    // Tiles of the compute type: bf16 and fp16 are converted to fp32 when packed.
+    using T = compute_t<typename OV::non_const_value_type>;
+    const char* fn = "attention_forward";
+    impl::require_offsets(fn, opts);
+    const BlockExtents e = impl::validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale);
+    const OffsetPositions qpos{opts.q_offset}, kpos{opts.k_offset};
+    if (impl::check_policies_always || opts.check_policies)
+      impl::check_mask_contract(fn, exec, mask, qpos(0), qpos(e.queries - 1) + 1, kpos(0),
+                                kpos(e.keys - 1) + 1);
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    const BlockLayout layout = forward_layout<T, ExecSpace>(e.dim);
+    impl::CallBuffers<ExecSpace> buffers(exec);
+    const auto kv =
+        allocate_forward_block<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys, &buffers);
+    pack_forward_block(exec, k, v, kv);
+    ForwardBlockState<T, typename ExecSpace::memory_space> state;
+    if constexpr (impl::is_host_space_v<ExecSpace>) {
+      // Rows are work where every query meets every key of the block.
+      const bool rows_are_work = mask.classify(qpos(0), qpos(e.queries - 1) + 1, kpos(0),
+                                               kpos(e.keys - 1) + 1) == TileKind::full;
+      state.query_tiles = impl::balanced_query_tiles(e, layout.block_q, layout.micro_rows,
+                                                     exec.concurrency(), rows_are_work);
+    }
+    forward_block(exec, e, q, kv, o, lse, mask, qpos, kpos, scale, state);
+  }
 }
 
 /// Same, on a default-constructed instance of the Views' execution space.

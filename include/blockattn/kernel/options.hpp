@@ -19,7 +19,7 @@ struct ForwardOptions {
   index_type q_offset = 0;
   index_type k_offset = 0;
   /// Check the mask's classify() against allowed() on a sample of boxes
-  /// before the work (impl/policy_check.hpp); always on with
+  /// before the work (kernel/policy_check.hpp); always on with
   /// -DBLOCKATTN_CHECK_POLICIES.
   bool check_policies = false;
 };

@@ -109,6 +109,11 @@ struct ZigzagPositions {
   }
 };
 
+/// The zigzag map as the kernels run it (policy/positions.hpp).
+constexpr AffinePositions canonical_positions(const ZigzagPositions& p) {
+  return AffinePositions{p.chunk, p.first, p.second, 1};
+}
+
 /// Zigzag / head-tail: 2P chunks (equal when 2P divides N; otherwise the
 /// first N mod 2P hold one token more); rank r owns chunks r and 2P - 1 - r,
 /// so every rank holds one early and one late piece of a causal sequence.

@@ -32,6 +32,38 @@ struct StridedPositions {
   }
 };
 
+/// A piecewise-affine map of two pieces, the form of every built-in
+/// partition's map (offset, strided, zigzag):
+///   local i <  split: first + stride * i
+///   local i >= split: second + stride * (i - split)
+/// The kernels run every built-in map as this one type (canonical_positions),
+/// so that a partition does not multiply the kernels a program compiles.
+struct AffinePositions {
+  index_type split = index_type(1) << 62;  // rows of the first piece (default: all)
+  index_type first = 0;                    // position of local row 0
+  index_type second = 0;                   // position of local row `split`
+  index_type stride = 1;                   // >= 1
+  KOKKOS_INLINE_FUNCTION constexpr index_type operator()(index_type i) const {
+    return i < split ? first + stride * i : second + stride * (i - split);
+  }
+};
+
+/// The map the kernels run a position map as: AffinePositions for the
+/// built-in affine maps, the map itself otherwise (tables, your own).
+template <class P>
+constexpr const P& canonical_positions(const P& p) {
+  return p;
+}
+constexpr AffinePositions canonical_positions(const OffsetPositions& p) {
+  return AffinePositions{index_type(1) << 62, p.offset, 0, 1};
+}
+constexpr AffinePositions canonical_positions(const StridedPositions& p) {
+  return AffinePositions{index_type(1) << 62, p.offset, 0, p.stride};
+}
+constexpr AffinePositions canonical_positions(const AffinePositions& p) {
+  return p;
+}
+
 namespace impl {
 template <class P, class = void>
 struct is_position_map : std::false_type {};

@@ -31,13 +31,13 @@ namespace impl {
 /// local length of rank r on return.
 template <class ExecSpace, class Comm, class Mask, class Opts, class QV, class KV, class VV,
           class OV, class LV, class Describe, class Extra>
-ForwardExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const QV& q,
-                             const KV& k, const VV& v, const OV& o, const LV& lse, const Opts& opts,
-                             bool uses_communicate, const Describe& describe, const Extra& extra,
-                             std::vector<std::int64_t>* lengths = nullptr) {
+BlockExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const QV& q, const KV& k,
+                           const VV& v, const OV& o, const LV& lse, const Opts& opts,
+                           bool uses_communicate, const Describe& describe, const Extra& extra,
+                           std::vector<std::int64_t>* lengths = nullptr) {
   using T = typename OV::non_const_value_type;
   std::string error;
-  ForwardExtents e;
+  BlockExtents e;
   // The host fp32 kernels' ISA (run-time dispatch, kernel/isa.hpp): ranks on
   // different CPUs may pick different ones, whose tile sizes (and so packed
   // buffers that travel) and last bits differ.

@@ -137,41 +137,6 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
   }
 }
 
-template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class DOV, class DQV,
-          class DKV, class DVV>
-ForwardExtents validate_backward(const char* fn, const QV& q, const KV& k, const VV& v, const OV& o,
-                                 const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk,
-                                 const DVV& dv, double scale, bool empty_seq_ok = false) {
-  const ForwardExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, scale, empty_seq_ok);
-  require_accessible<ExecSpace, typename DOV::memory_space>(fn, "dout");
-  require_accessible<ExecSpace, typename DQV::memory_space>(fn, "dq");
-  require_accessible<ExecSpace, typename DKV::memory_space>(fn, "dk");
-  require_accessible<ExecSpace, typename DVV::memory_space>(fn, "dv");
-  const char* names[4] = {"batch", "seq", "heads", "head_dim"};
-  for (int d = 0; d < 4; ++d) {
-    require_extent(fn, "dout", dout, d, names[d], q.extent(d), "the same extent of q");
-    require_extent(fn, "dq", dq, d, names[d], q.extent(d), "the same extent of q");
-    require_extent(fn, "dk", dk, d, names[d], k.extent(d), "the same extent of k");
-    require_extent(fn, "dv", dv, d, names[d], v.extent(d), "the same extent of v");
-  }
-  return e;
-}
-
-/// dout, dq, dk and dv hold the value type V of q (one message for every entry point).
-template <class V, class DOV, class DQV, class DKV, class DVV>
-constexpr void check_backward_grad_types() {
-  static_assert(std::is_same<typename DQV::non_const_value_type, V>::value &&
-                    std::is_same<typename DKV::non_const_value_type, V>::value &&
-                    std::is_same<typename DVV::non_const_value_type, V>::value &&
-                    std::is_same<typename DOV::non_const_value_type, V>::value,
-                "BlockAttn: dout, dq, dk and dv must have the value type of q");
-}
-
-template <class... Vs>
-constexpr bool backward_grad_views_ok() {
-  return (... && (Kokkos::is_view<Vs>::value && Vs::rank == 4));
-}
-
 }  // namespace impl
 
 }  // namespace blockattn

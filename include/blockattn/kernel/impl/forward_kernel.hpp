@@ -10,6 +10,7 @@
 #include <blockattn/kernel/impl/pack.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
 
 #include <cstddef>
@@ -18,10 +19,8 @@
 
 namespace blockattn::impl {
 
-/// Sizes of one forward problem, host side (CUTLASS "Arguments").
-struct ForwardExtents {
-  int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0, dim = 0;
-};
+/// Sizes of one forward problem (kernel/validate.hpp).
+using ForwardExtents = BlockExtents;
 
 /// How a forward launch cuts the queries of each (batch, head) into team
 /// tiles: tile qt holds the micro-row groups (micro_rows rows each)

@@ -23,6 +23,17 @@ KOKKOS_INLINE_FUNCTION int first_position_at_least(const KPos& kpos, int k0, int
   // Here kpos(k0) < x <= kpos(k0 + n - 1).
   if constexpr (std::is_same<KPos, OffsetPositions>::value) {
     return static_cast<int>(x - kpos(k0));
+  } else if constexpr (std::is_same<KPos, AffinePositions>::value) {
+    // The first local row i >= k0 with kpos(i) >= x, piece by piece:
+    // ceil((x - start) / stride) rows into a piece.
+    const auto rows_before = [&](index_type start) {
+      const index_type d = x - start;
+      return d <= 0 ? index_type(0) : (d + kpos.stride - 1) / kpos.stride;
+    };
+    index_type i = rows_before(kpos.first);
+    if (i >= kpos.split) i = kpos.split + rows_before(kpos.second);
+    // Here kpos(k0) < x <= kpos(k0 + n - 1): the answer is in [1, n - 1].
+    return static_cast<int>(i - k0);
   } else {
     int lo = 1, hi = n - 1;  // the answer is in [1, n - 1]
     while (lo < hi) {
