@@ -40,7 +40,7 @@ extern "C" void openblas_set_num_threads(int);
 namespace {
 
 using Exec = Kokkos::DefaultExecutionSpace;
-constexpr bool host = blockattn::impl::is_host_space_v<Exec>;
+constexpr bool host = std::is_same<Exec::memory_space, Kokkos::HostSpace>::value;
 
 enum MaskId { full = 0, causal = 1 };
 
@@ -102,15 +102,19 @@ void bm_attention(benchmark::State& state) {
   fill(q, 1);
   fill(k, 2);
   fill(v, 3);
+  // The default shape through the public call users make (its block
+  // product, precompiled or not); other shapes through the shape entry point.
+  auto forward = [&](const auto& m) {
+    if constexpr (std::is_same<Shape, blockattn::DefaultTileShape<float, host>>::value)
+      blockattn::attention_forward(Exec{}, q, k, v, o, lse, m);
+    else
+      blockattn::attention_forward_with_shape<Shape>(Exec{}, q, k, v, o, lse, m);
+  };
   auto run = [&] {
     if (mask == causal)
-      blockattn::impl::forward<Shape>("bench", Exec{}, q, k, v, o, lse, blockattn::CausalMask{},
-                                      blockattn::OffsetPositions{}, blockattn::OffsetPositions{},
-                                      std::nan(""));
+      forward(blockattn::CausalMask{});
     else
-      blockattn::impl::forward<Shape>("bench", Exec{}, q, k, v, o, lse, blockattn::FullMask{},
-                                      blockattn::OffsetPositions{}, blockattn::OffsetPositions{},
-                                      std::nan(""));
+      forward(blockattn::FullMask{});
     Kokkos::fence();
   };
   run();  // warm-up

@@ -94,8 +94,7 @@ const Shape shapes[] = {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("forward matches the fp64 reference for every mask and layout", T, float,
-                   double) {
+TEST_CASE_TEMPLATE("forward matches the fp64 reference for every mask and layout", T, BLOCKATTN_TEST_TYPES) {
   std::uint64_t seed = 1;
   for (const Shape& s : shapes)
     for (Layout layout : {Layout::right, Layout::strided}) {
@@ -113,7 +112,7 @@ TEST_CASE_TEMPLATE("forward matches the fp64 reference for every mask and layout
     }
 }
 
-TEST_CASE_TEMPLATE("masks see global positions through the offsets", T, float, double) {
+TEST_CASE_TEMPLATE("masks see global positions through the offsets", T, BLOCKATTN_TEST_TYPES) {
   // Queries are the last rows of a longer sequence (a decode-like chunk).
   ForwardOptions opts;
   opts.q_offset = 150;
@@ -123,7 +122,7 @@ TEST_CASE_TEMPLATE("masks see global positions through the offsets", T, float, d
   run_case<T>({1, 70, 90, 1, 1, 128}, SlidingWindowMask{16, 16}, Layout::strided, 8, opts);
 }
 
-TEST_CASE_TEMPLATE("fully masked rows give O = 0 and LSE = -inf, never NaN", T, float, double) {
+TEST_CASE_TEMPLATE("fully masked rows give O = 0 and LSE = -inf, never NaN", T, BLOCKATTN_TEST_TYPES) {
   // Keys start at global position 100: causal queries 0..99 see nothing; rows
   // 100.. see some keys. Mixed tiles exercise the per-row guard.
   ForwardOptions opts;
@@ -136,7 +135,7 @@ TEST_CASE_TEMPLATE("fully masked rows give O = 0 and LSE = -inf, never NaN", T, 
   CHECK(all.masked_rows == 40);
 }
 
-TEST_CASE_TEMPLATE("logits of magnitude 1e4 stay finite and exact", T, float, double) {
+TEST_CASE_TEMPLATE("logits of magnitude 1e4 stay finite and exact", T, BLOCKATTN_TEST_TYPES) {
   // q, k with entries up to 30 and D = 128: |scale * q.k| reaches ~1e4.
   ForwardOptions opts;
   opts.scale = 1.0;
@@ -259,7 +258,7 @@ std::vector<int> tile_heights(const impl::QueryTiles& split, int queries, int mr
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("query tiles of any height give the same O and LSE", T, float, double) {
+TEST_CASE_TEMPLATE("query tiles of any height give the same O and LSE", T, BLOCKATTN_TEST_TYPES) {
   // The forward spreads few query tiles over threads by cutting the queries
   // into more, shorter tiles (balanced_query_tiles). Each row's sums run over
   // the same key tiles in the same order whatever tile holds the row, so O and
@@ -287,7 +286,7 @@ TEST_CASE_TEMPLATE("query tiles of any height give the same O and LSE", T, float
   }
 }
 
-TEST_CASE_TEMPLATE("the forward reads position maps only at its own rows", T, float, double) {
+TEST_CASE_TEMPLATE("the forward reads position maps only at its own rows", T, BLOCKATTN_TEST_TYPES) {
   // Row counts that leave partial micro tiles and partial key tiles; a mask
   // with allowed_keys (row ranges) and one without (allowed() per pair). O and
   // LSE must equal those of plain offset maps, and no position outside the
@@ -369,8 +368,7 @@ TEST_CASE("balanced_query_tiles: other query tiles only when they finish sooner"
   }
 }
 
-TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight", T, float,
-                   double) {
+TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight", T, BLOCKATTN_TEST_TYPES) {
   // pack_kv reads rows through their stride: a column-major K and V (head-dim
   // stride = batch x seq x heads) give bitwise the results of row-major ones.
   const Shape s{2, 70, 150, 2, 1, 40};
@@ -431,8 +429,7 @@ TEST_CASE("forward K/V panels: micro tile wide on host spaces, the whole tile on
   CHECK(kv.v_panel == HostP::v(128));
 }
 
-TEST_CASE_TEMPLATE("pack_kv writes bitwise the block of the one-key-per-thread pack", T, float,
-                   double) {
+TEST_CASE_TEMPLATE("pack_kv writes bitwise the block of the one-key-per-thread pack", T, BLOCKATTN_TEST_TYPES) {
   // On host spaces pack_kv packs groups of 16 or 8 keys of a panel (K^T rows
   // written G keys at a time); pack_kv_rows is the device path (one key per
   // thread). Both buffers start as NaN, so a padding element (keys past the

@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Every ```cpp block of README.md, compiled and run with the context its prose
-// implies (Views of matching shapes, an MPI communicator, an execution space).
-// The blocks are extracted at build time (readme_snippets.cpp), so a README
-// edit that breaks the code breaks this test; a new block fails to compile
-// here until it is given a context below.
+// Every ```cpp block of README.md and of the docs pages with code
+// (docs/distributed.md, docs/planner.md, docs/extending.md; numbered in that
+// order), compiled and run with the context its prose implies (Views of
+// matching shapes, an MPI communicator, an execution space). The blocks are
+// extracted at build time (readme_snippets.cpp), so an edit that breaks the
+// code breaks this test; a new block fails to compile here until it is given
+// a context below. Snippets 1-2: README.md; 3-6: docs/distributed.md;
+// 7: docs/planner.md; 8-9: docs/extending.md.
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -15,7 +18,7 @@
 #include <readme_snippets.hpp>
 
 static_assert(BLOCKATTN_README_SNIPPETS == 9,
-              "README.md's ```cpp blocks changed: give each one its context in "
+              "the ```cpp blocks of README.md or docs/ changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
 // Snippet 8: a user mask, at namespace scope as a user would write it.

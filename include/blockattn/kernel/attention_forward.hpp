@@ -73,6 +73,20 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
   }
 }
 
+/// attention_forward with a tile shape of your own (tile sizes and the
+/// micro-tile product; kernel/tile_shape.hpp, e.g. KokkosBatchedTileShape):
+/// for tuning and benchmarks. Compiled where it is called (never precompiled).
+template <class Shape, class ExecSpace, class QV, class KV, class VV, class OV, class LV,
+          class Mask = FullMask>
+void attention_forward_with_shape(const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
+                                  const OV& o, const LV& lse, const Mask& mask = {},
+                                  const ForwardOptions& opts = {}) {
+  impl::require_offsets("attention_forward_with_shape", opts);
+  impl::forward<Shape>("attention_forward_with_shape", exec, q, k, v, o, lse, mask,
+                       OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, opts.scale,
+                       opts.check_policies);
+}
+
 /// Same, on a default-constructed instance of the Views' execution space.
 template <class QV, class KV, class VV, class OV, class LV, class Mask = FullMask,
           class = std::enable_if_t<Kokkos::is_view<QV>::value>>
