@@ -8,9 +8,11 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
 #include <blockattn/distributed/hybrid.hpp>
+#include <blockattn/distributed/options.hpp>
 #include <blockattn/distributed/ulysses.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/kernel/block_product.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>
 #include <blockattn/plan/balance.hpp>
@@ -22,9 +24,10 @@
 #include <blockattn/policy/table_partition.hpp>
 #include <blockattn/schedule/allgather.hpp>
 #include <blockattn/schedule/balanced.hpp>
+#include <blockattn/schedule/context.hpp>
 #include <blockattn/schedule/hybrid.hpp>
 #include <blockattn/schedule/ring.hpp>
 #include <blockattn/schedule/schedule.hpp>
 
 // The MPI communicator is not included here (only it needs <mpi.h>):
-// #include <blockattn/mpi_communicator.hpp>
+// #include <blockattn/comm/mpi_communicator.hpp>   (or blockattn/mpi_communicator.hpp)

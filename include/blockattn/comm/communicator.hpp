@@ -40,7 +40,7 @@
 //     type, ordered by key (ties: by rank), e.g. the rows and columns of a 2D
 //     grid of ranks.
 // Ring neighbours come from ring_next() / ring_prev(). MpiCommunicator lives in
-// blockattn/mpi_communicator.hpp, the only header that includes <mpi.h>.
+// blockattn/comm/mpi_communicator.hpp, the only header that includes <mpi.h>.
 #pragma once
 
 #include <blockattn/core/config.hpp>

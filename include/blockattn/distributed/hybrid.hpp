@@ -158,15 +158,8 @@ class HybridAttention {
   RunStats backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
                     const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
                     const DistributedOptions& opts = {}) {
-    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
-    static_assert(impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
-                  "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
-                  "(batch, seq, heads, head_dim)");
     RunStats stats;
-    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
-                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
-      using V = typename OV::non_const_value_type;
-      impl::check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
+    if constexpr (impl::check_backward_view_types<QV, KV, VV, OV, LV, DOV, DQV, DKV, DVV>()) {
       const auto t0 = std::chrono::steady_clock::now();
       const auto [e, N] = validate(bfn, q, k, v, o, lse, opts, [&] {
         impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
@@ -246,37 +239,34 @@ class HybridAttention {
     stats.block_k = ring.block_k;
   }
 
+  /// The group's all-to-alls (impl::HeadExchange, as UlyssesAttention's over
+  /// the group's ranks): the group's tokens in concatenated order.
+  impl::HeadExchange<Communicator, ExecSpace> exchange(const BlockExtents& e, index_type Ng) {
+    return impl::HeadExchange<Communicator, ExecSpace>(
+        m_group, m_exec, impl::concatenated_index(m_exec, m_grid.ulysses, Ng),
+        UlyssesHeads::make(e.heads, e.kv_heads, m_grid.ulysses));
+  }
+  index_type group_length(index_type N) const {
+    return hybrid_group_length<Partition>(N, m_grid, m_grid.group(m_comm.rank()));
+  }
+
   template <class QV, class KV, class VV, class OV, class LV>
   void run_forward(const BlockExtents& e, index_type N, const QV& q, const KV& k, const VV& v,
                    const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
-    const int Pa = m_grid.ulysses;
-    const index_type Ng =
-        hybrid_group_length<Partition>(N, m_grid, m_grid.group(m_comm.rank()));  // group's tokens
-    const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, Pa);
-    const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
-    const auto where = impl::concatenated_index(m_exec, Pa, Ng);
-    const auto fq = impl::ulysses_firsts(m_exec, u, false),
-               fkv = impl::ulysses_firsts(m_exec, u, true);
-    std::int64_t sent = 0;
-    impl::UlyssesLive live;
-    live.add(impl::ulysses_bytes(where));
-    const Buf4<V> qf = impl::ulysses_to_heads<V>(m_group, m_exec, q, hl, fq, where, sent, live);
-    const Buf4<V> kf = impl::ulysses_to_heads<V>(m_group, m_exec, k, kl, fkv, where, sent, live);
-    const Buf4<V> vf = impl::ulysses_to_heads<V>(m_group, m_exec, v, kl, fkv, where, sent, live);
-    auto alloc = [](const char* label) {
-      return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
-    };
-    Buf4<V> of(alloc("blockattn::hybrid_o"), e.batch, Ng, hl, e.dim);
-    Buf3<C> lf(alloc("blockattn::hybrid_lse"), e.batch, hl, Ng);
-    live.add(impl::ulysses_bytes(of) + impl::ulysses_bytes(lf));
+    const index_type Ng = group_length(N);  // the group's tokens
+    auto x = exchange(e, Ng);
+    const Buf4<V> qf = x.template in<V>(q, false), kf = x.template in<V>(k, true),
+                  vf = x.template in<V>(v, true);
+    const Buf4<V> of = x.template buffer<V>("blockattn::hybrid_o", e.batch, Ng, x.hl, e.dim);
+    const Buf3<C> lf = x.template lse_buffer<C>("blockattn::hybrid_lse", e.batch, Ng);
     const RunStats ring = m_ring.forward(qf, kf, vf, of, lf, opts);
-    merge(stats, ring, live);
-    impl::ulysses_from_heads<C>(m_group, m_exec, of, o, hl, fq, where, sent, live);
-    impl::ulysses_lse_from_heads(m_group, m_exec, lf, lse, hl, fq, where, sent, live);
-    stats.alltoall_bytes = sent;
-    stats.workspace_bytes = live.peak;
+    merge(stats, ring, x.live);
+    x.template out<C>(of, o, false);
+    x.out_lse(lf, lse);
+    stats.alltoall_bytes = x.sent;
+    stats.workspace_bytes = x.live.peak;
   }
 
   template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
@@ -286,40 +276,26 @@ class HybridAttention {
                     const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
-    const int Pa = m_grid.ulysses;
-    const index_type Ng = hybrid_group_length<Partition>(N, m_grid, m_grid.group(m_comm.rank()));
-    const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, Pa);
-    const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
-    const auto where = impl::concatenated_index(m_exec, Pa, Ng);
-    const auto fq = impl::ulysses_firsts(m_exec, u, false),
-               fkv = impl::ulysses_firsts(m_exec, u, true);
-    std::int64_t sent = 0;
-    impl::UlyssesLive live;
-    live.add(impl::ulysses_bytes(where));
-    const Buf4<V> qf = impl::ulysses_to_heads<V>(m_group, m_exec, q, hl, fq, where, sent, live);
-    const Buf4<V> kf = impl::ulysses_to_heads<V>(m_group, m_exec, k, kl, fkv, where, sent, live);
-    const Buf4<V> vf = impl::ulysses_to_heads<V>(m_group, m_exec, v, kl, fkv, where, sent, live);
-    const Buf4<V> of = impl::ulysses_to_heads<V>(m_group, m_exec, o, hl, fq, where, sent, live);
-    const Buf4<V> dof = impl::ulysses_to_heads<V>(m_group, m_exec, dout, hl, fq, where, sent, live);
-    const auto lf = impl::ulysses_lse_to_heads(m_group, m_exec, lse, hl, fq, where, sent, live);
+    const index_type Ng = group_length(N);
+    auto x = exchange(e, Ng);
+    const Buf4<V> qf = x.template in<V>(q, false), kf = x.template in<V>(k, true),
+                  vf = x.template in<V>(v, true), of = x.template in<V>(o, false),
+                  dof = x.template in<V>(dout, false);
+    const auto lf = x.in_lse(lse);
     // The ring's gradients are in the storage type (DistributedAttention's
     // contract); a replicated K/V head's partials are summed in the compute
     // type on the way back, so 16-bit storage rounds them once more than
     // UlyssesAttention does.
-    auto alloc = [](const char* label) {
-      return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
-    };
-    Buf4<V> dqf(alloc("blockattn::hybrid_dq"), e.batch, Ng, hl, e.dim),
-        dkf(alloc("blockattn::hybrid_dk"), e.batch, Ng, kl, e.dim),
-        dvf(alloc("blockattn::hybrid_dv"), e.batch, Ng, kl, e.dim);
-    live.add(impl::ulysses_bytes(dqf) + impl::ulysses_bytes(dkf) + impl::ulysses_bytes(dvf));
+    const Buf4<V> dqf = x.template buffer<V>("blockattn::hybrid_dq", e.batch, Ng, x.hl, e.dim),
+                  dkf = x.template buffer<V>("blockattn::hybrid_dk", e.batch, Ng, x.kl, e.dim),
+                  dvf = x.template buffer<V>("blockattn::hybrid_dv", e.batch, Ng, x.kl, e.dim);
     const RunStats ring = m_ring.backward(qf, kf, vf, of, lf, dof, dqf, dkf, dvf, opts);
-    merge(stats, ring, live);
-    impl::ulysses_from_heads<C>(m_group, m_exec, dqf, dq, hl, fq, where, sent, live);
-    impl::ulysses_from_heads<C>(m_group, m_exec, dkf, dk, kl, fkv, where, sent, live);
-    impl::ulysses_from_heads<C>(m_group, m_exec, dvf, dv, kl, fkv, where, sent, live);
-    stats.alltoall_bytes = sent;
-    stats.workspace_bytes = live.peak;
+    merge(stats, ring, x.live);
+    x.template out<C>(dqf, dq, false);
+    x.template out<C>(dkf, dk, true);
+    x.template out<C>(dvf, dv, true);
+    stats.alltoall_bytes = x.sent;
+    stats.workspace_bytes = x.live.peak;
   }
 };
 

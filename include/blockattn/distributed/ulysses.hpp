@@ -298,6 +298,68 @@ void ulysses_lse_from_heads(Comm& comm, const ExecSpace& exec, const LFull& full
   live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return
 }
 
+/// The all-to-all phases around a head-parallel compute, written once for
+/// UlyssesAttention (one group: every rank) and HybridAttention (the ranks of
+/// a group): in, the sequence split to the head split (whole sequence of the
+/// group in `where`'s order, this rank's heads); out, back. Counts the bytes
+/// sent and the peak of the buffers alive.
+template <class Comm, class ExecSpace>
+struct HeadExchange {
+  using mem = typename ExecSpace::memory_space;
+  Comm& comm;
+  ExecSpace exec;
+  UlyssesIndex<mem> where;
+  Kokkos::View<int*, mem> fq, fkv;  // each rank's first query / K/V head
+  int hl, kl;                       // query and K/V heads per rank
+  std::int64_t sent = 0;
+  UlyssesLive live;
+
+  HeadExchange(Comm& c, const ExecSpace& e, const UlyssesIndex<mem>& w, const UlyssesHeads& u)
+      : comm(c),
+        exec(e),
+        where(w),
+        fq(ulysses_firsts(e, u, false)),
+        fkv(ulysses_firsts(e, u, true)),
+        hl(u.heads_per_rank),
+        kl(u.kv_heads_per_rank) {
+    live.add(ulysses_bytes(where));
+  }
+  /// Rows (batch, sequence, heads, dim) in: query heads (`kv` = false) or K/V heads.
+  template <class V, class X>
+  UlyssesBuf4<V, ExecSpace> in(const X& x, bool kv) {
+    return ulysses_to_heads<V>(comm, exec, x, kv ? kl : hl, kv ? fkv : fq, where, sent, live);
+  }
+  template <class L>
+  auto in_lse(const L& lse) {
+    return ulysses_lse_to_heads(comm, exec, lse, hl, fq, where, sent, live);
+  }
+  /// Rows back to the sequence split (K/V heads: replicated heads summed in C).
+  template <class C, class T, class X>
+  void out(const UlyssesBuf4<T, ExecSpace>& full, const X& x, bool kv) {
+    ulysses_from_heads<C>(comm, exec, full, x, kv ? kl : hl, kv ? fkv : fq, where, sent, live);
+  }
+  template <class LFull, class L>
+  void out_lse(const LFull& full, const L& lse) {
+    ulysses_lse_from_heads(comm, exec, full, lse, hl, fq, where, sent, live);
+  }
+  /// A buffer of `rows` rows for `heads` heads, counted alive.
+  template <class T>
+  UlyssesBuf4<T, ExecSpace> buffer(const char* label, int batch, index_type rows, int heads,
+                                   int dim) {
+    UlyssesBuf4<T, ExecSpace> b(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
+                                batch, rows, heads, dim);
+    live.add(ulysses_bytes(b));
+    return b;
+  }
+  template <class T>
+  UlyssesBuf3<T, ExecSpace> lse_buffer(const char* label, int batch, index_type rows) {
+    UlyssesBuf3<T, ExecSpace> b(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)),
+                                batch, hl, rows);
+    live.add(ulysses_bytes(b));
+    return b;
+  }
+};
+
 }  // namespace impl
 
 template <class Partition, class Mask, class Communicator,
@@ -360,15 +422,8 @@ class UlyssesAttention {
   RunStats backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
                     const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
                     const DistributedOptions& opts = {}) {
-    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
-    static_assert(impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
-                  "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
-                  "(batch, seq, heads, head_dim)");
     RunStats stats;
-    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>() &&
-                  impl::backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
-      using V = typename OV::non_const_value_type;
-      impl::check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
+    if constexpr (impl::check_backward_view_types<QV, KV, VV, OV, LV, DOV, DQV, DKV, DVV>()) {
       const auto t0 = std::chrono::steady_clock::now();
       const auto [e, N] = validate(bfn, q, k, v, o, lse, opts, [&] {
         impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
@@ -422,75 +477,44 @@ class UlyssesAttention {
     return {e, N};
   }
 
-  /// The one "step" of RunStats: the local attention's tiles (per batch and
-  /// head, over the whole sequence) and the bytes of the all-to-alls.
-  StepStats step_stats(const BlockLayout& layout, index_type N, const DistributedOptions& opts,
-                       std::int64_t sent) const {
-    const int rank = m_comm.rank();
-    StepStats st;
-    st.step = 0;
-    st.source = rank;
-    st.query_source = rank;
-    st.computed = true;
-    st.tiles = count_tiles(m_mask, N, N, layout.block_q, layout.block_k, OffsetPositions{},
-                           OffsetPositions{}, opts.count_pairs);
-    st.bytes_sent = sent;
-    st.bytes_received = sent;  // every rank sends and receives the same amounts
-    return st;
-  }
-
   template <class QV, class KV, class VV, class OV, class LV>
   void run_forward(const BlockExtents& e, index_type N, const QV& q, const KV& k, const VV& v,
                    const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int P = m_comm.size();
-    const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, P);
-    const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
-    const auto where = impl::ulysses_index<Partition>(m_exec, N, P);
-    const auto fq = impl::ulysses_firsts(m_exec, u, false),
-               fkv = impl::ulysses_firsts(m_exec, u, true);
-    std::int64_t sent = 0;
-    impl::UlyssesLive live;
-    live.add(impl::ulysses_bytes(where));
+    impl::HeadExchange<Communicator, ExecSpace> x(m_comm, m_exec,
+                                                  impl::ulysses_index<Partition>(m_exec, N, P),
+                                                  UlyssesHeads::make(e.heads, e.kv_heads, P));
     // Phase 1: Q, K, V to the head split (whole sequence, global order).
-    const Buf4<V> qf = impl::ulysses_to_heads<V>(m_comm, m_exec, q, hl, fq, where, sent, live);
-    const Buf4<V> kf = impl::ulysses_to_heads<V>(m_comm, m_exec, k, kl, fkv, where, sent, live);
-    const Buf4<V> vf = impl::ulysses_to_heads<V>(m_comm, m_exec, v, kl, fkv, where, sent, live);
+    const Buf4<V> qf = x.template in<V>(q, false), kf = x.template in<V>(k, true),
+                  vf = x.template in<V>(v, true);
     // Phase 2: attention over global positions on this rank's heads.
-    auto alloc = [](const char* label) {
-      return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
-    };
-    Buf4<V> of(alloc("blockattn::ulysses_o"), e.batch, N, hl, e.dim);
-    Buf3<C> lf(alloc("blockattn::ulysses_lse"), e.batch, hl, N);
-    live.add(impl::ulysses_bytes(of) + impl::ulysses_bytes(lf));
+    const Buf4<V> of = x.template buffer<V>("blockattn::ulysses_o", e.batch, N, x.hl, e.dim);
+    const Buf3<C> lf = x.template lse_buffer<C>("blockattn::ulysses_lse", e.batch, N);
     BlockExtents fe = e;
     fe.queries = fe.keys = int(N);
-    fe.heads = hl;
-    fe.kv_heads = kl;
+    fe.heads = x.hl;
+    fe.kv_heads = x.kl;
     const BlockLayout layout = forward_layout<C, ExecSpace>(e.dim);
     const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
     double busy = 0.0;  // seconds of packing + attention on this rank
     {
-      const auto kv = allocate_forward_block<C, ExecSpace>(layout, e.batch, kl, int(N));
+      const auto kv = allocate_forward_block<C, ExecSpace>(layout, e.batch, x.kl, int(N));
       const std::int64_t packed = impl::ulysses_bytes(kv.kt) + impl::ulysses_bytes(kv.v);
-      live.add(packed);
+      x.live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();
       pack_forward_block(m_exec, kf, vf, kv);
       forward_block(m_exec, fe, qf, kv, of, lf, m_mask, OffsetPositions{}, OffsetPositions{},
                     scale);
       m_exec.fence();  // the packed block is freed here
       busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
-      live.sub(packed);
+      x.live.sub(packed);
     }
     // Phase 3: O and LSE back to the sequence split.
-    impl::ulysses_from_heads<C>(m_comm, m_exec, of, o, hl, fq, where, sent, live);
-    impl::ulysses_lse_from_heads(m_comm, m_exec, lf, lse, hl, fq, where, sent, live);
-    stats.block_q = layout.block_q;
-    stats.block_k = layout.block_k;
-    stats.workspace_bytes = live.peak;
-    stats.steps.push_back(step_stats(layout, N, opts, sent));
-    stats.steps.back().compute_seconds = busy;  // packing and the local attention
+    x.template out<C>(of, o, false);
+    x.out_lse(lf, lse);
+    finish_stats(layout, N, opts, x, busy, stats);
   }
 
   template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
@@ -501,44 +525,33 @@ class UlyssesAttention {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     const int P = m_comm.size();
-    const UlyssesHeads u = UlyssesHeads::make(e.heads, e.kv_heads, P);
-    const int hl = u.heads_per_rank, kl = u.kv_heads_per_rank;
-    const auto where = impl::ulysses_index<Partition>(m_exec, N, P);
-    const auto fq = impl::ulysses_firsts(m_exec, u, false),
-               fkv = impl::ulysses_firsts(m_exec, u, true);
-    std::int64_t sent = 0;
-    impl::UlyssesLive live;
-    live.add(impl::ulysses_bytes(where));
-    const Buf4<V> qf = impl::ulysses_to_heads<V>(m_comm, m_exec, q, hl, fq, where, sent, live);
-    const Buf4<V> kf = impl::ulysses_to_heads<V>(m_comm, m_exec, k, kl, fkv, where, sent, live);
-    const Buf4<V> vf = impl::ulysses_to_heads<V>(m_comm, m_exec, v, kl, fkv, where, sent, live);
-    const Buf4<V> of = impl::ulysses_to_heads<V>(m_comm, m_exec, o, hl, fq, where, sent, live);
-    const Buf4<V> dof = impl::ulysses_to_heads<V>(m_comm, m_exec, dout, hl, fq, where, sent, live);
-    const auto lf = impl::ulysses_lse_to_heads(m_comm, m_exec, lse, hl, fq, where, sent, live);
+    impl::HeadExchange<Communicator, ExecSpace> x(m_comm, m_exec,
+                                                  impl::ulysses_index<Partition>(m_exec, N, P),
+                                                  UlyssesHeads::make(e.heads, e.kv_heads, P));
+    const Buf4<V> qf = x.template in<V>(q, false), kf = x.template in<V>(k, true),
+                  vf = x.template in<V>(v, true), of = x.template in<V>(o, false),
+                  dof = x.template in<V>(dout, false);
+    const auto lf = x.in_lse(lse);
     // dQ in the storage type (one rank computes each head); dK, dV in the
     // compute type: a replicated K/V head's partials are summed on the way back.
-    auto alloc = [](const char* label) {
-      return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
-    };
-    Buf4<V> dqf(alloc("blockattn::ulysses_dq"), e.batch, N, hl, e.dim);
-    Buf4<C> dkf(alloc("blockattn::ulysses_dk"), e.batch, N, kl, e.dim),
-        dvf(alloc("blockattn::ulysses_dv"), e.batch, N, kl, e.dim);
-    live.add(impl::ulysses_bytes(dqf) + impl::ulysses_bytes(dkf) + impl::ulysses_bytes(dvf));
+    const Buf4<V> dqf = x.template buffer<V>("blockattn::ulysses_dq", e.batch, N, x.hl, e.dim);
+    const Buf4<C> dkf = x.template buffer<C>("blockattn::ulysses_dk", e.batch, N, x.kl, e.dim),
+                  dvf = x.template buffer<C>("blockattn::ulysses_dv", e.batch, N, x.kl, e.dim);
     BlockExtents fe = e;
     fe.queries = fe.keys = int(N);
-    fe.heads = hl;
-    fe.kv_heads = kl;
+    fe.heads = x.hl;
+    fe.kv_heads = x.kl;
     const BlockLayout layout = backward_layout<C, ExecSpace>(e.dim);
     const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
     double busy = 0.0;  // seconds of packing + attention on this rank
     {
-      auto keys = allocate_backward_keys<C, ExecSpace>(layout, e.batch, kl, int(N));
-      auto rows = allocate_backward_queries<C, ExecSpace>(layout, e.batch, hl, int(N));
+      auto keys = allocate_backward_keys<C, ExecSpace>(layout, e.batch, x.kl, int(N));
+      auto rows = allocate_backward_queries<C, ExecSpace>(layout, e.batch, x.hl, int(N));
       const std::int64_t packed = impl::ulysses_bytes(keys.kt) + impl::ulysses_bytes(keys.vt) +
                                   impl::ulysses_bytes(keys.k) + impl::ulysses_bytes(rows.q) +
                                   impl::ulysses_bytes(rows.dout) + impl::ulysses_bytes(rows.lse2) +
                                   impl::ulysses_bytes(rows.drow);
-      live.add(packed);
+      x.live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();
       pack_backward_keys(m_exec, kf, vf, keys);
       pack_backward_queries(m_exec, qf, dof, of, lf, rows);
@@ -546,16 +559,35 @@ class UlyssesAttention {
                      OffsetPositions{}, scale);
       m_exec.fence();  // the packed buffers are freed here
       busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
-      live.sub(packed);
+      x.live.sub(packed);
     }
-    impl::ulysses_from_heads<C>(m_comm, m_exec, dqf, dq, hl, fq, where, sent, live);
-    impl::ulysses_from_heads<C>(m_comm, m_exec, dkf, dk, kl, fkv, where, sent, live);
-    impl::ulysses_from_heads<C>(m_comm, m_exec, dvf, dv, kl, fkv, where, sent, live);
+    x.template out<C>(dqf, dq, false);
+    x.template out<C>(dkf, dk, true);
+    x.template out<C>(dvf, dv, true);
+    finish_stats(layout, N, opts, x, busy, stats);
+  }
+
+  /// The one "step" of RunStats: the local attention's tiles (per batch and
+  /// head, over the whole sequence), the bytes of the all-to-alls, the peak
+  /// workspace and the busy time (packing and the local attention).
+  void finish_stats(const BlockLayout& layout, index_type N, const DistributedOptions& opts,
+                    const impl::HeadExchange<Communicator, ExecSpace>& x, double busy,
+                    RunStats& stats) const {
+    const int rank = m_comm.rank();
+    StepStats st;
+    st.step = 0;
+    st.source = rank;
+    st.query_source = rank;
+    st.computed = true;
+    st.tiles = count_tiles(m_mask, N, N, layout.block_q, layout.block_k, OffsetPositions{},
+                           OffsetPositions{}, opts.count_pairs);
+    st.bytes_sent = x.sent;
+    st.bytes_received = x.sent;  // every rank sends and receives the same amounts
+    st.compute_seconds = busy;
     stats.block_q = layout.block_q;
     stats.block_k = layout.block_k;
-    stats.workspace_bytes = live.peak;
-    stats.steps.push_back(step_stats(layout, N, opts, sent));
-    stats.steps.back().compute_seconds = busy;  // packing and the local attention
+    stats.workspace_bytes = x.live.peak;
+    stats.steps.push_back(st);
   }
 };
 

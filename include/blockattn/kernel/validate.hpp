@@ -185,6 +185,29 @@ constexpr bool backward_grad_views_ok() {
   return (... && (Kokkos::is_view<Vs>::value && Vs::rank == 4));
 }
 
+/// The compile-time checks of a backward call (one static_assert per failed
+/// requirement, each naming the fix); true when every one holds, so that a
+/// caller's `if constexpr` stops at the first diagnostic.
+template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+          class DVV>
+constexpr bool check_backward_view_types() {
+  check_forward_view_types<QV, KV, VV, OV, LV>();
+  static_assert(backward_grad_views_ok<DOV, DQV, DKV, DVV>(),
+                "BlockAttn: dout, dq, dk and dv must be rank-4 Kokkos::Views "
+                "(batch, seq, heads, head_dim)");
+  if constexpr (forward_views_ok<QV, KV, VV, OV, LV>() &&
+                backward_grad_views_ok<DOV, DQV, DKV, DVV>()) {
+    using V = typename OV::non_const_value_type;
+    check_backward_grad_types<V, DOV, DQV, DKV, DVV>();
+    return std::is_same<typename DQV::non_const_value_type, V>::value &&
+           std::is_same<typename DKV::non_const_value_type, V>::value &&
+           std::is_same<typename DVV::non_const_value_type, V>::value &&
+           std::is_same<typename DOV::non_const_value_type, V>::value;
+  } else {
+    return false;
+  }
+}
+
 }  // namespace impl
 
 }  // namespace blockattn

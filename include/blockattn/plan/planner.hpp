@@ -86,7 +86,7 @@ inline Hardware tpu_v5e() {
 /// A two-level cluster of published figures: H100 SXM (989e12 dense bf16
 /// FLOP/s, 80 GB HBM3), 8 per node on NVLink 4 (900 GB/s bidirectional: 450e9
 /// per direction), one 400 Gb/s NIC per GPU between nodes (50e9 bytes/s).
-/// Peak rates; calibrate (blockattn/calibrate.hpp) for what a kernel reaches.
+/// Peak rates; calibrate (blockattn/plan/calibrate.hpp) for what a kernel reaches.
 inline Hardware h100_cluster() {
   Hardware hw{"H100 x8/node NVLink + 400Gb/s", 989e12, 1, 50e9, 0, 80e9, 0};
   hw.ranks_per_node = 8;
@@ -331,13 +331,16 @@ void schedule_plan(const Problem& p, const ScheduleContext& c, std::vector<Messa
   ws.assign(std::size_t(P), 0);
   const std::int64_t q = payload_bytes(p, Payload::q), res = payload_bytes(p, Payload::result);
   for (int r = 0; r < P; ++r) {
-    const ForwardSlots u = forward_slots<Schedule>(c, r);
-    ws[std::size_t(r)] = u.kv * packed_kv_bytes(p) + 2 * state_bytes(p) +
-                         (u.q - 1 + (u.q_copy ? 1 : 0)) * q + (u.results_out + u.results_in) * res;
-    // 16-bit storage: the block in use widened to fp32, and the fp32 O sum.
-    if (p.widens())
-      ws[std::size_t(r)] += packed_kv_bytes(p, p.accumulator_bytes()) +
-                            rows_bytes(p, p.heads, p.dim, p.accumulator_bytes());
+    ForwardBufferBytes b;
+    b.kv = packed_kv_bytes(p);
+    b.q = q;
+    b.result = res;
+    b.state = 2 * state_bytes(p);
+    if (p.widens()) {  // 16-bit storage: the block in use widened to fp32, and the fp32 O sum
+      b.widened_kv = packed_kv_bytes(p, p.accumulator_bytes());
+      b.accumulator = rows_bytes(p, p.heads, p.dim, p.accumulator_bytes());
+    }
+    ws[std::size_t(r)] = forward_workspace_bytes(forward_slots<Schedule>(c, r), b);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <blockattn/kernel/work.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/partition.hpp>
+#include <blockattn/schedule/context.hpp>
 #include <blockattn/schedule/ring.hpp>
 #include <blockattn/schedule/schedule.hpp>
 
@@ -169,23 +170,5 @@ struct BalancedSchedule {
     if (helper) x.push_back({rank, task.q_rank, Payload::result, t, t, true, t + 1, t % 2, t % 2});
   }
 };
-
-/// Tiles of `task` for a global sequence of N tokens split by the partition
-/// over P ranks (per batch and head); an idle task has none.
-template <class Partition, class Mask>
-TileCounts task_work(const Partition& partition, const Mask& mask, index_type N, int P,
-                     const BlockTask& task, int block_q, int block_k, bool count_pairs = true) {
-  if (task.idle()) return {};
-  return count_tiles(mask, local_length(partition, N, P, task.q_rank),
-                     local_length(partition, N, P, task.k_rank), block_q, block_k,
-                     partition.positions(N, P, task.q_rank), partition.positions(N, P, task.k_rank),
-                     count_pairs);
-}
-/// The same for a stateless partition (the type alone).
-template <class Partition, class Mask>
-TileCounts task_work(const Mask& mask, index_type N, int P, const BlockTask& task, int block_q,
-                     int block_k, bool count_pairs = true) {
-  return task_work(Partition{}, mask, N, P, task, block_q, block_k, count_pairs);
-}
 
 }  // namespace blockattn

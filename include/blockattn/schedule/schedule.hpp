@@ -26,6 +26,7 @@
 
 #include <blockattn/core/config.hpp>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <type_traits>
@@ -145,6 +146,23 @@ struct ForwardSlots {
   int results_out = 0, results_in = 0;
   bool merges = false;  // results for this rank's queries arrive from other ranks
 };
+
+/// The sizes of the buffers a forward allocates (bytes of one of each).
+struct ForwardBufferBytes {
+  std::int64_t kv = 0;           // a packed K/V slot (storage type)
+  std::int64_t q = 0;            // a query slot (storage type)
+  std::int64_t result = 0;       // a partial result: O and LSE (compute type)
+  std::int64_t state = 0;        // the softmax state (m, l) of the longest rank's rows
+  std::int64_t widened_kv = 0;   // 16-bit storage: the block in use widened (else 0)
+  std::int64_t accumulator = 0;  // 16-bit storage: the fp32 unnormalised O (else 0)
+};
+
+/// The workspace a rank's forward allocates for its slots: the one formula
+/// the run (RunStats::workspace_bytes) and the planner both use.
+inline std::int64_t forward_workspace_bytes(const ForwardSlots& u, const ForwardBufferBytes& b) {
+  return u.kv * b.kv + b.state + (u.q - 1 + (u.q_copy ? 1 : 0)) * b.q +
+         std::int64_t(u.results_out + u.results_in) * b.result + b.widened_kv + b.accumulator;
+}
 
 /// What one rank does at one step of a backward: the gradients of the block
 /// pair `task` from the packed query slot q_slot (0: this rank's own Q, dO,

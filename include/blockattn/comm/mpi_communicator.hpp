@@ -1,0 +1,316 @@
+// SPDX-License-Identifier: Apache-2.0
+// MpiCommunicator: the communicator concept over a user's MPI_Comm. The only
+// BlockAttn header that includes <mpi.h>. BlockAttn never calls MPI_Init or
+// MPI_Finalize; the communicator does not own or free the MPI_Comm.
+#pragma once
+
+#include <mpi.h>
+
+#include <blockattn/comm/communicator.hpp>
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace blockattn {
+
+/// Transfer modes: data of Views that the host cannot access is copied through
+/// a host buffer (HostStaged, the default), or handed to MPI as is (GpuAware,
+/// for CUDA-/ROCm-aware MPI builds).
+struct HostStaged {};
+struct GpuAware {};
+
+template <class Transfer = HostStaged>
+class MpiCommunicator {
+  static_assert(std::is_same<Transfer, HostStaged>::value ||
+                    std::is_same<Transfer, GpuAware>::value,
+                "BlockAttn: MpiCommunicator<Transfer>: Transfer must be HostStaged or GpuAware");
+
+ public:
+  using communicator_type = MpiCommunicator;
+
+  /// A pending transfer. `finish` runs after MPI completes it (host-staged
+  /// receives copy into the device View there).
+  struct request_type {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::shared_ptr<void> staging;
+    std::function<void()> finish;
+  };
+
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD) : m_comm(comm) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized)
+      impl::fail("MpiCommunicator",
+                 "MPI is not initialized; expected MPI_Init to be called by the "
+                 "application before constructing a communicator");
+    MPI_Comm_rank(m_comm, &m_rank);
+    MPI_Comm_size(m_comm, &m_size);
+  }
+
+  int rank() const { return m_rank; }
+  int size() const { return m_size; }
+  MPI_Comm comm() const { return m_comm; }
+
+  /// Sends a contiguous View. Without an execution-space instance all of
+  /// Kokkos is fenced first (the data must be complete before MPI reads it).
+  template <class View>
+  request_type isend(const View& v, int dest, int tag) {
+    Kokkos::fence();
+    return post_send("MpiCommunicator::isend", typename View::execution_space{}, v, dest, tag);
+  }
+  /// Sends a View written by work on `exec`: fences that instance only
+  /// (host-staged: the staging copy is enqueued on it, then it is fenced).
+  template <class ExecSpace, class View,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  request_type isend(const ExecSpace& exec, const View& v, int dest, int tag) {
+    return post_send("MpiCommunicator::isend", exec, v, dest, tag);
+  }
+
+  /// Receives into a contiguous View; host-staged receives copy into it when
+  /// the request completes (wait/test), fencing all of Kokkos.
+  template <class View>
+  request_type irecv(const View& v, int source, int tag) {
+    return post_recv<false>("MpiCommunicator::irecv", typename View::execution_space{}, v, source,
+                            tag);
+  }
+  /// Receives into a View that work on `exec` reads next: host-staged data is
+  /// copied in on that instance when the request completes.
+  template <class ExecSpace, class View,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  request_type irecv(const ExecSpace& exec, const View& v, int source, int tag) {
+    return post_recv<true>("MpiCommunicator::irecv", exec, v, source, tag);
+  }
+
+  void wait(request_type& r) {
+    check(MPI_Wait(&r.request, MPI_STATUS_IGNORE), "MPI_Wait");
+    complete(r);
+  }
+  bool test(request_type& r) {
+    int flag = 0;
+    check(MPI_Test(&r.request, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    if (flag) complete(r);
+    return flag != 0;
+  }
+  void barrier() { check(MPI_Barrier(m_comm), "MPI_Barrier"); }
+
+  template <class T>
+  T allreduce(T value, ReduceOp op) {
+    T out{};
+    check(MPI_Allreduce(&value, &out, 1, mpi_type<T>(), mpi_op(op), m_comm), "MPI_Allreduce");
+    return out;
+  }
+  /// Element-wise allreduce of `count` values in one collective.
+  template <class T>
+  void allreduce(const T* in, T* out, int count, ReduceOp op) {
+    check(MPI_Allreduce(in, out, count, mpi_type<T>(), mpi_op(op), m_comm), "MPI_Allreduce");
+  }
+
+  /// All-to-all with equal counts (MPI_Alltoall): chunk j of `send` (`count`
+  /// elements) to rank j, rank i's chunk for us into chunk i of `recv`. The
+  /// Views were written by / are read next by work on `exec` (host-staged:
+  /// copies through host mirrors on that instance).
+  template <class ExecSpace, class SendView, class RecvView,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  void alltoall(const ExecSpace& exec, const SendView& send, const RecvView& recv,
+                std::int64_t count) {
+    const char* fn = "MpiCommunicator::alltoall";
+    impl::check_alltoall_args(fn, m_size, send, recv, count);
+    const int n = element_count(fn, count);
+    collective(exec, send, recv, [&](const void* s, void* r, MPI_Datatype t) {
+      check(MPI_Alltoall(s, n, t, r, n, t, m_comm), "MPI_Alltoall");
+    });
+  }
+
+  /// All-to-all with unequal counts (MPI_Alltoallv), in elements.
+  template <class ExecSpace, class SendView, class RecvView,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  void alltoallv(const ExecSpace& exec, const SendView& send,
+                 const impl::alltoall_counts& send_counts,
+                 const impl::alltoall_counts& send_offsets, const RecvView& recv,
+                 const impl::alltoall_counts& recv_counts,
+                 const impl::alltoall_counts& recv_offsets) {
+    static_assert(std::is_same<typename SendView::non_const_value_type,
+                               typename RecvView::non_const_value_type>::value,
+                  "BlockAttn: alltoallv: send and recv must have the same value type");
+    const char* fn = "MpiCommunicator::alltoallv";
+    impl::check_alltoallv_side(fn, "send", "send_counts", "send_offsets", m_size, send, send_counts,
+                               send_offsets);
+    impl::check_alltoallv_side(fn, "recv", "recv_counts", "recv_offsets", m_size, recv, recv_counts,
+                               recv_offsets);
+    const std::size_t P = std::size_t(m_size);
+    std::vector<int> sc(P), so(P), rc(P), ro(P);
+    for (std::size_t j = 0; j < P; ++j) {
+      sc[j] = element_count(fn, send_counts[j]);
+      so[j] = element_count(fn, send_offsets[j]);
+      rc[j] = element_count(fn, recv_counts[j]);
+      ro[j] = element_count(fn, recv_offsets[j]);
+    }
+    collective(exec, send, recv, [&](const void* s, void* r, MPI_Datatype t) {
+      check(MPI_Alltoallv(s, sc.data(), so.data(), t, r, rc.data(), ro.data(), t, m_comm),
+            "MPI_Alltoallv");
+    });
+  }
+
+  /// The ranks with the same color (>= 0) as a communicator of their own
+  /// (MPI_Comm_split), ordered by key; collective over this communicator. The
+  /// new MPI_Comm belongs to the returned handle and its copies (freed with the
+  /// last one, unless MPI is finalized by then).
+  MpiCommunicator split(int color, int key) const {
+    if (color < 0)
+      impl::fail("MpiCommunicator::split", "argument 'color' = ", color, ", expected >= 0");
+    MPI_Comm c = MPI_COMM_NULL;
+    check(MPI_Comm_split(m_comm, color, key, &c), "MPI_Comm_split");
+    std::shared_ptr<MPI_Comm> owned(new MPI_Comm(c), [](MPI_Comm* x) {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized && *x != MPI_COMM_NULL) MPI_Comm_free(x);
+      delete x;
+    });
+    return MpiCommunicator(std::move(owned));
+  }
+
+ private:
+  MPI_Comm m_comm;
+  int m_rank = 0, m_size = 1;
+  std::shared_ptr<MPI_Comm> m_owned;  // set for communicators made by split()
+
+  explicit MpiCommunicator(std::shared_ptr<MPI_Comm> owned)
+      : m_comm(*owned), m_owned(std::move(owned)) {
+    MPI_Comm_rank(m_comm, &m_rank);
+    MPI_Comm_size(m_comm, &m_size);
+  }
+
+  static int element_count(const char* fn, std::int64_t n) {
+    if (n > std::int64_t(std::numeric_limits<int>::max()))
+      impl::fail(fn, "count or offset of ", n, " elements exceeds MPI's int; expected at most ",
+                 std::numeric_limits<int>::max());
+    return int(n);
+  }
+
+  /// Runs a collective `op(send_ptr, recv_ptr, element_type)` on host
+  /// pointers (host-staged device Views) or the Views' own (host or GPU-aware).
+  template <class ExecSpace, class SendView, class RecvView, class Op>
+  void collective(const ExecSpace& exec, const SendView& send, const RecvView& recv, Op&& op) {
+    using T = typename RecvView::non_const_value_type;
+    MPI_Datatype t = MPI_DATATYPE_NULL;
+    check(MPI_Type_contiguous(int(sizeof(T)), MPI_BYTE, &t), "MPI_Type_contiguous");
+    check(MPI_Type_commit(&t), "MPI_Type_commit");
+    if constexpr (needs_staging<SendView>() || needs_staging<RecvView>()) {
+      auto s = impl::flat_view(send);
+      auto r = impl::flat_view(recv);
+      const auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::alltoall");
+      Kokkos::View<T*, Kokkos::HostSpace> hs(alloc, s.extent(0)), hr(alloc, r.extent(0));
+      Kokkos::deep_copy(exec, hs, s);
+      Kokkos::deep_copy(exec, hr, r);  // what is not received stays as it was
+      exec.fence();
+      op(hs.data(), hr.data(), t);
+      Kokkos::deep_copy(exec, r, hr);
+      exec.fence();
+    } else {
+      exec.fence();
+      op(send.data(), recv.data(), t);
+    }
+    MPI_Type_free(&t);
+  }
+
+  template <class ExecSpace, class View>
+  request_type post_send(const char* fn, const ExecSpace& exec, const View& v, int dest, int tag) {
+    impl::require_contiguous(fn, "view", v);
+    check_peer(fn, dest);
+    request_type r;
+    const int count = byte_count(v);
+    if constexpr (needs_staging<View>()) {
+      auto h = std::make_shared<typename View::HostMirror>(Kokkos::create_mirror_view(v));
+      Kokkos::deep_copy(exec, *h, v);
+      exec.fence();
+      r.staging = h;
+      check(MPI_Isend(h->data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
+    } else {
+      exec.fence();
+      check(MPI_Isend(v.data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
+    }
+    return r;
+  }
+  template <bool OnInstance, class ExecSpace, class View>
+  request_type post_recv(const char* fn, const ExecSpace& exec, const View& v, int source,
+                         int tag) {
+    impl::require_contiguous(fn, "view", v);
+    check_peer(fn, source);
+    request_type r;
+    const int count = byte_count(v);
+    if constexpr (needs_staging<View>()) {
+      auto h = std::make_shared<typename View::HostMirror>(Kokkos::create_mirror_view(v));
+      r.staging = h;
+      if constexpr (OnInstance)
+        r.finish = [h, v, exec]() {
+          Kokkos::deep_copy(exec, v, *h);
+          exec.fence();  // the staging buffer is released after this
+        };
+      else
+        r.finish = [h, v]() { Kokkos::deep_copy(v, *h); };
+      check(MPI_Irecv(h->data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
+    } else {
+      check(MPI_Irecv(v.data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
+    }
+    return r;
+  }
+
+  template <class View>
+  static constexpr bool needs_staging() {
+    return std::is_same<Transfer, HostStaged>::value &&
+           !Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename View::memory_space>::accessible;
+  }
+  template <class View>
+  static int byte_count(const View& v) {
+    const std::size_t bytes = v.span() * sizeof(typename View::value_type);
+    if (bytes > std::size_t(std::numeric_limits<int>::max()))
+      impl::fail("MpiCommunicator", "message of ", bytes,
+                 " bytes exceeds MPI's int count; expected at most ",
+                 std::numeric_limits<int>::max(), " bytes per message");
+    return static_cast<int>(bytes);
+  }
+  void check_peer(const char* fn, int peer) const {
+    if (peer < 0 || peer >= m_size)
+      impl::fail(fn, "peer rank = ", peer, ", expected 0 <= rank < ", m_size);
+  }
+  static void check(int rc, const char* what) {
+    if (rc != MPI_SUCCESS) impl::fail("MpiCommunicator", what, " failed with error code ", rc);
+  }
+  static void complete(request_type& r) {
+    if (r.finish) r.finish();
+    r.finish = nullptr;
+    r.staging.reset();
+  }
+  template <class T>
+  static MPI_Datatype mpi_type() {
+    if constexpr (std::is_same<T, double>::value)
+      return MPI_DOUBLE;
+    else if constexpr (std::is_same<T, float>::value)
+      return MPI_FLOAT;
+    else if constexpr (std::is_same<T, int>::value)
+      return MPI_INT;
+    else if constexpr (std::is_same<T, std::int64_t>::value)
+      return MPI_INT64_T;
+    else
+      static_assert(sizeof(T) == 0, "BlockAttn: allreduce supports int, int64_t, float, double");
+  }
+  static MPI_Op mpi_op(ReduceOp op) {
+    switch (op) {
+      case ReduceOp::sum:
+        return MPI_SUM;
+      case ReduceOp::max:
+        return MPI_MAX;
+      case ReduceOp::min:
+        return MPI_MIN;
+    }
+    return MPI_SUM;
+  }
+};
+
+}  // namespace blockattn

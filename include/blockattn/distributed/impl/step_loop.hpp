@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: Apache-2.0
+// The one step loop every schedule's description runs, forward and backward
+// (DistributedAttention). The skeleton lives here; a direction
+// (impl/forward_steps.hpp, impl/backward_steps.hpp) supplies its buffers and
+// its compute.
+#pragma once
+
+#include <blockattn/distributed/impl/transfer.hpp>
+#include <blockattn/distributed/options.hpp>
+#include <blockattn/schedule/schedule.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <vector>
+
+namespace blockattn::impl {
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// One transfer of a description as this rank posts it: a send when the rank
+/// is its source, else a receive; `go(view, message)` starts one message of
+/// its payload and lists it with the transfers due at its done step.
+template <class Xfer>
+struct Posting {
+  Xfer& x;
+  const ScheduledTransfer& t;
+  std::vector<typename Xfer::transfer_type>& due;
+  bool send;
+  int peer, slot;  // the other end, and this end's slot
+  Posting(Xfer& xf, const ScheduledTransfer& tr, int rank,
+          std::vector<typename Xfer::transfer_type>& list)
+      : x(xf),
+        t(tr),
+        due(list),
+        send(tr.src == rank),
+        peer(send ? tr.dst : tr.src),
+        slot(send ? tr.src_slot : tr.dst_slot) {}
+  template <class View>
+  void operator()(const View& view, Message m) {
+    const int named = transfer_step(t);
+    due.push_back(send ? x.send(view, peer, named, m) : x.receive(view, peer, named, m));
+  }
+};
+
+/// Runs the steps of a description on this rank. At each step s:
+///   1. posts the step's transfers that start before its compute (inputs of
+///      later steps, and the receives of results or partial gradients),
+///   2. computes the step's task (Dir::compute: the kernels; it may test the
+///      transfers in flight, and fences the instance),
+///   3. completes the transfers due at s and hands what arrived to the
+///      direction (Dir::arrived: merge results, add partial gradients), and
+///      posts what the step produced, after the compute: before step 3 when
+///      Dir::results_first (the forward's results do not depend on what
+///      arrives), after it otherwise (a partial gradient is sent with the
+///      partials that arrived at s added in),
+///   4. accounts the step in `stats` (block pair, tiles, bytes, seconds).
+/// After the last step it completes what is due at the end and returns the
+/// seconds that took. `communicate` = false: no transfer is posted (the
+/// forward's compute-only measurement).
+///
+/// A direction provides:
+///   void post(const ScheduledTransfer&, std::vector<Xfer::transfer_type>& due, StepStats&)
+///   bool compute(int s, const Step&, std::vector<std::vector<Xfer::transfer_type>>& due,
+///                StepStats&)   -> whether kernels ran (false: no work, or an idle step)
+///   void arrived(int s)        after the waits of step s (s = steps: the end)
+///   TileCounts work(const BlockTask&) const
+///   static constexpr bool results_first
+template <class Step, class Xfer, class Dir>
+double run_step_loop(Xfer& x, const std::vector<Step>& desc, int rank, bool communicate, Dir& dir,
+                     RunStats& stats) {
+  using request = typename Xfer::transfer_type;
+  using clock = std::chrono::steady_clock;
+  const std::size_t steps = desc.size();
+  std::vector<std::vector<request>> due(steps + 1);  // by the step that completes them
+  const auto post = [&](const Step& f, bool after_compute, StepStats& st) {
+    if (!communicate) return;
+    for (const ScheduledTransfer& t : f.transfers)
+      if (after_compute ? (t.after_compute && t.src == rank) : (!t.after_compute || t.dst == rank))
+        dir.post(t, due[std::size_t(t.done_step)], st);
+  };
+  const auto complete = [&](std::size_t s) {
+    for (auto& r : due[s]) x.wait(r);
+    dir.arrived(int(s));
+  };
+  for (std::size_t s = 0; s < steps; ++s) {
+    const auto t0 = clock::now();
+    const Step& f = desc[s];
+    StepStats st;
+    post(f, false, st);
+    const auto c0 = clock::now();
+    st.computed = dir.compute(int(s), f, due, st);
+    st.compute_seconds = seconds_since(c0);
+    if (Dir::results_first) {
+      post(f, true, st);
+      complete(s);
+    } else {
+      complete(s);
+      post(f, true, st);
+    }
+    st.step = int(s);
+    st.source = f.task.k_rank;
+    st.query_source = f.task.q_rank;
+    st.tiles = dir.work(f.task);
+    st.seconds = seconds_since(t0);
+    stats.steps.push_back(st);
+  }
+  const auto t0 = clock::now();
+  complete(steps);
+  return seconds_since(t0);
+}
+
+}  // namespace blockattn::impl

@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: Apache-2.0
+// What a distributed call takes besides its Views (DistributedOptions) and
+// what it reports (RunStats: per step the block pair, tiles, bytes, time).
+// Shared by DistributedAttention, UlyssesAttention and HybridAttention.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/kernel/work.hpp>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace blockattn {
+
+/// What one rank did at one step of a schedule.
+struct StepStats {
+  int step = 0;
+  int source = 0;         // rank whose K/V block was used (Q ring: whose queries)
+  int query_source = -1;  // rank whose queries were used (-1: idle step)
+  bool computed = false;  // false: the whole block was masked out (no kernel)
+  TileCounts tiles;       // per (batch, head); pairs only with count_pairs
+  std::int64_t bytes_sent = 0;
+  std::int64_t bytes_received = 0;
+  double seconds = 0.0;  // wall time of the step on this rank (compute + wait)
+  /// The part of `seconds` from the first launch of the step's compute to
+  /// its fence (the transfers in flight are tested in between; the waits
+  /// that complete them are not in it): this rank's busy time.
+  double compute_seconds = 0.0;
+};
+
+/// What one rank did in one forward call.
+struct RunStats {
+  std::vector<StepStats> steps;
+  int block_q = 0, block_k = 0;      // tile sizes used
+  std::int64_t workspace_bytes = 0;  // memory the schedule allocated on this rank
+  /// HybridAttention: bytes this rank sent in the all-to-alls inside its group
+  /// (the steps hold the ring's across groups), and their wall time.
+  std::int64_t alltoall_bytes = 0;
+  double alltoall_seconds = 0.0;
+  std::int64_t bytes_sent() const {
+    std::int64_t b = alltoall_bytes;
+    for (const auto& s : steps) b += s.bytes_sent;
+    return b;
+  }
+  TileCounts tiles() const {
+    TileCounts t;
+    for (const auto& s : steps) t += s.tiles;
+    return t;
+  }
+  double compute_seconds() const {
+    double c = 0.0;
+    for (const auto& s : steps) c += s.compute_seconds;
+    return c;
+  }
+};
+
+/// Run-time options of a distributed forward call.
+struct DistributedOptions {
+  double scale = std::numeric_limits<double>::quiet_NaN();  // NaN: 1 / sqrt(head_dim)
+  bool count_pairs = false;  // also count allowed pairs (host cost ~ pairs of partial tiles)
+  bool communicate = true;   // false: compute the same steps on the local block only
+                             // (measures compute time without communication; wrong result)
+  /// > 0: a transfer that has not completed after this many seconds throws
+  /// blockattn::timeout_error naming the step, the peer and the message
+  /// (instead of waiting forever for a rank that failed or never posts).
+  double timeout_seconds = 0.0;
+  /// Check the mask's classify() against allowed() on a sample of boxes of
+  /// the global sequence before the work (every rank the same sample);
+  /// always on with -DBLOCKATTN_CHECK_POLICIES.
+  bool check_policies = false;
+};
+
+}  // namespace blockattn

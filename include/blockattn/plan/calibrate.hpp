@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: Apache-2.0
+// A quick calibration run of the tile kernel for the planner: times the
+// forward on one block with a full and a causal mask, and fits the planner's
+// compute model (F on full tiles, relative cost of a partial tile) to it.
+#pragma once
+
+#include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/kernel/work.hpp>
+#include <blockattn/plan/planner.hpp>
+#include <blockattn/policy/mask.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace blockattn {
+namespace plan {
+
+struct Calibration {
+  double flops = 0;              // FLOP/s on full tiles (4 D per pair of every computed tile)
+  double partial_tile_cost = 1;  // partial tile time / full tile time
+  double full_seconds = 0, causal_seconds = 0;
+  int n = 0, heads = 0, dim = 0;
+};
+
+/// Fits F and the partial-tile cost to c.full_seconds and c.causal_seconds
+/// (forward on one (1, c.n, c.heads, c.dim) block, tile sizes of T on ExecSpace).
+template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace>
+Calibration fit_calibration(Calibration c) {
+  const TileSizes ts = forward_tile_sizes<T, ExecSpace>(c.dim);
+  const double per_tile = 4.0 * ts.block_q * ts.block_k * c.dim * double(c.heads);
+  const TileCounts full = count_tiles(FullMask{}, c.n, c.n, ts.block_q, ts.block_k, {}, {}, false);
+  const TileCounts causal =
+      count_tiles(CausalMask{}, c.n, c.n, ts.block_q, ts.block_k, {}, {}, false);
+  c.flops = double(full.computed()) * per_tile / c.full_seconds;
+  c.partial_tile_cost = 1;
+  if (causal.partial > 0) {
+    const double tiles = c.causal_seconds * c.flops / per_tile;  // in full-tile units
+    c.partial_tile_cost = std::max(0.05, (tiles - double(causal.full)) / double(causal.partial));
+  }
+  return c;
+}
+
+/// Times attention_forward on (1, n, heads, dim) Views of T with a full and a
+/// causal mask (alternating, best of `reps` after one warm-up each) and fits
+///   t = (full tiles + c * partial tiles) * 4 * block_q * block_k * dim * heads / F.
+/// Collective only in the sense that every rank calling it at once measures
+/// the rate under the same load as a distributed run.
+template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace>
+Calibration calibrate(int n, int heads, int dim, int reps = 3, const ExecSpace& exec = {}) {
+  using V = Kokkos::View<T****, typename ExecSpace::memory_space>;
+  using L = Kokkos::View<T***, typename ExecSpace::memory_space>;
+  V q("blockattn::calibrate_q", 1, n, heads, dim), k("blockattn::calibrate_k", 1, n, heads, dim),
+      v("blockattn::calibrate_v", 1, n, heads, dim), o("blockattn::calibrate_o", 1, n, heads, dim);
+  L lse("blockattn::calibrate_lse", 1, heads, n);
+  {
+    auto h = Kokkos::create_mirror_view(q);
+    std::uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (std::size_t i = 0; i < h.span(); ++i) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      h.data()[i] = T(double(x >> 11) / double(1ull << 53) - 0.5);
+    }
+    Kokkos::deep_copy(q, h);
+    Kokkos::deep_copy(k, h);
+    Kokkos::deep_copy(v, h);
+  }
+  auto time_one = [&](const auto& mask) {
+    exec.fence();
+    const auto t0 = std::chrono::steady_clock::now();
+    attention_forward(exec, q, k, v, o, lse, mask);
+    exec.fence();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  Calibration c;
+  c.n = n;
+  c.heads = heads;
+  c.dim = dim;
+  c.full_seconds = c.causal_seconds = 1e300;
+  // Alternating, best of `reps` each after one warm-up: both see the same load.
+  for (int r = 0; r <= reps; ++r) {
+    const double tf = time_one(FullMask{});
+    const double tc = time_one(CausalMask{});
+    if (r == 0) continue;
+    c.full_seconds = std::min(c.full_seconds, tf);
+    c.causal_seconds = std::min(c.causal_seconds, tc);
+  }
+  return fit_calibration<T, ExecSpace>(c);
+}
+
+/// Hardware from a calibration and the link figures.
+inline Hardware calibrated_hardware(const Calibration& c, double bandwidth, double latency,
+                                    double memory_bytes = 0) {
+  Hardware hw;
+  hw.name = "calibrated";
+  hw.flops = c.flops;
+  hw.partial_tile_cost = c.partial_tile_cost;
+  hw.bandwidth = bandwidth;
+  hw.latency = latency;
+  hw.memory_bytes = memory_bytes;
+  return hw;
+}
+
+}  // namespace plan
+}  // namespace blockattn
