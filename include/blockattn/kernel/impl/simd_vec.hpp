@@ -1,0 +1,336 @@
+// SPDX-License-Identifier: Apache-2.0
+// The vector classes of the explicit-register host kernels: one per ISA
+// (SimdVec512: AVX-512F; SimdVec256: AVX2 + FMA; SimdVec128: SSE2 and NEON
+// through GNU vectors) and SimdFor<Isa>. Included by micro_gemm_simd.hpp
+// only, which uses the BLOCKATTN_SIMD_* / BLOCKATTN_TARGET_* macros defined
+// here and undefines them at its end.
+#pragma once
+
+#include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/isa.hpp>
+
+#include <cstddef>
+#include <cstring>
+#include <type_traits>
+
+// Which vector classes this translation unit defines: the compile-time ISA's,
+// and under run-time dispatch (isa.hpp) the 256- and 512-bit ones above it,
+// their operations compiled under target attributes (BLOCKATTN_TARGET_256 /
+// _512, empty where the compile-time ISA has them).
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__)
+#define BLOCKATTN_SIMD_KERNELS 0
+#else
+#if defined(__AVX512F__)
+#define BLOCKATTN_SIMD_512 1  // AVX-512 intrinsics
+#define BLOCKATTN_TARGET_512
+#elif BLOCKATTN_HOST_DISPATCH
+#define BLOCKATTN_SIMD_512 1
+#define BLOCKATTN_TARGET_512 BLOCKATTN_TARGET_AVX512
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define BLOCKATTN_SIMD_256 1  // AVX2 intrinsics
+#define BLOCKATTN_TARGET_256
+#elif BLOCKATTN_HOST_DISPATCH && !(defined(__AVX2__) && defined(__FMA__))
+#define BLOCKATTN_SIMD_256 1
+#define BLOCKATTN_TARGET_256 BLOCKATTN_TARGET_AVX2
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && !(defined(__AVX2__) && defined(__FMA__)) && \
+    (defined(__SSE2__) || (defined(__aarch64__) && defined(__ARM_NEON)))
+#define BLOCKATTN_SIMD_128 1  // 128-bit GNU vectors
+#endif
+#if defined(BLOCKATTN_SIMD_512) || defined(BLOCKATTN_SIMD_256) || defined(BLOCKATTN_SIMD_128)
+#define BLOCKATTN_SIMD_KERNELS 1
+#else
+#define BLOCKATTN_SIMD_KERNELS 0
+#endif
+#endif
+
+#if BLOCKATTN_SIMD_KERNELS
+#if defined(BLOCKATTN_SIMD_512) || defined(BLOCKATTN_SIMD_256)
+#include <immintrin.h>
+#endif
+
+#if defined(__clang__)
+#define BLOCKATTN_HOST_UNROLL _Pragma("unroll")
+#else
+#define BLOCKATTN_HOST_UNROLL _Pragma("GCC unroll 16")
+#endif
+
+namespace blockattn::impl {
+
+// The operations the kernels below use, on vectors passed by reference: the
+// kernels are templates without target attributes, so under run-time dispatch
+// (isa.hpp) a vector passed by value between them and these targeted
+// functions would use two calling conventions if a call stayed out of line
+// (at -O0, say). By reference, the code is right whatever the compiler
+// inlines; inlined (the kernels run inside a flattened function of the
+// vector's target) nothing of the references remains. The value operations
+// of each class are for functions of its own target only.
+#define BLOCKATTN_SIMD_REFERENCE_OPS(TARGET)                           \
+  TARGET static void set_zero(type& x) {                               \
+    x = zero();                                                        \
+  }                                                                    \
+  TARGET static void load_to(type& x, const float* p) {                \
+    x = load(p);                                                       \
+  }                                                                    \
+  /* x = p[0 .. width), kept in a register (see simd_tile_product) */  \
+  TARGET static void load_pinned(type& x, const float* p) {            \
+    x = in_register(load(p));                                          \
+  }                                                                    \
+  TARGET static void store_from(float* p, const type& x) {             \
+    store(p, x);                                                       \
+  }                                                                    \
+  TARGET static void broadcast_to(type& x, const float* p) {           \
+    x = broadcast(p);                                                  \
+  }                                                                    \
+  TARGET static void mul_to(type& x, const type& a, const type& b) {   \
+    x = mul(a, b);                                                     \
+  }                                                                    \
+  /* acc = a * b + acc */                                              \
+  TARGET static void fma_to(type& acc, const type& a, const type& b) { \
+    acc = fma(a, b, acc);                                              \
+  }                                                                    \
+  /* acc = x > acc ? x : acc */                                        \
+  TARGET static void max_to(type& acc, const type& x) {                \
+    acc = max(x, acc);                                                 \
+  }
+
+#if defined(BLOCKATTN_SIMD_512)
+/// One 512-bit AVX-512 vector of floats and its operations.
+struct SimdVec512 {
+  using type = __m512;
+  static constexpr int width = 16, registers = 32;
+  static constexpr bool has_exp2 = true;
+  BLOCKATTN_TARGET_512 static type zero() { return _mm512_setzero_ps(); }
+  BLOCKATTN_TARGET_512 static type load(const float* p) { return _mm512_loadu_ps(p); }
+  /// x, made opaque to the compiler so that it stays in a register (see
+  /// simd_tile_product).
+  BLOCKATTN_TARGET_512 static type in_register(type x) {
+    __asm__("" : "+v"(x));
+    return x;
+  }
+  BLOCKATTN_TARGET_512 static void store(float* p, type x) { _mm512_storeu_ps(p, x); }
+  BLOCKATTN_TARGET_512 static type broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  BLOCKATTN_TARGET_512 static type mul(type a, type b) { return _mm512_mul_ps(a, b); }
+  BLOCKATTN_TARGET_512 static type fma(type a, type b, type c) { return _mm512_fmadd_ps(a, b, c); }
+  /// a > b ? a : b per lane (b when either is NaN), as the scalar expression:
+  /// vmaxps' rule, which GCC keeps (operands never swapped unless
+  /// -ffinite-math-only). The maskz form: _mm512_max_ps's GCC 12 header trips
+  /// -Wmaybe-uninitialized through _mm512_undefined_ps.
+  BLOCKATTN_TARGET_512 static type max(type a, type b) { return _mm512_maskz_max_ps(0xFFFF, a, b); }
+  BLOCKATTN_TARGET_512 static type add(type a, type b) { return _mm512_add_ps(a, b); }
+  BLOCKATTN_TARGET_512 static type sub(type a, type b) { return _mm512_sub_ps(a, b); }
+  /// exp2_nonpositive (exp2.hpp) per lane, its arithmetic with the polynomial
+  /// in FMA steps, and bitwise its result: n = round(x) as the float
+  /// (x + 1.5 * 2^23) - 1.5 * 2^23 (exact for |x| < 2^22), f = x - n, and
+  /// 2^n applied by vscalefps (poly * 2^n rounded once, as the scalar
+  /// poly * two_n with two_n = 2^n normal for n >= -126) instead of building
+  /// 2^n in the exponent field: 11 vector operations instead of 15. The
+  /// zero-masking keeps exp2_nonpositive's rule (0 below -126 and for -inf,
+  /// where f is NaN; NaN for a NaN x). The maskz intrinsics avoid GCC 12's
+  /// _mm512_undefined_* (-Wmaybe-uninitialized).
+  BLOCKATTN_TARGET_512 static type exp2_nonpositive(type x) {
+    using C = Exp2fConstants;
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(C::min_arg), _CMP_NLT_UQ);
+    const __m512 magic = _mm512_set1_ps(C::round_magic);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 poly = _mm512_fmadd_ps(f, _mm512_set1_ps(C::c6), _mm512_set1_ps(C::c5));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c4));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c3));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c2));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(C::c1));
+    poly = _mm512_fmadd_ps(f, poly, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, poly, n);
+  }
+  /// The largest lane (NaN-free x): halves folded onto each other, 8 lanes,
+  /// 4, 2, 1 (four steps instead of fifteen dependent scalar ones).
+  /// (The maskz intrinsics: see exp2_nonpositive.)
+  BLOCKATTN_TARGET_512 static float reduce_max(type x) {
+    constexpr __mmask16 all = 0xFFFF;
+    const __m512 folded = max(x, _mm512_maskz_shuffle_f32x4(all, x, x, 0x4E));  // halves swapped
+    const __m128 x4 = _mm_max_ps(_mm512_maskz_extractf32x4_ps(0xF, folded, 0),
+                                 _mm512_maskz_extractf32x4_ps(0xF, folded, 1));
+    const __m128 x2 = _mm_max_ps(x4, _mm_movehl_ps(x4, x4));
+    return _mm_cvtss_f32(_mm_max_ss(x2, _mm_movehdup_ps(x2)));
+  }
+  /// The sum of the lanes in the same pairwise order: lane i + lane i + 8,
+  /// then + 4, + 2, + 1.
+  BLOCKATTN_TARGET_512 static float reduce_add(type x) {
+    constexpr __mmask16 all = 0xFFFF;
+    const __m512 folded = add(x, _mm512_maskz_shuffle_f32x4(all, x, x, 0x4E));
+    const __m128 x4 = _mm_add_ps(_mm512_maskz_extractf32x4_ps(0xF, folded, 0),
+                                 _mm512_maskz_extractf32x4_ps(0xF, folded, 1));
+    const __m128 x2 = _mm_add_ps(x4, _mm_movehl_ps(x4, x4));
+    return _mm_cvtss_f32(_mm_add_ss(x2, _mm_movehdup_ps(x2)));
+  }
+  BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_512)
+  /// acc = acc + x
+  BLOCKATTN_TARGET_512 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  /// p = exp2_nonpositive(s[0 .. width) * s2 - l2) (one rounding for the
+  /// product and difference), ds = p * (dp[0 .. width) - d): the backward's
+  /// P and dS of a row (see simd_p_ds_row).
+  BLOCKATTN_TARGET_512 static void p_ds_to(type& p, type& ds, const float* s, const float* dp,
+                                           const type& s2, const type& l2, const type& d) {
+    p = exp2_nonpositive(_mm512_fmsub_ps(load(s), s2, l2));
+    ds = mul(p, sub(load(dp), d));
+  }
+  BLOCKATTN_TARGET_512 static void reduce_max_to(float& out, const type& x) { out = reduce_max(x); }
+  BLOCKATTN_TARGET_512 static void reduce_add_to(float& out, const type& x) { out = reduce_add(x); }
+  /// p = exp2_nonpositive(s[0 .. width) - m)
+  BLOCKATTN_TARGET_512 static void exp2_sub_to(type& p, const float* s, const type& m) {
+    p = exp2_nonpositive(sub(load(s), m));
+  }
+};
+#endif
+#if defined(BLOCKATTN_SIMD_256)
+/// One 256-bit AVX2 vector of floats and its operations.
+struct SimdVec256 {
+  using type = __m256;
+  static constexpr int width = 8, registers = 16;
+  static constexpr bool has_exp2 = true;
+  BLOCKATTN_TARGET_256 static type zero() { return _mm256_setzero_ps(); }
+  BLOCKATTN_TARGET_256 static type load(const float* p) { return _mm256_loadu_ps(p); }
+  BLOCKATTN_TARGET_256 static type in_register(type x) {  // see the AVX-512 variant
+    __asm__("" : "+v"(x));
+    return x;
+  }
+  BLOCKATTN_TARGET_256 static void store(float* p, type x) { _mm256_storeu_ps(p, x); }
+  BLOCKATTN_TARGET_256 static type broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  BLOCKATTN_TARGET_256 static type mul(type a, type b) { return _mm256_mul_ps(a, b); }
+  BLOCKATTN_TARGET_256 static type fma(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
+  /// a > b ? a : b per lane (b when either is NaN), as the scalar expression.
+  BLOCKATTN_TARGET_256 static type max(type a, type b) { return _mm256_max_ps(a, b); }
+  BLOCKATTN_TARGET_256 static type add(type a, type b) { return _mm256_add_ps(a, b); }
+  BLOCKATTN_TARGET_256 static type sub(type a, type b) { return _mm256_sub_ps(a, b); }
+  /// exp2_nonpositive (exp2.hpp) per lane, its arithmetic with the polynomial
+  /// in FMA steps, and bitwise its result. n = round(x) as the float
+  /// (x + 1.5 * 2^23) - 1.5 * 2^23 (exact for |x| < 2^22, the value the
+  /// integer n converts to), and 2^n's bits from x + 1.5 * 2^23's in one
+  /// integer add: (bits(x + magic) - bits(magic) + bias) << 23, the two
+  /// constants folded into one (the same value modulo 2^32): 14 vector
+  /// operations instead of 15 (no int -> float conversion, one integer add).
+  BLOCKATTN_TARGET_256 static type exp2_nonpositive(type x) {
+    using C = Exp2fConstants;
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(C::min_arg), _CMP_NLT_UQ);
+    const __m256 magic = _mm256_set1_ps(C::round_magic);
+    const __m256 shifted = _mm256_add_ps(x, magic);
+    const __m256 f = _mm256_sub_ps(x, _mm256_sub_ps(shifted, magic));
+    __m256 poly = _mm256_fmadd_ps(f, _mm256_set1_ps(C::c6), _mm256_set1_ps(C::c5));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(C::c4));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(C::c3));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(C::c2));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(C::c1));
+    poly = _mm256_fmadd_ps(f, poly, _mm256_set1_ps(1.0f));
+    // bias - bits(magic): two constants (folded or hoisted by the compiler).
+    const __m256i offset =
+        _mm256_sub_epi32(_mm256_set1_epi32(C::exponent_bias), _mm256_castps_si256(magic));
+    const __m256i biased = _mm256_add_epi32(_mm256_castps_si256(shifted), offset);
+    const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(biased, C::mantissa_bits));
+    return _mm256_and_ps(_mm256_mul_ps(poly, two_n), keep);
+  }
+  /// The largest lane (NaN-free x) and the lane sum, pairwise as the
+  /// AVX-512 variant's last three steps.
+  BLOCKATTN_TARGET_256 static float reduce_max(type x) {
+    const __m128 x4 = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 x2 = _mm_max_ps(x4, _mm_movehl_ps(x4, x4));
+    return _mm_cvtss_f32(_mm_max_ss(x2, _mm_movehdup_ps(x2)));
+  }
+  BLOCKATTN_TARGET_256 static float reduce_add(type x) {
+    const __m128 x4 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 x2 = _mm_add_ps(x4, _mm_movehl_ps(x4, x4));
+    return _mm_cvtss_f32(_mm_add_ss(x2, _mm_movehdup_ps(x2)));
+  }
+  BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_256)
+  BLOCKATTN_TARGET_256 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  BLOCKATTN_TARGET_256 static void p_ds_to(type& p, type& ds, const float* s, const float* dp,
+                                           const type& s2, const type& l2, const type& d) {
+    p = exp2_nonpositive(_mm256_fmsub_ps(load(s), s2, l2));
+    ds = mul(p, sub(load(dp), d));
+  }
+  BLOCKATTN_TARGET_256 static void reduce_max_to(float& out, const type& x) { out = reduce_max(x); }
+  BLOCKATTN_TARGET_256 static void reduce_add_to(float& out, const type& x) { out = reduce_add(x); }
+  BLOCKATTN_TARGET_256 static void exp2_sub_to(type& p, const float* s, const type& m) {
+    p = exp2_nonpositive(sub(load(s), m));
+  }
+};
+#endif
+#if defined(BLOCKATTN_SIMD_128)
+/// One 128-bit vector of floats (SSE2 or NEON register) as a GNU vector.
+struct SimdVec128 {
+  typedef float type __attribute__((vector_size(16)));
+  static constexpr bool has_exp2 = false;
+#if defined(__aarch64__)
+  static constexpr int width = 4, registers = 32;
+#else
+  static constexpr int width = 4, registers = 16;
+#endif
+  static type zero() {
+    return type{0.f, 0.f, 0.f, 0.f};
+  }
+  static type load(const float* p) {
+    type x;
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+  }
+  static void store(float* p, type x) {
+    std::memcpy(p, &x, sizeof(x));
+  }
+  static type in_register(type x) {  // see the AVX-512 variant
+    return x;
+  }
+  static type broadcast(const float* p) {
+    const float v = *p;
+    return type{v, v, v, v};
+  }
+  static type mul(type a, type b) {
+    return a * b;
+  }
+  static type fma(type a, type b, type c) {
+    return a * b + c;
+  }
+  /// a > b ? a : b per lane, as the scalar expression.
+  static type max(type a, type b) {
+    return a > b ? a : b;
+  }
+  /// The largest lane (NaN-free x), pairwise as the wider variants.
+  static float reduce_max(type x) {
+    const float a = x[0] > x[2] ? x[0] : x[2], b = x[1] > x[3] ? x[1] : x[3];
+    return a > b ? a : b;
+  }
+  BLOCKATTN_SIMD_REFERENCE_OPS()
+  static void reduce_max_to(float& out, const type& x) {
+    out = reduce_max(x);
+  }
+};
+#endif
+
+/// The vector class of a host ISA's kernels here (void: none in this
+/// translation unit).
+template <HostIsa Isa>
+struct SimdFor {
+  using type = void;
+};
+#if defined(BLOCKATTN_SIMD_512)
+template <>
+struct SimdFor<HostIsa::avx512> {
+  using type = SimdVec512;
+};
+#endif
+#if defined(BLOCKATTN_SIMD_256)
+template <>
+struct SimdFor<HostIsa::avx2> {
+  using type = SimdVec256;
+};
+#endif
+#if defined(BLOCKATTN_SIMD_128)
+template <>
+struct SimdFor<host_isa> {
+  using type = SimdVec128;
+};
+#endif
+template <HostIsa Isa>
+using simd_for_t = typename SimdFor<Isa>::type;
+
+}  // namespace blockattn::impl
+#endif  // BLOCKATTN_SIMD_KERNELS
