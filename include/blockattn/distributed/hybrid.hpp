@@ -91,7 +91,8 @@ HybridGrid agreed_grid(Comm& comm, int ulysses) {
 
 template <class Partition, class Mask, class Schedule, class Communicator,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
-class HybridAttention {
+class HybridAttention : public impl::HeadParallelCalls<
+                            HybridAttention<Partition, Mask, Schedule, Communicator, ExecSpace>> {
   static_assert(!is_partition_policy_v<Partition> || impl::is_stateless_partition<Partition>::value,
                 "BlockAttn: HybridAttention takes a stateless partition policy (static members; "
                 "the built-ins); a partition object such as TablePartition runs with "
@@ -132,49 +133,13 @@ class HybridAttention {
   ring_type& ring() { return m_ring; }
   const Mask& mask() const { return m_mask; }
 
-  /// O and LSE of this rank's queries (hybrid layout, hybrid_length() tokens).
-  /// Collective over the whole communicator.
-  template <class QV, class KV, class VV, class OV, class LV>
-  RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
-                   const DistributedOptions& opts = {}) {
-    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
-    RunStats stats;
-    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const auto [e, N] = validate(fn, q, k, v, o, lse, opts);
-      run_forward(e, N, q, k, v, o, lse, opts, stats);
-      m_exec.fence();
-      stats.alltoall_seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      for (const auto& s : stats.steps) stats.alltoall_seconds -= s.seconds;
-    }
-    return stats;
-  }
-
-  /// dQ, dK, dV of this rank's rows; the arguments of
-  /// DistributedAttention::backward. Collective over the whole communicator.
-  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
-            class DVV>
-  RunStats backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
-                    const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
-                    const DistributedOptions& opts = {}) {
-    RunStats stats;
-    if constexpr (impl::check_backward_view_types<QV, KV, VV, OV, LV, DOV, DQV, DKV, DVV>()) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const auto [e, N] = validate(bfn, q, k, v, o, lse, opts, [&] {
-        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
-                                           true);
-      });
-      run_backward(e, N, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
-      m_exec.fence();
-      stats.alltoall_seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      for (const auto& s : stats.steps) stats.alltoall_seconds -= s.seconds;
-    }
-    return stats;
-  }
-
  private:
+  friend class impl::HeadParallelCalls<HybridAttention>;
+  /// The wall time of a call: what the ring's steps did not take is the all-to-alls'.
+  static void account(RunStats& stats, double seconds) {
+    stats.alltoall_seconds = seconds;
+    for (const auto& s : stats.steps) stats.alltoall_seconds -= s.seconds;
+  }
   static constexpr const char* fn = "HybridAttention::forward";
   static constexpr const char* bfn = "HybridAttention::backward";
   template <class T>

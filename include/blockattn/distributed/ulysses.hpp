@@ -34,6 +34,7 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/step_loop.hpp>
 #include <blockattn/distributed/impl/validate.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
@@ -360,11 +361,60 @@ struct HeadExchange {
   }
 };
 
+/// The public calls of a head-parallel driver (UlyssesAttention,
+/// HybridAttention), written once: the compile-time checks, the consensus
+/// (Derived::validate), the run (Derived::run_forward / run_backward) and the
+/// wall time of the call (Derived::account).
+template <class Derived>
+class HeadParallelCalls {
+ public:
+  /// O and LSE of this rank's queries; the same arguments and results as
+  /// DistributedAttention::forward. Collective.
+  template <class QV, class KV, class VV, class OV, class LV>
+  RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                   const DistributedOptions& opts = {}) {
+    check_forward_view_types<QV, KV, VV, OV, LV>();
+    RunStats stats;
+    if constexpr (forward_views_ok<QV, KV, VV, OV, LV>()) {
+      Derived& d = static_cast<Derived&>(*this);
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto [e, N] = d.validate(Derived::fn, q, k, v, o, lse, opts);
+      d.run_forward(e, N, q, k, v, o, lse, opts, stats);
+      d.m_exec.fence();
+      Derived::account(stats, seconds_since(t0));
+    }
+    return stats;
+  }
+
+  /// dQ, dK, dV of this rank's rows; the same arguments as
+  /// DistributedAttention::backward. Collective.
+  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
+            class DVV>
+  RunStats backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                    const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
+                    const DistributedOptions& opts = {}) {
+    RunStats stats;
+    if constexpr (check_backward_view_types<QV, KV, VV, OV, LV, DOV, DQV, DKV, DVV>()) {
+      Derived& d = static_cast<Derived&>(*this);
+      using ES = typename Derived::execution_space;
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto [e, N] = d.validate(Derived::bfn, q, k, v, o, lse, opts, [&] {
+        validate_backward<ES>(Derived::bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale, true);
+      });
+      d.run_backward(e, N, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
+      d.m_exec.fence();
+      Derived::account(stats, seconds_since(t0));
+    }
+    return stats;
+  }
+};
+
 }  // namespace impl
 
 template <class Partition, class Mask, class Communicator,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
-class UlyssesAttention {
+class UlyssesAttention
+    : public impl::HeadParallelCalls<UlyssesAttention<Partition, Mask, Communicator, ExecSpace>> {
   static_assert(Kokkos::is_execution_space<ExecSpace>::value,
                 "BlockAttn: UlyssesAttention<Partition, Mask, Communicator, ExecSpace>: ExecSpace "
                 "must be a Kokkos execution space (e.g. Kokkos::OpenMP)");
@@ -397,47 +447,10 @@ class UlyssesAttention {
   Communicator& communicator() { return m_comm; }
   const Mask& mask() const { return m_mask; }
 
-  /// O and LSE of this rank's queries; the same arguments and results as
-  /// DistributedAttention::forward. Collective.
-  template <class QV, class KV, class VV, class OV, class LV>
-  RunStats forward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
-                   const DistributedOptions& opts = {}) {
-    impl::check_forward_view_types<QV, KV, VV, OV, LV>();
-    RunStats stats;
-    if constexpr (impl::forward_views_ok<QV, KV, VV, OV, LV>()) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const auto [e, N] = validate(fn, q, k, v, o, lse, opts);
-      run_forward(e, N, q, k, v, o, lse, opts, stats);
-      m_exec.fence();
-      stats.steps.back().seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-    return stats;
-  }
-
-  /// dQ, dK, dV of this rank's rows; the same arguments as
-  /// DistributedAttention::backward. Collective.
-  template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
-            class DVV>
-  RunStats backward(const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
-                    const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
-                    const DistributedOptions& opts = {}) {
-    RunStats stats;
-    if constexpr (impl::check_backward_view_types<QV, KV, VV, OV, LV, DOV, DQV, DKV, DVV>()) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const auto [e, N] = validate(bfn, q, k, v, o, lse, opts, [&] {
-        impl::validate_backward<ExecSpace>(bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
-                                           true);
-      });
-      run_backward(e, N, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
-      m_exec.fence();
-      stats.steps.back().seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-    return stats;
-  }
-
  private:
+  friend class impl::HeadParallelCalls<UlyssesAttention>;
+  /// The wall time of a call: its one step's seconds.
+  static void account(RunStats& stats, double seconds) { stats.steps.back().seconds = seconds; }
   static constexpr const char* fn = "UlyssesAttention::forward";
   static constexpr const char* bfn = "UlyssesAttention::backward";
   using mem = typename ExecSpace::memory_space;
@@ -477,15 +490,21 @@ class UlyssesAttention {
     return {e, N};
   }
 
+  /// The all-to-alls over every rank (impl::HeadExchange): the whole sequence
+  /// in global order on each rank, for its heads.
+  impl::HeadExchange<Communicator, ExecSpace> exchange(const BlockExtents& e, index_type N) {
+    const int P = m_comm.size();
+    return impl::HeadExchange<Communicator, ExecSpace>(m_comm, m_exec,
+                                                       impl::ulysses_index<Partition>(m_exec, N, P),
+                                                       UlyssesHeads::make(e.heads, e.kv_heads, P));
+  }
+
   template <class QV, class KV, class VV, class OV, class LV>
   void run_forward(const BlockExtents& e, index_type N, const QV& q, const KV& k, const VV& v,
                    const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
-    const int P = m_comm.size();
-    impl::HeadExchange<Communicator, ExecSpace> x(m_comm, m_exec,
-                                                  impl::ulysses_index<Partition>(m_exec, N, P),
-                                                  UlyssesHeads::make(e.heads, e.kv_heads, P));
+    auto x = exchange(e, N);
     // Phase 1: Q, K, V to the head split (whole sequence, global order).
     const Buf4<V> qf = x.template in<V>(q, false), kf = x.template in<V>(k, true),
                   vf = x.template in<V>(v, true);
@@ -524,10 +543,7 @@ class UlyssesAttention {
                     const DVV& dv, const DistributedOptions& opts, RunStats& stats) {
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
-    const int P = m_comm.size();
-    impl::HeadExchange<Communicator, ExecSpace> x(m_comm, m_exec,
-                                                  impl::ulysses_index<Partition>(m_exec, N, P),
-                                                  UlyssesHeads::make(e.heads, e.kv_heads, P));
+    auto x = exchange(e, N);
     const Buf4<V> qf = x.template in<V>(q, false), kf = x.template in<V>(k, true),
                   vf = x.template in<V>(v, true), of = x.template in<V>(o, false),
                   dof = x.template in<V>(dout, false);

@@ -30,8 +30,17 @@ namespace blockattn::impl {
 /// Q, dO travel in the storage type; gradient partials and sums are fp32 for
 /// 16-bit storage, rounded once into the caller's Views by finish().
 template <class Partition, class Mask, class ExecSpace, class Xfer, class V, class KV, class VV>
-class BackwardSteps {
+class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>> {
+  using Base = StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>>;
+  using Base::m_c;
+  using Base::m_exec;
+  using Base::m_mask;
+  using Base::m_rank;
+  using Base::m_scale;
+  using Base::m_x;
+
  public:
+  using Base::work;
   using T = compute_t<V>;
   static constexpr bool half = !std::is_same<V, T>::value;
   using mem = typename ExecSpace::memory_space;
@@ -45,18 +54,9 @@ class BackwardSteps {
                 const BackwardSlots& slots, const QV& q, const KV& k, const VV& v, const OV& o,
                 const LV& lse, const DOV& dout, const DQV& dq, const DKV& dk, const DVV& dv,
                 const DistributedOptions& opts, RunStats& stats)
-      : m_exec(exec),
-        m_x(x),
-        m_part(part),
-        m_mask(mask),
-        m_c(c),
-        m_layout(layout),
-        m_P(P),
-        m_rank(rank),
+      : Base(exec, x, part, mask, c, layout, P, rank, opts),
         m_k(k),
         m_v(v),
-        m_opts(opts),
-        m_scale(softmax_scale<T>(opts.scale, c.e.dim)),
         m_kv_copy(slots.kv_copy) {
     const BlockExtents& e = c.e;
     const int most = c.most;
@@ -163,8 +163,7 @@ class BackwardSteps {
 
   bool compute(int s, const BackwardStep& f, std::vector<std::vector<request>>& due, StepStats&) {
     const BlockTask task = f.task;
-    const bool computed =
-        !task.idle() && !block_is_empty(m_part, m_mask, m_c.N, m_P, task.q_rank, task.k_rank);
+    const bool computed = this->has_work(task);
     const B4 dqt = f.dq_slot >= 0 ? m_dq_out[std::size_t(f.dq_slot)] : m_own[0];
     const B4 dkt = f.dkv_slot >= 0 ? m_dkv_out[std::size_t(f.dkv_slot)][0] : m_own[1];
     const B4 dvt = f.dkv_slot >= 0 ? m_dkv_out[std::size_t(f.dkv_slot)][1] : m_own[2];
@@ -190,7 +189,7 @@ class BackwardSteps {
       } else {
         rows = &m_qs[std::size_t(f.q_slot)];
       }
-      const auto pos = [&](int r) { return m_part.positions(m_c.N, m_P, r); };
+      const auto pos = [&](int r) { return this->positions(r); };
       backward_block(m_exec, m_c.task(task.q_rank, task.k_rank), *rows, m_keys, dqt, dkt, dvt,
                      m_mask, pos(task.q_rank), pos(task.k_rank), m_scale, blk);
       m_dq_written = m_dq_written || f.dq_slot < 0;
@@ -235,11 +234,6 @@ class BackwardSteps {
     m_exec.fence();
   }
 
-  TileCounts work(const BlockTask& task) const {
-    return task_work(m_part, m_mask, m_c.N, m_P, task, m_layout.block_q, m_layout.block_k,
-                     m_opts.count_pairs);
-  }
-
   /// After the loop: the caller's gradients from the sums (copied, or rounded
   /// once to 16 bits); gradients no task wrote are 0.
   template <class DQV, class DKV, class DVV>
@@ -278,17 +272,8 @@ class BackwardSteps {
     written = true;
   }
 
-  ExecSpace m_exec;
-  Xfer& m_x;
-  const Partition& m_part;
-  const Mask& m_mask;
-  const CallExtents& m_c;
-  BlockLayout m_layout;
-  int m_P, m_rank;
   const KV& m_k;
   const VV& m_v;
-  const DistributedOptions& m_opts;
-  T m_scale;
   bool m_kv_copy;
   std::vector<std::array<Buffer4<V, ExecSpace>, 2>> m_kv;  // K/V slots, storage type
   std::vector<PackedQueries<T, mem, V>> m_qs;              // query slots (0: ours)

@@ -30,8 +30,20 @@ namespace blockattn::impl {
 /// accumulator. communicate = false: every remote buffer is the local one
 /// (the same steps and work, no transfers, a wrong result).
 template <class Partition, class Mask, class ExecSpace, class Xfer, class QV, class OV, class LV>
-class ForwardSteps {
+class ForwardSteps
+    : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<typename OV::non_const_value_type>> {
+  using Base =
+      StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<typename OV::non_const_value_type>>;
+  using Base::m_c;
+  using Base::m_exec;
+  using Base::m_layout;
+  using Base::m_mask;
+  using Base::m_rank;
+  using Base::m_scale;
+  using Base::m_x;
+
  public:
+  using Base::work;
   // V: the storage type (what travels: K, V, Q); T: the compute type (the
   // kernels, the softmax state, the unnormalised O, partial results).
   using V = typename OV::non_const_value_type;
@@ -47,19 +59,10 @@ class ForwardSteps {
                const CallExtents& c, const BlockLayout& layout, int P, int rank,
                const ForwardSlots& slots, const QV& q, const KV& k, const VV& v, const OV& o,
                const LV& lse, const DistributedOptions& opts, RunStats& stats)
-      : m_exec(exec),
-        m_x(x),
-        m_part(part),
-        m_mask(mask),
-        m_c(c),
-        m_layout(layout),
-        m_P(P),
-        m_rank(rank),
+      : Base(exec, x, part, mask, c, layout, P, rank, opts),
         m_q(q),
         m_o(o),
         m_lse(lse),
-        m_opts(opts),
-        m_scale(softmax_scale<T>(opts.scale, c.e.dim)),
         m_comm(opts.communicate) {
     const BlockExtents& e = c.e;
     const int most = c.most;
@@ -150,8 +153,7 @@ class ForwardSteps {
     for (std::size_t d = std::size_t(s); d < due.size(); ++d)
       for (auto& r : due[d]) in_flight.push_back(&r);
     const BlockTask task = f.task;
-    const bool computed =
-        !task.idle() && !block_is_empty(m_part, m_mask, m_c.N, m_P, task.q_rank, task.k_rank);
+    const bool computed = this->has_work(task);
     const int kv_slot = m_comm ? f.kv_slot : 0;
     const PackedKV<T, mem>* kp = nullptr;
     if constexpr (half) {
@@ -166,7 +168,7 @@ class ForwardSteps {
     // The block pair's extents; without communication the queries are ours.
     BlockExtents te = task.idle() ? m_c.e : m_c.task(task.q_rank, task.k_rank);
     if (!m_comm && te.queries > m_c.e.queries) te.queries = m_c.e.queries;
-    const auto pos = [&](int r) { return m_part.positions(m_c.N, m_P, r); };
+    const auto pos = [&](int r) { return this->positions(r); };
     if (task.q_rank == m_rank) {
       const bool finish = s == m_last_own && !m_merges;
       if (computed || finish) {
@@ -206,11 +208,6 @@ class ForwardSteps {
       m_state.state.merge_partial(m_exec, o_sum(), r.o, r.lse, m_c.e.dim);
     }
     m_exec.fence();
-  }
-
-  TileCounts work(const BlockTask& task) const {
-    return task_work(m_part, m_mask, m_c.N, m_P, task, m_layout.block_q, m_layout.block_k,
-                     m_opts.count_pairs);
   }
 
   /// After the loop: normalises the merged state into o and lse (when
@@ -261,18 +258,9 @@ class ForwardSteps {
     }
   }
 
-  ExecSpace m_exec;
-  Xfer& m_x;
-  const Partition& m_part;
-  const Mask& m_mask;
-  const CallExtents& m_c;
-  BlockLayout m_layout;
-  int m_P, m_rank;
   const QV& m_q;
   const OV& m_o;
   const LV& m_lse;
-  const DistributedOptions& m_opts;
-  T m_scale;
   bool m_comm;
   std::vector<PackedKV<V, mem>> m_kv;       // K/V slots (0: own) in the storage type
   PackedKV<T, mem> m_wide;                  // 16-bit storage: the slot in use, widened

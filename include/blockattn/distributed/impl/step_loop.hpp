@@ -5,8 +5,11 @@
 // its compute.
 #pragma once
 
+#include <blockattn/distributed/impl/buffers.hpp>
 #include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/options.hpp>
+#include <blockattn/kernel/block_product.hpp>
+#include <blockattn/schedule/context.hpp>
 #include <blockattn/schedule/schedule.hpp>
 
 #include <chrono>
@@ -41,6 +44,48 @@ struct Posting {
   void operator()(const View& view, Message m) {
     const int named = transfer_step(t);
     due.push_back(send ? x.send(view, peer, named, m) : x.receive(view, peer, named, m));
+  }
+};
+
+/// What both directions of a call know (impl/forward_steps.hpp,
+/// impl/backward_steps.hpp): the instance, the transfers, the partition and
+/// mask, the call's extents and tiles, the options.
+template <class Partition, class Mask, class ExecSpace, class Xfer, class T>
+struct StepContext {
+  ExecSpace m_exec;
+  Xfer& m_x;
+  const Partition& m_part;
+  const Mask& m_mask;
+  const CallExtents& m_c;
+  BlockLayout m_layout;
+  int m_P, m_rank;
+  const DistributedOptions& m_opts;
+  T m_scale;  // the softmax scale in the compute type
+
+  StepContext(const ExecSpace& exec, Xfer& x, const Partition& part, const Mask& mask,
+              const CallExtents& c, const BlockLayout& layout, int P, int rank,
+              const DistributedOptions& opts)
+      : m_exec(exec),
+        m_x(x),
+        m_part(part),
+        m_mask(mask),
+        m_c(c),
+        m_layout(layout),
+        m_P(P),
+        m_rank(rank),
+        m_opts(opts),
+        m_scale(softmax_scale<T>(opts.scale, c.e.dim)) {}
+
+  /// Global positions of rank r's rows.
+  auto positions(int r) const { return m_part.positions(m_c.N, m_P, r); }
+  /// Whether the task launches kernels (not idle, not wholly masked).
+  bool has_work(const BlockTask& task) const {
+    return !task.idle() && !block_is_empty(m_part, m_mask, m_c.N, m_P, task.q_rank, task.k_rank);
+  }
+  /// The task's tiles (RunStats).
+  TileCounts work(const BlockTask& task) const {
+    return task_work(m_part, m_mask, m_c.N, m_P, task, m_layout.block_q, m_layout.block_k,
+                     m_opts.count_pairs);
   }
 };
 
