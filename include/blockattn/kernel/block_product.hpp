@@ -125,7 +125,14 @@ void forward_block_kernel(const ExecSpace& exec, const BlockExtents& e,
                           const strided_out4<OS, typename ExecSpace::memory_space>& o,
                           const strided_out3<T, typename ExecSpace::memory_space>& lse,
                           const Mask& mask, const Pos& qpos, const Pos& kpos, T scale,
-                          const ForwardBlockState<T, typename ExecSpace::memory_space>& state);
+                          const ForwardBlockState<T, typename ExecSpace::memory_space>& state) {
+  with_shape_for<forward_shape_t<T, ExecSpace>>(e.dim, [&](auto sd, auto shape) {
+    constexpr int SD = decltype(sd)::value;
+    using S = decltype(shape);
+    check_tile_shape<S>();
+    launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, scale, state);
+  });
+}
 
 /// The backward block product on canonical Views. Not inline.
 template <class ExecSpace, class T, class QGS, class KGS, class Mask, class Pos>
@@ -136,14 +143,23 @@ void backward_block_kernel(const ExecSpace& exec, const BlockExtents& e,
                            const strided_out4<KGS, typename ExecSpace::memory_space>& dk,
                            const strided_out4<KGS, typename ExecSpace::memory_space>& dv,
                            const Mask& mask, const Pos& qpos, const Pos& kpos, T scale,
-                           const BackwardBlockOptions& options, CallBuffers<ExecSpace>* buffers);
+                           const BackwardBlockOptions& options, CallBuffers<ExecSpace>* buffers) {
+  with_shape_for<backward_shape_t<T, ExecSpace>>(e.dim, [&](auto sd, auto shape) {
+    constexpr int SD = decltype(sd)::value;
+    using S = decltype(shape);
+    launch_backward<ExecSpace, T, SD, S>(exec, e, rows, keys, dq, dk, dv, mask, qpos, kpos, scale,
+                                         options, buffers);
+  });
+}
 
 /// Packs K and V (storage S) into a forward block (storage V). Not inline.
 template <class ExecSpace, class S, class V>
 void pack_forward_block_kernel(const ExecSpace& exec,
                                const strided_in4<S, typename ExecSpace::memory_space>& k,
                                const strided_in4<S, typename ExecSpace::memory_space>& v,
-                               const PackedKV<V, typename ExecSpace::memory_space>& kv);
+                               const PackedKV<V, typename ExecSpace::memory_space>& kv) {
+  pack_kv(exec, k, v, kv);
+}
 }  // namespace impl
 
 /// The forward product's tiles and packed layout for compute type T on ExecSpace.
@@ -297,53 +313,6 @@ void backward_block(const ExecSpace& exec, const BlockExtents& e,
       impl::strided_out4<KGS, mem>(dv), mask, canonical_positions(qpos), canonical_positions(kpos),
       scale, options, buffers);
 }
-
-// ---- definitions of the instantiating functions -------------------------------
-
-namespace impl {
-
-template <class ExecSpace, class T, class QS, class OS, class Mask, class Pos>
-void forward_block_kernel(const ExecSpace& exec, const BlockExtents& e,
-                          const strided_in4<QS, typename ExecSpace::memory_space>& q,
-                          const PackedKV<T, typename ExecSpace::memory_space>& kv,
-                          const strided_out4<OS, typename ExecSpace::memory_space>& o,
-                          const strided_out3<T, typename ExecSpace::memory_space>& lse,
-                          const Mask& mask, const Pos& qpos, const Pos& kpos, T scale,
-                          const ForwardBlockState<T, typename ExecSpace::memory_space>& state) {
-  with_shape_for<forward_shape_t<T, ExecSpace>>(e.dim, [&](auto sd, auto shape) {
-    constexpr int SD = decltype(sd)::value;
-    using S = decltype(shape);
-    check_tile_shape<S>();
-    launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, scale, state);
-  });
-}
-
-template <class ExecSpace, class T, class QGS, class KGS, class Mask, class Pos>
-void backward_block_kernel(const ExecSpace& exec, const BlockExtents& e,
-                           const PackedQueries<T, typename ExecSpace::memory_space>& rows,
-                           const PackedKeys<T, typename ExecSpace::memory_space>& keys,
-                           const strided_out4<QGS, typename ExecSpace::memory_space>& dq,
-                           const strided_out4<KGS, typename ExecSpace::memory_space>& dk,
-                           const strided_out4<KGS, typename ExecSpace::memory_space>& dv,
-                           const Mask& mask, const Pos& qpos, const Pos& kpos, T scale,
-                           const BackwardBlockOptions& options, CallBuffers<ExecSpace>* buffers) {
-  with_shape_for<backward_shape_t<T, ExecSpace>>(e.dim, [&](auto sd, auto shape) {
-    constexpr int SD = decltype(sd)::value;
-    using S = decltype(shape);
-    launch_backward<ExecSpace, T, SD, S>(exec, e, rows, keys, dq, dk, dv, mask, qpos, kpos, scale,
-                                         options, buffers);
-  });
-}
-
-template <class ExecSpace, class S, class V>
-void pack_forward_block_kernel(const ExecSpace& exec,
-                               const strided_in4<S, typename ExecSpace::memory_space>& k,
-                               const strided_in4<S, typename ExecSpace::memory_space>& v,
-                               const PackedKV<V, typename ExecSpace::memory_space>& kv) {
-  pack_kv(exec, k, v, kv);
-}
-
-}  // namespace impl
 
 }  // namespace blockattn
 
