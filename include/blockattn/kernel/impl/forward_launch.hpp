@@ -46,13 +46,6 @@ struct BlockStep {
   Kokkos::View<T****, Kokkos::LayoutStride, MemorySpace> o_acc;
 };
 
-/// Number of teams (batch x heads x query tiles) of a forward launch with the
-/// query split `split` (default: tiles of block_q rows).
-template <class Shape>
-int forward_league_size(const ForwardExtents& e, const QueryTiles& split = {}) {
-  return e.batch * e.heads * split.resolved(e.queries, Shape::block_q, Shape::micro_rows).tiles;
-}
-
 /// The query split for `threads` threads taking teams one at a time
 /// (heaviest-first, dynamic): tiles of block_q rows, unless another split
 /// finishes sooner by the row count. At N = 1024 on 2 threads 11 tiles of 96
