@@ -113,6 +113,15 @@ struct DocumentMask {
     return TileKind::partial;
   }
 
+  /// Inside one document, the band k - q in [-left, band_right()]; a box
+  /// that touches two documents or a position outside every document is not
+  /// a band (unless classify() calls it empty). Host only.
+  MaskBand band(index_type q_begin, index_type q_end, index_type k_begin, index_type k_end) const {
+    const int d = document(q_begin);
+    if (d < 0 || document(q_end - 1) != d || document(k_begin) != d || document(k_end - 1) != d)
+      return MaskBand::none();
+    return MaskBand::of(left == INT64_MIN ? INT64_MAX : -left, band_right());
+  }
   /// Compared across ranks by the distributed entry points: the number of
   /// documents, causal, the window, and a fingerprint of the offsets.
   std::array<std::int64_t, 5> parameters() const {

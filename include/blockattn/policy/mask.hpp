@@ -27,6 +27,21 @@
 // searches per pair). The causal, sliding-window, prefix-LM and document
 // masks have one.
 //
+// Optional: when, inside a box of positions, the mask is a band of diagonals,
+// say so with a host member
+//
+//   MaskBand band(index_type q_begin, index_type q_end,
+//                 index_type k_begin, index_type k_end) const;
+//
+// returning MaskBand::of(lo, hi) when allowed(q, k) == (lo <= k - q && k - q
+// <= hi) for every q in [q_begin, q_end) and k in [k_begin, k_end) (lo / hi
+// may be INT64_MIN / INT64_MAX: unbounded), and MaskBand::none() when it is
+// not. Boxes that classify() calls empty or full need no answer. A block pair
+// whose mask is a band over its positions can run on a vendor's fused
+// attention (kernel/band.hpp maps it; cuDNN on CUDA); every other pair runs
+// on our kernels. The full, causal, sliding-window, prefix-LM and document
+// masks have one.
+//
 // Optional: a host member `parameters()` returning a std::array (or any range)
 // of numbers. The distributed entry points compare the mask's type on every
 // rank, and with parameters() also its values (e.g. a window of 32 on one
@@ -57,6 +72,16 @@ struct KeyInterval {
   index_type end = 0;
 };
 
+/// What band() answers: whether the mask is a band of diagonals k - q in
+/// [lo, hi] over a box of positions (see the top of this file).
+struct MaskBand {
+  bool is_band = false;
+  index_type lo = INT64_MIN;  // INT64_MIN: no lower bound
+  index_type hi = INT64_MAX;  // INT64_MAX: no upper bound
+  static constexpr MaskBand of(index_type lo, index_type hi) { return MaskBand{true, lo, hi}; }
+  static constexpr MaskBand none() { return MaskBand{}; }
+};
+
 /// No masking: every query sees every key.
 struct FullMask {
   KOKKOS_INLINE_FUNCTION constexpr TileKind classify(index_type, index_type, index_type,
@@ -64,6 +89,9 @@ struct FullMask {
     return TileKind::full;
   }
   KOKKOS_INLINE_FUNCTION constexpr bool allowed(index_type, index_type) const { return true; }
+  constexpr MaskBand band(index_type, index_type, index_type, index_type) const {
+    return MaskBand::of(INT64_MIN, INT64_MAX);
+  }
 };
 
 /// Query q sees keys k with q - left <= k <= q + right (global positions).
@@ -92,6 +120,10 @@ struct SlidingWindowMask {
     if (lo >= -left && hi <= right) return TileKind::full;
     return TileKind::partial;
   }
+  /// k - q in [-left, right] everywhere.
+  constexpr MaskBand band(index_type, index_type, index_type, index_type) const {
+    return MaskBand::of(left == INT64_MIN ? INT64_MAX : -left, right);
+  }
   /// Compared across ranks by the distributed entry points (see below).
   std::array<index_type, 2> parameters() const { return {{left, right}}; }
 };
@@ -108,6 +140,10 @@ struct CausalMask {
     if (k_begin > q_end - 1) return TileKind::empty;
     if (k_end - 1 <= q_begin) return TileKind::full;
     return TileKind::partial;
+  }
+  /// k - q <= 0 everywhere.
+  constexpr MaskBand band(index_type, index_type, index_type, index_type) const {
+    return MaskBand::of(INT64_MIN, 0);
   }
 };
 
@@ -131,6 +167,11 @@ struct PrefixLMMask {
     const index_type first_unseen = prefix > q_begin + 1 ? prefix : q_begin + 1;
     if (k_end - 1 < first_unseen) return TileKind::full;
     return TileKind::partial;
+  }
+  /// Causal over keys at or after the prefix; boxes that straddle it are
+  /// not a band (unless classify() calls them full).
+  constexpr MaskBand band(index_type, index_type, index_type k_begin, index_type) const {
+    return k_begin >= prefix ? MaskBand::of(INT64_MIN, 0) : MaskBand::none();
   }
   std::array<index_type, 1> parameters() const { return {{prefix}}; }
 };
@@ -165,6 +206,15 @@ template <class M>
 struct has_allowed_keys<M,
                         std::void_t<decltype(std::declval<const M&>().allowed_keys(index_type{}))>>
     : std::is_same<decltype(std::declval<const M&>().allowed_keys(index_type{})), KeyInterval> {};
+
+template <class M, class = void>
+struct has_band : std::false_type {};
+template <class M>
+struct has_band<M, std::void_t<decltype(std::declval<const M&>().band(index_type{}, index_type{},
+                                                                      index_type{}, index_type{}))>>
+    : std::is_same<decltype(std::declval<const M&>().band(index_type{}, index_type{}, index_type{},
+                                                          index_type{})),
+                   MaskBand> {};
 
 /// The mask of one query row, as the kernels apply it to a partial tile:
 /// allowed(q, k) per key, or, for masks with allowed_keys(), two comparisons
