@@ -8,7 +8,11 @@
 // ours, measured in the same job.
 //
 //   blockattn_bench_gpu [--lengths 4096,8192,16384] [--heads 16] [--dim 128]
-//                       [--reps 5] [--dtypes fp32,bf16] [--torch FILE]
+//                       [--reps 5] [--dtypes fp32,bf16] [--torch FILE] [--portable 0|1]
+//
+// The `path` column says which implementation ran (kernel/fused.hpp): `fused`
+// (cuDNN, in a build with BLOCKATTN_ENABLE_CUDNN, bf16 band masks) or `ours`
+// (BlockAttn's kernels; every call with --portable 1).
 //
 // FLOP conventions (as bench_forward.cpp and FlashAttention's): 4 * D per
 // allowed query-key pair forward, 2.5x that backward, counted on the pairs the
@@ -72,8 +76,12 @@ namespace bench_gpu {
 /// bf16; bf16 is stored in 16 bits and computed in fp32, LSE in fp32).
 template <class T>
 void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengths, int heads,
-              int dim, int reps,
+              int dim, int reps, bool portable,
               const std::map<std::string, std::pair<double, std::string>>& torch) {
+  blockattn::BlockPathCounts paths;
+  blockattn::ForwardOptions opts;
+  opts.portable_only = portable;
+  opts.paths = &paths;
   using V4 = Kokkos::View<T****, Kokkos::LayoutRight, Exec::memory_space>;
   Kokkos::Random_XorShift64_Pool<Exec> pool(7);
   for (int n : lengths) {
@@ -101,30 +109,33 @@ void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengt
       const char* mask = causal ? "causal" : "full";
       auto fwd = [&] {
         if (causal)
-          blockattn::attention_forward(exec, q, k, v, o, lse, blockattn::CausalMask{});
+          blockattn::attention_forward(exec, q, k, v, o, lse, blockattn::CausalMask{}, opts);
         else
-          blockattn::attention_forward(exec, q, k, v, o, lse);
+          blockattn::attention_forward(exec, q, k, v, o, lse, blockattn::FullMask{}, opts);
       };
       auto bwd = [&] {
         if (causal)
           blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv,
-                                        blockattn::CausalMask{});
+                                        blockattn::CausalMask{}, opts);
         else
-          blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv);
+          blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv,
+                                        blockattn::FullMask{}, opts);
       };
       for (int op = 0; op < 2; ++op) {
+        paths = {};
         const double s = op == 0 ? best_seconds(exec, reps, fwd) : best_seconds(exec, reps, bwd);
+        const char* path = paths.fused > 0 ? (paths.portable > 0 ? "mixed" : "fused") : "ours";
         const double tf = (op == 0 ? 1.0 : 2.5) * fwd_flops / s * 1e-12;
         const std::string key = std::string(op == 0 ? "fwd" : "bwd") + "/" + std::to_string(n) +
                                 "/" + std::to_string(dim) + "/" + mask + "/" + dtype;
         const auto it = torch.find(key);
         if (it != torch.end())
-          std::printf("%-4s %-5s %6d %-7s %10.3f %12.2f %7.2f %-4s %8.2f\n",
-                      op == 0 ? "fwd" : "bwd", dtype, n, mask, s * 1e3, tf, it->second.first,
+          std::printf("%-4s %-5s %6d %-7s %-5s %10.3f %12.2f %7.2f %-4s %8.2f\n",
+                      op == 0 ? "fwd" : "bwd", dtype, n, mask, path, s * 1e3, tf, it->second.first,
                       it->second.second.c_str(), tf / it->second.first);
         else
-          std::printf("%-4s %-5s %6d %-7s %10.3f %12.2f %12s %8s\n", op == 0 ? "fwd" : "bwd", dtype,
-                      n, mask, s * 1e3, tf, "-", "-");
+          std::printf("%-4s %-5s %6d %-7s %-5s %10.3f %12.2f %12s %8s\n", op == 0 ? "fwd" : "bwd",
+                      dtype, n, mask, path, s * 1e3, tf, "-", "-");
         std::fflush(stdout);
       }
     }
@@ -137,7 +148,7 @@ void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengt
 struct Args {
   std::vector<int> lengths{4096, 8192, 16384};
   std::vector<std::string> dtypes{"fp32", "bf16"};
-  int heads = 16, dim = 128, reps = 5;
+  int heads = 16, dim = 128, reps = 5, portable = 0;
   std::string torch_file;
 };
 
@@ -146,9 +157,9 @@ std::string parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
     if (a != "--lengths" && a != "--heads" && a != "--dim" && a != "--reps" && a != "--dtypes" &&
-        a != "--torch")
+        a != "--torch" && a != "--portable")
       return "unknown argument " + a +
-             " (expected --lengths, --heads, --dim, --reps, --dtypes or --torch)";
+             " (expected --lengths, --heads, --dim, --reps, --dtypes, --torch or --portable)";
     if (i + 1 == argc) return a + " needs a value";
     const std::string val = argv[i + 1];
     std::string error;
@@ -156,6 +167,7 @@ std::string parse_args(int argc, char** argv, Args& args) {
     if (a == "--heads") error = blockattn_cli::read_int(a, val, args.heads);
     if (a == "--dim") error = blockattn_cli::read_int(a, val, args.dim);
     if (a == "--reps") error = blockattn_cli::read_int(a, val, args.reps);
+    if (a == "--portable") error = blockattn_cli::read_int(a, val, args.portable);
     if (!error.empty()) return error;
     if (a == "--dtypes") {
       args.dtypes = blockattn_cli::split(val);
@@ -183,15 +195,15 @@ int main(int argc, char** argv) {
     const Exec exec;
     std::printf("BlockAttn %s on %s, B = 1, H = %d, D = %d\n", "bench_gpu", Exec::name(),
                 args.heads, args.dim);
-    std::printf("%-4s %-5s %6s %-7s %10s %12s %12s %8s\n", "op", "dtype", "N", "mask", "ms",
-                "TFLOP/s", "torch", "ours/pt");
+    std::printf("%-4s %-5s %6s %-7s %-5s %10s %12s %12s %8s\n", "op", "dtype", "N", "mask", "path",
+                "ms", "TFLOP/s", "torch", "ours/pt");
     for (const auto& d : args.dtypes) {
       if (d == "fp32")
         bench_gpu::run_type<float>(exec, "fp32", args.lengths, args.heads, args.dim, args.reps,
-                                   torch);
+                                   args.portable != 0, torch);
       else
         bench_gpu::run_type<blockattn::bf16>(exec, "bf16", args.lengths, args.heads, args.dim,
-                                             args.reps, torch);
+                                             args.reps, args.portable != 0, torch);
     }
   }
   Kokkos::finalize();

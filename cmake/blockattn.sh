@@ -22,6 +22,10 @@
 #   cmake/blockattn.sh plot [out.png]      per-rank per-step work at P = 8, four schedules
 #                                          (gnuplot; default docs/schedules_p8.png)
 #   cmake/blockattn.sh deps                only install / build the dependencies
+#   cmake/blockattn.sh cudnn-frontend      install cuDNN's C++ frontend headers (PyPI
+#                                          nvidia-cudnn-frontend) into .deps/cudnn-frontend,
+#                                          for a CUDA build (BLOCKATTN_ENABLE_CUDNN);
+#                                          done by every command when KOKKOS_ROOT has CUDA
 #
 # Every command first makes sure the dependencies are there (idempotent: when
 # nothing is missing this takes a second): Debian packages through apt-get, and
@@ -140,9 +144,32 @@ build_kokkos() {
   touch "$kokkos_prefix/.complete"
 }
 
+# cuDNN's frontend (header-only) from PyPI's wheel, for BlockAttn::cudnn.
+install_cudnn_frontend() {
+  local dest=$deps/cudnn-frontend
+  [ -f "$dest/include/cudnn_frontend.h" ] && return 0
+  log "installing cuDNN's frontend headers (PyPI nvidia-cudnn-frontend) into $dest"
+  local tmp
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" nvidia-cudnn-frontend
+  mkdir -p "$dest"
+  python3 -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for n in z.namelist():
+    if n.startswith("include/"): z.extract(n, sys.argv[2])' "$tmp"/nvidia_cudnn_frontend-*.whl "$dest"
+  rm -rf "$tmp"
+}
+
+# Whether the Kokkos in use has the CUDA backend.
+kokkos_has_cuda() {
+  local k=${KOKKOS_ROOT:-$kokkos_prefix}
+  grep -qs '^#define KOKKOS_ENABLE_CUDA' "$k"/include/KokkosCore_config.h
+}
+
 ensure_deps() {
   install_packages
   if [ -z "${KOKKOS_ROOT:-}" ]; then build_kokkos; fi
+  if kokkos_has_cuda; then install_cudnn_frontend; fi
 }
 
 configure() {
@@ -169,6 +196,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
+  cudnn-frontend)
+    install_cudnn_frontend
+    ;;
   deps)
     ensure_deps
     log "dependencies ready (Kokkos: ${KOKKOS_ROOT:-$kokkos_prefix})"

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/kernel/fused.hpp>
 #include <blockattn/kernel/work.hpp>
 
 #include <cstdint>
@@ -19,7 +20,11 @@ struct StepStats {
   int source = 0;         // rank whose K/V block was used (Q ring: whose queries)
   int query_source = -1;  // rank whose queries were used (-1: idle step)
   bool computed = false;  // false: the whole block was masked out (no kernel)
-  TileCounts tiles;       // per (batch, head); pairs only with count_pairs
+  /// Which implementation computed the pair (kernel/fused.hpp): BlockAttn's
+  /// kernels or a vendor's fused attention (none: nothing computed).
+  BlockPath path = BlockPath::none;
+  int fused_pieces = 0;  // band pieces the fused path ran (kernel/band.hpp)
+  TileCounts tiles;      // per (batch, head); pairs only with count_pairs
   std::int64_t bytes_sent = 0;
   std::int64_t bytes_received = 0;
   double seconds = 0.0;  // wall time of the step on this rank (compute + wait)
@@ -48,6 +53,16 @@ struct RunStats {
     for (const auto& s : steps) t += s.tiles;
     return t;
   }
+  /// The block pairs each implementation computed.
+  BlockPathCounts paths() const {
+    BlockPathCounts c;
+    for (const auto& s : steps) {
+      c.portable += s.path == BlockPath::portable ? 1 : 0;
+      c.fused += s.path == BlockPath::fused ? 1 : 0;
+      c.fused_pieces += s.fused_pieces;
+    }
+    return c;
+  }
   double compute_seconds() const {
     double c = 0.0;
     for (const auto& s : steps) c += s.compute_seconds;
@@ -69,6 +84,9 @@ struct DistributedOptions {
   /// the global sequence before the work (every rank the same sample);
   /// always on with -DBLOCKATTN_CHECK_POLICIES.
   bool check_policies = false;
+  /// Compute every block pair on BlockAttn's kernels, never a vendor's fused
+  /// attention (cuDNN on CUDA, bf16 / fp16; kernel/fused.hpp).
+  bool portable_only = false;
 };
 
 }  // namespace blockattn

@@ -43,6 +43,8 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
       impl::check_mask_contract(fn, exec, mask, opts.q_offset, opts.q_offset + e.queries,
                                 opts.k_offset, opts.k_offset + e.keys);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    if (impl::fused_backward(exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask, scale, opts)) return;
+    if (opts.paths) ++opts.paths->portable;
     const BlockLayout layout = backward_layout<T, ExecSpace>(e.dim);
     impl::CallBuffers<ExecSpace> buffers(exec);
     const auto keys =

@@ -7,6 +7,7 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/kernel/block_product.hpp>
 #include <blockattn/kernel/impl/forward_launch.hpp>
+#include <blockattn/kernel/impl/fused_path.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -56,6 +57,10 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
       impl::check_mask_contract(fn, exec, mask, qpos(0), qpos(e.queries - 1) + 1, kpos(0),
                                 kpos(e.keys - 1) + 1);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    // A vendor's fused attention where it is built in and takes the call
+    // (kernel/impl/fused_path.hpp); BlockAttn's kernels otherwise.
+    if (impl::fused_forward(exec, e, q, k, v, o, lse, mask, scale, opts)) return;
+    if (opts.paths) ++opts.paths->portable;
     const BlockLayout layout = forward_layout<T, ExecSpace>(e.dim);
     impl::CallBuffers<ExecSpace> buffers(exec);
     const auto kv =

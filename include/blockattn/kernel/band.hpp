@@ -21,6 +21,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/kernel/fused.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
 
@@ -62,18 +63,7 @@ struct BandSplit {
   const BandPiece* end() const { return pieces.data() + count; }
 };
 
-/// cuDNN's form of a band piece: top-left diagonal alignment (row 0 against
-/// key 0), key j seen by row i iff j <= i + right_bound (when has_right) and
-/// j > i - left_bound (when has_left, the "sliding window length"). cuDNN 9
-/// takes right_bound >= 0 and left_bound >= 1, and a left bound only with a
-/// right bound and with no more rows than keys: `supported` says whether
-/// this piece fits.
-struct CudnnBand {
-  bool supported = false;
-  bool has_right = false, has_left = false;
-  std::int64_t right_bound = 0, left_bound = 0;
-};
-
+/// cuDNN's form of a band piece (CudnnBand, kernel/fused.hpp).
 inline CudnnBand cudnn_band(const BandPiece& p) {
   CudnnBand c;
   if (p.full()) {

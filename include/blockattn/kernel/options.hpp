@@ -3,6 +3,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/kernel/fused.hpp>
 
 #include <limits>
 
@@ -22,6 +23,13 @@ struct ForwardOptions {
   /// before the work (kernel/policy_check.hpp); always on with
   /// -DBLOCKATTN_CHECK_POLICIES.
   bool check_policies = false;
+  /// Run on BlockAttn's kernels even where a vendor's fused attention
+  /// (cuDNN, on CUDA with bf16 / fp16) would take the call: for comparison,
+  /// and for results that are the same bits on every backend and run.
+  bool portable_only = false;
+  /// When set, the call adds the block pairs each implementation computed
+  /// (BlockPathCounts: portable, fused, fused band pieces).
+  BlockPathCounts* paths = nullptr;
 };
 
 }  // namespace blockattn

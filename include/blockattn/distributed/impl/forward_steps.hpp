@@ -11,6 +11,7 @@
 #include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/options.hpp>
 #include <blockattn/kernel/block_product.hpp>
+#include <blockattn/kernel/fused_block.hpp>
 #include <blockattn/schedule/context.hpp>
 #include <blockattn/schedule/schedule.hpp>
 
@@ -66,9 +67,12 @@ class ForwardSteps
         m_comm(opts.communicate) {
     const BlockExtents& e = c.e;
     const int most = c.most;
+    // K/V travel in the storage type, in rows where a fused provider reads
+    // them (fused_storage_layout; widened into the kernels' panels).
+    const BlockLayout storage = fused_storage_layout<V, ExecSpace>(layout);
     m_kv.resize(std::size_t(slots.kv));
     for (auto& b : m_kv)
-      b = allocate_forward_block<V, ExecSpace>(layout, e.batch, e.kv_heads, most);
+      b = allocate_forward_block<V, ExecSpace>(storage, e.batch, e.kv_heads, most);
     m_kv[0].keys = e.keys;  // ours: the rest of the slot is zero padding
     pack_forward_block(exec, k, v, m_kv[0]);
     if constexpr (half)
@@ -115,6 +119,14 @@ class ForwardSteps
       b.accumulator = bytes_of(m_acc);
     }
     stats.workspace_bytes = forward_workspace_bytes(slots, b);
+    if constexpr (fused_available_v<ExecSpace, V>) {
+      if (!opts.portable_only) {  // the fused pieces' normalised partial results
+        m_part_o = buffer_like<V, ExecSpace>(o, "blockattn::fused_o");
+        m_part_lse = lse_buffer("blockattn::fused_lse");
+        stats.workspace_bytes += bytes_of(m_part_o) + bytes_of(m_part_lse);
+      }
+    }
+    m_portable_only = opts.portable_only;
   }
 
   /// `last_own`: the last step computing on this rank's queries; `merges`:
@@ -148,13 +160,19 @@ class ForwardSteps
     (send ? st.bytes_sent : st.bytes_received) += b;
   }
 
-  bool compute(int s, const ForwardStep& f, std::vector<std::vector<request>>& due, StepStats&) {
+  bool compute(int s, const ForwardStep& f, std::vector<std::vector<request>>& due, StepStats& st) {
     std::vector<request*> in_flight;  // tested between compute chunks
     for (std::size_t d = std::size_t(s); d < due.size(); ++d)
       for (auto& r : due[d]) in_flight.push_back(&r);
     const BlockTask task = f.task;
     const bool computed = this->has_work(task);
     const int kv_slot = m_comm ? f.kv_slot : 0;
+    if (computed && task.q_rank == m_rank && fused(s, task, kv_slot, st.fused_pieces)) {
+      st.path = BlockPath::fused;
+      m_exec.fence();
+      return true;
+    }
+    if (computed) st.path = BlockPath::portable;
     const PackedKV<T, mem>* kp = nullptr;
     if constexpr (half) {
       if (computed && m_widened != kv_slot) {
@@ -226,6 +244,35 @@ class ForwardSteps
     LseBuffer<T, ExecSpace> lse;
   };
 
+  /// The step's pair on the fused path (own queries only; a helper's task
+  /// takes the kernels): every band piece's normalised result merged into
+  /// the state, which the next kernel call resumes; finished here when this
+  /// is the last own step. False: the pair takes the kernels.
+  bool fused(int s, const BlockTask& task, int kv_slot, int& pieces) {
+    if constexpr (fused_available_v<ExecSpace, V>) {
+      if (m_portable_only) return false;
+      const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
+      const PackedKV<V, mem>& kv = m_kv[std::size_t(kv_slot)];
+      const FusedPair pair = fused_pair<ExecSpace, V>(m_mask, this->positions(task.q_rank),
+                                                      this->positions(task.k_rank), te, false, m_q,
+                                                      kv, m_part_o, m_part_lse, float(m_scale));
+      if (!pair.fused) return false;
+      pieces = pair.split.count;
+      open_state();
+      for (const BandPiece& piece : pair.split) {
+        Kokkos::deep_copy(m_exec, m_part_lse, -infinity<T>());  // rows outside the piece
+        fused_forward_piece(m_exec, te, piece, m_q, kv, m_part_o, m_part_lse, float(m_scale));
+        m_state.state.merge_partial(m_exec, o_sum(), m_part_o, m_part_lse, m_c.e.dim);
+      }
+      if (s == m_last_own && !m_merges)
+        m_state.state.finalize(m_exec, o_sum(), m_o, m_lse, m_c.e.dim);
+      return true;
+    } else {
+      (void)s, (void)task, (void)kv_slot, (void)pieces;
+      return false;
+    }
+  }
+
   /// Where the unnormalised O lives: the caller's o, or the fp32 accumulator.
   const auto& o_sum() const {
     if constexpr (half)
@@ -272,7 +319,9 @@ class ForwardSteps
   std::vector<std::vector<int>> m_merge_at;  // result-in slots, by the step they complete
   std::int64_t m_kv_bytes = 0, m_q_bytes = 0, m_res_bytes = 0;
   int m_last_own = -1;
-  bool m_merges = false, m_opened = false;
+  bool m_merges = false, m_opened = false, m_portable_only = false;
+  Buffer4<V, ExecSpace> m_part_o;      // fused path: a piece's normalised O (storage type)
+  LseBuffer<T, ExecSpace> m_part_lse;  // and its LSE (-inf: rows outside the piece)
 };
 
 }  // namespace blockattn::impl

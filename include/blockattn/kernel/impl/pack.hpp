@@ -200,10 +200,38 @@ void pack_kv(const ExecSpace& exec, const KView& k, const VView& v,
 }
 
 /// The kernels' packed block (compute type T) from a packed block in storage
-/// type S (bf16 / fp16: what travels on a ring), widened exactly; same layout.
+/// type S (bf16 / fp16: what travels on a ring), widened exactly; same tiles,
+/// and the same panels or others (a block in rows, panel 1 and v_panel =
+/// dim_padded, as a fused provider reads it: relaid into the kernels' panels).
 template <class ExecSpace, class T, class S, class MemorySpace>
 void widen_kv(const ExecSpace& exec, const PackedKV<S, MemorySpace>& from,
               const PackedKV<T, MemorySpace>& to) {
+  if (from.panel != to.panel || from.v_panel != to.v_panel) {
+    const auto fk = from.kt, fv = from.v;
+    const auto tk = to.kt, tv = to.v;
+    const int batch = int(fk.extent(0)), heads = int(fk.extent(1)), tiles = int(fk.extent(2));
+    const int dp = int(fk.extent(3)), bk = int(fk.extent(4));
+    const int fp = from.panel, tp = to.panel, fvp = from.v_panel, tvp = to.v_panel;
+    const std::int64_t rows = std::int64_t(batch) * heads * tiles * bk;
+    Kokkos::parallel_for(
+        "blockattn::widen_kv_relayout",
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+        KOKKOS_LAMBDA(const std::int64_t row) {
+          const int c = int(row % bk);
+          const int t = int((row / bk) % tiles);
+          const int h = int((row / (std::int64_t(bk) * tiles)) % heads);
+          const int b = int(row / (std::int64_t(bk) * tiles * heads));
+          const S* const ks = &fk(b, h, t, 0, 0);
+          T* const kd = &tk(b, h, t, 0, 0);
+          const S* const vs = &fv(b, h, t * bk, 0);
+          T* const vd = &tv(b, h, t * bk, 0);
+          for (int d = 0; d < dp; ++d) {
+            kd[kt_tile_offset(d, c, dp, tp)] = T(ks[kt_tile_offset(d, c, dp, fp)]);
+            vd[v_tile_offset(c, d, bk, tvp)] = T(vs[v_tile_offset(c, d, bk, fvp)]);
+          }
+        });
+    return;
+  }
   const std::int64_t nk = std::int64_t(from.kt.span()), nv = std::int64_t(from.v.span());
   const S *fk = from.kt.data(), *fv = from.v.data();
   T *tk = to.kt.data(), *tv = to.v.data();

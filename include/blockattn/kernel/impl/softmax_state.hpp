@@ -86,8 +86,9 @@ struct SoftmaxState {
         });
   }
 
-  /// Merges a normalised partial result over other keys (part_o, and its
-  /// natural-log part_lse of shape (batch, heads, queries)) into the state:
+  /// Merges a normalised partial result over other keys (part_o, of T or a
+  /// 16-bit storage type, and its natural-log part_lse of shape (batch,
+  /// heads, queries)) into the state:
   ///   m' = max(m, lse2), O = 2^(m - m') O + 2^(lse2 - m') part_o,
   ///   l = 2^(m - m') l + 2^(lse2 - m'),   lse2 = part_lse * log2(e).
   template <class ExecSpace, class OV, class PO, class PL>
@@ -101,7 +102,8 @@ struct SoftmaxState {
           T a, w;
           ms(b, h, i) = SoftmaxRow<T>::rescale(ms(b, h, i), lp * log2e<T>, a, w);
           ls(b, h, i) = ls(b, h, i) * a + w;
-          for (int d = 0; d < dim; ++d) o(b, i, h, d) = o(b, i, h, d) * a + part_o(b, i, h, d) * w;
+          for (int d = 0; d < dim; ++d)
+            o(b, i, h, d) = o(b, i, h, d) * a + T(part_o(b, i, h, d)) * w;
         });
   }
 

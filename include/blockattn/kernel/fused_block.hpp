@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+// The fused path of the block product for the step loops: which block pairs
+// a vendor's fused attention takes (kernel/fused.hpp, kernel/band.hpp), the
+// layout its K/V blocks travel in, and one band piece's forward.
+//
+//   storage = fused_storage_layout<V, ExecSpace>(layout)  the layout K/V
+//             blocks of storage type V travel in: rows (panel 1) when a
+//             provider is built in, so that it reads them in place;
+//             widen_forward_block relays them into the kernels' panels
+//   pair = fused_pair<ExecSpace, V>(mask, qpos, queries, kpos, keys, e, options)
+//             pair.fused: every band piece goes to the provider
+//   fused_forward_piece(exec, e, piece, q, kv, part_o, part_lse, scale)
+//             the piece's rows of part_o (storage V) and part_lse (natural
+//             log); the caller merges them (SoftmaxState::merge_partial)
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/kernel/band.hpp>
+#include <blockattn/kernel/block_product.hpp>
+#include <blockattn/kernel/fused.hpp>
+#include <blockattn/kernel/impl/fused_path.hpp>
+
+namespace blockattn {
+
+/// Whether a fused provider is built in for ExecSpace and storage type V.
+template <class ExecSpace, class V>
+constexpr bool fused_available_v = impl::fused_enabled<ExecSpace, V>();
+
+/// The layout K/V blocks of storage type V travel in (see the top of this file).
+template <class V, class ExecSpace>
+BlockLayout fused_storage_layout(const BlockLayout& layout) {
+  BlockLayout l = layout;
+  if constexpr (fused_available_v<ExecSpace, V>) {
+    l.kt_panel = 1;
+    l.v_panel = l.dim_padded;
+  }
+  return l;
+}
+
+/// A block pair's band pieces and whether the fused provider takes them all.
+struct FusedPair {
+  bool fused = false;
+  BandSplit split;
+};
+
+/// The fused forward of one band piece: queries q (batch, rows, heads, dim;
+/// storage V) against the packed block kv (rows layout), into rows
+/// [piece.row_begin, piece.row_end) of part_o and part_lse.
+template <class ExecSpace, class QV, class V, class PO, class PL>
+FusedForwardCall fused_forward_call(const BlockExtents& e, const BandPiece& piece, const QV& q,
+                                    const PackedKV<V, typename ExecSpace::memory_space>& kv,
+                                    const PO& part_o, const PL& part_lse, float scale) {
+  FusedForwardCall c;
+  c.p = impl::fused_problem(e, piece, impl::fused_type<V>(), scale);
+  c.q = impl::fused_rows(q, piece.row_begin);
+  c.o = impl::fused_rows(part_o, piece.row_begin);
+  c.lse = impl::fused_lse(part_lse, piece.row_begin);
+  const std::int64_t dp = std::int64_t(kv.kt.extent(3));
+  c.k.data = kv.kt.data() + piece.col_begin * dp;
+  c.k.stride[0] = std::int64_t(kv.kt.stride(0));
+  c.k.stride[1] = std::int64_t(kv.kt.stride(1));
+  c.k.stride[2] = dp;
+  c.k.stride[3] = 1;
+  c.v.data = kv.v.data() + piece.col_begin * dp;
+  c.v.stride[0] = std::int64_t(kv.v.stride(0));
+  c.v.stride[1] = std::int64_t(kv.v.stride(1));
+  c.v.stride[2] = std::int64_t(kv.v.stride(2));
+  c.v.stride[3] = 1;
+  return c;
+}
+
+/// Which implementation computes the pair: the fused provider when it is
+/// built in for (ExecSpace, V), not options.portable_only, the pair's mask is
+/// band pieces in cuDNN's form and the provider supports each piece's
+/// problem (a probe call with the pair's shapes; q, kv, part_o, part_lse:
+/// the Views the pieces will use).
+template <class ExecSpace, class V, class Mask, class QP, class KP, class QV, class PO, class PL>
+FusedPair fused_pair(const Mask& mask, const QP& qpos, const KP& kpos, const BlockExtents& e,
+                     bool portable_only, const QV& q,
+                     const PackedKV<V, typename ExecSpace::memory_space>& kv, const PO& part_o,
+                     const PL& part_lse, float scale) {
+  FusedPair f;
+  if constexpr (fused_available_v<ExecSpace, V>) {
+    if (portable_only || kv.panel != 1 || e.queries <= 0 || e.keys <= 0) return f;
+    if (!impl::fused_shape_ok(e)) return f;
+    if (!impl::unit_head_stride(q, part_o)) return f;
+    f.split = band_split(mask, qpos, e.queries, kpos, e.keys);
+    if (!f.split.expressible) return f;
+    for (const BandPiece& p : f.split) {
+      if (!cudnn_band(p).supported) return f;
+      const FusedForwardCall c =
+          fused_forward_call<ExecSpace>(e, p, q, kv, part_o, part_lse, scale);
+      if (!impl::FusedProvider<ExecSpace, V>::supports(c)) return f;
+    }
+    f.fused = true;
+  } else {
+    (void)mask, (void)qpos, (void)kpos, (void)e, (void)portable_only, (void)q, (void)kv,
+        (void)part_o, (void)part_lse, (void)scale;
+  }
+  return f;
+}
+
+/// Runs one piece (see fused_forward_call); part_lse rows outside every
+/// piece must hold -inf before the merge.
+template <class ExecSpace, class QV, class V, class PO, class PL>
+void fused_forward_piece(const ExecSpace& exec, const BlockExtents& e, const BandPiece& piece,
+                         const QV& q, const PackedKV<V, typename ExecSpace::memory_space>& kv,
+                         const PO& part_o, const PL& part_lse, float scale) {
+  impl::FusedProvider<ExecSpace, V>::run(
+      exec, fused_forward_call<ExecSpace>(e, piece, q, kv, part_o, part_lse, scale));
+}
+
+}  // namespace blockattn

@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: Apache-2.0
+// The fused path of the single-device calls: when a vendor's fused attention
+// is built in for the execution space and value type (kernel/fused.hpp), the
+// call's mask over its positions is one band piece (kernel/band.hpp) and the
+// provider supports it, the call runs there; otherwise (or with
+// ForwardOptions::portable_only) on BlockAttn's kernels.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/kernel/band.hpp>
+#include <blockattn/kernel/fused.hpp>
+#include <blockattn/kernel/options.hpp>
+#include <blockattn/kernel/validate.hpp>
+
+#if defined(BLOCKATTN_ENABLE_CUDNN) && defined(KOKKOS_ENABLE_CUDA)
+#define BLOCKATTN_FUSED_CUDNN 1
+#include <blockattn/kernel/cudnn.hpp>
+#endif
+#if defined(BLOCKATTN_EMULATE_FUSED)
+#include <blockattn/kernel/impl/fused_emulation.hpp>
+#endif
+
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+namespace blockattn::impl {
+
+/// Whether a fused provider is built in for ExecSpace and storage type V.
+template <class ExecSpace, class V>
+constexpr bool fused_enabled() {
+  if constexpr (!is_half_storage_v<V>) {
+    return false;
+  } else {
+#if defined(BLOCKATTN_FUSED_CUDNN)
+    if constexpr (std::is_same<ExecSpace, Kokkos::Cuda>::value) return true;
+#endif
+#if defined(BLOCKATTN_EMULATE_FUSED)
+    if constexpr (is_host_space_v<ExecSpace>) return true;
+#endif
+    return false;
+  }
+}
+
+template <class V>
+constexpr FusedType fused_type() {
+  return std::is_same<V, bf16>::value ? FusedType::bf16 : FusedType::fp16;
+}
+
+/// Rows [row0, ...) of a (batch, seq, heads, dim) View as a fused operand.
+template <class View>
+FusedTensor fused_rows(const View& x, index_type row0) {
+  FusedTensor t;
+  t.data = x.data() + row0 * index_type(x.stride(1));
+  t.stride[0] = std::int64_t(x.stride(0));
+  t.stride[1] = std::int64_t(x.stride(2));
+  t.stride[2] = std::int64_t(x.stride(1));
+  t.stride[3] = std::int64_t(x.stride(3));
+  return t;
+}
+
+/// Rows [row0, ...) of a (batch, heads, seq) LSE View.
+template <class View>
+FusedTensor fused_lse(const View& x, index_type row0) {
+  FusedTensor t;
+  t.data = x.data() + row0 * index_type(x.stride(2));
+  t.stride[0] = std::int64_t(x.stride(0));
+  t.stride[1] = std::int64_t(x.stride(1));
+  t.stride[2] = std::int64_t(x.stride(2));
+  t.stride[3] = 1;
+  return t;
+}
+
+/// The provider of ExecSpace: cuDNN on Kokkos::Cuda, the emulation on host spaces.
+template <class ExecSpace, class V>
+struct FusedProvider {
+  static bool supports(const FusedForwardCall& c) {
+#if defined(BLOCKATTN_FUSED_CUDNN)
+    if constexpr (std::is_same<ExecSpace, Kokkos::Cuda>::value) return cudnn::supports_forward(c);
+#endif
+    (void)c;
+    return true;
+  }
+  static bool supports(const FusedBackwardCall& c) {
+#if defined(BLOCKATTN_FUSED_CUDNN)
+    if constexpr (std::is_same<ExecSpace, Kokkos::Cuda>::value) return cudnn::supports_backward(c);
+#endif
+    (void)c;
+    return true;
+  }
+  static std::size_t workspace(const FusedForwardCall& c) {
+#if defined(BLOCKATTN_FUSED_CUDNN)
+    if constexpr (std::is_same<ExecSpace, Kokkos::Cuda>::value) return cudnn::forward_workspace(c);
+#endif
+    (void)c;
+    return 0;
+  }
+  static std::size_t workspace(const FusedBackwardCall& c) {
+#if defined(BLOCKATTN_FUSED_CUDNN)
+    if constexpr (std::is_same<ExecSpace, Kokkos::Cuda>::value) return cudnn::backward_workspace(c);
+#endif
+    (void)c;
+    return 0;
+  }
+  template <class Call>
+  static void run(const ExecSpace& exec, Call c) {
+    using memory_space = typename ExecSpace::memory_space;
+    const std::size_t bytes = workspace(c);
+    Kokkos::View<char*, memory_space> ws;
+    if (bytes > 0) {
+      ws = Kokkos::View<char*, memory_space>(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::fused_workspace"), bytes);
+      c.workspace = ws.data();
+    }
+#if defined(BLOCKATTN_FUSED_CUDNN)
+    if constexpr (std::is_same<ExecSpace, Kokkos::Cuda>::value) {
+      c.stream = static_cast<void*>(exec.cuda_stream());
+      if constexpr (std::is_same<Call, FusedForwardCall>::value)
+        cudnn::forward(c);
+      else
+        cudnn::backward(c);
+      if (bytes > 0) exec.fence();  // the workspace outlives the call
+      return;
+    }
+#endif
+#if defined(BLOCKATTN_EMULATE_FUSED)
+    if constexpr (is_host_space_v<ExecSpace>) {
+      exec.fence();  // the fills and packs before it
+      if constexpr (std::is_same<Call, FusedForwardCall>::value)
+        emulated_forward<V>(c);
+      else
+        emulated_backward<V>(c);
+      return;
+    }
+#endif
+    (void)exec;
+  }
+};
+
+/// O = 0 and LSE = -inf for the rows outside [r0, r1) (rows that see no key).
+template <class ExecSpace, class OV, class LV>
+void fill_unseen_rows(const ExecSpace& exec, const OV& o, const LV& lse, index_type r0,
+                      index_type r1) {
+  using V = typename OV::non_const_value_type;
+  using L = typename LV::non_const_value_type;
+  const int batch = int(o.extent(0)), rows = int(o.extent(1)), heads = int(o.extent(2)),
+            dim = int(o.extent(3));
+  const int lo = int(r0), hi = int(r1);
+  Kokkos::parallel_for(
+      "blockattn::fused_unseen_rows",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {batch, rows, heads}),
+      KOKKOS_LAMBDA(int b, int i, int h) {
+        if (i >= lo && i < hi) return;
+        for (int d = 0; d < dim; ++d) o(b, i, h, d) = V(0.0f);
+        lse(b, h, i) = -infinity<L>();
+      });
+}
+
+/// Zero gradients for the rows of g outside [r0, r1).
+template <class ExecSpace, class GV>
+void zero_rows_outside(const ExecSpace& exec, const GV& g, index_type r0, index_type r1) {
+  using V = typename GV::non_const_value_type;
+  const int batch = int(g.extent(0)), rows = int(g.extent(1)), heads = int(g.extent(2)),
+            dim = int(g.extent(3));
+  const int lo = int(r0), hi = int(r1);
+  Kokkos::parallel_for(
+      "blockattn::fused_zero_rows",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {batch, rows, heads}),
+      KOKKOS_LAMBDA(int b, int i, int h) {
+        if (i >= lo && i < hi) return;
+        for (int d = 0; d < dim; ++d) g(b, i, h, d) = V(0.0f);
+      });
+}
+
+/// Whether every operand has a unit stride in the head dim (cuDNN's layout).
+template <class... Vs>
+bool unit_head_stride(const Vs&... v) {
+  return (... && (v.extent(3) <= 1 || v.stride(3) == 1));
+}
+
+/// The shapes a fused provider takes (cuDNN 9's limits for SDPA): head dim a
+/// multiple of 8 up to 256, GQA with heads a multiple of kv_heads.
+inline bool fused_shape_ok(const BlockExtents& e) {
+  return e.dim % 8 == 0 && e.dim <= 256 && e.kv_heads > 0 && e.heads % e.kv_heads == 0;
+}
+
+/// The band piece of a single-device call, when the fused path may take it:
+/// a provider for (ExecSpace, V), not portable_only, one piece at most.
+template <class ExecSpace, class V, class Mask>
+bool fused_single_piece(const Mask& mask, const BlockExtents& e, const ForwardOptions& opts,
+                        BandSplit& s) {
+  if constexpr (!fused_enabled<ExecSpace, V>()) {
+    (void)mask, (void)e, (void)opts, (void)s;
+    return false;
+  } else {
+    if (opts.portable_only || !fused_shape_ok(e)) return false;
+    s = band_split(mask, OffsetPositions{opts.q_offset}, e.queries, OffsetPositions{opts.k_offset},
+                   e.keys);
+    if (!s.expressible || s.count > 1) return false;
+    return s.count == 0 || cudnn_band(s.pieces[0]).supported;
+  }
+}
+
+inline FusedProblem fused_problem(const BlockExtents& e, const BandPiece& piece, FusedType type,
+                                  float scale) {
+  FusedProblem p;
+  p.batch = e.batch;
+  p.heads = e.heads;
+  p.kv_heads = e.kv_heads;
+  p.queries = piece.rows();
+  p.keys = piece.cols();
+  p.dim = e.dim;
+  p.type = type;
+  p.band = cudnn_band(piece);
+  p.scale = scale;
+  return p;
+}
+
+/// The single-device forward on the fused path; false (nothing done) when
+/// the call takes BlockAttn's kernels.
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class Mask, class T>
+bool fused_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, const KV& k,
+                   const VV& v, const OV& o, const LV& lse, const Mask& mask, T scale,
+                   const ForwardOptions& opts) {
+  using V = typename OV::non_const_value_type;
+  BandSplit s;
+  if (!fused_single_piece<ExecSpace, V>(mask, e, opts, s)) return false;
+  if (!unit_head_stride(q, k, v, o)) return false;
+  FusedForwardCall c;
+  BandPiece piece;
+  if (s.count == 1) {
+    piece = s.pieces[0];
+    c.p = fused_problem(e, piece, fused_type<V>(), float(scale));
+    c.q = fused_rows(q, piece.row_begin);
+    c.k = fused_rows(k, piece.col_begin);
+    c.v = fused_rows(v, piece.col_begin);
+    c.o = fused_rows(o, piece.row_begin);
+    c.lse = fused_lse(lse, piece.row_begin);
+    if (!FusedProvider<ExecSpace, V>::supports(c)) return false;
+  }
+  if (piece.rows() < e.queries) fill_unseen_rows(exec, o, lse, piece.row_begin, piece.row_end);
+  if (s.count == 1) FusedProvider<ExecSpace, V>::run(exec, c);
+  if (opts.paths) {
+    ++opts.paths->fused;
+    opts.paths->fused_pieces += s.count;
+  }
+  return true;
+}
+
+/// The single-device backward on the fused path (gradients written).
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class DOV, class DQV,
+          class DKV, class DVV, class Mask, class T>
+bool fused_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, const KV& k,
+                    const VV& v, const OV& o, const LV& lse, const DOV& dout, const DQV& dq,
+                    const DKV& dk, const DVV& dv, const Mask& mask, T scale,
+                    const ForwardOptions& opts) {
+  using V = typename OV::non_const_value_type;
+  BandSplit s;
+  if (!fused_single_piece<ExecSpace, V>(mask, e, opts, s)) return false;
+  if (!unit_head_stride(q, k, v, o, dout, dq, dk, dv)) return false;
+  FusedBackwardCall c;
+  BandPiece piece;
+  if (s.count == 1) {
+    piece = s.pieces[0];
+    c.p = fused_problem(e, piece, fused_type<V>(), float(scale));
+    c.q = fused_rows(q, piece.row_begin);
+    c.k = fused_rows(k, piece.col_begin);
+    c.v = fused_rows(v, piece.col_begin);
+    c.o = fused_rows(o, piece.row_begin);
+    c.dout = fused_rows(dout, piece.row_begin);
+    c.lse = fused_lse(lse, piece.row_begin);
+    c.dq = fused_rows(dq, piece.row_begin);
+    c.dk = fused_rows(dk, piece.col_begin);
+    c.dv = fused_rows(dv, piece.col_begin);
+    if (!FusedProvider<ExecSpace, V>::supports(c)) return false;
+  }
+  if (piece.rows() < e.queries) zero_rows_outside(exec, dq, piece.row_begin, piece.row_end);
+  if (piece.cols() < e.keys) {
+    zero_rows_outside(exec, dk, piece.col_begin, piece.col_end);
+    zero_rows_outside(exec, dv, piece.col_begin, piece.col_end);
+  }
+  if (s.count == 1) FusedProvider<ExecSpace, V>::run(exec, c);
+  if (opts.paths) {
+    ++opts.paths->fused;
+    opts.paths->fused_pieces += s.count;
+  }
+  return true;
+}
+
+}  // namespace blockattn::impl
