@@ -13,9 +13,18 @@
 # and PyTorch on the GPU machine (its wheels bring libcudnn, libnvrtc, libcudart).
 # Each step has its own timeout so that one hang leaves the others' logs; the
 # whole job stays under 8 minutes. Steps whose binaries are missing say so.
+# bench/pack_gpu_bundle.sh makes all of it one file, .gpu/bundle.tar.gz
+# (carry [".gpu"]); this script unpacks it first.
 set -u
 out=${OUT:-${1:-gpu-out}}
 mkdir -p "$out"
+if [ -f .gpu/bundle.tar.gz ]; then
+  mkdir -p /tmp/gpu-bundle && tar -C /tmp/gpu-bundle -xzf .gpu/bundle.tar.gz
+  cd_bundle=/tmp/gpu-bundle
+  BUILD_CUDA=${BUILD_CUDA:-$cd_bundle/build-cuda}
+  BUILD_HOST=${BUILD_HOST:-$cd_bundle/build-host}
+  [ -d $cd_bundle/.mpi ] && ln -sfn $cd_bundle/.mpi .mpi
+fi
 cuda=${BUILD_CUDA:-build-cuda}
 host=${BUILD_HOST:-build-host}
 log() { printf '[gpu_session] %s\n' "$*" | tee -a "$out/session.log"; }
@@ -34,7 +43,7 @@ site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null ||
 for d in "$site"/nvidia/*/lib "$site"/nvidia/cu13/lib; do
   [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
-export LD_LIBRARY_PATH
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
 { nvidia-smi; lscpu | grep -E 'Model name|^CPU\(s\)'; python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())'; } \
   >"$out/machine.log" 2>&1
 log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"

@@ -22,9 +22,18 @@ using namespace blockattn::test;
 
 namespace {
 
+// LayoutRight on every space (a GPU's default is LayoutLeft), so that on
+// CUDA with cuDNN the calls reach the fused path (it needs a unit stride in
+// the head dim); the strided cases below are sub-views of these.
 template <class S>
-using V4 = Kokkos::View<S****, MemSpace>;
-using L3 = Kokkos::View<float***, MemSpace>;
+using V4 = Kokkos::View<S****, Kokkos::LayoutRight, MemSpace>;
+using L3 = Kokkos::View<float***, Kokkos::LayoutRight, MemSpace>;
+
+/// Calls of this file that a fused provider computed, and all calls.
+struct FusedTally {
+  long fused = 0, calls = 0;
+};
+FusedTally fused_tally;
 
 /// The largest error of rounding a value to S beyond u16 * |x|: half of the
 /// smallest subnormal (fp16: 2^-25; bf16's subnormals are fp32's: 2^-134).
@@ -155,6 +164,8 @@ ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::ui
   const double e32 = tolerance<float>(ref, s.d, s.nk);
   const bool fused = paths.fused > 0;
   CHECK(paths.fused + paths.portable == 1);
+  fused_tally.fused += fused ? 1 : 0;
+  ++fused_tally.calls;
   bool finite = true;
   const double ratio = worst_ratio<S>(o16, ref.o, e32, finite, fused, max_abs(v));
   INFO(value_type_name<S>(), " ", describe(s), (layout == Layout::right ? " right" : " strided"),
@@ -262,6 +273,8 @@ void run_backward(const Shape& s, const Mask& mask, std::uint64_t seed, ForwardO
             dk32("dk32", s.b, s.nk, s.hkv, s.d), dv32("dv32", s.b, s.nk, s.hkv, s.d);
   const bool fused = paths.fused > 0;
   CHECK(paths.fused + paths.portable == 1);
+  fused_tally.fused += fused ? 1 : 0;
+  ++fused_tally.calls;
   attention_backward(ExecSpace{}, q32, k32, v32, o32, ld, do32, dq32, dk32, dv32, mask, opts);
   const HostTensor g32[3] = {download(dq32), download(dk32), download(dv32)};
 
@@ -327,6 +340,15 @@ TEST_CASE_TEMPLATE("16-bit backward: every mask, within one rounding of fp32", S
   opts.q_offset = 100;
   opts.k_offset = 60;
   run_backward<S>({1, 66, 90, 2, 1, 64}, CausalMask{}, 77, opts);
+}
+
+TEST_CASE("16-bit: the fused path ran where a provider is built in") {
+  // After the forward and backward cases above (doctest runs a file's cases in order).
+  MESSAGE("16-bit calls on the fused path: ", fused_tally.fused, " of ", fused_tally.calls);
+  if (fused_available_v<ExecSpace, bf16>)
+    CHECK(fused_tally.fused > 0);
+  else
+    CHECK(fused_tally.fused == 0);
 }
 
 TEST_CASE_TEMPLATE("16-bit NaN inputs give NaN exactly where they are visible", S, bf16, fp16) {

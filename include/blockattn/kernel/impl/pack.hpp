@@ -207,8 +207,10 @@ template <class ExecSpace, class T, class S, class MemorySpace>
 void widen_kv(const ExecSpace& exec, const PackedKV<S, MemorySpace>& from,
               const PackedKV<T, MemorySpace>& to) {
   if (from.panel != to.panel || from.v_panel != to.v_panel) {
-    const auto fk = from.kt, fv = from.v;
-    const auto tk = to.kt, tv = to.v;
+    const auto fk = from.kt;
+    const auto fv = from.v;
+    const auto tk = to.kt;
+    const auto tv = to.v;
     const int batch = int(fk.extent(0)), heads = int(fk.extent(1)), tiles = int(fk.extent(2));
     const int dp = int(fk.extent(3)), bk = int(fk.extent(4));
     const int fp = from.panel, tp = to.panel, fvp = from.v_panel, tvp = to.v_panel;
