@@ -464,3 +464,142 @@ TEST_CASE("balance: layouts of packed documents and the mask-aware assignment") 
   CHECK_THROWS_WITH(plan::mask_balanced(mask, 0, 3, 128, 32, 32),
                     doctest::Contains("N = 0, expected at least 1 token"));
 }
+
+namespace {
+
+template <class Partition, class Schedule, class Mask>
+void check_fast_equals_reference(const plan::Problem& p, const Mask& mask, const plan::Hardware& hw,
+                                 bool pairs, int stride = 1) {
+  const auto ref = plan::predict_reference<Partition, Schedule>(p, mask, hw, pairs, stride);
+  const auto fast = plan::predict<Partition, Schedule>(p, mask, hw, pairs, stride, true);
+  const auto lean = plan::predict<Partition, Schedule>(p, mask, hw, pairs, stride, false);
+  INFO(Partition::name(), " + ", Schedule::name(), " N = ", p.N, " P = ", p.P, " tiles ", p.block_q,
+       "x", p.block_k, " ", hw.name, " pairs ", pairs);
+  REQUIRE(fast.valid == ref.valid);
+  CHECK(fast.why_not == ref.why_not);
+  CHECK(lean.valid == ref.valid);
+  if (!ref.valid) return;
+  // The same arithmetic in the same order: equal, not close.
+  CHECK(fast.makespan_s == ref.makespan_s);
+  CHECK(lean.makespan_s == ref.makespan_s);
+  CHECK(fast.single_device_s == ref.single_device_s);
+  CHECK(fast.fits == ref.fits);
+  CHECK(fast.idle_steps() == ref.idle_steps());
+  CHECK(lean.idle_steps() == ref.idle_steps());
+  CHECK(lean.peak_bytes() == ref.peak_bytes());
+  CHECK(lean.max_bytes_sent() == ref.max_bytes_sent());
+  CHECK(lean.max_network_bytes_sent() == ref.max_network_bytes_sent());
+  CHECK(lean.idle_time_fraction() == doctest::Approx(ref.idle_time_fraction()).epsilon(1e-12));
+  REQUIRE(fast.ranks.size() == ref.ranks.size());
+  for (std::size_t r = 0; r < ref.ranks.size(); ++r) {
+    const plan::RankPlan &a = fast.ranks[r], &b = ref.ranks[r], &c = lean.ranks[r];
+    INFO("rank ", r);
+    CHECK(a.workspace_bytes == b.workspace_bytes);
+    CHECK(a.input_bytes == b.input_bytes);
+    CHECK(c.workspace_bytes == b.workspace_bytes);
+    CHECK(c.steps.empty());
+    CHECK(c.step_count == b.step_count);
+    CHECK(c.idle_step_count == b.idle_step_count);
+    CHECK(c.sent == b.sent);
+    CHECK(c.network == b.network);
+    CHECK(c.compute_s == doctest::Approx(b.compute_s).epsilon(1e-12));
+    REQUIRE(a.steps.size() == b.steps.size());
+    for (std::size_t s = 0; s < b.steps.size(); ++s) {
+      const plan::StepPlan &x = a.steps[s], &y = b.steps[s];
+      INFO("step ", s);
+      CHECK(x.task.q_rank == y.task.q_rank);
+      CHECK(x.task.k_rank == y.task.k_rank);
+      CHECK(x.tiles.full == y.tiles.full);
+      CHECK(x.tiles.partial == y.tiles.partial);
+      CHECK(x.tiles.skipped == y.tiles.skipped);
+      CHECK(x.tiles.allowed_pairs == y.tiles.allowed_pairs);
+      CHECK(x.flops == y.flops);
+      CHECK(x.compute_s == y.compute_s);
+      CHECK(x.comm_s == doctest::Approx(y.comm_s).epsilon(1e-12));
+      CHECK(x.start_s == y.start_s);
+      CHECK(x.end_s == y.end_s);
+      CHECK(x.bytes_sent == y.bytes_sent);
+      CHECK(x.bytes_received == y.bytes_received);
+      CHECK(x.network_bytes == y.network_bytes);
+    }
+  }
+}
+
+template <class Mask>
+void check_all_schedules(const plan::Problem& p, const Mask& mask, const plan::Hardware& hw,
+                         bool pairs) {
+  check_fast_equals_reference<ContiguousPartition, RingSchedule>(p, mask, hw, pairs);
+  check_fast_equals_reference<StripedPartition, RingSchedule>(p, mask, hw, pairs);
+  check_fast_equals_reference<ZigzagPartition, RingSchedule>(p, mask, hw, pairs);
+  check_fast_equals_reference<ZigzagPartition, BurstSchedule>(p, mask, hw, pairs, 2);
+  check_fast_equals_reference<ContiguousPartition, AllGatherSchedule>(p, mask, hw, pairs);
+  check_fast_equals_reference<ZigzagPartition, AllGatherSchedule>(p, mask, hw, pairs);
+  check_fast_equals_reference<StripedPartition, AllGatherSchedule>(p, mask, hw, pairs, 3);
+  if constexpr (!std::is_same<Mask, FullMask>::value) {
+    check_fast_equals_reference<ContiguousPartition, BalancedSchedule>(p, mask, hw, pairs);
+    check_fast_equals_reference<ZigzagPartition, BalancedSchedule>(p, mask, hw, pairs);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("planner: the O(P) models equal the reference simulation, every schedule and mask") {
+  // Links slower and faster than the compute, one and two levels, even and
+  // uneven lengths, tiles that do and do not divide the blocks (zigzag
+  // chunks of whole tiles take the chunk tables).
+  std::vector<plan::Hardware> machines;
+  plan::Hardware slow = plan::a100_infiniband();
+  slow.step_overhead = 2e-6;
+  slow.latency = 3e-6;
+  machines.push_back(slow);
+  machines.push_back(plan::a100_nvlink());
+  plan::Hardware two = plan::h100_cluster();
+  two.ranks_per_node = 3;
+  two.intra_latency = 1e-6;
+  machines.push_back(two);
+  plan::Hardware cpu;  // compute-bound
+  cpu.flops = 1e11;
+  cpu.partial_tile_cost = 1.7;
+  cpu.bandwidth = 5e10;
+  machines.push_back(cpu);
+  for (int P : {1, 2, 3, 4, 5, 8, 13, 16})
+    for (index_type per : {index_type(64), index_type(96), index_type(256)})
+      for (index_type extra : {index_type(0), index_type(2 * P), index_type(5)})
+        for (const auto& hw : machines) {
+          plan::Problem p;
+          p.N = per * P + extra;
+          p.P = P;
+          p.heads = 4;
+          p.kv_heads = 2;
+          p.dim = 64;
+          p.block_q = 32;
+          p.block_k = 16;
+          const bool pairs = P <= 4;
+          check_all_schedules(p, FullMask{}, hw, pairs);
+          check_all_schedules(p, CausalMask{}, hw, pairs);
+          check_all_schedules(p, causal_window(per + 7), hw, pairs);
+          check_all_schedules(p, SlidingWindowMask{40, 3}, hw, pairs);
+          check_all_schedules(p, PrefixLMMask{per / 2}, hw, false);
+        }
+}
+
+TEST_CASE("planner: whole-sequence tiles of the band masks in O(N / block_q)") {
+  for (index_type N : {1, 5, 64, 100, 1000, 4097})
+    for (int bq : {1, 16, 48})
+      for (int bk : {1, 32, 96}) {
+        const auto same = [&](const auto& mask) {
+          const TileCounts a = plan::detail::whole_sequence_tiles(mask, N, bq, bk, false);
+          const TileCounts b = count_tiles(mask, N, N, bq, bk, {}, {}, false);
+          INFO("N = ", N, " tiles ", bq, "x", bk);
+          CHECK(a.full == b.full);
+          CHECK(a.partial == b.partial);
+          CHECK(a.skipped == b.skipped);
+          CHECK(a.allowed_pairs == b.allowed_pairs);
+        };
+        same(FullMask{});
+        same(CausalMask{});
+        same(causal_window(37));
+        same(SlidingWindowMask{5, 70});
+        same(SlidingWindowMask{INT64_MAX, 3});
+      }
+}

@@ -294,7 +294,7 @@ int run(const Args& a, const Mask& mask) {
   }
   if (a.balance >= 0) return run_balance(a, pb, hw);
   const bool pairs = !a.data.empty();
-  const auto all = plan::compare(pb, mask, hw, pairs);
+  const auto all = plan::compare(pb, mask, hw, pairs, a.steps || pairs);
   const int best = plan::recommend(all);
 
   std::printf(

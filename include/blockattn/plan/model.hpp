@@ -145,28 +145,33 @@ struct StepPlan {
 };
 
 struct RankPlan {
+  /// Per step: kept when the prediction is asked for them (predict()'s
+  /// keep_steps, compare()'s; the CLI's --steps and --data), else empty. The
+  /// totals below are there either way.
   std::vector<StepPlan> steps;
+  int step_count = 0;                // steps of the schedule (steps.size() when kept)
+  int idle_step_count = 0;           // of those, steps without work
+  double compute_s = 0;              // sum of the steps' compute_s
+  std::int64_t sent = 0;             // sum of the steps' bytes_sent
+  std::int64_t network = 0;          // sum of the steps' network_bytes
   std::int64_t input_bytes = 0;      // the caller's q, k, v, o, lse on this rank
   std::int64_t workspace_bytes = 0;  // what the schedule allocates (RunStats::workspace_bytes)
   std::int64_t alltoall_bytes = 0;   // hybrid: sent in the group's all-to-alls (RunStats')
   std::int64_t alltoall_network_bytes = 0;  // hybrid: of those, to ranks on other nodes
   double alltoall_s = 0;                    // hybrid: time of those all-to-alls
   std::int64_t peak_bytes() const { return input_bytes + workspace_bytes; }
-  double busy_s() const {
-    double b = 0;
-    for (const auto& s : steps) b += s.compute_s;
-    return b;
-  }
-  std::int64_t bytes_sent() const {
-    std::int64_t b = alltoall_bytes;
-    for (const auto& s : steps) b += s.bytes_sent;
-    return b;
-  }
+  double busy_s() const { return compute_s; }
+  std::int64_t bytes_sent() const { return alltoall_bytes + sent; }
   /// Of bytes_sent(), what crosses between nodes (the slow links).
-  std::int64_t network_bytes_sent() const {
-    std::int64_t b = alltoall_network_bytes;
-    for (const auto& s : steps) b += s.network_bytes;
-    return b;
+  std::int64_t network_bytes_sent() const { return alltoall_network_bytes + network; }
+  /// Adds one step to the totals (and to `steps` when keep).
+  void add(const StepPlan& st, bool keep) {
+    ++step_count;
+    idle_step_count += st.idle() ? 1 : 0;
+    compute_s += st.compute_s;
+    sent += st.bytes_sent;
+    network += st.network_bytes;
+    if (keep) steps.push_back(st);
   }
 };
 
@@ -181,12 +186,11 @@ struct Prediction {
   double single_device_s = 0;  // the whole sequence on one rank, same kernel model
   double ring_makespan_s = 0;  // the contiguous ring on the same problem (set by compare)
   bool fits = true;
-  int steps() const { return ranks.empty() ? 0 : int(ranks[0].steps.size()); }
+  int steps() const { return ranks.empty() ? 0 : ranks[0].step_count; }
   /// Rank-steps without work.
-  int idle_steps() const {
-    int n = 0;
-    for (const auto& r : ranks)
-      for (const auto& s : r.steps) n += s.idle() ? 1 : 0;
+  std::int64_t idle_steps() const {
+    std::int64_t n = 0;
+    for (const auto& r : ranks) n += r.idle_step_count;
     return n;
   }
   /// DistFlashAttn (arXiv:2310.03294) eq. (2): idle rank-steps over P^2 (the P steps of the

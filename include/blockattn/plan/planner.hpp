@@ -66,28 +66,49 @@ inline std::int64_t state_bytes(const Problem& p) {
   return std::int64_t(p.batch) * p.heads * p.local() * p.accumulator_bytes();
 }
 
+/// Of the ranks base .. base + P - 1, how many share a node with rank x
+/// (x itself included).
+inline int group_node_mates(const Hardware& hw, int base, int P, int x) {
+  if (hw.ranks_per_node <= 0) return 1;
+  const std::int64_t R = hw.ranks_per_node, node0 = std::int64_t(x) / R * R;
+  const std::int64_t lo = std::max<std::int64_t>(base, node0),
+                     hi = std::min<std::int64_t>(std::int64_t(base) + P, node0 + R);
+  return int(hi - lo);
+}
+
 /// One all-to-all of `chunk` bytes per pair among `count` groups of P ranks
 /// (ranks base .. base + P - 1, then the next P): each rank sends P - 1
 /// messages one at a time; the slowest rank of the slowest group.
 inline double alltoall_seconds(const Hardware& hw, int base, int P, int count, std::int64_t chunk) {
   double worst = 0;
-  for (int g = 0; g < count; ++g)
-    for (int r = 0; r < P; ++r) {
-      double t = 0;
-      for (int j = 0; j < P; ++j)
-        if (j != r) t += hw.transfer_seconds(base + g * P + r, base + g * P + j, double(chunk));
-      worst = std::max(worst, t);
+  const double bytes = double(chunk);
+  const double near = hw.transfer_seconds(0, 0, bytes);  // same node (one level: the network)
+  const double far =
+      hw.ranks_per_node > 0 ? hw.transfer_seconds(0, hw.ranks_per_node, bytes) : near;
+  for (int g = 0; g < count; ++g) {
+    const int b = base + g * P;
+    // A group's ranks differ only by how many of their peers share their
+    // node: ranks at the group's node boundaries, and one of each node between.
+    const auto time_of = [&](int x) {
+      const int mates = group_node_mates(hw, b, P, x) - 1;
+      return hw.ranks_per_node > 0 ? mates * near + (P - 1 - mates) * far : (P - 1) * near;
+    };
+    if (hw.ranks_per_node <= 0) {
+      worst = std::max(worst, P > 0 ? time_of(b) : 0.0);
+      continue;
     }
+    for (std::int64_t x = b; x < std::int64_t(b) + P;
+         x = (x / hw.ranks_per_node + 1) * std::int64_t(hw.ranks_per_node))
+      worst = std::max(worst, time_of(int(x)));
+  }
   return worst;
 }
 
 /// Of the P - 1 peers of rank `base + r` in its all-to-all group (ranks
 /// base .. base + P - 1), how many sit on other nodes.
 inline int alltoall_remote_peers(const Hardware& hw, int base, int P, int r) {
-  int n = 0;
-  for (int j = 0; j < P; ++j)
-    if (j != r && !hw.same_node(base + r, base + j)) ++n;
-  return n;
+  if (hw.ranks_per_node <= 0) return P - 1;
+  return P - group_node_mates(hw, base, P, base + r);
 }
 
 inline double tile_seconds(const Problem& p, const Hardware& hw, const TileCounts& t) {
@@ -152,18 +173,458 @@ std::string length_why_not(index_type N, int P) {
 
 }  // namespace detail
 
-/// Predicts one partition x mask x schedule. Work per rank and step comes from
-/// the kernels' tile classifier on the partition's global positions; the
-/// timing simulation runs the steps as DistributedAttention does: the
-/// transfers a step needs are posted at the start of the step before and
-/// complete at its end, a rank's link sends and receives one message at a
-/// time per direction, and a message starts when both sides have posted it.
+namespace detail {
+
+/// Masks whose classify() is exact and depends on k - q only (a band over
+/// any box): the tiles of a block pair do not change when both blocks move
+/// by the same number of positions.
+template <class Mask>
+struct shift_invariant_mask : std::false_type {};
+template <>
+struct shift_invariant_mask<FullMask> : std::true_type {};
+template <>
+struct shift_invariant_mask<CausalMask> : std::true_type {};
+template <>
+struct shift_invariant_mask<SlidingWindowMask> : std::true_type {};
+
+inline std::int64_t floor_div(std::int64_t a, std::int64_t b) {  // b > 0
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) {  // b > 0
+  return -floor_div(-a, b);
+}
+
+/// count_tiles(mask, N, N, block_q, block_k) of the whole sequence on one
+/// device; O(N / block_q) for the band masks (shift_invariant_mask) when
+/// allowed pairs are not counted, the tile loop otherwise.
+template <class Mask>
+TileCounts whole_sequence_tiles(const Mask& mask, index_type N, int block_q, int block_k,
+                                bool count_pairs) {
+  if constexpr (!shift_invariant_mask<Mask>::value) {
+    return count_tiles(mask, N, N, block_q, block_k, {}, {}, count_pairs);
+  } else {
+    if (count_pairs || N <= 0)
+      return count_tiles(mask, N, N, block_q, block_k, {}, {}, count_pairs);
+    const MaskBand band = mask.band(0, N, 0, N);
+    // Bands wider than the sequence are the same as unbounded ones.
+    const std::int64_t reach = 2 * (std::int64_t(N) + block_q + block_k);
+    const std::int64_t lo = std::max<std::int64_t>(band.lo, -reach),
+                       hi = std::min<std::int64_t>(band.hi, reach);
+    const std::int64_t bk = block_k, tiles_k = (N + bk - 1) / bk;
+    // Key tiles of the full size: 0 .. last; the last tile may be shorter.
+    const std::int64_t whole = N % bk == 0 ? tiles_k : tiles_k - 1;
+    TileCounts c;
+    const auto count_in = [](std::int64_t a, std::int64_t b, std::int64_t n) {
+      a = std::max<std::int64_t>(a, 0);
+      b = std::min<std::int64_t>(b, n - 1);
+      return b >= a ? b - a + 1 : std::int64_t(0);
+    };
+    for (index_type q0 = 0; q0 < N; q0 += block_q) {
+      const std::int64_t q1 = std::min<std::int64_t>(q0 + block_q, N);
+      // Tile j of the full size: k - q spans [j bk - (q1 - 1), j bk + bk - 1 - q0].
+      const std::int64_t some =
+          count_in(ceil_div(lo - bk + 1 + q0, bk), floor_div(hi + q1 - 1, bk), whole);
+      const std::int64_t all =
+          count_in(ceil_div(lo + q1 - 1, bk), floor_div(hi - bk + 1 + q0, bk), whole);
+      c.full += all;
+      c.partial += some - all;
+      c.skipped += whole - some;
+      c.allowed_pairs += all * (q1 - q0) * bk;
+      if (whole < tiles_k) {  // the shorter last key tile
+        const index_type k0 = index_type(whole * bk);
+        switch (mask.classify(q0, index_type(q1), k0, N)) {
+          case TileKind::empty:
+            ++c.skipped;
+            break;
+          case TileKind::full:
+            ++c.full;
+            c.allowed_pairs += (q1 - q0) * (N - k0);
+            break;
+          case TileKind::partial:
+            ++c.partial;
+            break;
+        }
+      }
+    }
+    return c;
+  }
+}
+
+/// The tiles of block pairs (query rank, key rank) of a partition, per
+/// (batch, head), as task_work() counts them, computed once per class of
+/// pairs where the layout repeats: for the band masks, the contiguous and
+/// striped partitions of N = P x L tokens (a pair's tiles depend on q - k
+/// only) and the zigzag partition of N = 2P x c tokens with c a multiple of
+/// both tile sizes (a pair is four chunk pairs, each depending on its chunk
+/// distance); task_work() for every pair otherwise.
+template <class Partition, class Mask>
+class PairWork {
+ public:
+  PairWork(const Mask& mask, index_type N, int P, int block_q, int block_k, bool count_pairs)
+      : mask_(mask), N_(N), P_(P), bq_(block_q), bk_(block_k), pairs_(count_pairs) {
+    if constexpr (shift_invariant_mask<Mask>::value) {
+      if constexpr (std::is_same<Partition, ContiguousPartition>::value ||
+                    std::is_same<Partition, StripedPartition>::value) {
+        if (N % P == 0) {
+          mode_ = Mode::shift;
+          table_.resize(std::size_t(2 * P - 1));
+          have_.assign(std::size_t(2 * P - 1), 0);
+        }
+      } else if constexpr (std::is_same<Partition, ZigzagPartition>::value) {
+        chunk_ = N / (2 * index_type(P));
+        if (N % (2 * index_type(P)) == 0 && chunk_ % block_q == 0 && chunk_ % block_k == 0) {
+          mode_ = Mode::chunks;
+          table_.resize(std::size_t(4 * P - 1));
+          have_.assign(std::size_t(4 * P - 1), 0);
+        }
+      }
+    }
+  }
+  /// Whether every rank holds the same number of tokens and a pair's tiles
+  /// depend on q - k only (then so does its emptiness).
+  bool shift() const { return mode_ == Mode::shift; }
+
+  TileCounts operator()(int q, int k) {
+    switch (mode_) {
+      case Mode::shift:
+        return shifted(q - k);
+      case Mode::chunks: {
+        const int a = 2 * P_ - 1;
+        TileCounts t = chunk_pair(q - k);
+        t += chunk_pair(q - (a - k));
+        t += chunk_pair((a - q) - k);
+        t += chunk_pair(k - q);
+        return t;
+      }
+      case Mode::direct:
+        break;
+    }
+    return task_work<Partition>(mask_, N_, P_, BlockTask{q, k}, bq_, bk_, pairs_);
+  }
+
+  /// block_is_empty(q, k): the whole block pair is masked out.
+  bool empty(int q, int k) const { return block_is_empty<Partition>(mask_, N_, P_, q, k); }
+
+  /// ScheduleContext::ring_reach() of the layout: O(P) in shift mode.
+  int ring_reach() const {
+    if (mode_ != Mode::shift) return schedule_context<Partition>(mask_, N_, P_).reach;
+    const auto empty_at = [&](int d) { return d >= 0 ? empty(d, 0) : empty(0, -d); };
+    for (int d = P_ - 1; d > 0; --d)
+      if (!empty_at(d) || !empty_at(d - P_)) return d;
+    return 0;
+  }
+
+ private:
+  enum class Mode { direct, shift, chunks };
+  TileCounts shifted(int d) {
+    const std::size_t i = std::size_t(d + P_ - 1);
+    if (!have_[i]) {
+      table_[i] = task_work<Partition>(mask_, N_, P_, d >= 0 ? BlockTask{d, 0} : BlockTask{0, -d},
+                                       bq_, bk_, pairs_);
+      have_[i] = 1;
+    }
+    return table_[i];
+  }
+  TileCounts chunk_pair(int e) {  // chunk e places after the key chunk
+    const std::size_t i = std::size_t(e + 2 * P_ - 1);
+    if (!have_[i]) {
+      const index_type qs = e >= 0 ? e * chunk_ : 0, ks = e >= 0 ? 0 : -e * chunk_;
+      table_[i] = count_tiles(mask_, chunk_, chunk_, bq_, bk_, OffsetPositions{qs},
+                              OffsetPositions{ks}, pairs_);
+      have_[i] = 1;
+    }
+    return table_[i];
+  }
+  Mask mask_;
+  index_type N_;
+  int P_, bq_, bk_;
+  bool pairs_;
+  Mode mode_ = Mode::direct;
+  index_type chunk_ = 0;
+  std::vector<TileCounts> table_;
+  std::vector<char> have_;
+};
+
+/// One step's work on one rank: tiles, FLOPs and compute time.
+inline StepPlan step_work(const Problem& p, const Hardware& hw, const BlockTask& task,
+                          const TileCounts& tiles) {
+  StepPlan st;
+  st.task = task;
+  st.tiles = tiles;
+  st.flops = 4.0 * double(tiles.computed()) * p.block_q * p.block_k * p.dim * p.batch * p.heads;
+  st.compute_s = tile_seconds(p, hw, tiles) + (st.idle() ? 0.0 : hw.step_overhead);
+  return st;
+}
+
+/// The buffer sizes of schedule_plan(), for forward_workspace_bytes().
+inline ForwardBufferBytes buffer_bytes(const Problem& p) {
+  ForwardBufferBytes b;
+  b.kv = packed_kv_bytes(p);
+  b.q = payload_bytes(p, Payload::q);
+  b.result = payload_bytes(p, Payload::result);
+  b.state = 2 * state_bytes(p);
+  if (p.widens()) {
+    b.widened_kv = packed_kv_bytes(p, p.accumulator_bytes());
+    b.accumulator = rows_bytes(p, p.heads, p.dim, p.accumulator_bytes());
+  }
+  return b;
+}
+
+/// The KV ring forward (RingSchedule, BurstSchedule) without a message list:
+/// every step, each rank sends one K/V block to the next and receives one
+/// from the previous, posted by both at the start of the step; the links
+/// carry one message each per step, so a transfer starts when both ends have
+/// started the step, and rank r ends step s at
+///   max(start + compute, max(start, start of r + 1) + link r -> r + 1,
+///       max(start of r - 1, start) + link r - 1 -> r).
+/// The same numbers as predict_reference() in O(P) memory.
+template <class Partition, class Mask>
+void ring_model(Prediction& pr, const Problem& p, const Hardware& hw, PairWork<Partition, Mask>& w,
+                int S, int stride, bool keep) {
+  const int P = p.P;
+  const std::int64_t kv = payload_bytes(p, Payload::kv);
+  std::vector<double> e(std::size_t(P), 0.0), next(std::size_t(P), 0.0),
+      out(static_cast<std::size_t>(P));
+  std::vector<char> remote(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    const int to = (r + 1) % P;
+    out[std::size_t(r)] = hw.transfer_seconds(r * stride, to * stride, double(kv));
+    remote[std::size_t(r)] = !hw.same_node(r * stride, to * stride);
+  }
+  for (int s = 0; s < S; ++s) {
+    const bool send = s + 1 < S;
+    for (int r = 0; r < P; ++r) {
+      const int prev = (r + P - 1) % P, to = (r + 1) % P;
+      const double start = e[std::size_t(r)];
+      StepPlan st = step_work(p, hw, {r, ring_source(r, s, P)}, w(r, ring_source(r, s, P)));
+      double end = start + st.compute_s;
+      if (send) {
+        const double dout = out[std::size_t(r)], din = out[std::size_t(prev)];
+        end = std::max({end, std::max(start, e[std::size_t(to)]) + dout,
+                        std::max(e[std::size_t(prev)], start) + din});
+        st.bytes_sent = st.bytes_received = kv;
+        st.network_bytes = remote[std::size_t(r)] ? kv : 0;
+        st.comm_s = dout + din;
+      }
+      st.start_s = start;
+      st.end_s = end;
+      next[std::size_t(r)] = end;
+      pr.ranks[std::size_t(r)].add(st, keep);
+    }
+    e.swap(next);
+  }
+  for (int r = 0; r < P; ++r) pr.makespan_s = std::max(pr.makespan_s, e[std::size_t(r)]);
+}
+
+/// The all-gather forward (AllGatherSchedule) without a message list: all
+/// transfers are posted at step 0; the block rank r needs at step s >= 1
+/// (its pair with rank r - s is not empty) comes from rank r - s and
+/// completes by the end of step s - 1. At each step a rank sends at most one
+/// block (to r + s) and receives at most one, so a transfer starts when both
+/// links are free.
+template <class Partition, class Mask>
+void allgather_model(Prediction& pr, const Problem& p, const Hardware& hw,
+                     PairWork<Partition, Mask>& w, int S, int stride, bool keep) {
+  const int P = p.P;
+  const std::int64_t kv = payload_bytes(p, Payload::kv);
+  std::vector<double> e(std::size_t(P), 0.0), next(std::size_t(P), 0.0);
+  std::vector<double> out_free(std::size_t(P), 0.0), in_free(std::size_t(P), 0.0);
+  std::vector<int> slots(std::size_t(P), 1);  // K/V slots: its own + the blocks it gathers
+  std::vector<StepPlan> first(static_cast<std::size_t>(P)),
+      now(static_cast<std::size_t>(P));  // step 0 holds every transfer
+  for (int s = 0; s < S; ++s) {
+    for (int r = 0; r < P; ++r) {
+      const int j = ring_source(r, s, P);
+      StepPlan& st = s == 0 ? first[std::size_t(r)] : now[std::size_t(r)];
+      st = s == 0 || !w.empty(r, j) ? step_work(p, hw, {r, j}, w(r, j)) : step_work(p, hw, {}, {});
+      st.start_s = e[std::size_t(r)];
+      next[std::size_t(r)] = st.start_s + st.compute_s;
+    }
+    if (const int u = s + 1; u < S)  // the transfers of step u complete at step s
+      for (int r = 0; r < P; ++r) {
+        const int src = ring_source(r, u, P);
+        if (w.empty(r, src)) continue;
+        ++slots[std::size_t(r)];
+        const double dt = hw.transfer_seconds(src * stride, r * stride, double(kv));
+        const double fin = std::max(out_free[std::size_t(src)], in_free[std::size_t(r)]) + dt;
+        out_free[std::size_t(src)] = in_free[std::size_t(r)] = fin;
+        next[std::size_t(src)] = std::max(next[std::size_t(src)], fin);
+        next[std::size_t(r)] = std::max(next[std::size_t(r)], fin);
+        StepPlan& a = first[std::size_t(src)];
+        a.bytes_sent += kv;
+        if (!hw.same_node(src * stride, r * stride)) a.network_bytes += kv;
+        a.comm_s += dt;
+        StepPlan& b = first[std::size_t(r)];
+        b.bytes_received += kv;
+        b.comm_s += dt;
+      }
+    for (int r = 0; r < P; ++r) {
+      StepPlan& st = s == 0 ? first[std::size_t(r)] : now[std::size_t(r)];
+      st.end_s = next[std::size_t(r)];
+      if (s > 0) pr.ranks[std::size_t(r)].add(st, keep);
+    }
+    e.swap(next);
+  }
+  const ForwardBufferBytes bytes = buffer_bytes(p);
+  for (int r = 0; r < P; ++r) {
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    rp.add(first[std::size_t(r)], false);
+    if (keep) rp.steps.insert(rp.steps.begin(), first[std::size_t(r)]);
+    pr.makespan_s = std::max(pr.makespan_s, e[std::size_t(r)]);
+    ForwardSlots u;
+    u.kv = slots[std::size_t(r)];
+    rp.workspace_bytes = forward_workspace_bytes(u, bytes);
+  }
+}
+
+/// The buffers of `rank` in the balanced schedule (forward_slots() of
+/// BalancedSchedule), in O(1): the steps at which it owns a remote pair
+/// (1 .. min(rank, P / 2)), helps (rank + 1 .. (P - 1) / 2) and is helped
+/// (P - rank .. (P - 1) / 2) decide its slots by their parity.
+inline ForwardSlots balanced_slots(int rank, int P) {
+  const int last = P / 2, help_last = (P - 1) / 2;
+  const auto has_odd = [](int a, int b) { return b >= a && (a % 2 == 1 || b > a); };
+  ForwardSlots u;
+  if (std::min(rank, last) >= 1) u.kv = 3;  // slot 1 + t mod 2 from t = 1 on
+  const int h0 = rank + 1;                  // helps at t = h0 .. help_last
+  if (help_last >= h0) {
+    u.q = has_odd(h0, help_last) ? 3 : 2;
+    u.results_out = has_odd(h0, help_last) ? 2 : 1;
+  }
+  const int g0 = std::max(1, P - rank);  // helped at t = g0 .. help_last
+  if (help_last >= g0) {
+    u.q_copy = true;
+    u.results_in = has_odd(g0, help_last) ? 2 : 1;
+    u.merges = true;
+  }
+  return u;
+}
+
+/// The balanced forward (BalancedSchedule) without a message list: at step
+/// t the inputs of step t + 1 (a K/V block to an owner, a Q block to a
+/// helper; posted at the start of step t by both ends) and the results of
+/// step t - 1 (posted by the helper after its compute) complete. A rank may
+/// send (and receive) two of them in one step: on each link they go in the
+/// order predict_reference() takes them (ready time, then the schedule's
+/// order), one at a time.
+template <class Partition, class Mask>
+void balanced_model(Prediction& pr, const Problem& p, const Hardware& hw,
+                    PairWork<Partition, Mask>& w, int stride, bool keep) {
+  const int P = p.P, T = balanced_steps(P);
+  const std::int64_t kv = payload_bytes(p, Payload::kv), qb = payload_bytes(p, Payload::q),
+                     res = payload_bytes(p, Payload::result);
+  struct Msg {
+    int src, dst;
+    std::int64_t bytes;
+    double ready, fin;
+    int src_step, dst_step;
+  };
+  std::vector<double> start(std::size_t(P), 0.0), cend(static_cast<std::size_t>(P)),
+      done(static_cast<std::size_t>(P));
+  std::vector<double> prev_start(std::size_t(P), 0.0), prev_cend(std::size_t(P), 0.0);
+  std::vector<double> out_free(std::size_t(P), 0.0), in_free(std::size_t(P), 0.0);
+  std::vector<StepPlan> cur(static_cast<std::size_t>(P)), last(static_cast<std::size_t>(P));
+  std::vector<Msg> msgs;
+  std::vector<int> order;
+  for (int t = 0; t <= T; ++t) {  // t == T: what completes after the last step
+    for (int r = 0; r < P; ++r) {
+      if (t < T) {
+        const BlockTask task = balanced_task(r, t, P);
+        cur[std::size_t(r)] = task.idle() ? step_work(p, hw, {}, {})
+                                          : step_work(p, hw, task, w(task.q_rank, task.k_rank));
+      } else {
+        cur[std::size_t(r)] = StepPlan{};
+      }
+      cend[std::size_t(r)] = start[std::size_t(r)] + cur[std::size_t(r)].compute_s;
+      done[std::size_t(r)] = cend[std::size_t(r)];
+    }
+    // Due now, in the reference's list order (by sender, then step).
+    msgs.clear();
+    const int u = t + 1;
+    for (int r = 0; r < P; ++r) {
+      if (t >= 1) {  // the result of step t - 1 to the rank it helped
+        const BlockTask task = balanced_task(r, t - 1, P);
+        if (!task.idle() && task.q_rank != r)
+          msgs.push_back({r, task.q_rank, res,
+                          std::max(prev_cend[std::size_t(r)], prev_start[std::size_t(task.q_rank)]),
+                          0.0, t - 1, t - 1});
+      }
+      if (t < T && u < T) {  // an input of step u
+        int to = -1;
+        std::int64_t bytes = 0;
+        if (r + u < P)
+          to = r + u, bytes = kv;
+        else if (const int h = balanced_helper_of(r, u, P); h >= 0)
+          to = h, bytes = qb;
+        if (to >= 0)
+          msgs.push_back(
+              {r, to, bytes, std::max(start[std::size_t(r)], start[std::size_t(to)]), 0.0, t, t});
+      }
+    }
+    order.resize(msgs.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return msgs[std::size_t(a)].ready < msgs[std::size_t(b)].ready;
+    });
+    for (int i : order) {
+      Msg& m = msgs[std::size_t(i)];
+      const double dt = hw.transfer_seconds(m.src * stride, m.dst * stride, double(m.bytes));
+      m.fin = std::max({m.ready, out_free[std::size_t(m.src)], in_free[std::size_t(m.dst)]}) + dt;
+      out_free[std::size_t(m.src)] = in_free[std::size_t(m.dst)] = m.fin;
+      done[std::size_t(m.src)] = std::max(done[std::size_t(m.src)], m.fin);
+      done[std::size_t(m.dst)] = std::max(done[std::size_t(m.dst)], m.fin);
+      StepPlan& a =
+          std::min(m.src_step, T - 1) == t ? cur[std::size_t(m.src)] : last[std::size_t(m.src)];
+      a.bytes_sent += m.bytes;
+      if (!hw.same_node(m.src * stride, m.dst * stride)) a.network_bytes += m.bytes;
+      a.comm_s += dt;
+      StepPlan& b =
+          std::min(m.dst_step, T - 1) == t ? cur[std::size_t(m.dst)] : last[std::size_t(m.dst)];
+      b.bytes_received += m.bytes;
+      b.comm_s += dt;
+    }
+    // Step t - 1 is complete (results of step t - 1 land in it): record it.
+    for (int r = 0; r < P; ++r) {
+      if (t >= 1) pr.ranks[std::size_t(r)].add(last[std::size_t(r)], keep);
+      cur[std::size_t(r)].start_s = start[std::size_t(r)];
+      cur[std::size_t(r)].end_s = done[std::size_t(r)];
+      if (t >= 1 && keep) {
+        // The last step ends where the virtual step after it does.
+        if (t == T) pr.ranks[std::size_t(r)].steps.back().end_s = done[std::size_t(r)];
+      }
+      last[std::size_t(r)] = cur[std::size_t(r)];
+      prev_start[std::size_t(r)] = start[std::size_t(r)];
+      prev_cend[std::size_t(r)] = cend[std::size_t(r)];
+      start[std::size_t(r)] = done[std::size_t(r)];
+    }
+  }
+  const ForwardBufferBytes bytes = buffer_bytes(p);
+  for (int r = 0; r < P; ++r) {
+    pr.makespan_s = std::max(pr.makespan_s, start[std::size_t(r)]);
+    pr.ranks[std::size_t(r)].workspace_bytes = forward_workspace_bytes(balanced_slots(r, P), bytes);
+  }
+}
+
+}  // namespace detail
+
+/// The reference model of one partition x mask x schedule, for any schedule:
+/// every rank's every step from the schedule's description (step()), every
+/// message in one list, and an event simulation of them. Work per rank and
+/// step comes from the kernels' tile classifier on the partition's global
+/// positions; the timing simulation runs the steps as DistributedAttention
+/// does: the transfers a step needs are posted at the start of the step
+/// before and complete at its end, a rank's link sends and receives one
+/// message at a time per direction, and a message starts when both sides
+/// have posted it (messages ready at the same time go in the order the
+/// schedule lists them). O(P x steps) memory and O(P^2 x steps) time for the
+/// all-gather: predict() uses it for schedules it has no model of, the tests
+/// compare predict() with it.
 /// count_pairs: also count allowed pairs (cost ~ pairs of partial tiles).
 /// rank_stride: rank r of the prediction is rank r x rank_stride of the
 /// machine (HybridAttention's rings: the ranks of one member index).
 template <class Partition, class Schedule, class Mask>
-Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
-                   bool count_pairs = false, int rank_stride = 1) {
+Prediction predict_reference(const Problem& problem, const Mask& mask, const Hardware& hw,
+                             bool count_pairs = false, int rank_stride = 1) {
   Prediction pr;
   pr.partition = Partition::name();
   pr.schedule = Schedule::name();
@@ -234,8 +695,8 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
             m.after_compute ? at(cend, m.src, m.src_step) : at(start, m.src, m.src_step);
         due.push_back({std::max(src_post, at(start, m.dst, m.dst_step)), &m});
       }
-    std::sort(due.begin(), due.end(),
-              [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::stable_sort(due.begin(), due.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
     for (const auto& [ready, m] : due) {
       const double dt =
           hw.transfer_seconds(m->src * rank_stride, m->dst * rank_stride, double(m->bytes));
@@ -263,11 +724,97 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
       st.end_s = s + 1 < steps ? at(end, r, s) : at(end, r, steps);
     }
     pr.makespan_s = std::max(pr.makespan_s, at(end, r, steps));
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    std::vector<StepPlan> kept;
+    kept.swap(rp.steps);
+    for (const StepPlan& st : kept) rp.add(st, true);
   }
-  pr.single_device_s =
-      detail::tile_seconds(p, hw, count_tiles(mask, p.N, p.N, p.block_q, p.block_k, {}, {}, false));
+  pr.single_device_s = detail::tile_seconds(
+      p, hw, detail::whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, false));
   pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
   return pr;
+}
+
+/// Predicts one partition x mask x schedule: per rank and step the block
+/// pair, its tiles (the kernels' classifier), the messages of the schedule's
+/// description and their timing, as predict_reference() does, in O(P)
+/// memory (O(P x steps) with keep_steps) and O(P x steps) time for the
+/// built-in schedules (the KV ring, the all-gather, the balanced schedule),
+/// with the tiles of a block pair computed once per class of pairs where the
+/// layout repeats (detail::PairWork). Other schedules go to
+/// predict_reference(). count_pairs: also count allowed pairs (cost ~ pairs
+/// of partial tiles). rank_stride: rank r of the prediction is rank r x
+/// rank_stride of the machine (HybridAttention's rings: the ranks of one
+/// member index). keep_steps: keep RankPlan::steps (else only the totals).
+template <class Partition, class Schedule, class Mask>
+Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
+                   bool count_pairs = false, int rank_stride = 1, bool keep_steps = true) {
+  constexpr bool ring = impl::is_kv_ring_forward<Schedule>::value,
+                 gather = std::is_same<Schedule, AllGatherSchedule>::value,
+                 balanced = std::is_same<Schedule, BalancedSchedule>::value;
+  if constexpr (!ring && !gather && !balanced) {
+    return predict_reference<Partition, Schedule>(problem, mask, hw, count_pairs, rank_stride);
+  } else {
+    Prediction pr;
+    pr.partition = Partition::name();
+    pr.schedule = Schedule::name();
+    const int P = problem.P;
+    if (std::string why = detail::length_why_not<Partition>(problem.N, P); !why.empty()) {
+      pr.valid = false;
+      pr.why_not = std::move(why);
+      return pr;
+    }
+    Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
+    p.most = max_local_length<Partition>(p.N, P);
+    detail::PairWork<Partition, Mask> w(mask, p.N, P, p.block_q, p.block_k, count_pairs);
+    if constexpr (!Schedule::template supports<Partition, Mask>) {
+      pr.valid = false;
+      pr.why_not = std::string("the ") + Schedule::name() + " schedule does not support the " +
+                   Partition::name() + " partition with this mask";
+      return pr;
+    } else {
+      std::string why;
+      if (balanced && w.shift()) {
+        // can_implement()'s first pair (i, j > i) that is not empty: rank 0
+        // meets every distance, so it is (0, the nearest such j).
+        for (int j = 1; j < P && why.empty(); ++j)
+          if (!w.empty(0, j))
+            why = "the queries of rank 0 attend to keys of the later rank " + std::to_string(j) +
+                  "; BalancedSchedule expects a causal mask (no query attends to a later "
+                  "block): use RingSchedule for this mask";
+      } else {
+        why = Schedule::template can_implement<Partition>(mask, p.N, P);
+      }
+      if (!why.empty()) {
+        pr.valid = false;
+        pr.why_not = why;
+        return pr;
+      }
+    }
+    pr.ranks.resize(std::size_t(P));
+    const std::int64_t inputs =
+        detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
+    for (auto& rp : pr.ranks) rp.input_bytes = inputs;
+    if constexpr (balanced) {
+      detail::balanced_model(pr, p, hw, w, rank_stride, keep_steps);
+    } else {
+      const int S = w.ring_reach() + 1;
+      if constexpr (gather) {
+        detail::allgather_model(pr, p, hw, w, S, rank_stride, keep_steps);
+      } else {
+        detail::ring_model(pr, p, hw, w, S, rank_stride, keep_steps);
+        ScheduleContext c{P, {}};
+        c.reach = S - 1;
+        const std::int64_t ws =
+            forward_workspace_bytes(forward_slots<Schedule>(c, 0), detail::buffer_bytes(p));
+        for (auto& rp : pr.ranks) rp.workspace_bytes = ws;
+      }
+    }
+    pr.single_device_s = detail::tile_seconds(
+        p, hw, detail::whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, false));
+    pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
+    return pr;
+  }
 }
 
 /// Predicts UlyssesAttention (head-parallel all-to-all, arXiv:2309.14509) on
@@ -319,7 +866,7 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   local.heads = u.heads_per_rank;
   StepPlan st;
   st.task = BlockTask{};
-  st.tiles = count_tiles(mask, p.N, p.N, p.block_q, p.block_k, {}, {}, count_pairs);
+  st.tiles = detail::whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, count_pairs);
   st.flops = 4.0 * double(st.tiles.computed()) * p.block_q * p.block_k * p.dim * p.batch *
              u.heads_per_rank;
   st.compute_s = detail::tile_seconds(local, hw, st.tiles) + hw.step_overhead;
@@ -337,11 +884,11 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
     st.task.q_rank = st.task.k_rank = r;
     // The same bytes to each of the P - 1 peers.
     st.network_bytes = P > 1 ? vol.sent / (P - 1) * detail::alltoall_remote_peers(hw, 0, P, r) : 0;
-    rp.steps.push_back(st);
+    rp.add(st, true);
   }
   pr.makespan_s = st.end_s;
-  pr.single_device_s =
-      detail::tile_seconds(p, hw, count_tiles(mask, p.N, p.N, p.block_q, p.block_k, {}, {}, false));
+  pr.single_device_s = detail::tile_seconds(
+      p, hw, detail::whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, false));
   pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
   return pr;
 }
@@ -360,7 +907,7 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
 /// reverse).
 template <class Partition, class Schedule, class Mask>
 Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw, int ulysses,
-                          bool count_pairs = false) {
+                          bool count_pairs = false, bool keep_steps = true) {
   Prediction pr;
   pr.partition = Partition::name();
   pr.ulysses = ulysses;
@@ -383,7 +930,8 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
   inner.P = g.ring;
   inner.heads = u.heads_per_rank;
   inner.kv_heads = u.kv_heads_per_rank;
-  const Prediction ring = predict<Partition, Schedule>(inner, mask, hw, count_pairs, ulysses);
+  const Prediction ring =
+      predict<Partition, Schedule>(inner, mask, hw, count_pairs, ulysses, keep_steps);
   if (!ring.valid) return invalid(ring.why_not);
   // The all-to-alls: chunks of the longest member's tokens (N / P when the
   // layout is even), as in predict_ulysses; a group's chunks are those of its
@@ -415,6 +963,11 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
         ulysses_forward_volume(u, p.batch, Ng, p.dim, p.dtype_bytes, cs, rr.workspace_bytes,
                                impl::EvenCut{Ng, ulysses}.length(0));
     rp.steps = rr.steps;
+    rp.step_count = rr.step_count;
+    rp.idle_step_count = rr.idle_step_count;
+    rp.compute_s = rr.compute_s;
+    rp.sent = rr.sent;
+    rp.network = rr.network;
     for (auto& st : rp.steps) {
       st.start_s += in;
       st.end_s += in;
@@ -432,8 +985,8 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
     rp.alltoall_s = in + out;
   }
   pr.makespan_s = in + ring.makespan_s + out;
-  pr.single_device_s =
-      detail::tile_seconds(p, hw, count_tiles(mask, p.N, p.N, p.block_q, p.block_k, {}, {}, false));
+  pr.single_device_s = detail::tile_seconds(
+      p, hw, detail::whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, false));
   pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
   return pr;
 }
@@ -447,14 +1000,17 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
 /// contiguous ring, the baseline of speedup_over_ring().
 template <class Mask>
 std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardware& hw,
-                                bool count_pairs = false) {
+                                bool count_pairs = false, bool keep_steps = true) {
   std::vector<Prediction> all;
-  all.push_back(predict<ContiguousPartition, RingSchedule>(p, mask, hw, count_pairs));
-  all.push_back(predict<StripedPartition, RingSchedule>(p, mask, hw, count_pairs));
-  all.push_back(predict<ZigzagPartition, RingSchedule>(p, mask, hw, count_pairs));
+  all.push_back(
+      predict<ContiguousPartition, RingSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
+  all.push_back(predict<StripedPartition, RingSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
+  all.push_back(predict<ZigzagPartition, RingSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
   if constexpr (!std::is_same<Mask, FullMask>::value)
-    all.push_back(predict<ContiguousPartition, BalancedSchedule>(p, mask, hw, count_pairs));
-  all.push_back(predict<ZigzagPartition, AllGatherSchedule>(p, mask, hw, count_pairs));
+    all.push_back(
+        predict<ContiguousPartition, BalancedSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
+  all.push_back(
+      predict<ZigzagPartition, AllGatherSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
   all.push_back(predict_ulysses<ContiguousPartition>(p, mask, hw, count_pairs));
   // Two-level hardware: the 2D hybrid on every grid whose groups split the
   // heads (zigzag ring across groups; contiguous for the full mask, whose
@@ -463,10 +1019,11 @@ std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardwa
     for (int a = 2; a < p.P; ++a) {
       if (p.P % a != 0 || !UlyssesHeads::why_not(p.heads, p.kv_heads, a).empty()) continue;
       if constexpr (std::is_same<Mask, FullMask>::value)
-        all.push_back(
-            predict_hybrid<ContiguousPartition, RingSchedule>(p, mask, hw, a, count_pairs));
+        all.push_back(predict_hybrid<ContiguousPartition, RingSchedule>(p, mask, hw, a, count_pairs,
+                                                                        keep_steps));
       else
-        all.push_back(predict_hybrid<ZigzagPartition, RingSchedule>(p, mask, hw, a, count_pairs));
+        all.push_back(
+            predict_hybrid<ZigzagPartition, RingSchedule>(p, mask, hw, a, count_pairs, keep_steps));
     }
   for (auto& x : all) x.ring_makespan_s = all[0].makespan_s;
   return all;
