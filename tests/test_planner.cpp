@@ -557,12 +557,20 @@ TEST_CASE("planner: the O(P) models equal the reference simulation, every schedu
   two.ranks_per_node = 3;
   two.intra_latency = 1e-6;
   machines.push_back(two);
+  plan::Hardware pairs_of_nodes;  // two levels, links slower than the compute
+  pairs_of_nodes.name = "2 per node";
+  pairs_of_nodes.flops = 1e15;
+  pairs_of_nodes.bandwidth = 1e9;
+  pairs_of_nodes.ranks_per_node = 2;
+  pairs_of_nodes.intra_bandwidth = 7e9;
+  pairs_of_nodes.latency = 1e-6;
+  machines.push_back(pairs_of_nodes);
   plan::Hardware cpu;  // compute-bound
   cpu.flops = 1e11;
   cpu.partial_tile_cost = 1.7;
   cpu.bandwidth = 5e10;
   machines.push_back(cpu);
-  for (int P : {1, 2, 3, 4, 5, 8, 13, 16})
+  for (int P : {1, 2, 3, 4, 5, 6, 8, 12, 13, 16})
     for (index_type per : {index_type(64), index_type(96), index_type(256)})
       for (index_type extra : {index_type(0), index_type(2 * P), index_type(5)})
         for (const auto& hw : machines) {

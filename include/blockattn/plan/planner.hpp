@@ -31,6 +31,7 @@
 #include <blockattn/schedule/ulysses.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -250,13 +251,26 @@ TileCounts whole_sequence_tiles(const Mask& mask, index_type N, int block_q, int
   }
 }
 
+/// What a rank computes over the steps of a ring: its tiles, summed, and
+/// how many of its block pairs have work.
+struct RowTotals {
+  TileCounts tiles;
+  std::int64_t busy_steps = 0;
+};
+
 /// The tiles of block pairs (query rank, key rank) of a partition, per
-/// (batch, head), as task_work() counts them, computed once per class of
-/// pairs where the layout repeats: for the band masks, the contiguous and
-/// striped partitions of N = P x L tokens (a pair's tiles depend on q - k
-/// only) and the zigzag partition of N = 2P x c tokens with c a multiple of
-/// both tile sizes (a pair is four chunk pairs, each depending on its chunk
-/// distance); task_work() for every pair otherwise.
+/// (batch, head), as task_work() counts them, and the pairs' emptiness
+/// (block_is_empty()), computed once per class of pairs where the layout
+/// repeats. For the band masks (shift_invariant_mask):
+///   - contiguous and striped, N = P x L: a pair's tiles and emptiness depend
+///     on q - k only (mode shift);
+///   - zigzag, N = 2P x c: a pair is four chunk pairs, each depending on its
+///     chunk distance, when c is a multiple of both tile sizes (mode chunks);
+///     its emptiness (the kernels classify the hull of both chunks) depends
+///     on q + k only.
+/// task_work() and block_is_empty() for every pair otherwise. Row totals
+/// (the pairs of a ring's steps summed per rank) in O(1) per rank from
+/// prefix sums of the tables.
 template <class Partition, class Mask>
 class PairWork {
  public:
@@ -267,33 +281,60 @@ class PairWork {
                     std::is_same<Partition, StripedPartition>::value) {
         if (N % P == 0) {
           mode_ = Mode::shift;
-          table_.resize(std::size_t(2 * P - 1));
-          have_.assign(std::size_t(2 * P - 1), 0);
+          empty_by_ = By::difference;
+          fill(2 * P - 1, [&](int i) {
+            const int d = i - (P - 1);
+            return d >= 0 ? BlockTask{d, 0} : BlockTask{0, -d};
+          });
         }
       } else if constexpr (std::is_same<Partition, ZigzagPartition>::value) {
-        chunk_ = N / (2 * index_type(P));
-        if (N % (2 * index_type(P)) == 0 && chunk_ % block_q == 0 && chunk_ % block_k == 0) {
-          mode_ = Mode::chunks;
-          table_.resize(std::size_t(4 * P - 1));
-          have_.assign(std::size_t(4 * P - 1), 0);
+        if (N % (2 * index_type(P)) == 0) {
+          empty_by_ = By::sum;
+          empty_.resize(static_cast<std::size_t>(2 * P - 1));
+          for (int sigma = 0; sigma < 2 * P - 1; ++sigma) {
+            const int q = std::min(sigma, P - 1);
+            empty_[std::size_t(sigma)] = block_is_empty<Partition>(mask_, N_, P_, q, sigma - q);
+          }
+          chunk_ = N / (2 * index_type(P));
+          if (chunk_ % block_q == 0 && chunk_ % block_k == 0) {
+            mode_ = Mode::chunks;
+            const int E = 4 * P - 1;  // chunk distances -(2P - 1) .. 2P - 1
+            table_.resize(std::size_t(E));
+            for (int i = 0; i < E; ++i) {
+              const index_type e = i - (2 * P - 1);
+              table_[std::size_t(i)] = count_tiles(
+                  mask_, chunk_, chunk_, bq_, bk_, OffsetPositions{e >= 0 ? e * chunk_ : 0},
+                  OffsetPositions{e >= 0 ? 0 : -e * chunk_}, pairs_);
+            }
+            prefix();
+            // The chunk distances with work: rows in O(1) need them in one interval.
+            int lo = E, hi = -1;
+            for (int i = 0; i < E; ++i)
+              if (table_[std::size_t(i)].computed() > 0) lo = std::min(lo, i), hi = i;
+            bool interval = true;
+            for (int i = lo; i <= hi; ++i)
+              interval = interval && table_[std::size_t(i)].computed() > 0;
+            if (interval) {
+              busy_lo_ = lo - (2 * P - 1);
+              busy_hi_ = hi - (2 * P - 1);
+              rows_ = true;
+            }
+          }
         }
       }
     }
   }
-  /// Whether every rank holds the same number of tokens and a pair's tiles
-  /// depend on q - k only (then so does its emptiness).
-  bool shift() const { return mode_ == Mode::shift; }
 
-  TileCounts operator()(int q, int k) {
+  TileCounts operator()(int q, int k) const {
     switch (mode_) {
       case Mode::shift:
-        return shifted(q - k);
+        return table_[std::size_t(q - k + P_ - 1)];
       case Mode::chunks: {
         const int a = 2 * P_ - 1;
-        TileCounts t = chunk_pair(q - k);
-        t += chunk_pair(q - (a - k));
-        t += chunk_pair((a - q) - k);
-        t += chunk_pair(k - q);
+        TileCounts t = chunk(q - k);
+        t += chunk(q - (a - k));
+        t += chunk((a - q) - k);
+        t += chunk(k - q);
         return t;
       }
       case Mode::direct:
@@ -303,46 +344,140 @@ class PairWork {
   }
 
   /// block_is_empty(q, k): the whole block pair is masked out.
-  bool empty(int q, int k) const { return block_is_empty<Partition>(mask_, N_, P_, q, k); }
+  bool empty(int q, int k) const {
+    switch (empty_by_) {
+      case By::difference:
+        return empty_[std::size_t(q - k + P_ - 1)] != 0;
+      case By::sum:
+        return empty_[std::size_t(q + k)] != 0;
+      case By::pair:
+        break;
+    }
+    return block_is_empty<Partition>(mask_, N_, P_, q, k);
+  }
+  /// Whether empty() is O(1) (a table).
+  bool empty_tabled() const { return empty_by_ != By::pair; }
+  /// Whether a pair's emptiness depends on q - k only.
+  bool by_difference() const { return empty_by_ == By::difference; }
 
-  /// ScheduleContext::ring_reach() of the layout: O(P) in shift mode.
+  /// ScheduleContext::ring_reach() of the layout (O(P) with tables): the
+  /// largest d whose pairs (x, x - d mod P) are not all empty.
   int ring_reach() const {
-    if (mode_ != Mode::shift) return schedule_context<Partition>(mask_, N_, P_).reach;
-    const auto empty_at = [&](int d) { return d >= 0 ? empty(d, 0) : empty(0, -d); };
+    if (empty_by_ == By::pair) return schedule_context<Partition>(mask_, N_, P_).reach;
+    if (empty_by_ == By::difference) {  // x >= d: q - k = d; x < d: d - P
+      for (int d = P_ - 1; d > 0; --d)
+        if (!empty(d, 0) || !empty(0, P_ - d)) return d;
+      return 0;
+    }
+    // By sum: x >= d gives q + k = 2x - d in [d, 2P - 2 - d], x < d gives
+    // 2x - d + P in [P - d, P + d - 2], in steps of 2.
+    std::vector<int> busy(static_cast<std::size_t>(2 * P_ + 1),
+                          0);  // busy sums < i, same parity as i
+    for (int i = 2; i <= 2 * P_; ++i)
+      busy[std::size_t(i)] = busy[std::size_t(i - 2)] + (empty_[std::size_t(i - 2)] ? 0 : 1);
+    const auto any = [&](int lo, int hi) {  // a non-empty sum in lo, lo + 2, .., hi
+      return hi >= lo && busy[std::size_t(hi + 2)] - busy[std::size_t(lo)] > 0;
+    };
     for (int d = P_ - 1; d > 0; --d)
-      if (!empty_at(d) || !empty_at(d - P_)) return d;
+      if (any(d, 2 * P_ - 2 - d) || any(P_ - d, P_ + d - 2)) return d;
     return 0;
+  }
+
+  /// Whether rows() answers.
+  bool has_rows() const { return rows_; }
+  /// The pairs of rank q with ranks q - s mod P, s = 0 .. S - 1, summed.
+  RowTotals rows(int q, int S) const {
+    RowTotals t;
+    if (mode_ == Mode::shift) {
+      // q - k = s for s <= q, s - P after the ring wraps.
+      add_range(t.tiles, 0, std::min(q, S - 1), P_ - 1);
+      if (q + 1 <= S - 1) add_range(t.tiles, q + 1 - P_, S - 1 - P_, P_ - 1);
+      t.busy_steps =
+          busy_in(0, std::min(q, S - 1)) + (q + 1 <= S - 1 ? busy_in(q + 1 - P_, S - 1 - P_) : 0);
+      return t;
+    }
+    // Chunks: k in [q - min(q, S - 1), q] and, after the wrap, [q - S + 1 + P, P - 1].
+    const int a = 2 * P_ - 1;
+    const auto range = [&](int k0, int k1) {
+      if (k1 < k0) return;
+      add_range(t.tiles, q - k1, q - k0, 2 * P_ - 1);          // chunk q vs chunk k
+      add_range(t.tiles, q + k0 - a, q + k1 - a, 2 * P_ - 1);  // chunk q vs chunk a - k
+      add_range(t.tiles, a - q - k1, a - q - k0, 2 * P_ - 1);  // chunk a - q vs chunk k
+      add_range(t.tiles, k0 - q, k1 - q, 2 * P_ - 1);          // chunk a - q vs chunk a - k
+      // Pairs with work: one of the four chunk distances in [busy_lo, busy_hi].
+      std::array<std::pair<std::int64_t, std::int64_t>, 4> in{{{q - busy_hi_, q - busy_lo_},
+                                                               {a - q + busy_lo_, a - q + busy_hi_},
+                                                               {a - q - busy_hi_, a - q - busy_lo_},
+                                                               {q + busy_lo_, q + busy_hi_}}};
+      std::sort(in.begin(), in.end());
+      std::int64_t covered = 0, upto = std::int64_t(k0) - 1;
+      for (auto [lo, hi] : in) {
+        lo = std::max<std::int64_t>({lo, k0, upto + 1});
+        hi = std::min<std::int64_t>(hi, k1);
+        if (hi >= lo) covered += hi - lo + 1, upto = hi;
+      }
+      t.busy_steps += covered;
+    };
+    if (busy_hi_ < busy_lo_) {  // no chunk pair has work
+      range(std::max(0, q - S + 1), q);
+      if (S - 1 > q) range(q - S + 1 + P_, P_ - 1);
+      t.busy_steps = 0;
+      return t;
+    }
+    range(std::max(0, q - S + 1), q);
+    if (S - 1 > q) range(q - S + 1 + P_, P_ - 1);
+    return t;
   }
 
  private:
   enum class Mode { direct, shift, chunks };
-  TileCounts shifted(int d) {
-    const std::size_t i = std::size_t(d + P_ - 1);
-    if (!have_[i]) {
-      table_[i] = task_work<Partition>(mask_, N_, P_, d >= 0 ? BlockTask{d, 0} : BlockTask{0, -d},
-                                       bq_, bk_, pairs_);
-      have_[i] = 1;
+  enum class By { pair, difference, sum };
+  template <class Task>
+  void fill(int n, Task task) {
+    table_.resize(std::size_t(n));
+    empty_.resize(std::size_t(n));
+    for (int i = 0; i < n; ++i) {
+      const BlockTask t = task(i);
+      table_[std::size_t(i)] = task_work<Partition>(mask_, N_, P_, t, bq_, bk_, pairs_);
+      empty_[std::size_t(i)] = block_is_empty<Partition>(mask_, N_, P_, t.q_rank, t.k_rank);
     }
-    return table_[i];
+    prefix();
+    rows_ = true;
   }
-  TileCounts chunk_pair(int e) {  // chunk e places after the key chunk
-    const std::size_t i = std::size_t(e + 2 * P_ - 1);
-    if (!have_[i]) {
-      const index_type qs = e >= 0 ? e * chunk_ : 0, ks = e >= 0 ? 0 : -e * chunk_;
-      table_[i] = count_tiles(mask_, chunk_, chunk_, bq_, bk_, OffsetPositions{qs},
-                              OffsetPositions{ks}, pairs_);
-      have_[i] = 1;
+  void prefix() {
+    sum_.assign(table_.size() + 1, TileCounts{});
+    busy_.assign(table_.size() + 1, 0);
+    for (std::size_t i = 0; i < table_.size(); ++i) {
+      sum_[i + 1] = sum_[i];
+      sum_[i + 1] += table_[i];
+      busy_[i + 1] = busy_[i] + (table_[i].computed() > 0 ? 1 : 0);
     }
-    return table_[i];
   }
+  /// Adds the table entries of keys lo .. hi (offset: the index of key 0).
+  void add_range(TileCounts& t, std::int64_t lo, std::int64_t hi, int offset) const {
+    if (hi < lo) return;
+    const TileCounts &b = sum_[std::size_t(hi + offset + 1)], &a = sum_[std::size_t(lo + offset)];
+    t.full += b.full - a.full;
+    t.partial += b.partial - a.partial;
+    t.skipped += b.skipped - a.skipped;
+    t.allowed_pairs += b.allowed_pairs - a.allowed_pairs;
+  }
+  std::int64_t busy_in(int lo, int hi) const {  // shift mode: differences lo .. hi
+    return hi < lo ? 0 : busy_[std::size_t(hi + P_)] - busy_[std::size_t(lo + P_ - 1)];
+  }
+  TileCounts chunk(int e) const { return table_[std::size_t(e + 2 * P_ - 1)]; }
   Mask mask_;
   index_type N_;
   int P_, bq_, bk_;
   bool pairs_;
   Mode mode_ = Mode::direct;
+  By empty_by_ = By::pair;
   index_type chunk_ = 0;
-  std::vector<TileCounts> table_;
-  std::vector<char> have_;
+  std::vector<TileCounts> table_, sum_;
+  std::vector<std::int64_t> busy_;
+  std::vector<char> empty_;
+  bool rows_ = false;
+  int busy_lo_ = 0, busy_hi_ = -1;
 };
 
 /// One step's work on one rank: tiles, FLOPs and compute time.
@@ -370,6 +505,81 @@ inline ForwardBufferBytes buffer_bytes(const Problem& p) {
   return b;
 }
 
+/// The smallest p dividing P such that the links of rank r and of rank
+/// r + p are alike (same node pattern, ranks r x stride of the machine),
+/// cyclically; 0 when there is none.
+inline int link_period(const Hardware& hw, int P, int stride) {
+  if (hw.ranks_per_node <= 0) return 1;
+  const std::int64_t R = hw.ranks_per_node;
+  if (std::int64_t(P) * stride % R != 0) return 0;
+  for (int p = 1; p <= P; ++p)
+    if (P % p == 0 && std::int64_t(p) * stride % R == 0) return p;
+  return 0;
+}
+
+/// An upper bound on the compute time of one block pair: every tile of the
+/// longest rank's block computed at the dearer of a full and a partial
+/// tile's cost, and the step overhead.
+inline double pair_seconds_bound(const Problem& p, const Hardware& hw) {
+  const double tiles = double((p.local() + p.block_q - 1) / p.block_q) *
+                       double((p.local() + p.block_k - 1) / p.block_k);
+  const double per_tile = 4.0 * p.block_q * p.block_k * p.dim * double(p.batch) * p.heads;
+  const double t =
+      hw.flops > 0 ? tiles * std::max(1.0, hw.partial_tile_cost) * per_tile / hw.flops : 0.0;
+  return (t + hw.step_overhead) * (1 + 1e-9);
+}
+
+/// Sets the totals of rank r over a ring of S steps from its row totals.
+template <class Partition, class Mask>
+void ring_totals(RankPlan& rp, const Problem& p, const Hardware& hw,
+                 const PairWork<Partition, Mask>& w, int r, int S) {
+  const RowTotals t = w.rows(r, S);
+  rp.step_count = S;
+  rp.idle_step_count = int(S - t.busy_steps);
+  rp.compute_s = tile_seconds(p, hw, t.tiles) + double(t.busy_steps) * hw.step_overhead;
+}
+
+/// ring_model() where the links bound every step (no pair computes longer
+/// than the shorter of a rank's two transfers, so compute never decides an
+/// end) and the links repeat with period p: the ends of the steps with
+/// transfers repeat with period p too, so p ranks carry them; the last step
+/// (compute only) and the totals (PairWork::rows) take O(1) per rank. The
+/// same numbers as the step-by-step loop; false when it does not apply.
+template <class Partition, class Mask>
+bool ring_fast(Prediction& pr, const Problem& p, const Hardware& hw,
+               const PairWork<Partition, Mask>& w, int S, int stride) {
+  const int P = p.P, per = link_period(hw, P, stride);
+  if (!w.has_rows() || per <= 0) return false;
+  const std::int64_t kv = payload_bytes(p, Payload::kv);
+  std::vector<double> out(static_cast<std::size_t>(per)), e(static_cast<std::size_t>(per), 0.0),
+      next(static_cast<std::size_t>(per));
+  for (int r = 0; r < per; ++r)
+    out[std::size_t(r)] = hw.transfer_seconds(r * stride, (r + 1) % P * stride, double(kv));
+  const double bound = pair_seconds_bound(p, hw);
+  if (S > 1)
+    for (int r = 0; r < per; ++r)
+      if (bound > std::max(out[std::size_t(r)], out[std::size_t((r + per - 1) % per)]))
+        return false;
+  for (int s = 0; s + 1 < S; ++s) {
+    for (int r = 0; r < per; ++r) {
+      const std::size_t i = std::size_t(r), up = std::size_t((r + 1) % per),
+                        down = std::size_t((r + per - 1) % per);
+      next[i] = std::max(std::max(e[i], e[up]) + out[i], std::max(e[down], e[i]) + out[down]);
+    }
+    e.swap(next);
+  }
+  for (int r = 0; r < P; ++r) {
+    const int j = ring_source(r, S - 1, P);
+    const double end = e[std::size_t(r % per)] + step_work(p, hw, {r, j}, w(r, j)).compute_s;
+    pr.makespan_s = std::max(pr.makespan_s, end);
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    ring_totals(rp, p, hw, w, r, S);
+    rp.sent = std::int64_t(S - 1) * kv;
+    rp.network = hw.same_node(r * stride, (r + 1) % P * stride) ? 0 : rp.sent;
+  }
+  return true;
+}
+
 /// The KV ring forward (RingSchedule, BurstSchedule) without a message list:
 /// every step, each rank sends one K/V block to the next and receives one
 /// from the previous, posted by both at the start of the step; the links
@@ -383,6 +593,7 @@ void ring_model(Prediction& pr, const Problem& p, const Hardware& hw, PairWork<P
                 int S, int stride, bool keep) {
   const int P = p.P;
   const std::int64_t kv = payload_bytes(p, Payload::kv);
+  if (!keep && ring_fast(pr, p, hw, w, S, stride)) return;
   std::vector<double> e(std::size_t(P), 0.0), next(std::size_t(P), 0.0),
       out(static_cast<std::size_t>(P));
   std::vector<char> remote(static_cast<std::size_t>(P));
@@ -427,6 +638,7 @@ void allgather_model(Prediction& pr, const Problem& p, const Hardware& hw,
                      PairWork<Partition, Mask>& w, int S, int stride, bool keep) {
   const int P = p.P;
   const std::int64_t kv = payload_bytes(p, Payload::kv);
+  if (!keep && allgather_fast(pr, p, hw, w, S, stride)) return;
   std::vector<double> e(std::size_t(P), 0.0), next(std::size_t(P), 0.0);
   std::vector<double> out_free(std::size_t(P), 0.0), in_free(std::size_t(P), 0.0);
   std::vector<int> slots(std::size_t(P), 1);  // K/V slots: its own + the blocks it gathers
@@ -477,6 +689,63 @@ void allgather_model(Prediction& pr, const Problem& p, const Hardware& hw,
   }
 }
 
+/// allgather_model() where every block pair within the ring's reach has
+/// work to gather (each rank sends and receives one block at every step),
+/// no pair computes longer than the shortest transfer (so a rank ends every
+/// step with transfers when its last transfer does) and the links repeat
+/// with period p: the links' free times repeat with period p, so p ranks
+/// carry them. The same numbers as the step-by-step loop; false when it does
+/// not apply.
+template <class Partition, class Mask>
+bool allgather_fast(Prediction& pr, const Problem& p, const Hardware& hw,
+                    const PairWork<Partition, Mask>& w, int S, int stride) {
+  const int P = p.P, per = link_period(hw, P, stride);
+  if (!w.has_rows() || !w.empty_tabled() || per <= 0) return false;
+  for (int s = 1; s < S; ++s)
+    if (w.empty(s, 0) || w.empty(0, P - s)) return false;  // by difference
+  if (!w.by_difference())
+    for (int x = 0; x < P; ++x)
+      for (int y : {0, P - 1})
+        if (w.empty(x, y)) return false;  // by sum: every q + k in 0 .. 2P - 2
+  const std::int64_t kv = payload_bytes(p, Payload::kv);
+  const double shortest = hw.ranks_per_node > 0
+                              ? std::min(hw.transfer_seconds(0, 0, double(kv)),
+                                         hw.transfer_seconds(0, hw.ranks_per_node, double(kv)))
+                              : hw.transfer_seconds(0, 0, double(kv));
+  if (S > 1 && pair_seconds_bound(p, hw) > shortest) return false;
+  const std::size_t n = static_cast<std::size_t>(per);
+  std::vector<double> out_free(n, 0.0), in_free(n, 0.0), out_next(n), in_next(n);
+  std::vector<std::int64_t> network(n, 0);
+  for (int u = 1; u < S; ++u) {  // completes at step u - 1
+    for (int r = 0; r < per; ++r) {
+      const int src = ring_source(r, u, P);
+      const double fin = std::max(out_free[std::size_t(src % per)], in_free[std::size_t(r)]) +
+                         hw.transfer_seconds(src * stride, r * stride, double(kv));
+      out_next[std::size_t(src % per)] = in_next[std::size_t(r)] = fin;
+      if (!hw.same_node(r * stride, (r + u) % P * stride)) network[std::size_t(r)] += kv;
+    }
+    out_free.swap(out_next);
+    in_free.swap(in_next);
+  }
+  const ForwardBufferBytes bytes = buffer_bytes(p);
+  ForwardSlots slots;
+  slots.kv = S;
+  const std::int64_t ws = forward_workspace_bytes(slots, bytes);
+  for (int r = 0; r < P; ++r) {
+    const int j = ring_source(r, S - 1, P);
+    const double c = step_work(p, hw, {r, j}, w(r, j)).compute_s;
+    const std::size_t i = std::size_t(r % per);
+    const double end = S > 1 ? std::max(out_free[i], in_free[i]) + c : c;
+    pr.makespan_s = std::max(pr.makespan_s, end);
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    ring_totals(rp, p, hw, w, r, S);
+    rp.sent = std::int64_t(S - 1) * kv;
+    rp.network = network[i];
+    rp.workspace_bytes = ws;
+  }
+  return true;
+}
+
 /// The buffers of `rank` in the balanced schedule (forward_slots() of
 /// BalancedSchedule), in O(1): the steps at which it owns a remote pair
 /// (1 .. min(rank, P / 2)), helps (rank + 1 .. (P - 1) / 2) and is helped
@@ -498,6 +767,164 @@ inline ForwardSlots balanced_slots(int rank, int P) {
     u.merges = true;
   }
   return u;
+}
+
+/// balanced_model() for the totals only (no steps kept): the same
+/// arithmetic on arrays, and the order on each link without sorting the
+/// step's messages: a message waits for the message before it on its
+/// sender's link and on its receiver's (ready time, then the reference's
+/// list order), which may wait in turn.
+template <class Partition, class Mask>
+void balanced_totals(Prediction& pr, const Problem& p, const Hardware& hw,
+                     const PairWork<Partition, Mask>& w, int stride) {
+  const int P = p.P, T = balanced_steps(P);
+  const std::size_t n = static_cast<std::size_t>(P);
+  const std::int64_t kv = payload_bytes(p, Payload::kv), qb = payload_bytes(p, Payload::q),
+                     res = payload_bytes(p, Payload::result);
+  std::vector<double> start(n, 0.0), cend(n, 0.0), prev_start(n, 0.0), prev_cend(n, 0.0),
+      out_free(n, 0.0), in_free(n, 0.0), done(n, 0.0), busy(n, 0.0);
+  std::vector<int> idle(n, 0);
+  // Per pair class (q - k, when PairWork tables them): compute time and whether it has work.
+  std::vector<double> cost;
+  std::vector<char> works;
+  if (w.by_difference() && w.has_rows()) {
+    cost.resize(2 * n - 1);
+    works.resize(2 * n - 1);
+    for (int d = 1 - P; d < P; ++d) {
+      const TileCounts tiles = d >= 0 ? w(d, 0) : w(0, -d);
+      works[std::size_t(d + P - 1)] = tiles.computed() > 0;
+      cost[std::size_t(d + P - 1)] =
+          tile_seconds(p, hw, tiles) + (tiles.computed() == 0 ? 0.0 : hw.step_overhead);
+    }
+  }
+  // Links: node of each rank, and the time of each payload within and between nodes.
+  std::vector<int> node(n, 0);
+  if (hw.ranks_per_node > 0)
+    for (int r = 0; r < P; ++r)
+      node[std::size_t(r)] = int(std::int64_t(r) * stride / hw.ranks_per_node);
+  const auto seconds = [&](std::int64_t bytes, bool near) {
+    return hw.ranks_per_node > 0
+               ? hw.transfer_seconds(0, near ? 0 : hw.ranks_per_node, double(bytes))
+               : hw.transfer_seconds(0, 0, double(bytes));
+  };
+  const double t_kv[2] = {seconds(kv, false), seconds(kv, true)},
+               t_q[2] = {seconds(qb, false), seconds(qb, true)},
+               t_res[2] = {seconds(res, false), seconds(res, true)};
+  std::vector<std::int64_t> sent(n, 0), network(n, 0);
+  // Message 2r: rank r's result of step t - 1; 2r + 1: its input for step t + 1.
+  std::vector<double> ready(2 * n), fin(2 * n), dt(2 * n);
+  std::vector<int> dst(2 * n), stack;
+  std::vector<char> has(2 * n), known(2 * n);
+  for (int t = 0; t <= T; ++t) {
+    const int u = t + 1, h = t - 1;  // inputs of step u; results of step h
+    for (int r = 0; r < P; ++r) {
+      double c = 0;
+      if (t < T) {
+        const BlockTask task = balanced_task(r, t, P);
+        if (task.idle()) {
+          ++idle[std::size_t(r)];
+        } else if (!cost.empty()) {
+          const std::size_t d = std::size_t(task.q_rank - task.k_rank + P - 1);
+          c = cost[d];
+          if (!works[d]) ++idle[std::size_t(r)];
+          busy[std::size_t(r)] += c;
+        } else {
+          const TileCounts tiles = w(task.q_rank, task.k_rank);
+          c = tile_seconds(p, hw, tiles) + (tiles.computed() == 0 ? 0.0 : hw.step_overhead);
+          if (tiles.computed() == 0) ++idle[std::size_t(r)];
+          busy[std::size_t(r)] += c;
+        }
+      }
+      cend[std::size_t(r)] = start[std::size_t(r)] + c;
+      done[std::size_t(r)] = cend[std::size_t(r)];
+    }
+    const auto add = [&](std::size_t m, int from, int to, std::int64_t bytes, const double* time,
+                         double at) {
+      const bool near = hw.ranks_per_node > 0 && node[std::size_t(from)] == node[std::size_t(to)];
+      has[m] = 1;
+      known[m] = 0;
+      dst[m] = to;
+      ready[m] = at;
+      dt[m] = time[near ? 1 : 0];
+      sent[std::size_t(from)] += bytes;
+      if (!near) network[std::size_t(from)] += bytes;
+    };
+    for (int r = 0; r < P; ++r) {
+      const std::size_t m = 2 * std::size_t(r);
+      has[m] = has[m + 1] = 0;
+      if (h >= 1 && r < h && 2 * h < P) {  // it helped rank r - h + P at step h
+        const int q = r - h + P;
+        add(m, r, q, res, t_res, std::max(prev_cend[std::size_t(r)], prev_start[std::size_t(q)]));
+      }
+      if (t < T && u < T) {
+        const int to = r + u < P ? r + u : balanced_helper_of(r, u, P);
+        if (to >= 0)
+          add(m + 1, r, to, r + u < P ? kv : qb, r + u < P ? t_kv : t_q,
+              std::max(start[std::size_t(r)], start[std::size_t(to)]));
+      }
+    }
+    // The other message on the receiving link of message m, or -1.
+    const auto in_partner = [&](std::size_t m) -> long {
+      const int x = dst[m];
+      if (m % 2 == 1) {  // an input into x; a result comes from x + h - P
+        const int from = x + h - P;
+        return h >= 1 && 2 * h < P && from >= 0 && from < h ? long(2 * from) : -1L;
+      }
+      const int from = x >= u ? x - u : (2 * u < P ? x - u + P : -1);  // the input into x
+      return from >= 0 && u < T && has[2 * std::size_t(from) + 1] ? long(2 * from + 1) : -1L;
+    };
+    const auto before = [&](std::size_t a, std::size_t b) {  // a is taken before b
+      return ready[a] < ready[b] || (ready[a] == ready[b] && a < b);
+    };
+    for (std::size_t m0 = 0; m0 < 2 * n; ++m0) {
+      if (!has[m0] || known[m0]) continue;
+      stack.clear();
+      stack.push_back(int(m0));
+      while (!stack.empty()) {
+        const std::size_t m = std::size_t(stack.back());
+        const std::size_t src = m / 2;
+        const std::size_t other = m ^ 1;
+        const long pin = in_partner(m);
+        const bool wait_out = has[other] && before(other, m);
+        const bool wait_in = pin >= 0 && before(std::size_t(pin), m);
+        if (wait_out && !known[other]) {
+          stack.push_back(int(other));
+          continue;
+        }
+        if (wait_in && !known[std::size_t(pin)]) {
+          stack.push_back(int(pin));
+          continue;
+        }
+        const double link_out = wait_out ? fin[other] : out_free[src];
+        const double link_in = wait_in ? fin[std::size_t(pin)] : in_free[std::size_t(dst[m])];
+        fin[m] = std::max({ready[m], link_out, link_in}) + dt[m];
+        known[m] = 1;
+        stack.pop_back();
+      }
+    }
+    for (std::size_t m = 0; m < 2 * n; ++m) {
+      if (!has[m]) continue;
+      const std::size_t src = m / 2, to = std::size_t(dst[m]);
+      out_free[src] = std::max(out_free[src], fin[m]);
+      in_free[to] = std::max(in_free[to], fin[m]);
+      done[src] = std::max(done[src], fin[m]);
+      done[to] = std::max(done[to], fin[m]);
+    }
+    prev_start.swap(start);
+    prev_cend.swap(cend);
+    start.swap(done);  // done is set afresh at the next step
+  }
+  const ForwardBufferBytes bytes = buffer_bytes(p);
+  for (int r = 0; r < P; ++r) {
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    rp.step_count = T;
+    rp.idle_step_count = idle[std::size_t(r)];
+    rp.compute_s = busy[std::size_t(r)];
+    rp.sent = sent[std::size_t(r)];
+    rp.network = network[std::size_t(r)];
+    rp.workspace_bytes = forward_workspace_bytes(balanced_slots(r, P), bytes);
+    pr.makespan_s = std::max(pr.makespan_s, start[std::size_t(r)]);
+  }
 }
 
 /// The balanced forward (BalancedSchedule) without a message list: at step
@@ -774,7 +1201,7 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
       return pr;
     } else {
       std::string why;
-      if (balanced && w.shift()) {
+      if (balanced && w.by_difference()) {
         // can_implement()'s first pair (i, j > i) that is not empty: rank 0
         // meets every distance, so it is (0, the nearest such j).
         for (int j = 1; j < P && why.empty(); ++j)
@@ -796,7 +1223,10 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
         detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
     for (auto& rp : pr.ranks) rp.input_bytes = inputs;
     if constexpr (balanced) {
-      detail::balanced_model(pr, p, hw, w, rank_stride, keep_steps);
+      if (keep_steps)
+        detail::balanced_model(pr, p, hw, w, rank_stride, true);
+      else
+        detail::balanced_totals(pr, p, hw, w, rank_stride);
     } else {
       const int S = w.ring_reach() + 1;
       if constexpr (gather) {
