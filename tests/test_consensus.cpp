@@ -124,13 +124,31 @@ TEST_CASE("bad arguments on one rank throw the same error on every rank") {
   V4<double> q2("q", 1, n, 1, 8), o2("o", 1, n, 1, 8);
   V3<double> l2("l", 1, 1, n);
   msg = error_of([&] { attn.forward(q2, q2, q2, o2, l2); });
-  if (P > 1) {
+  const std::string layout = "the striped partition of N = " + std::to_string(16 * P + 2) +
+                             " tokens (the sum over the ranks) over P = " + std::to_string(P) +
+                             " ranks gives ";
+  if (P > 2) {  // a majority holds 16: rank 0 is the odd one
     check_everywhere(comm, msg,
-                     "rank 0 holds 18 tokens (q.extent(1)), but the striped partition of N = " +
-                         std::to_string(16 * P + 2) + " tokens (the sum over the ranks) over P = " +
-                         std::to_string(P) + " ranks gives it 17");
+                     "rank 0 holds 18 tokens (q.extent(1)) where the other " +
+                         std::to_string(P - 1) + " hold 16; " + layout + "16 to rank");
+  } else if (P == 2) {  // no majority: every rank's length
+    check_everywhere(comm, msg,
+                     "the ranks hold 16 tokens on rank 1; 18 tokens on rank 0 (q.extent(1)), no "
+                     "length on more than half of them; " +
+                         layout + "17 to ranks 0-1");
   } else {
     CHECK(msg.empty());
+  }
+  // One extra token on rank 1 (of P >= 3): N = 16 P + 1 gives the extra
+  // token to rank 0, but the error names rank 1, the odd one.
+  if (P >= 3) {
+    const int n1 = comm.rank() == 1 ? 17 : 16;
+    V4<double> q3("q", 1, n1, 1, 8), o3("o", 1, n1, 1, 8);
+    V3<double> l3("l", 1, 1, n1);
+    msg = error_of([&] { attn.forward(q3, q3, q3, o3, l3); });
+    check_everywhere(comm, msg,
+                     "rank 1 holds 17 tokens (q.extent(1)) where the other " +
+                         std::to_string(P - 1) + " hold 16");
   }
 
   // Every rank with no token: nothing to compute, an error on every rank.
@@ -247,6 +265,8 @@ TEST_CASE("a configuration that differs on one rank throws the same error on eve
     });
     check_everywhere(comm, msg, "value type differs between ranks");
     CHECK(msg.find("float " + last) != std::string::npos);
+    // One machine, one host ISA: the value type is the only difference.
+    CHECK(msg.find("host ISA") == std::string::npos);
   }
   SUBCASE("direction: backward on the last rank, forward elsewhere") {
     Attn<RingSchedule> a(comm);

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <limits>
 #include <string>
 #include <vector>
@@ -96,6 +97,29 @@ std::string read_int_list(const std::string& flag, const std::string& value, std
   }
   out = r;
   return "";
+}
+
+/// Whether the command line asks for the usage text (--help or -h). Checked
+/// before Kokkos::initialize, which would print its own help for --help.
+inline bool wants_help(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") return true;
+  }
+  return false;
+}
+
+/// Runs `body` (which returns the exit status); an exception escaping it
+/// becomes one line on stderr, "program: what" (printed when `print`: rank 0
+/// of an MPI program), and exit status 2, instead of std::terminate's abort.
+template <class Body>
+int run_guarded(const char* program, bool print, Body&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    if (print) std::fprintf(stderr, "%s: %s\n", program, e.what());
+  }
+  return 2;
 }
 
 }  // namespace blockattn_cli

@@ -5,29 +5,7 @@
 //   blockattn_plan --n 262144 --p 8 --heads 32 --dim 128 --mask causal --hw a100-nvlink
 //   blockattn_plan --n 65536 --p 4 --mask window:8192          (calibrates this machine)
 //
-// Options (defaults in brackets):
-//   --n N  --p P  --batch B [1]  --heads H [8]  --kv-heads Hkv [H]  --dim D [128]
-//   --dtype fp32|fp64|bf16|fp16 [fp32]   storage type: K/V and Q travel in it; partial
-//                                        results, LSE and sums in fp32 for bf16 / fp16
-//   --mask full|causal|window:W [causal] (window: causal sliding window of W keys)
-//   --tile BQxBK          tile sizes [the kernels' own: GPU shape for GPU/TPU
-//                         presets, host shape when calibrating]
-//   --hw a100-nvlink|a100-ib|tpu-v3|tpu-v4|tpu-v5e|h100-cluster|calibrate [calibrate]
-//   --flops F  --bandwidth B (bytes/s)  --latency s  --memory bytes
-//                         override the preset / calibration
-//   --ranks-per-node R  --intra-bandwidth B  --intra-latency s
-//                         two link levels: ranks r, s with r/R == s/R talk at the intra
-//                         rates, others at --bandwidth / --latency; with R > 0 the
-//                         2D hybrid (all-to-all in groups x ring) joins the candidates
-//   --steps               per-rank per-step table of every candidate
-//   --data FILE           per-rank per-step work (blocks of N/P x N/P pairs) for plots
-//   --json                one JSON line per candidate
-//   --balance SEED        instead of the schedules: the compute balance of every layout
-//                         (contiguous, striped, zigzag, per-document head-tail and the
-//                         mask-aware chunk assignment) for causal packed documents of a
-//                         long-tailed length mix (plan::long_tailed_documents(N, SEED)),
-//                         with a per-rank picture; --chunk C [lcm of the tile sizes x 4]
-//                         is the mask-aware layout's chunk
+// Flags: `blockattn_plan --help` (usage_text below).
 #include <blockattn/blockattn.hpp>
 #include <blockattn/calibrate.hpp>
 #include <blockattn/plan/balance.hpp>
@@ -39,6 +17,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -46,6 +26,10 @@
 namespace {
 
 using namespace blockattn;
+
+/// The most ranks the planner takes: its models run in O(P) memory and, for
+/// the balanced schedule, O(P^2) time (about 2 s at P = 16384 on one core).
+constexpr int max_ranks = 32768;
 
 struct Args {
   index_type n = 65536;
@@ -61,8 +45,50 @@ struct Args {
   index_type window = 0;  // --mask window:W
 };
 
-[[noreturn]] void usage(const char* what) {
-  std::fprintf(stderr, "blockattn_plan: %s (see the header of tools/plan.cpp)\n", what);
+const char* const usage_text = R"(usage: blockattn_plan [flags]
+Predicts every partition x schedule of the distributed forward for one problem
+on given hardware and recommends the fastest that fits in memory.
+
+problem
+  --n N                 global sequence length [65536]
+  --p P                 ranks, 1 .. 32768 [4]
+  --batch B             [1]
+  --heads H             query heads [8]
+  --kv-heads Hkv        key/value heads, a divisor of H [H]
+  --dim D               head dim, 1 .. 256 [128]
+  --dtype T             fp32|fp64|bf16|fp16 [fp32]: storage type (K/V and Q travel in
+                        it); bf16 / fp16 compute, merge and send partial results in fp32
+  --mask M              full|causal|window:W [causal] (window: causal, W keys)
+  --tile BQxBK          tile sizes [the kernels' own: GPU shape for the GPU/TPU
+                        presets, host shape when calibrating]
+hardware
+  --hw HW               a100-nvlink|a100-ib|tpu-v3|tpu-v4|tpu-v5e|h100-cluster|calibrate
+                        [calibrate: measures this machine's kernel and memcpy]
+  --flops F             attention FLOP/s per rank on full tiles     (override the
+  --bandwidth B         bytes/s per rank and direction               preset or the
+  --latency S           seconds per message                          calibration)
+  --memory BYTES        per rank; 0: unlimited
+  --ranks-per-node R    two link levels (R > 0): ranks r, s with r/R == s/R use the
+  --intra-bandwidth B   intra-node rates; with R > 0 the 2D hybrid (all-to-all in
+  --intra-latency S     groups x ring) joins the candidates
+output
+  --steps               per-rank, per-step table of every candidate (P x steps <= 100000)
+  --data FILE           per-rank, per-step work for plots (P x steps <= 10000000)
+  --json                one JSON line per candidate
+layout balance (instead of the schedules)
+  --balance SEED        the compute balance of every layout (contiguous, striped, zigzag,
+                        per-document head-tail, mask-aware) for causal packed documents
+                        of a long-tailed length mix (plan::long_tailed_documents(N, SEED));
+                        takes --n, --p, --dim, --dtype, --tile, --hw, --chunk only
+  --chunk C             the mask-aware layout's chunk [lcm of the tile sizes x 4]
+  --help, -h            this text
+Exit status: 0 a recommendation (or the balance table), 1 nothing fits in memory,
+2 a bad command line.
+)";
+
+[[noreturn]] void usage(const std::string& what) {
+  std::fprintf(stderr, "blockattn_plan: %s (blockattn_plan --help lists the flags)\n",
+               what.c_str());
   std::exit(2);
 }
 
@@ -70,27 +96,29 @@ Args parse(int argc, char** argv) {
   using blockattn_cli::read_int;
   using blockattn_cli::read_real;
   Args a;
+  std::vector<std::string> given;  // the flags on the command line
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto val = [&]() -> std::string {
-      if (i + 1 >= argc) usage(("missing value after " + f).c_str());
+      if (i + 1 >= argc) usage("missing value after " + f);
       return argv[++i];
     };
     auto check = [](const std::string& error) {
-      if (!error.empty()) usage(error.c_str());
+      if (!error.empty()) usage(error);
     };
+    given.push_back(f);
     if (f == "--n")
       check(read_int(f, val(), a.n));
     else if (f == "--p")
-      check(read_int(f, val(), a.p));
+      check(read_int(f, val(), a.p, 1, max_ranks));
     else if (f == "--batch")
       check(read_int(f, val(), a.batch));
     else if (f == "--heads")
       check(read_int(f, val(), a.heads));
     else if (f == "--kv-heads")
       check(read_int(f, val(), a.kv_heads));
-    else if (f == "--dim")
-      check(read_int(f, val(), a.dim));
+    else if (f == "--dim")  // the library's limit (kernel/options.hpp)
+      check(read_int(f, val(), a.dim, 1, max_head_dim));
     else if (f == "--dtype") {
       a.dtype_name = val();
       if (a.dtype_name == "fp32")
@@ -100,7 +128,7 @@ Args parse(int argc, char** argv) {
       else if (a.dtype_name == "bf16" || a.dtype_name == "fp16")
         a.dtype = 2;
       else
-        usage(("--dtype: expected fp32, fp64, bf16 or fp16, got '" + a.dtype_name + "'").c_str());
+        usage("--dtype: expected fp32, fp64, bf16 or fp16, got '" + a.dtype_name + "'");
     } else if (f == "--mask")
       a.mask = val();
     else if (f == "--tile") {
@@ -108,8 +136,7 @@ Args parse(int argc, char** argv) {
       const std::vector<std::string> bq_bk = blockattn_cli::split(t, 'x');
       if (bq_bk.size() != 2 || !read_int(f, bq_bk[0], a.block_q).empty() ||
           !read_int(f, bq_bk[1], a.block_k).empty())
-        usage(
-            ("--tile: expected BQxBK with positive integers, e.g. 64x64, got '" + t + "'").c_str());
+        usage("--tile: expected BQxBK with positive integers, e.g. 64x64, got '" + t + "'");
     } else if (f == "--hw")
       a.hw = val();
     else if (f == "--flops")
@@ -137,18 +164,46 @@ Args parse(int argc, char** argv) {
     else if (f == "--chunk")
       check(read_int(f, val(), a.chunk));
     else if (f.rfind("--kokkos", 0) != 0)
-      usage(("unknown option " + f).c_str());
+      usage("unknown option " + f);
   }
   if (a.kv_heads == 0) a.kv_heads = a.heads;
   if (a.mask.rfind("window:", 0) == 0) {
     if (!read_int("--mask window:W", a.mask.substr(7), a.window).empty())
-      usage(("--mask: expected window:W with W >= 1, got '" + a.mask + "'").c_str());
+      usage("--mask: expected window:W with W >= 1, got '" + a.mask + "'");
   } else if (a.mask != "full" && a.mask != "causal")
-    usage(("--mask: expected full, causal or window:W, got '" + a.mask + "'").c_str());
+    usage("--mask: expected full, causal or window:W, got '" + a.mask + "'");
+  // What the library rejects (kernel/validate.hpp), with its words.
   if (a.heads % a.kv_heads != 0)
-    usage(("--kv-heads: expected a divisor of --heads (" + std::to_string(a.heads) + "), got " +
-           std::to_string(a.kv_heads))
-              .c_str());
+    usage("--kv-heads: expected a divisor of --heads (" + std::to_string(a.heads) + "), got " +
+          std::to_string(a.kv_heads) + ": k's heads (extent(2)) must divide q's");
+  if (a.n / a.p + 1 > index_type(std::numeric_limits<int>::max() / 2))
+    usage("--n " + std::to_string(a.n) + " over --p " + std::to_string(a.p) +
+          ": a rank's sequence length exceeds the per-call limit of " +
+          std::to_string(std::numeric_limits<int>::max() / 2) + " rows");
+  if (a.n < a.p)
+    usage("--n " + std::to_string(a.n) + ": expected at least --p (" + std::to_string(a.p) +
+          ") tokens, one per rank");
+  const char* const presets[] = {"a100-nvlink", "a100-ib",      "tpu-v3",   "tpu-v4",
+                                 "tpu-v5e",     "h100-cluster", "calibrate"};
+  if (std::find(std::begin(presets), std::end(presets), a.hw) == std::end(presets))
+    usage(
+        "--hw: expected a100-nvlink, a100-ib, tpu-v3, tpu-v4, tpu-v5e, h100-cluster or "
+        "calibrate, got '" +
+        a.hw + "'");
+  const auto has = [&](const char* flag) {
+    return std::find(given.begin(), given.end(), flag) != given.end();
+  };
+  if (a.balance >= 0) {
+    for (const char* f : {"--mask", "--steps", "--json", "--data", "--batch", "--heads",
+                          "--kv-heads", "--flops", "--bandwidth", "--latency", "--memory",
+                          "--ranks-per-node", "--intra-bandwidth", "--intra-latency"})
+      if (has(f))
+        usage(std::string(f) +
+              " does not apply to --balance (causal packed documents, compute balance only; "
+              "it takes --n, --p, --dim, --dtype, --tile, --hw, --chunk)");
+  } else if (has("--chunk")) {
+    usage("--chunk applies to --balance only (the mask-aware layout's chunk)");
+  }
   return a;
 }
 
@@ -186,6 +241,26 @@ int run_balance(const Args& a, const plan::Problem& pb, const plan::Hardware& hw
   const DocumentMask mask = plan::host_document_mask(off);
   const int bq = pb.block_q, bk = pb.block_k;
   const index_type chunk = a.chunk > 0 ? a.chunk : 4 * index_type(std::lcm(bq, bk));
+  std::vector<plan::Layout> layouts;
+  std::vector<std::string> skipped;  // layouts that cannot split N over P (printed below)
+  const auto add = [&](auto make) {
+    try {
+      layouts.push_back(make());
+    } catch (const std::exception& e) {
+      skipped.push_back(e.what());
+    }
+  };
+  add([&] { return plan::layout_of<ContiguousPartition>(a.n, a.p); });
+  add([&] { return plan::layout_of<StripedPartition>(a.n, a.p); });
+  add([&] { return plan::layout_of<ZigzagPartition>(a.n, a.p); });
+  add([&] { return plan::per_document_zigzag(off, a.p); });
+  try {
+    layouts.push_back(plan::mask_balanced(mask, a.n, a.p, chunk, bq, bk, hw.partial_tile_cost));
+  } catch (const std::exception& e) {
+    // The chunk is the caller's (--chunk) or derived from the tiles: say which.
+    usage(std::string(a.chunk > 0 ? "--chunk " : "the default chunk ") + std::to_string(chunk) +
+          ": " + e.what());
+  }
   std::printf(
       "problem: N = %lld, P = %d, causal packed documents: %zu (long-tailed mix, seed %lld): "
       "lengths %lld .. %lld, median %lld; tiles %dx%d, partial tile %.2f x a full one\n",
@@ -194,19 +269,7 @@ int run_balance(const Args& a, const plan::Problem& pb, const plan::Hardware& hw
   std::printf(
       "work per rank: the tiles its queries compute against all N keys (full + partial x cost), "
       "under any schedule that brings K/V to the queries (ring, all-gather)\n\n");
-  std::vector<plan::Layout> layouts;
-  const auto add = [&](auto make) {
-    try {
-      layouts.push_back(make());
-    } catch (const std::exception& e) {
-      std::printf("(skipped: %s)\n", e.what());
-    }
-  };
-  add([&] { return plan::layout_of<ContiguousPartition>(a.n, a.p); });
-  add([&] { return plan::layout_of<StripedPartition>(a.n, a.p); });
-  add([&] { return plan::layout_of<ZigzagPartition>(a.n, a.p); });
-  add([&] { return plan::per_document_zigzag(off, a.p); });
-  add([&] { return plan::mask_balanced(mask, a.n, a.p, chunk, bq, bk, hw.partial_tile_cost); });
+  for (const std::string& why : skipped) std::printf("(skipped: %s)\n", why.c_str());
   std::vector<plan::Balance> all;
   double least = 0;  // the least total work of the layouts
   for (const auto& l : layouts) {
@@ -270,8 +333,7 @@ int run(const Args& a, const Mask& mask) {
         "one (n = %d, D = %d, %s, %d thread(s)); memcpy %.1f GB/s\n",
         c.flops / 1e9, c.partial_tile_cost, n, a.dim, a.dtype == 8 ? "fp64" : "fp32",
         Kokkos::DefaultExecutionSpace().concurrency(), hw.bandwidth / 1e9);
-  } else
-    usage("--hw must be a100-nvlink, a100-ib, tpu-v3, tpu-v4, tpu-v5e, h100-cluster or calibrate");
+  }
   if (a.flops > 0) hw.flops = a.flops;
   if (a.bandwidth >= 0) hw.bandwidth = a.bandwidth;
   if (a.latency >= 0) hw.latency = a.latency;
@@ -293,6 +355,14 @@ int run(const Args& a, const Mask& mask) {
     pb.block_k = a.block_k;
   }
   if (a.balance >= 0) return run_balance(a, pb, hw);
+  // The per-step outputs hold P x steps numbers per candidate (steps <= P).
+  const double table = double(a.p) * double(a.p);
+  if (a.steps && table > 1e5)
+    usage("--steps prints P x steps numbers per candidate, at most 100000: P <= 316, got " +
+          std::to_string(a.p));
+  if (!a.data.empty() && table > 1e7)
+    usage("--data writes P x steps numbers per candidate, at most 10000000: P <= 3162, got " +
+          std::to_string(a.p));
   const bool pairs = !a.data.empty();
   const auto all = plan::compare(pb, mask, hw, pairs, a.steps || pairs);
   const int best = plan::recommend(all);
@@ -369,7 +439,7 @@ int run(const Args& a, const Mask& mask) {
     // gnuplot data: one block per candidate (index i), rows "step rank work",
     // work in units of a full block of (N/P)^2 allowed pairs per (batch, head).
     FILE* f = std::fopen(a.data.c_str(), "w");
-    if (!f) usage(("cannot write " + a.data).c_str());
+    if (!f) usage("--data: cannot write " + a.data);
     const double block = double(pb.local()) * double(pb.local());
     for (const auto& x : all) {
       if (!x.valid) continue;
@@ -390,20 +460,20 @@ int run(const Args& a, const Mask& mask) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (blockattn_cli::wants_help(argc, argv)) {
+    std::fputs(usage_text, stdout);
+    return 0;
+  }
   const Args a = parse(argc, argv);
   // Only calibration runs kernels: the plan itself is host arithmetic, so
   // Kokkos (and its OpenMP binding warnings) starts only for --hw calibrate.
   const bool kernels = a.hw == "calibrate";
   if (kernels) Kokkos::initialize(argc, argv);
-  int rc = 0;
-  {
-    if (a.mask == "full")
-      rc = run(a, FullMask{});
-    else if (a.mask == "causal")
-      rc = run(a, CausalMask{});
-    else  // window:W (parse checked it)
-      rc = run(a, causal_window(a.window));
-  }
+  const int rc = blockattn_cli::run_guarded("blockattn_plan", true, [&] {
+    if (a.mask == "full") return run(a, FullMask{});
+    if (a.mask == "causal") return run(a, CausalMask{});
+    return run(a, causal_window(a.window));  // window:W (parse checked it)
+  });
   if (kernels) Kokkos::finalize();
   return rc;
 }

@@ -13,7 +13,9 @@
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/policy/partition.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -41,10 +43,11 @@ BlockExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const
   // The host fp32 kernels' ISA (run-time dispatch, kernel/isa.hpp): ranks on
   // different CPUs may pick different ones, whose tile sizes (and so packed
   // buffers that travel) and last bits differ.
-  std::string kernel_isa = "none (not fp32 on the host)";
+  // The machine's, whatever T is: a value type that differs between ranks is
+  // reported as such, not also as an ISA difference.
+  std::string kernel_isa = "none (not on the host)";
   try {
-    if constexpr (is_host_space_v<ExecSpace> && std::is_same<compute_t<T>, float>::value)
-      kernel_isa = host_isa_name(dispatched_host_isa());
+    if constexpr (is_host_space_v<ExecSpace>) kernel_isa = host_isa_name(dispatched_host_isa());
     e = validate_forward<ExecSpace>(name, q, k, v, o, lse, opts.scale, lengths != nullptr);
     if (k.extent(1) != q.extent(1))
       fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ", q.extent(1),
@@ -90,12 +93,52 @@ index_type agreed_length(const char* name, const std::vector<std::int64_t>& leng
   if (N == 0)
     fail(name, "every rank holds 0 tokens (q.extent(1) = 0 on all ", P,
          " ranks), expected a global sequence of at least 1 token");
+  std::vector<std::int64_t> want(static_cast<std::size_t>(P));
+  bool ok = true;
   for (int r = 0; r < P; ++r) {
-    const index_type want = expected(N, r);
-    if (lengths[std::size_t(r)] != want)
-      fail(name, "rank ", r, " holds ", lengths[std::size_t(r)], " tokens (q.extent(1)), but ",
-           layout(N), " gives it ", want, "; expected ", rule, " tokens on every rank");
+    want[std::size_t(r)] = expected(N, r);
+    ok = ok && lengths[std::size_t(r)] == want[std::size_t(r)];
   }
+  if (ok) return N;
+  // Name the odd ranks: those that differ from the majority's length when
+  // more than half the ranks hold the same; else every rank's length.
+  std::map<std::int64_t, std::vector<int>> by_length;
+  for (int r = 0; r < P; ++r) by_length[lengths[std::size_t(r)]].push_back(r);
+  const auto most = std::max_element(by_length.begin(), by_length.end(), [](auto& a, auto& b) {
+    return a.second.size() < b.second.size();
+  });
+  std::ostringstream held;
+  if (2 * most->second.size() > std::size_t(P)) {
+    std::vector<int> odd;
+    for (int r = 0; r < P; ++r)
+      if (lengths[std::size_t(r)] != most->first) odd.push_back(r);
+    held << (odd.size() > 1 ? "ranks " : "rank ") << rank_list(odd)
+         << (odd.size() > 1 ? " hold " : " holds ");
+    for (std::size_t i = 0; i < odd.size() && i < 8; ++i)
+      held << (i ? ", " : "") << lengths[std::size_t(odd[i])];
+    held << (odd.size() > 8 ? ", ..." : "") << " tokens (q.extent(1)) where the other "
+         << P - int(odd.size()) << " hold " << most->first;
+  } else {
+    held << "the ranks hold ";
+    bool first = true;
+    for (const auto& [n, ranks] : by_length) {
+      held << (first ? "" : "; ") << n << " tokens on rank" << (ranks.size() > 1 ? "s " : " ")
+           << rank_list(ranks);
+      first = false;
+    }
+    held << " (q.extent(1)), no length on more than half of them";
+  }
+  std::ostringstream gives;  // what the layout gives, grouped the same way
+  std::map<std::int64_t, std::vector<int>> by_want;
+  for (int r = 0; r < P; ++r) by_want[want[std::size_t(r)]].push_back(r);
+  bool first = true;
+  for (const auto& [n, ranks] : by_want) {
+    gives << (first ? "" : ", ") << n << " to rank" << (ranks.size() > 1 ? "s " : " ")
+          << rank_list(ranks);
+    first = false;
+  }
+  fail(name, held.str(), "; ", layout(N), " gives ", gives.str(), "; expected ", rule,
+       " tokens on every rank");
   return N;
 }
 
