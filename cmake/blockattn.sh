@@ -22,6 +22,8 @@
 #   cmake/blockattn.sh plot [out.png]      per-rank per-step work at P = 8, four schedules
 #                                          (gnuplot; default docs/schedules_p8.png)
 #   cmake/blockattn.sh deps                only install / build the dependencies
+#   cmake/blockattn.sh configure [-D...]   only configure the build tree (BUILD_DIR), as the
+#                                          other commands do
 #   cmake/blockattn.sh cudnn-frontend      install cuDNN's C++ frontend headers (PyPI
 #                                          nvidia-cudnn-frontend) into .deps/cudnn-frontend,
 #                                          for a CUDA build (BLOCKATTN_ENABLE_CUDNN);
@@ -177,8 +179,12 @@ configure() {
   local extra=""
   [ -f /usr/lib/x86_64-linux-gnu/cmake/Kokkos/KokkosConfig.cmake ] &&
     extra=-DBLOCKATTN_CONSUMER_EXTRA_KOKKOS_DIR=/usr/lib/x86_64-linux-gnu/cmake/Kokkos
+  # Tests, examples and tools ON whatever the tree's cache says (a tree
+  # configured by hand without them, e.g. for an install, still runs the
+  # demo); the caller's -D... come last and win.
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
-    -DKokkosKernels_ROOT="$kokkos" \
+    -DKokkosKernels_ROOT="$kokkos" -DBLOCKATTN_BUILD_TESTS=ON -DBLOCKATTN_BUILD_EXAMPLES=ON \
+    -DBLOCKATTN_BUILD_TOOLS=ON -DBLOCKATTN_BUILD_KERNELS=ON \
     -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" $extra "$@" >/dev/null
 }
 
@@ -202,6 +208,11 @@ case "$cmd" in
   deps)
     ensure_deps
     log "dependencies ready (Kokkos: ${KOKKOS_ROOT:-$kokkos_prefix})"
+    ;;
+  configure)
+    ensure_deps
+    configure "$@"
+    log "configured $build"
     ;;
   demo)
     ensure_deps
