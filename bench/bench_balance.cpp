@@ -17,6 +17,7 @@
 //                  ranks share cores and their seconds say little: count work.
 //
 //   blockattn_bench_balance [--n N] [--seed S] [--heads H] [--dim D] [--chunk C] [--reps R]
+//   (--help: usage_text below)
 #include <blockattn/blockattn.hpp>
 #include <blockattn/calibrate.hpp>
 #include <blockattn/mpi_communicator.hpp>
@@ -51,6 +52,22 @@ struct Args {
   int heads = 1, dim = 64, reps = 3;
 };
 
+const char* const usage_text = R"(usage: mpiexec -n P blockattn_bench_balance [flags]
+Packed documents (a long-tailed mix, causal document mask): every layout of
+plan/balance.hpp run as a TablePartition through the KV ring (fp32 forward), per
+rank the tiles computed and the busy seconds, next to the planner's analysis.
+  --n N        global tokens [16384]
+  --seed S     the document mix (plan::long_tailed_documents(N, S)) [7]
+  --heads H    [1]
+  --dim D      head dim [64]
+  --chunk C    the mask-aware layout's chunk, a multiple of both tile sizes
+               [4 x lcm of the tile sizes]
+  --reps R     best of R [3]
+  --help, -h   this text
+Kokkos' flags (--kokkos-num-threads=N, ...) pass through. Exit status 2: a bad
+command line or an error the library reports (printed by rank 0).
+)";
+
 /// Fills `a` from the command line; returns what is wrong with it, or "".
 std::string parse(int argc, char** argv, Args& a) {
   using blockattn_cli::read_int;
@@ -58,7 +75,7 @@ std::string parse(int argc, char** argv, Args& a) {
     const std::string f = argv[i];
     if (f != "--n" && f != "--seed" && f != "--heads" && f != "--dim" && f != "--chunk" &&
         f != "--reps")
-      return "unknown argument " + f + " (expected --n, --seed, --heads, --dim, --chunk, --reps)";
+      return "unknown argument " + f + " (blockattn_bench_balance --help lists the flags)";
     if (i + 1 >= argc) return f + " needs a value";
     const std::string v = argv[i + 1];
     const std::string error = f == "--n"       ? read_int(f, v, a.n)
@@ -218,18 +235,27 @@ void bench(Comm& comm, const Args& a) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
+    if (rank == 0) std::fputs(usage_text, stdout);
+    MPI_Finalize();
+    return 0;
+  }
   Kokkos::initialize(argc, argv);
-  int rc = 0;
-  {
+  // Every rank reads the same command line and meets the library's errors
+  // (collective checks) together: rank 0 prints, every rank exits 2.
+  const int rc = blockattn_cli::run_guarded("blockattn_bench_balance", rank == 0, [&] {
     Args a;
     const std::string error = parse(argc, argv, a);
+    if (!error.empty()) {
+      if (rank == 0) std::fprintf(stderr, "blockattn_bench_balance: %s\n", error.c_str());
+      return 2;
+    }
     Comm comm(MPI_COMM_WORLD);
-    if (!error.empty()) {  // every rank read the same command line
-      if (comm.rank() == 0) std::fprintf(stderr, "bench_balance: %s\n", error.c_str());
-      rc = 2;
-    } else
-      bench(comm, a);
-  }
+    bench(comm, a);
+    return 0;
+  });
   Kokkos::finalize();
   MPI_Finalize();
   return rc;

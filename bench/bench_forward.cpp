@@ -296,9 +296,26 @@ std::string ratio(double num, double den) {
 
 }  // namespace
 
+const char* const usage_text = R"(usage: blockattn_bench_forward [flags]
+Forward and backward GFLOP/s of the tile kernels next to an sgemm of the same
+size, a 4096^3 sgemm and (with --torch) PyTorch's CPU SDPA, in one run.
+  --quick             fewer shapes and repetitions
+  --dtype=T,..        fp32, bf16, fp16 [fp32,bf16]
+  --torch=FILE        PyTorch's rates (bench/torch_sdpa.py, same threads, just before)
+  --help, -h          this text
+Google Benchmark's flags (--benchmark_filter=REGEX, --benchmark_repetitions=N,
+--benchmark_format=json, ...) and Kokkos' (--kokkos-num-threads=N) pass through;
+any other flag is an error (exit status 2). bench/run_forward.sh runs it with
+PyTorch next to it.
+)";
+
 int main(int argc, char** argv) {
+  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos and Google Benchmark
+    std::fputs(usage_text, stdout);
+    return 0;
+  }
   Kokkos::initialize(argc, argv);
-  {
+  const int rc = blockattn_cli::run_guarded("blockattn_bench_forward", true, [&] {
     bool quick = false;
     std::map<std::string, double> torch;
     std::vector<std::string> dtypes = {"fp32", "bf16"};
@@ -316,12 +333,21 @@ int main(int argc, char** argv) {
     }
     for (const std::string& dt : dtypes)
       if (dt != "fp32" && dt != "bf16" && dt != "fp16") {
-        std::fprintf(stderr, "--dtype: '%s' is not one of fp32, bf16, fp16\n", dt.c_str());
-        Kokkos::finalize();
+        std::fprintf(stderr,
+                     "blockattn_bench_forward: --dtype: '%s' is not one of fp32, bf16, fp16\n",
+                     dt.c_str());
         return 2;
       }
     int bargc = int(args.size());
     benchmark::Initialize(&bargc, args.data());
+    // What neither Google Benchmark nor we took is a mistake, not a no-op.
+    if (bargc > 1) {
+      std::fprintf(stderr,
+                   "blockattn_bench_forward: unknown argument %s (blockattn_bench_forward --help "
+                   "lists the flags)\n",
+                   args[1]);
+      return 2;
+    }
     register_all(quick, dtypes);
     RatioReporter reporter;
     benchmark::RunSpecifiedBenchmarks(&reporter);
@@ -385,7 +411,8 @@ int main(int argc, char** argv) {
                         dt != "fp32" ? ratio(r, r32).c_str() : "", tr, ratio(r, tr).c_str());
           }
     benchmark::Shutdown();
-  }
+    return 0;
+  });
   Kokkos::finalize();
-  return 0;
+  return rc;
 }

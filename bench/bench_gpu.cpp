@@ -152,14 +152,28 @@ struct Args {
   std::string torch_file;
 };
 
+const char* const usage_text = R"(usage: blockattn_bench_gpu [flags]
+Forward and backward throughput on Kokkos' default execution space (a GPU in a
+CUDA/HIP build), B = 1, full and causal masks, next to PyTorch's SDPA rates.
+  --lengths L,..   sequence lengths [4096,8192,16384]
+  --heads H        [16]
+  --dim D          head dim [128]
+  --reps R         best of R [5]
+  --dtypes T,..    fp32 and/or bf16 [fp32,bf16]
+  --torch FILE     PyTorch's rates (bench/torch_sdpa.py --device cuda ...) to print next to ours
+  --portable 0|1   1: our kernels only, never the fused (cuDNN) path [0]
+  --help, -h       this text
+Kokkos' flags (--kokkos-device-id=N, ...) pass through. Exit status 2: a bad
+command line or an error the library reports.
+)";
+
 /// Fills `args`; returns what is wrong with the command line, or "".
 std::string parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
     if (a != "--lengths" && a != "--heads" && a != "--dim" && a != "--reps" && a != "--dtypes" &&
         a != "--torch" && a != "--portable")
-      return "unknown argument " + a +
-             " (expected --lengths, --heads, --dim, --reps, --dtypes, --torch or --portable)";
+      return "unknown argument " + a + " (blockattn_bench_gpu --help lists the flags)";
     if (i + 1 == argc) return a + " needs a value";
     const std::string val = argv[i + 1];
     std::string error;
@@ -167,7 +181,7 @@ std::string parse_args(int argc, char** argv, Args& args) {
     if (a == "--heads") error = blockattn_cli::read_int(a, val, args.heads);
     if (a == "--dim") error = blockattn_cli::read_int(a, val, args.dim);
     if (a == "--reps") error = blockattn_cli::read_int(a, val, args.reps);
-    if (a == "--portable") error = blockattn_cli::read_int(a, val, args.portable);
+    if (a == "--portable") error = blockattn_cli::read_int(a, val, args.portable, 0, 1);
     if (!error.empty()) return error;
     if (a == "--dtypes") {
       args.dtypes = blockattn_cli::split(val);
@@ -181,6 +195,10 @@ std::string parse_args(int argc, char** argv, Args& args) {
 }
 
 int main(int argc, char** argv) {
+  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
+    std::fputs(usage_text, stdout);
+    return 0;
+  }
   Kokkos::initialize(argc, argv);
   Args args;
   const std::string error = parse_args(argc, argv, args);
@@ -189,7 +207,7 @@ int main(int argc, char** argv) {
     Kokkos::finalize();
     return 2;
   }
-  {
+  const int rc = blockattn_cli::run_guarded("blockattn_bench_gpu", true, [&] {
     const auto torch =
         args.torch_file.empty() ? decltype(read_torch("")){} : read_torch(args.torch_file);
     const Exec exec;
@@ -205,7 +223,8 @@ int main(int argc, char** argv) {
         bench_gpu::run_type<blockattn::bf16>(exec, "bf16", args.lengths, args.heads, args.dim,
                                              args.reps, args.portable != 0, torch);
     }
-  }
+    return 0;
+  });
   Kokkos::finalize();
-  return 0;
+  return rc;
 }

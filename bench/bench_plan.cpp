@@ -46,13 +46,26 @@ struct Args {
   index_type window = 0;  // --mask window:W
 };
 
+const char* const usage_text = R"(usage: mpiexec -n P blockattn_bench_plan [flags]
+Calibrates the planner on this machine, runs the distributed forward for every
+partition x schedule and prints measured vs predicted time and speedups.
+  --n-local n   tokens per rank [4096]
+  --heads H     [1]
+  --dim D       head dim [128]
+  --reps R      best of R [10]
+  --mask M      causal|window:W [causal]
+  --help, -h    this text
+Kokkos' flags (--kokkos-num-threads=N, ...) pass through. Exit status 2: a bad
+command line or an error the library reports (printed by rank 0).
+)";
+
 /// Fills `a` from the command line; returns what is wrong with it, or "".
 std::string parse(int argc, char** argv, Args& a) {
   using blockattn_cli::read_int;
   for (int i = 1; i < argc; i += 2) {
     const std::string f = argv[i];
     if (f != "--n-local" && f != "--heads" && f != "--dim" && f != "--reps" && f != "--mask")
-      return "unknown argument " + f + " (expected --n-local, --heads, --dim, --reps, --mask)";
+      return "unknown argument " + f + " (blockattn_bench_plan --help lists the flags)";
     if (i + 1 >= argc) return f + " needs a value";
     const std::string v = argv[i + 1];
     std::string error;
@@ -288,20 +301,28 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
+    if (rank == 0) std::fputs(usage_text, stdout);
+    MPI_Finalize();
+    return 0;
+  }
   Kokkos::initialize(argc, argv);
-  int rc = 0;
-  {
+  const int rc = blockattn_cli::run_guarded("blockattn_bench_plan", rank == 0, [&] {
     Args a;
     const std::string error = parse(argc, argv, a);
-    Comm comm(MPI_COMM_WORLD);
     if (!error.empty()) {  // every rank read the same command line
-      if (comm.rank() == 0) std::fprintf(stderr, "bench_plan: %s\n", error.c_str());
-      rc = 2;
-    } else if (a.mask == "causal")
+      if (rank == 0) std::fprintf(stderr, "blockattn_bench_plan: %s\n", error.c_str());
+      return 2;
+    }
+    Comm comm(MPI_COMM_WORLD);
+    if (a.mask == "causal")
       run(comm, a, CausalMask{});
     else
       run(comm, a, causal_window(a.window));
-  }
+    return 0;
+  });
   Kokkos::finalize();
   MPI_Finalize();
   return rc;

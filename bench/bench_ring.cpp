@@ -175,11 +175,32 @@ void bytes(Comm& comm, int reps) {
 
 }  // namespace
 
+const char* const usage_text = R"(usage: mpiexec -n P blockattn_bench_ring [flags]
+KV-ring benchmarks. Default (overlap): for local blocks of c tokens, full
+attention, the ring against the same steps without communication, best of R;
+F (FLOP/s of a step), B (bytes/s of the exchange) and Ring Attention's
+condition for hiding the transfers.
+  --memory      instead: per-rank memory at block size --c (workspace, inputs, peak RSS)
+  --bytes       instead: the backward rings' bytes per step and times for a few head shapes
+  --c c         tokens per rank for --memory [4096]
+  --reps R      best of R [5]
+  --dtype T     fp32|bf16|fp16 [fp32] (bf16 / fp16: K/V and Q travel in 16 bits)
+  --help, -h    this text
+Kokkos' flags (--kokkos-num-threads=N, ...) pass through. Exit status 2: a bad
+command line or an error the library reports (printed by rank 0).
+)";
+
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
+    if (rank == 0) std::fputs(usage_text, stdout);
+    MPI_Finalize();
+    return 0;
+  }
   Kokkos::initialize(argc, argv);
-  int rc = 0;
-  {
+  const int rc = blockattn_cli::run_guarded("blockattn_bench_ring", rank == 0, [&] {
     Comm comm(MPI_COMM_WORLD);
     bool mem = false, byt = false;
     int c = 4096, reps = 5;
@@ -192,7 +213,7 @@ int main(int argc, char** argv) {
       else if (f == "--bytes")
         byt = true;
       else if (f != "--c" && f != "--reps" && f != "--dtype")
-        error = "unknown argument " + f + " (expected --memory, --bytes, --c, --reps, --dtype)";
+        error = "unknown argument " + f + " (blockattn_bench_ring --help lists the flags)";
       else if (!has_value)
         error = f + " needs a value";
       else if (f == "--c")
@@ -215,15 +236,17 @@ int main(int argc, char** argv) {
         overlap<T>(comm, reps);
     };
     if (!error.empty()) {  // every rank read the same command line
-      if (comm.rank() == 0) std::fprintf(stderr, "bench_ring: %s\n", error.c_str());
-      rc = 2;
-    } else if (dtype == "fp32")
+      if (rank == 0) std::fprintf(stderr, "blockattn_bench_ring: %s\n", error.c_str());
+      return 2;
+    }
+    if (dtype == "fp32")
       run(float{});
     else if (dtype == "bf16")
       run(blockattn::bf16{});
     else
       run(blockattn::fp16{});
-  }
+    return 0;
+  });
   Kokkos::finalize();
   MPI_Finalize();
   return rc;

@@ -56,10 +56,10 @@ class DistributedAttention {
                 "BlockAttn: DistributedAttention: the third parameter must be a schedule "
                 "(RingSchedule, BurstSchedule, BalancedSchedule; see "
                 "blockattn/schedule/ring.hpp, blockattn/schedule/balanced.hpp)");
-  // A complete description (one static_assert per missing member), and a
-  // backward that a driver below runs: never a silent fallback.
-  static_assert(!is_schedule_v<Schedule> || impl::check_schedule<Schedule>(),
-                "BlockAttn: DistributedAttention: the schedule's description is incomplete");
+  // A complete description: one static_assert per missing member
+  // (impl::check_schedule), for a schedule only (a type that is not one has
+  // had its message above); this assertion itself always holds.
+  static_assert(sizeof(impl::schedule_complete<Schedule>) > 0, "");
   static_assert(is_communicator_v<Communicator>,
                 "BlockAttn: DistributedAttention: the fourth parameter must be a communicator "
                 "(MpiCommunicator<>, SelfCommunicator; see blockattn/comm/communicator.hpp)");
@@ -76,7 +76,9 @@ class DistributedAttention {
                 "BlockAttn: DistributedAttention: the partition's table lives in a memory space "
                 "this execution space cannot read (TablePartition<MemorySpace>: use the "
                 "execution space's memory space)");
-  static_assert(Schedule::template supports<Partition, Mask>,
+  // BalancedSchedule's limits have their own messages above.
+  static_assert(std::is_same<Schedule, BalancedSchedule>::value ||
+                    impl::schedule_supports<Schedule, Partition, Mask>::value,
                 "BlockAttn: DistributedAttention: this schedule does not support this partition "
                 "and mask");
 

@@ -1063,7 +1063,8 @@ Prediction predict_reference(const Problem& problem, const Mask& mask, const Har
   }
   Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
   p.most = max_local_length<Partition>(p.N, P);
-  static_assert(impl::check_schedule<Schedule>(), "BlockAttn: predict needs a complete schedule");
+  // One static_assert per missing member of the schedule (impl::check_schedule).
+  static_assert(sizeof(impl::schedule_complete<Schedule>) > 0, "");
   if constexpr (!Schedule::template supports<Partition, Mask>) {
     pr.valid = false;
     pr.why_not = std::string("the ") + Schedule::name() + " schedule does not support the " +

@@ -242,6 +242,21 @@ constexpr bool check_schedule() {
          has_backward_steps<S>::value && has_backward_step<S>::value;
 }
 
+/// check_schedule<S>() for a schedule S (its static_asserts fire when the
+/// class is instantiated); true for any other type, whose own message comes
+/// from the caller.
+template <class S, bool = is_schedule_v<S>>
+struct schedule_complete : std::true_type {};
+template <class S>
+struct schedule_complete<S, true> : std::bool_constant<check_schedule<S>()> {};
+
+/// S::supports<Partition, Mask> for a schedule S; true for any other type.
+template <class S, class Partition, class Mask, bool = is_schedule_v<S>>
+struct schedule_supports : std::true_type {};
+template <class S, class Partition, class Mask>
+struct schedule_supports<S, Partition, Mask, true>
+    : std::bool_constant<S::template supports<Partition, Mask>> {};
+
 }  // namespace impl
 
 /// Number of steps of a schedule's forward in context c.
