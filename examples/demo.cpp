@@ -7,6 +7,8 @@
 //   blockattn_demo [--n N] [--d D] [--heads H] [--batch B] [--fp64] [--reps R]
 #include <blockattn/blockattn.hpp>
 
+#include "../tools/cli_args.hpp"  // strict numbers, --help
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,15 +25,33 @@ struct Args {
   bool fp64 = false;
 };
 
+const char* const usage_text = R"(usage: blockattn_demo_single [flags]
+Exact blockwise attention on one device for several masks, checked against an
+fp64 reference: time, GFLOP/s on allowed pairs, tiles and error per mask.
+  --n N        sequence length [4096]
+  --d D        head dim, 1 .. 256 [128]
+  --heads H    [4]
+  --batch B    [1]
+  --reps R     best of R [3]
+  --fp64       fp64 values (default fp32)
+  --help, -h   this text
+Kokkos' flags (--kokkos-num-threads=N, ...) pass through.
+)";
+
+[[noreturn]] void bad(const std::string& what) {
+  std::fprintf(stderr, "blockattn_demo_single: %s (--help lists the flags)\n", what.c_str());
+  std::exit(2);
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     auto next = [&](const char* flag) {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "missing value after %s\n", flag);
-        std::exit(2);
-      }
-      return std::atoi(argv[++i]);
+      if (i + 1 >= argc) bad(std::string("missing value after ") + flag);
+      int v = 0;
+      const std::string error = blockattn_cli::read_int(flag, argv[++i], v);
+      if (!error.empty()) bad(error);
+      return v;
     };
     if (!std::strcmp(argv[i], "--n"))
       a.n = next("--n");
@@ -45,10 +65,8 @@ Args parse(int argc, char** argv) {
       a.reps = next("--reps");
     else if (!std::strcmp(argv[i], "--fp64"))
       a.fp64 = true;
-    else if (argv[i][0] == '-' && argv[i][1] == '-' && std::strncmp(argv[i], "--kokkos", 8)) {
-      std::fprintf(stderr, "unknown option %s\n", argv[i]);
-      std::exit(2);
-    }
+    else if (std::strncmp(argv[i], "--kokkos", 8))
+      bad(std::string("unknown option ") + argv[i]);
   }
   return a;
 }
@@ -163,15 +181,19 @@ int run_all(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
+    std::fputs(usage_text, stdout);
+    return 0;
+  }
   Kokkos::initialize(argc, argv);
   int failures = 0;
   try {
     const Args a = parse(argc, argv);
     failures = a.fp64 ? run_all<double>(a) : run_all<float>(a);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    failures = 1;
+    std::fprintf(stderr, "blockattn_demo_single: %s\n", e.what());
+    failures = -1;
   }
   Kokkos::finalize();
-  return failures == 0 ? 0 : 1;
+  return failures == 0 ? 0 : failures < 0 ? 2 : 1;
 }

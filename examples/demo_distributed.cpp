@@ -16,6 +16,8 @@
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
+#include "../tools/cli_args.hpp"  // strict numbers, --help
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -34,24 +36,46 @@ struct Args {
   std::string dtype = "fp32";
 };
 
+const char* const usage_text = R"(usage: mpiexec -n P blockattn_demo [flags]
+Causal attention over P ranks with every partition x schedule (and Ulysses,
+the 2D hybrid), checked against the single-device result of the same global
+sequence: time, load imbalance, skipped tiles, bytes and error per row.
+  --n N        global sequence length, a multiple of 2P [8192]
+  --d D        head dim, 1 .. 256 [128]
+  --heads H    [2]
+  --batch B    [1]
+  --reps R     best of R [3]
+  --dtype T    fp32|fp64|bf16|fp16 [fp32]; --fp64 is --dtype fp64
+  --help, -h   this text
+Kokkos' flags (--kokkos-num-threads=N, ...) pass through.
+)";
+
+/// The command line; throws std::invalid_argument naming the flag.
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
-    auto value = [&] { return i + 1 < argc ? std::atoi(argv[++i]) : -1; };
-    if (!std::strcmp(argv[i], "--n"))
-      a.n = value();
-    else if (!std::strcmp(argv[i], "--d"))
-      a.d = value();
-    else if (!std::strcmp(argv[i], "--heads"))
-      a.heads = value();
-    else if (!std::strcmp(argv[i], "--batch"))
-      a.batch = value();
-    else if (!std::strcmp(argv[i], "--reps"))
-      a.reps = value();
-    else if (!std::strcmp(argv[i], "--fp64"))
+    const std::string f = argv[i];
+    auto value = [&](int& out) {
+      if (i + 1 >= argc) throw std::invalid_argument("missing value after " + f);
+      const std::string error = blockattn_cli::read_int(f, argv[++i], out);
+      if (!error.empty()) throw std::invalid_argument(error);
+    };
+    if (f == "--n")
+      value(a.n);
+    else if (f == "--d")
+      value(a.d);
+    else if (f == "--heads")
+      value(a.heads);
+    else if (f == "--batch")
+      value(a.batch);
+    else if (f == "--reps")
+      value(a.reps);
+    else if (f == "--fp64")
       a.dtype = "fp64";
-    else if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc)
+    else if (f == "--dtype" && i + 1 < argc)
       a.dtype = argv[++i];
+    else if (f.rfind("--kokkos", 0) != 0)
+      throw std::invalid_argument("unknown option " + f + " (--help lists the flags)");
   }
   return a;
 }
@@ -223,6 +247,13 @@ int run_all(blockattn::MpiCommunicator<>& comm, const Args& a) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
+  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0) std::fputs(usage_text, stdout);
+    MPI_Finalize();
+    return 0;
+  }
   Kokkos::initialize(argc, argv);
   int failures = 0;
   {
@@ -241,11 +272,13 @@ int main(int argc, char** argv) {
         throw std::invalid_argument("--dtype: expected fp32, fp64, bf16 or fp16, got '" + a.dtype +
                                     "'");
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "rank %d: error: %s\n", comm.rank(), e.what());
-      failures = 1;
+      // The same command line and the library's collective checks: every
+      // rank meets the same error; rank 0 says it.
+      if (comm.rank() == 0) std::fprintf(stderr, "blockattn_demo: %s\n", e.what());
+      failures = -1;
     }
   }
   Kokkos::finalize();
   MPI_Finalize();
-  return failures == 0 ? 0 : 1;
+  return failures == 0 ? 0 : failures < 0 ? 2 : 1;
 }
