@@ -817,27 +817,47 @@ void balanced_totals(Prediction& pr, const Problem& p, const Hardware& hw,
   std::vector<char> has(2 * n), known(2 * n);
   for (int t = 0; t <= T; ++t) {
     const int u = t + 1, h = t - 1;  // inputs of step u; results of step h
-    for (int r = 0; r < P; ++r) {
-      double c = 0;
-      if (t < T) {
-        const BlockTask task = balanced_task(r, t, P);
-        if (task.idle()) {
-          ++idle[std::size_t(r)];
-        } else if (!cost.empty()) {
-          const std::size_t d = std::size_t(task.q_rank - task.k_rank + P - 1);
+    if (t < T && !cost.empty()) {
+      // Pair classes: owners (r >= t) compute q - k = t, helpers (r < t,
+      // 2t < P) q - k = P - t, the others nothing (balanced_task()).
+      const std::size_t own = std::size_t(t + P - 1), help = std::size_t(2 * P - 1 - t);
+      const bool helping = t > 0 && 2 * t < P;
+      for (int r = 0; r < P; ++r) {
+        const bool owner = r >= t;
+        double c = 0;
+        if (owner || helping) {
+          const std::size_t d = owner ? own : help;
           c = cost[d];
-          if (!works[d]) ++idle[std::size_t(r)];
+          idle[std::size_t(r)] += works[d] ? 0 : 1;
           busy[std::size_t(r)] += c;
         } else {
-          const TileCounts tiles = w(task.q_rank, task.k_rank);
-          c = tile_seconds(p, hw, tiles) + (tiles.computed() == 0 ? 0.0 : hw.step_overhead);
-          if (tiles.computed() == 0) ++idle[std::size_t(r)];
-          busy[std::size_t(r)] += c;
+          ++idle[std::size_t(r)];
         }
+        cend[std::size_t(r)] = start[std::size_t(r)] + c;
+        done[std::size_t(r)] = cend[std::size_t(r)];
       }
-      cend[std::size_t(r)] = start[std::size_t(r)] + c;
-      done[std::size_t(r)] = cend[std::size_t(r)];
-    }
+    } else
+      for (int r = 0; r < P; ++r) {
+        double c = 0;
+        if (t < T) {
+          const BlockTask task = balanced_task(r, t, P);
+          if (task.idle()) {
+            ++idle[std::size_t(r)];
+          } else if (!cost.empty()) {
+            const std::size_t d = std::size_t(task.q_rank - task.k_rank + P - 1);
+            c = cost[d];
+            if (!works[d]) ++idle[std::size_t(r)];
+            busy[std::size_t(r)] += c;
+          } else {
+            const TileCounts tiles = w(task.q_rank, task.k_rank);
+            c = tile_seconds(p, hw, tiles) + (tiles.computed() == 0 ? 0.0 : hw.step_overhead);
+            if (tiles.computed() == 0) ++idle[std::size_t(r)];
+            busy[std::size_t(r)] += c;
+          }
+        }
+        cend[std::size_t(r)] = start[std::size_t(r)] + c;
+        done[std::size_t(r)] = cend[std::size_t(r)];
+      }
     const auto add = [&](std::size_t m, int from, int to, std::int64_t bytes, const double* time,
                          double at) {
       const bool near = hw.ranks_per_node > 0 && node[std::size_t(from)] == node[std::size_t(to)];
@@ -878,6 +898,15 @@ void balanced_totals(Prediction& pr, const Problem& p, const Hardware& hw,
     };
     for (std::size_t m0 = 0; m0 < 2 * n; ++m0) {
       if (!has[m0] || known[m0]) continue;
+      {  // most messages share no link with an earlier one
+        const std::size_t other = m0 ^ 1;
+        const long pin = in_partner(m0);
+        if (!(has[other] && before(other, m0)) && !(pin >= 0 && before(std::size_t(pin), m0))) {
+          fin[m0] = std::max({ready[m0], out_free[m0 / 2], in_free[std::size_t(dst[m0])]}) + dt[m0];
+          known[m0] = 1;
+          continue;
+        }
+      }
       stack.clear();
       stack.push_back(int(m0));
       while (!stack.empty()) {
