@@ -172,6 +172,24 @@ std::string length_why_not(index_type N, int P) {
   return {};
 }
 
+/// Why Partition x Schedule cannot run N tokens over P ranks with a mask of
+/// this type (the length, then the schedule's compile-time support), or "".
+template <class Partition, class Schedule, class Mask>
+std::string layout_why_not(index_type N, int P) {
+  if (std::string why = length_why_not<Partition>(N, P); !why.empty()) return why;
+  if constexpr (!Schedule::template supports<Partition, Mask>)
+    return std::string("the ") + Schedule::name() + " schedule does not support the " +
+           Partition::name() + " partition with this mask";
+  return {};
+}
+
+/// `pr` marked not possible, for `why`.
+inline Prediction invalid(Prediction pr, std::string why) {
+  pr.valid = false;
+  pr.why_not = std::move(why);
+  return pr;
+}
+
 }  // namespace detail
 
 namespace detail {
@@ -1085,28 +1103,16 @@ Prediction predict_reference(const Problem& problem, const Mask& mask, const Har
   pr.partition = Partition::name();
   pr.schedule = Schedule::name();
   const int P = problem.P;
-  if (std::string why = detail::length_why_not<Partition>(problem.N, P); !why.empty()) {
-    pr.valid = false;
-    pr.why_not = std::move(why);
-    return pr;
-  }
-  Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
-  p.most = max_local_length<Partition>(p.N, P);
   // One static_assert per missing member of the schedule (impl::check_schedule).
   static_assert(sizeof(impl::schedule_complete<Schedule>) > 0, "");
-  if constexpr (!Schedule::template supports<Partition, Mask>) {
-    pr.valid = false;
-    pr.why_not = std::string("the ") + Schedule::name() + " schedule does not support the " +
-                 Partition::name() + " partition with this mask";
-    return pr;
-  } else {
-    const std::string why = Schedule::template can_implement<Partition>(mask, p.N, P);
-    if (!why.empty()) {
-      pr.valid = false;
-      pr.why_not = why;
-      return pr;
-    }
-  }
+  if (std::string why = detail::layout_why_not<Partition, Schedule, Mask>(problem.N, P);
+      !why.empty())
+    return detail::invalid(std::move(pr), std::move(why));
+  Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
+  p.most = max_local_length<Partition>(p.N, P);
+  if constexpr (Schedule::template supports<Partition, Mask>)
+    if (std::string why = Schedule::template can_implement<Partition>(mask, p.N, P); !why.empty())
+      return detail::invalid(std::move(pr), std::move(why));
   const ScheduleContext ctx = schedule_context<Partition>(mask, p.N, P);
   const int steps = schedule_steps<Schedule>(ctx);
   std::vector<detail::Message> msgs;
@@ -1216,37 +1222,23 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
     pr.partition = Partition::name();
     pr.schedule = Schedule::name();
     const int P = problem.P;
-    if (std::string why = detail::length_why_not<Partition>(problem.N, P); !why.empty()) {
-      pr.valid = false;
-      pr.why_not = std::move(why);
-      return pr;
-    }
+    if (std::string why = detail::layout_why_not<Partition, Schedule, Mask>(problem.N, P);
+        !why.empty())
+      return detail::invalid(std::move(pr), std::move(why));
     Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
     p.most = max_local_length<Partition>(p.N, P);
     detail::PairWork<Partition, Mask> w(mask, p.N, P, p.block_q, p.block_k, count_pairs);
-    if constexpr (!Schedule::template supports<Partition, Mask>) {
-      pr.valid = false;
-      pr.why_not = std::string("the ") + Schedule::name() + " schedule does not support the " +
-                   Partition::name() + " partition with this mask";
-      return pr;
-    } else {
+    if constexpr (Schedule::template supports<Partition, Mask>) {
       std::string why;
       if (balanced && w.by_difference()) {
         // can_implement()'s first pair (i, j > i) that is not empty: rank 0
         // meets every distance, so it is (0, the nearest such j).
         for (int j = 1; j < P && why.empty(); ++j)
-          if (!w.empty(0, j))
-            why = "the queries of rank 0 attend to keys of the later rank " + std::to_string(j) +
-                  "; BalancedSchedule expects a causal mask (no query attends to a later "
-                  "block): use RingSchedule for this mask";
+          if (!w.empty(0, j)) why = BalancedSchedule::reaches_later(0, j);
       } else {
         why = Schedule::template can_implement<Partition>(mask, p.N, P);
       }
-      if (!why.empty()) {
-        pr.valid = false;
-        pr.why_not = why;
-        return pr;
-      }
+      if (!why.empty()) return detail::invalid(std::move(pr), std::move(why));
     }
     pr.ranks.resize(std::size_t(P));
     const std::int64_t inputs =
@@ -1292,16 +1284,10 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   pr.partition = Partition::name();
   pr.schedule = "ulysses";
   const int P = p.P;
-  if (std::string why = detail::length_why_not<Partition>(p.N, P); !why.empty()) {
-    pr.valid = false;
-    pr.why_not = std::move(why);
-    return pr;
-  }
-  if (const std::string why = UlyssesHeads::why_not(p.heads, p.kv_heads, P); !why.empty()) {
-    pr.valid = false;
-    pr.why_not = why;
-    return pr;
-  }
+  if (std::string why = detail::length_why_not<Partition>(p.N, P); !why.empty())
+    return detail::invalid(std::move(pr), std::move(why));
+  if (std::string why = UlyssesHeads::why_not(p.heads, p.kv_heads, P); !why.empty())
+    return detail::invalid(std::move(pr), std::move(why));
   const UlyssesHeads u = UlyssesHeads::make(p.heads, p.kv_heads, P);
   const int cs = p.accumulator_bytes();
   const std::int64_t keys_padded = (p.N + p.block_k - 1) / p.block_k * std::int64_t(p.block_k);

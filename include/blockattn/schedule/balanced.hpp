@@ -136,12 +136,15 @@ struct BalancedSchedule {
   static std::string can_implement(const Mask& mask, index_type N, int P) {
     for (int i = 0; i < P; ++i)
       for (int j = i + 1; j < P; ++j)
-        if (!block_is_empty<Partition>(mask, N, P, i, j))
-          return "the queries of rank " + std::to_string(i) + " attend to keys of the later rank " +
-                 std::to_string(j) +
-                 "; BalancedSchedule expects a causal mask (no query attends to a later block): "
-                 "use RingSchedule for this mask";
+        if (!block_is_empty<Partition>(mask, N, P, i, j)) return reaches_later(i, j);
     return {};
+  }
+  /// can_implement()'s reason when the queries of rank i see keys of rank j > i.
+  static std::string reaches_later(int i, int j) {
+    return "the queries of rank " + std::to_string(i) + " attend to keys of the later rank " +
+           std::to_string(j) +
+           "; BalancedSchedule expects a causal mask (no query attends to a later block): "
+           "use RingSchedule for this mask";
   }
   static int steps(const ScheduleContext& c) { return balanced_steps(c.P); }
   static void step(const ScheduleContext& c, int rank, int t, ForwardStep& out) {
