@@ -14,6 +14,7 @@
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/band.hpp>
 #include <blockattn/kernel/block_product.hpp>
+#include <blockattn/kernel/decode.hpp>
 #include <blockattn/kernel/fused_block.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>

@@ -1,0 +1,334 @@
+// SPDX-License-Identifier: Apache-2.0
+// Serving on one device: split-KV decode (a few query rows per sequence
+// against a long key cache, the keys cut over teams and merged) and the
+// public merge of partial results (O, LSE) over disjoint key sets.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/kernel/impl/decode_kernel.hpp>
+#include <blockattn/kernel/options.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/kernel/validate.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/positions.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace blockattn {
+
+/// Run-time options of attention_decode.
+struct DecodeOptions {
+  /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  /// Key ranges per (sequence, kv head); 0: chosen from the device's
+  /// concurrency and the longest cache (at most 64).
+  int splits = 0;
+  /// The longest cache length if the caller knows it (>= every lengths(b));
+  /// -1: read from `lengths` (a reduction, which waits for the device).
+  index_type max_length = -1;
+};
+
+namespace impl {
+
+template <class QV, class KV, class VV, class OV, class LV>
+constexpr bool decode_views_ok() {
+  return forward_views_ok<QV, KV, VV, OV, LV>();
+}
+
+/// The work cut of one decode call (host side).
+template <class T, class ExecSpace>
+DecodeGrid decode_grid(const ExecSpace& exec, const BlockExtents& e, index_type max_len,
+                       int requested_splits) {
+  DecodeGrid g;
+  g.batch = e.batch;
+  g.heads = e.heads;
+  g.kv_heads = e.kv_heads;
+  g.rows = e.queries;
+  g.dim = e.dim;
+  g.group = e.heads / e.kv_heads;
+  g.key_tile = 32;
+  const int group_rows = g.group * g.rows;
+  // Rows per team: as many as keep the team's scratch (2 x rows x dim values)
+  // near 32 KB, at most 16.
+  const int per_row = 2 * e.dim + g.key_tile + 3;
+  const int cap = std::max(1, int(32768 / (sizeof(T) * std::size_t(per_row))));
+  g.row_tile = std::min({group_rows, 16, cap});
+  g.row_tiles = (group_rows + g.row_tile - 1) / g.row_tile;
+  constexpr bool host = is_host_space_v<ExecSpace>;
+  g.team_size = host ? 1 : 128;
+  if (requested_splits > 0) {
+    g.splits = std::min(requested_splits, max_decode_splits);
+  } else {
+    const std::int64_t base = std::int64_t(g.batch) * g.kv_heads * g.row_tiles;
+    const std::int64_t target = host ? 4 * std::int64_t(exec.concurrency())
+                                     : std::max<std::int64_t>(1, exec.concurrency() / 64);
+    const std::int64_t by_work = (target + base - 1) / base;
+    const std::int64_t by_keys = std::max<std::int64_t>(1, (max_len + 255) / 256);
+    g.splits = int(std::max<std::int64_t>(
+        1, std::min<std::int64_t>({by_work, by_keys, std::int64_t(max_decode_splits)})));
+  }
+  return g;
+}
+}  // namespace impl
+
+/// Attention of a few query rows per sequence against a key cache, the keys
+/// of each (sequence, kv head) split over teams and merged (FlashDecoding).
+///
+///   q           (batch, rows, heads, head_dim)      the new tokens' queries
+///   k, v        (batch, capacity, kv_heads, head_dim)  any layout; slots
+///               0 .. lengths(b) - 1 of sequence b are its cached keys
+///   lengths     View<int*> (batch): cached keys per sequence (0: none)
+///   q_positions View<index_type*> (batch): global position of row 0 of
+///               sequence b (its rows are q_positions(b) + i)
+///   o, lse      (batch, rows, heads, head_dim), (batch, heads, rows)
+///   mask        on global positions: query q_positions(b) + i, key kpos(j)
+///   kpos        slot j -> global position (strictly increasing); default j
+///
+/// A row that sees no key (an empty cache, or a mask that allows none) gets
+/// O = 0 and LSE = -inf; NaN in a visible key or query makes the row NaN.
+/// Value types as attention_forward (q, k, v, o alike; lse of compute type).
+/// Work is enqueued on `exec` (a reduction over `lengths` waits for it
+/// unless opts.max_length is given).
+template <class ExecSpace, class QV, class KV, class VV, class LenV, class PosV, class OV, class LV,
+          class Mask = FullMask, class KPos = OffsetPositions,
+          class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV& v,
+                      const LenV& lengths, const PosV& q_positions, const OV& o, const LV& lse,
+                      const Mask& mask = {}, const KPos& kpos = {},
+                      const DecodeOptions& opts = {}) {
+  impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+  impl::check_mask_policy<Mask>();
+  impl::check_position_map<KPos>();
+  static_assert(Kokkos::is_view<LenV>::value && LenV::rank == 1 &&
+                    std::is_same<typename LenV::non_const_value_type, int>::value,
+                "BlockAttn: attention_decode's lengths must be a rank-1 View of int (batch)");
+  static_assert(Kokkos::is_view<PosV>::value && PosV::rank == 1 &&
+                    std::is_same<typename PosV::non_const_value_type, index_type>::value,
+                "BlockAttn: attention_decode's q_positions must be a rank-1 View of "
+                "blockattn::index_type (batch)");
+  if constexpr (impl::decode_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask>) {
+    using S = typename OV::non_const_value_type;
+    using T = compute_t<S>;
+    using mem = typename ExecSpace::memory_space;
+    const char* fn = "attention_decode";
+    // k may have no slot (an empty cache): only q's extents must be positive.
+    const BlockExtents e = impl::validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
+    if (e.queries == 0) impl::fail(fn, "argument 'q' has extent(1) (rows) = 0, expected >= 1");
+    impl::require_accessible<ExecSpace, typename LenV::memory_space>(fn, "lengths");
+    impl::require_accessible<ExecSpace, typename PosV::memory_space>(fn, "q_positions");
+    impl::require_extent(fn, "lengths", lengths, 0, "batch", q.extent(0), "the batch of q");
+    impl::require_extent(fn, "q_positions", q_positions, 0, "batch", q.extent(0), "the batch of q");
+    if (opts.splits < 0 || opts.splits > impl::max_decode_splits)
+      impl::fail(fn, "argument 'opts.splits' is ", opts.splits, ", expected 0 (automatic) .. ",
+                 impl::max_decode_splits);
+    index_type max_len = opts.max_length;
+    if (max_len < 0) {
+      int lo = 0, hi = 0;
+      const Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> len = lengths;
+      Kokkos::parallel_reduce(
+          "blockattn::decode_lengths", Kokkos::RangePolicy<ExecSpace>(exec, 0, e.batch),
+          KOKKOS_LAMBDA(const int b, int& mn, int& mx) {
+            mn = len(b) < mn ? len(b) : mn;
+            mx = len(b) > mx ? len(b) : mx;
+          },
+          Kokkos::Min<int>(lo), Kokkos::Max<int>(hi));
+      if (lo < 0) impl::fail(fn, "argument 'lengths' holds ", lo, ", expected >= 0");
+      max_len = hi;
+    }
+    if (max_len > index_type(k.extent(1)))
+      impl::fail(fn, "argument 'lengths' holds ", max_len,
+                 " keys, expected at most k.extent(1) = ", k.extent(1), " (the cache's capacity)");
+    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+    impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits);
+
+    impl::DecodeKernel<ExecSpace, T, S, S, S, Mask, KPos> kern;
+    kern.q = q;
+    kern.k = k;
+    kern.v = v;
+    kern.o = o;
+    kern.lse = lse;
+    kern.lengths = lengths;
+    kern.q_positions = q_positions;
+    kern.mask = mask;
+    kern.kpos = kpos;
+    kern.scale_log2 = scale * impl::log2e<T>;
+    kern.unit = (k.extent(3) <= 1 || (k.stride(3) == 1 && v.stride(3) == 1));
+    if (g.splits > 1) {
+      const std::int64_t n = g.splits * g.state_rows();
+      kern.part_o = Kokkos::View<T*, mem>(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_o"), n * e.dim);
+      kern.part_m = Kokkos::View<T*, mem>(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_m"), n);
+      kern.part_l = Kokkos::View<T*, mem>(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_l"), n);
+    }
+    kern.g = g;
+    using Policy = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+    Policy policy(exec, int(g.league()), g.team_size);
+    policy.set_scratch_size(0, Kokkos::PerTeam(kern.scratch_bytes(g)));
+    Kokkos::parallel_for("blockattn::decode", policy, kern);
+    if (g.splits > 1) {
+      impl::DecodeMerge<ExecSpace, T, S> merge{kern.o,      kern.lse,    kern.part_o,
+                                               kern.part_m, kern.part_l, g};
+      Kokkos::parallel_for(
+          "blockattn::decode_merge",
+          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, g.state_rows()),
+          merge);
+    }
+  }
+}
+
+/// Same, on a default-constructed instance of the Views' execution space.
+template <class QV, class KV, class VV, class LenV, class PosV, class OV, class LV,
+          class Mask = FullMask, class KPos = OffsetPositions,
+          class = std::enable_if_t<Kokkos::is_view<QV>::value>>
+void attention_decode(const QV& q, const KV& k, const VV& v, const LenV& lengths,
+                      const PosV& q_positions, const OV& o, const LV& lse, const Mask& mask = {},
+                      const KPos& kpos = {}, const DecodeOptions& opts = {}) {
+  attention_decode(typename OV::execution_space{}, q, k, v, lengths, q_positions, o, lse, mask,
+                   kpos, opts);
+}
+
+namespace impl {
+/// Row (b, i, h) of the merge of `parts` partial results: get_o(s, d),
+/// get_lse(s) read part s. LSE = -inf parts add nothing, a NaN LSE makes the
+/// row NaN, no part with a key gives O = 0, LSE = -inf.
+template <class T, class GetO, class GetL, class SetO>
+KOKKOS_INLINE_FUNCTION T merge_row(int parts, int dim, const GetO& get_o, const GetL& get_lse,
+                                   const SetO& set_o) {
+  T mx = -infinity<T>();
+  bool nan = false;
+  for (int s = 0; s < parts; ++s) {
+    const T l = get_lse(s);
+    if (l != l) nan = true;
+    mx = l > mx ? l : mx;
+  }
+  if (nan) {
+    for (int d = 0; d < dim; ++d) set_o(d, quiet_nan<T>());
+    return quiet_nan<T>();
+  }
+  if (mx == -infinity<T>()) {
+    for (int d = 0; d < dim; ++d) set_o(d, T(0));
+    return -infinity<T>();
+  }
+  T sum = T(0);
+  for (int s = 0; s < parts; ++s) sum += kmath::exp(get_lse(s) - mx);
+  const T inv = T(1) / sum;
+  for (int d = 0; d < dim; ++d) {
+    T acc = T(0);
+    for (int s = 0; s < parts; ++s) {
+      const T w = kmath::exp(get_lse(s) - mx);
+      if (w != T(0)) acc += w * T(to_compute(get_o(s, d)));
+    }
+    set_o(d, acc * inv);
+  }
+  return mx + kmath::log(sum);
+}
+
+template <class OPV, class LPV, class OV, class LV>
+constexpr void check_merge_views() {
+  static_assert(Kokkos::is_view<OPV>::value && Kokkos::is_view<LPV>::value &&
+                    Kokkos::is_view<OV>::value && Kokkos::is_view<LV>::value,
+                "BlockAttn: merge_attention takes Kokkos::Views");
+}
+}  // namespace impl
+
+/// Merges `n` partial results of the same query rows over disjoint key sets
+/// (each a normalised O and its natural-log LSE, e.g. one per rank or per
+/// key split) into the result over all their keys:
+///   M = max_s lse_s,  O = sum_s e^(lse_s - M) O_s / sum_s e^(lse_s - M),
+///   LSE = M + ln sum_s e^(lse_s - M).
+///   o_parts   (n, batch, rows, heads, head_dim)
+///   lse_parts (n, batch, heads, rows)          compute type of the values
+///   o, lse    (batch, rows, heads, head_dim), (batch, heads, rows)
+/// Exact for parts that saw no key (LSE = -inf adds nothing; none with a key:
+/// O = 0, LSE = -inf); a part with LSE = NaN makes the row NaN. The order of
+/// the parts does not change the result beyond rounding (the sum is in the
+/// order of the parts). Enqueued on `exec`.
+template <class ExecSpace, class OPV, class LPV, class OV, class LV>
+void merge_attention(const ExecSpace& exec, const OPV& o_parts, const LPV& lse_parts, const OV& o,
+                     const LV& lse) {
+  impl::check_merge_views<OPV, LPV, OV, LV>();
+  static_assert(OPV::rank == 5 && LPV::rank == 4 && OV::rank == 4 && LV::rank == 3,
+                "BlockAttn: merge_attention takes o_parts (n, batch, rows, heads, head_dim), "
+                "lse_parts (n, batch, heads, rows), o (batch, rows, heads, head_dim), lse "
+                "(batch, heads, rows)");
+  using S = typename OV::non_const_value_type;
+  using T = compute_t<S>;
+  static_assert(std::is_same<typename LV::non_const_value_type, T>::value &&
+                    std::is_same<typename LPV::non_const_value_type, T>::value,
+                "BlockAttn: lse and lse_parts must have the compute type of o's values");
+  const char* fn = "merge_attention";
+  impl::require_accessible<ExecSpace, typename OPV::memory_space>(fn, "o_parts");
+  impl::require_accessible<ExecSpace, typename LPV::memory_space>(fn, "lse_parts");
+  impl::require_accessible<ExecSpace, typename OV::memory_space>(fn, "o");
+  impl::require_accessible<ExecSpace, typename LV::memory_space>(fn, "lse");
+  const char* names[4] = {"batch", "rows", "heads", "head_dim"};
+  for (int d = 0; d < 4; ++d)
+    impl::require_extent(fn, "o_parts", o_parts, d + 1, names[d], o.extent(d),
+                         "the same extent of o");
+  impl::require_extent(fn, "lse_parts", lse_parts, 0, "parts", o_parts.extent(0),
+                       "o_parts.extent(0)");
+  impl::require_extent(fn, "lse_parts", lse_parts, 1, "batch", o.extent(0), "o.extent(0)");
+  impl::require_extent(fn, "lse_parts", lse_parts, 2, "heads", o.extent(2), "o.extent(2)");
+  impl::require_extent(fn, "lse_parts", lse_parts, 3, "rows", o.extent(1), "o.extent(1)");
+  impl::require_extent(fn, "lse", lse, 0, "batch", o.extent(0), "o.extent(0)");
+  impl::require_extent(fn, "lse", lse, 1, "heads", o.extent(2), "o.extent(2)");
+  impl::require_extent(fn, "lse", lse, 2, "rows", o.extent(1), "o.extent(1)");
+  const int parts = int(o_parts.extent(0)), dim = int(o.extent(3));
+  impl::for_each_row(
+      exec, "blockattn::merge_attention", o, KOKKOS_LAMBDA(int b, int i, int h) {
+        lse(b, h, i) = impl::merge_row<T>(
+            parts, dim, [&](int s, int d) { return o_parts(s, b, i, h, d); },
+            [&](int s) { return T(lse_parts(s, b, h, i)); },
+            [&](int d, T x) { o(b, i, h, d) = S(x); });
+      });
+}
+
+/// Merges two partial results (o_a, lse_a) and (o_b, lse_b) of the same rows
+/// over disjoint key sets into (o, lse), which may be (o_a, lse_a). Rules as
+/// the n-part merge_attention.
+template <class ExecSpace, class OAV, class LAV, class OBV, class LBV, class OV, class LV>
+void merge_attention(const ExecSpace& exec, const OAV& o_a, const LAV& lse_a, const OBV& o_b,
+                     const LBV& lse_b, const OV& o, const LV& lse) {
+  impl::check_merge_views<OAV, LAV, OV, LV>();
+  static_assert(OAV::rank == 4 && OBV::rank == 4 && OV::rank == 4 && LAV::rank == 3 &&
+                    LBV::rank == 3 && LV::rank == 3,
+                "BlockAttn: merge_attention takes o_a, o_b, o (batch, rows, heads, head_dim) and "
+                "lse_a, lse_b, lse (batch, heads, rows)");
+  using S = typename OV::non_const_value_type;
+  using T = compute_t<S>;
+  const char* fn = "merge_attention";
+  const char* names[4] = {"batch", "rows", "heads", "head_dim"};
+  for (int d = 0; d < 4; ++d) {
+    impl::require_extent(fn, "o_a", o_a, d, names[d], o.extent(d), "the same extent of o");
+    impl::require_extent(fn, "o_b", o_b, d, names[d], o.extent(d), "the same extent of o");
+  }
+  const int lse_dims[3] = {0, 2, 1};
+  const char* lse_names[3] = {"batch", "heads", "rows"};
+  for (int d = 0; d < 3; ++d) {
+    impl::require_extent(fn, "lse_a", lse_a, d, lse_names[d], o.extent(lse_dims[d]), "o's");
+    impl::require_extent(fn, "lse_b", lse_b, d, lse_names[d], o.extent(lse_dims[d]), "o's");
+    impl::require_extent(fn, "lse", lse, d, lse_names[d], o.extent(lse_dims[d]), "o's");
+  }
+  const int dim = int(o.extent(3));
+  impl::for_each_row(
+      exec, "blockattn::merge_attention", o, KOKKOS_LAMBDA(int b, int i, int h) {
+        const T la = lse_a(b, h, i), lb = lse_b(b, h, i);
+        lse(b, h, i) = impl::merge_row<T>(
+            2, dim,
+            [&](int s, int d) {
+              return s == 0 ? T(impl::to_compute(o_a(b, i, h, d)))
+                            : T(impl::to_compute(o_b(b, i, h, d)));
+            },
+            [&](int s) { return s == 0 ? la : lb; }, [&](int d, T x) { o(b, i, h, d) = S(x); });
+      });
+}
+
+}  // namespace blockattn

@@ -1,0 +1,298 @@
+// SPDX-License-Identifier: Apache-2.0
+// Split-KV attention for a few query rows against a long key cache
+// (FlashDecoding): the keys of every (sequence, kv head) are cut into
+// `splits` ranges; one team attends one range for every query row of the kv
+// head's group (GQA: the group's heads read the keys once), keeping (O, m, l)
+// in scratch, and writes an open partial state; a second pass merges the
+// splits of each row (the online-softmax rules of softmax_state.hpp).
+//
+// Decode is memory bound: the kernel reads the caller's K and V in place (any
+// strides; unit stride in head_dim streams), never packs them, and converts
+// 16-bit storage to the compute type as it reads.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/softmax_state.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/policy/mask.hpp>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace blockattn {
+namespace impl {
+
+/// The most key ranges one (sequence, kv head) is cut into.
+inline constexpr int max_decode_splits = 64;
+
+/// How one decode launch cuts its work (host side).
+struct DecodeGrid {
+  int batch = 0, heads = 0, kv_heads = 0, rows = 0, dim = 0;
+  int group = 1;      // heads / kv_heads
+  int row_tile = 1;   // team rows (of the group x rows rows of one kv head)
+  int row_tiles = 1;  // ceil(group * rows / row_tile)
+  int key_tile = 32;  // keys per scratch tile
+  int splits = 1;     // key ranges per (sequence, kv head)
+  int team_size = 1;  // threads per team (1 on host spaces)
+  std::int64_t league() const { return std::int64_t(batch) * kv_heads * row_tiles * splits; }
+  std::int64_t state_rows() const { return std::int64_t(batch) * heads * rows; }
+};
+
+template <class T>
+KOKKOS_INLINE_FUNCTION T to_compute(const T& x) {
+  return x;
+}
+KOKKOS_INLINE_FUNCTION float to_compute(const bf16& x) {
+  return float(x);
+}
+KOKKOS_INLINE_FUNCTION float to_compute(const fp16& x) {
+  return float(x);
+}
+
+/// q . k over n values with independent lane sums (vectorises without
+/// reassociation flags); k in storage type S, converted as read.
+template <class T, class S>
+KOKKOS_INLINE_FUNCTION T decode_dot(const T* q, const S* k, int n) {
+  constexpr int L = sizeof(T) == 4 ? 16 : 8;
+  T acc[L];
+  for (int l = 0; l < L; ++l) acc[l] = T(0);
+  int d = 0;
+  for (; d + L <= n; d += L)
+    for (int l = 0; l < L; ++l) acc[l] += q[d + l] * T(to_compute(k[d + l]));
+  T s = T(0);
+  for (; d < n; ++d) s += q[d] * T(to_compute(k[d]));
+  for (int l = 0; l < L; ++l) s += acc[l];
+  return s;
+}
+
+/// The split-KV pass: one team per (sequence, kv head, row tile, split).
+/// q, o: (batch, rows, heads, dim); k, v: (batch, capacity, kv_heads, dim)
+/// strided, k(b, j, g, 0 .. dim) contiguous when stride(3) == 1 (checked by
+/// the caller: `unit` says so). Writes the split's open state (unnormalised
+/// O, base-2 m, l) to the part_* buffers, or, with one split, the normalised
+/// O and LSE straight into o, lse.
+template <class ExecSpace, class T, class QS, class S, class OS, class Mask, class Pos>
+struct DecodeKernel {
+  using mem = typename ExecSpace::memory_space;
+  using member = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using scratch1 = Kokkos::View<T*, typename ExecSpace::scratch_memory_space,
+                                Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  Kokkos::View<const QS****, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> q;
+  Kokkos::View<const S****, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> k,
+      v;
+  Kokkos::View<OS****, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> o;
+  Kokkos::View<T***, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> lse;
+  Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> lengths;
+  Kokkos::View<const index_type*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> q_positions;
+  Kokkos::View<T*, mem> part_o, part_m, part_l;  // (split, row, [dim]) when splits > 1
+  Mask mask;
+  Pos kpos;
+  T scale_log2;  // scale * log2(e)
+  DecodeGrid g;
+  bool unit = true;  // k, v, q rows contiguous in head_dim
+
+  static std::size_t scratch_bytes(const DecodeGrid& g) {
+    const std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 3);
+    return scratch1::shmem_size(n);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member& m) const {
+    std::int64_t t = m.league_rank();
+    const int split = int(t % g.splits);
+    t /= g.splits;
+    const int rt = int(t % g.row_tiles);
+    t /= g.row_tiles;
+    const int kvh = int(t % g.kv_heads);
+    const int b = int(t / g.kv_heads);
+    const int D = g.dim, KT = g.key_tile, R = g.row_tile;
+    const int group_rows = g.group * g.rows;
+    const int r0 = rt * R;
+    const int nr = r0 + R <= group_rows ? R : group_rows - r0;
+
+    const scratch1 buf(m.team_scratch(0), std::size_t(R) * (2 * std::size_t(D) + KT + 3));
+    T* qs = buf.data();                // R x D: q * scale * log2(e)
+    T* os = qs + std::size_t(R) * D;   // R x D: unnormalised O
+    T* ss = os + std::size_t(R) * D;   // R x KT: scores, then P
+    T* ms = ss + std::size_t(R) * KT;  // R: running max (base 2)
+    T* ls = ms + R;                    // R: running sum
+    T* as = ls + R;                    // R: this tile's rescale factor
+
+    const int len = lengths(b);
+    const std::int64_t k_begin = std::int64_t(len) * split / g.splits;
+    const std::int64_t k_end = std::int64_t(len) * (split + 1) / g.splits;
+    const index_type q0 = q_positions(b);
+
+    // Row r of the tile: head kvh * group + (r0 + r) / rows, query (r0 + r) % rows.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * D), [&](const int e) {
+      const int r = e / D, d = e % D;
+      const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
+      qs[std::size_t(r) * D + d] = T(to_compute(q(b, i, h, d))) * scale_log2;
+      os[std::size_t(r) * D + d] = T(0);
+    });
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
+      ms[r] = -infinity<T>();
+      ls[r] = T(0);
+    });
+    m.team_barrier();
+
+    // The query positions of the tile's rows, for classify.
+    index_type qlo = q0 + g.rows, qhi = q0;
+    for (int r = 0; r < nr; ++r) {
+      const index_type p = q0 + (r0 + r) % g.rows;
+      qlo = p < qlo ? p : qlo;
+      qhi = p + 1 > qhi ? p + 1 : qhi;
+    }
+
+    for (std::int64_t j0 = k_begin; j0 < k_end; j0 += KT) {
+      const int nk = int(k_end - j0 < KT ? k_end - j0 : KT);
+      const TileKind kind = mask.classify(qlo, qhi, kpos(j0), kpos(j0 + nk - 1) + 1);
+      if (kind == TileKind::empty) continue;
+      // Scores S = q k^T (base 2, scaled), masked to -inf.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * nk), [&](const int e) {
+        const int r = e / nk, j = e % nk;
+        const index_type kp = kpos(j0 + j);
+        const index_type qp = q0 + (r0 + r) % g.rows;
+        T s;
+        if (kind == TileKind::partial && !mask.allowed(qp, kp)) {
+          s = -infinity<T>();
+        } else {
+          const S* kr = &k(b, int(j0 + j), kvh, 0);
+          if (unit) {
+            s = decode_dot(qs + std::size_t(r) * D, kr, D);
+          } else {
+            s = T(0);
+            for (int d = 0; d < D; ++d)
+              s += qs[std::size_t(r) * D + d] * T(to_compute(k(b, int(j0 + j), kvh, d)));
+          }
+        }
+        ss[std::size_t(r) * KT + j] = s;
+      });
+      m.team_barrier();
+      // Online softmax per row: m' = max(m, max S), P = 2^(S - m'), l = a l + sum P.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
+        T* sr = ss + std::size_t(r) * KT;
+        T mx = -infinity<T>();
+        for (int j = 0; j < nk; ++j) mx = sr[j] > mx ? sr[j] : mx;
+        bool nan = false;
+        for (int j = 0; j < nk; ++j) nan = nan || sr[j] != sr[j];
+        const T mn = mx > ms[r] ? mx : ms[r];
+        if (mn == -infinity<T>() && !nan) {  // no allowed key yet: nothing to add
+          as[r] = T(1);
+          for (int j = 0; j < nk; ++j) sr[j] = T(0);
+          return;
+        }
+        // A row with only NaN scores so far has mn = -inf: its P are NaN (kept).
+        const T a = ms[r] == -infinity<T>() ? T(0) : kmath::exp2(ms[r] - mn);
+        T sum = T(0);
+        for (int j = 0; j < nk; ++j) {
+          const T p = sr[j] == -infinity<T>() ? T(0) : kmath::exp2(sr[j] - mn);
+          sr[j] = p;
+          sum += p;
+        }
+        ls[r] = ls[r] * a + sum;
+        ms[r] = mn;
+        as[r] = a;
+      });
+      m.team_barrier();
+      // O = a O + P V.
+      if constexpr (is_host_space_v<ExecSpace>) {
+        for (int r = 0; r < nr; ++r) {
+          T* orow = os + std::size_t(r) * D;
+          const T a = as[r];
+          if (a != T(1))
+            for (int d = 0; d < D; ++d) orow[d] *= a;
+          const T* pr = ss + std::size_t(r) * KT;
+          for (int j = 0; j < nk; ++j) {
+            const T p = pr[j];
+            if (p == T(0)) continue;
+            const S* vr = &v(b, int(j0 + j), kvh, 0);
+            if (unit) {
+              for (int d = 0; d < D; ++d) orow[d] += p * T(to_compute(vr[d]));
+            } else {
+              for (int d = 0; d < D; ++d) orow[d] += p * T(to_compute(v(b, int(j0 + j), kvh, d)));
+            }
+          }
+        }
+      } else {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * D), [&](const int e) {
+          const int r = e / D, d = e % D;
+          const T* pr = ss + std::size_t(r) * KT;
+          T acc = os[e] * as[r];
+          for (int j = 0; j < nk; ++j)
+            if (pr[j] != T(0)) acc += pr[j] * T(to_compute(v(b, int(j0 + j), kvh, d)));
+          os[e] = acc;
+        });
+      }
+      m.team_barrier();
+    }
+
+    // Out: the open state of this split, or the normalised row.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
+      const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
+      const T* orow = os + std::size_t(r) * D;
+      if (g.splits == 1) {
+        const T inv = SoftmaxRow<T>::inverse_sum(ls[r]);
+        for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(orow[d] * inv);
+        lse(b, h, i) = SoftmaxRow<T>::lse(ms[r], ls[r]);
+      } else {
+        const std::int64_t row = (std::int64_t(b) * g.heads + h) * g.rows + i;
+        const std::int64_t at = std::int64_t(split) * g.state_rows() + row;
+        part_m(at) = ms[r];
+        part_l(at) = ls[r];
+        for (int d = 0; d < D; ++d) part_o(at * D + d) = orow[d];
+      }
+    });
+  }
+};
+
+/// The merge pass: row (b, h, i) from its splits' open states.
+/// m' = max m_s, l = sum 2^(m_s - m') l_s, O = sum 2^(m_s - m') O_s / l;
+/// a split that saw no key (l_s = 0) adds nothing, a NaN l_s makes the row NaN.
+template <class ExecSpace, class T, class OS>
+struct DecodeMerge {
+  using mem = typename ExecSpace::memory_space;
+  Kokkos::View<OS****, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> o;
+  Kokkos::View<T***, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> lse;
+  Kokkos::View<T*, mem> part_o, part_m, part_l;
+  DecodeGrid g;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t row) const {
+    const int i = int(row % g.rows);
+    const int h = int((row / g.rows) % g.heads);
+    const int b = int(row / (std::int64_t(g.rows) * g.heads));
+    const std::int64_t n = g.state_rows();
+    const int D = g.dim;
+    T mx = -infinity<T>();
+    bool nan = false;
+    for (int s = 0; s < g.splits; ++s) {
+      const T l = part_l(s * n + row);
+      if (l != l) nan = true;
+      if (l != T(0) && part_m(s * n + row) > mx) mx = part_m(s * n + row);
+    }
+    if (nan) {
+      for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(quiet_nan<T>());
+      lse(b, h, i) = quiet_nan<T>();
+      return;
+    }
+    T w[max_decode_splits];
+    T l = T(0);
+    for (int s = 0; s < g.splits; ++s) {
+      const T ls = part_l(s * n + row);
+      w[s] = ls != T(0) ? kmath::exp2(part_m(s * n + row) - mx) : T(0);
+      l += w[s] * ls;
+    }
+    const T inv = SoftmaxRow<T>::inverse_sum(l);
+    for (int d = 0; d < D; ++d) {
+      T acc = T(0);
+      for (int s = 0; s < g.splits; ++s)
+        if (w[s] != T(0)) acc += w[s] * part_o((s * n + row) * D + d);
+      o(b, i, h, d) = OS(acc * inv);
+    }
+    lse(b, h, i) = SoftmaxRow<T>::lse(mx, l);
+  }
+};
+
+}  // namespace impl
+}  // namespace blockattn

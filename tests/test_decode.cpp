@@ -1,0 +1,353 @@
+// SPDX-License-Identifier: Apache-2.0
+// Serving on one device: attention_decode (split-KV: the keys of a sequence
+// cut over teams and merged) and merge_attention, against the fp64
+// reference: cache lengths 1 .. 100 000, batches of mixed lengths, empty
+// caches (O = 0, LSE = -inf), GQA, masks on global positions through a
+// slot -> position map (a rank's shard of a sharded cache), heads-major cache
+// storage, forced and automatic splits, NaN rules, argument errors.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+#include <blockattn/kernel/decode.hpp>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "forward_check.hpp"
+#include "reference.hpp"
+
+using namespace blockattn;
+using namespace blockattn::test;
+
+namespace {
+
+template <class T>
+using V4 = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
+template <class T>
+using V3 = Kokkos::View<compute_t<T>***, Kokkos::LayoutRight, MemSpace>;
+
+/// allowed(q, j) of `mask` with key slot j at global position kpos(j).
+template <class Mask, class Pos>
+struct SlotMask {
+  Mask mask;
+  Pos kpos;
+  bool allowed(index_type q, index_type j) const { return mask.allowed(q, kpos(j)); }
+};
+
+struct DecodeCase {
+  std::vector<int> lengths;  // cached keys per sequence
+  int rows, heads, kv_heads, dim;
+  int splits;                 // 0: automatic
+  index_type stride, offset;  // slot j at offset + stride * j
+  bool heads_major;           // cache stored (batch, kv_heads, capacity, dim)
+};
+
+std::string describe(const DecodeCase& c) {
+  std::string s = "lengths={";
+  for (int l : c.lengths) s += std::to_string(l) + ",";
+  return s + "} rows=" + std::to_string(c.rows) + " H=" + std::to_string(c.heads) +
+         " Hkv=" + std::to_string(c.kv_heads) + " D=" + std::to_string(c.dim) +
+         " splits=" + std::to_string(c.splits) + " stride=" + std::to_string(c.stride) +
+         (c.heads_major ? " heads-major" : " seq-major");
+}
+
+template <class T>
+double bound(const ReferenceResult& ref, int dim, int keys) {
+  if constexpr (std::is_same<T, double>::value)
+    return tolerance<double>(ref, dim, keys);
+  else if constexpr (std::is_same<T, float>::value)
+    return tolerance<float>(ref, dim, keys);
+  else  // fp32 arithmetic, O rounded once to 16 bits (|O| <= 1: half an ulp <= 2^-8)
+    return tolerance<float>(ref, dim, keys) + std::ldexp(1.0, -7);
+}
+
+/// Runs attention_decode on the case under `mask` and checks every sequence
+/// against the fp64 reference over its own cached keys.
+template <class T, class Mask>
+void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed) {
+  INFO(describe(c));
+  const int B = int(c.lengths.size());
+  int cap = 1;
+  for (int l : c.lengths) cap = std::max(cap, l);
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(B, c.rows, c.heads, c.dim, rng, 2.0);
+  HostTensor k = random_tensor(B, cap, c.kv_heads, c.dim, rng, 2.0);
+  HostTensor v = random_tensor(B, cap, c.kv_heads, c.dim, rng);
+  V4<T> qd("q", B, c.rows, c.heads, c.dim);
+  upload(q, qd);
+  // The cache: sequence-major (batch, capacity, kv_heads, dim), or heads-major
+  // storage (batch, kv_heads, capacity, dim) seen through a strided View.
+  using Strided = Kokkos::View<T****, Kokkos::LayoutStride, MemSpace>;
+  V4<T> kst, vst;
+  Strided kd, vd;
+  if (c.heads_major) {
+    kst = V4<T>("k", B, c.kv_heads, cap, c.dim);
+    vst = V4<T>("v", B, c.kv_heads, cap, c.dim);
+    auto perm = [&](const V4<T>& s) {
+      Kokkos::LayoutStride l(B, s.stride(0), cap, s.stride(2), c.kv_heads, s.stride(1), c.dim, 1);
+      return Strided(s.data(), l);
+    };
+    kd = perm(kst);
+    vd = perm(vst);
+  } else {
+    kst = V4<T>("k", B, cap, c.kv_heads, c.dim);
+    vst = V4<T>("v", B, cap, c.kv_heads, c.dim);
+    kd = Strided(kst);
+    vd = Strided(vst);
+  }
+  upload(k, kd);
+  upload(v, vd);
+  Kokkos::View<int*, MemSpace> len("lengths", B);
+  Kokkos::View<index_type*, MemSpace> qpos("q_positions", B);
+  auto lh = Kokkos::create_mirror_view(len);
+  auto ph = Kokkos::create_mirror_view(qpos);
+  const StridedPositions kpos{c.offset, c.stride};
+  for (int b = 0; b < B; ++b) {
+    lh(b) = c.lengths[std::size_t(b)];
+    // The rows are the newest tokens: just after the last cached key.
+    ph(b) = lh(b) > 0 ? kpos(lh(b) - 1) + 1 : index_type(b);
+  }
+  Kokkos::deep_copy(len, lh);
+  Kokkos::deep_copy(qpos, ph);
+  V4<T> o("o", B, c.rows, c.heads, c.dim);
+  V3<T> lse("lse", B, c.heads, c.rows);
+  DecodeOptions opts;
+  opts.splits = c.splits;
+  attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, o, lse, mask, kpos, opts);
+  Kokkos::fence();
+  auto oh = to_host(o);
+  auto lsh = to_host(lse);
+  const double scale = 1.0 / std::sqrt(double(c.dim));
+  for (int b = 0; b < B; ++b) {
+    const int n = lh(b);
+    HostTensor qb(1, c.rows, c.heads, c.dim), kb(1, n, c.kv_heads, c.dim),
+        vb(1, n, c.kv_heads, c.dim);
+    for (int i = 0; i < c.rows; ++i)
+      for (int h = 0; h < c.heads; ++h)
+        for (int d = 0; d < c.dim; ++d) qb(0, i, h, d) = q(b, i, h, d);
+    for (int j = 0; j < n; ++j)
+      for (int h = 0; h < c.kv_heads; ++h)
+        for (int d = 0; d < c.dim; ++d) {
+          kb(0, j, h, d) = k(b, j, h, d);
+          vb(0, j, h, d) = v(b, j, h, d);
+        }
+    const ReferenceResult ref = reference_attention(
+        qb, kb, vb, SlotMask<Mask, StridedPositions>{mask, kpos}, scale, ph(b), 0);
+    const double tol = bound<T>(ref, c.dim, std::max(n, 1));
+    double o_err = 0, lse_err = 0;
+    bool exact_empty = true, finite = true;
+    for (int h = 0; h < c.heads; ++h)
+      for (int i = 0; i < c.rows; ++i) {
+        const double want = ref.lse[std::size_t(h) * c.rows + i];
+        const double got = double(lsh(b, h, i));
+        for (int d = 0; d < c.dim; ++d) {
+          const double og = double(oh(b, i, h, d));
+          if (!std::isfinite(og)) finite = false;
+          if (std::isinf(want) && og != 0.0) exact_empty = false;
+          o_err = std::max(o_err, std::abs(og - ref.o(0, i, h, d)));
+        }
+        if (std::isinf(want))
+          exact_empty = exact_empty && std::isinf(got) && got < 0;
+        else if (std::isfinite(got))
+          lse_err = std::max(lse_err, std::abs(got - want));
+        else
+          finite = false;
+      }
+    INFO("sequence ", b, " (", n, " keys): O err ", o_err, " LSE err ", lse_err, " bound ", tol);
+    CHECK(finite);
+    CHECK(exact_empty);
+    CHECK(o_err <= tol);
+    CHECK(lse_err <= tol);
+  }
+}
+
+template <class T>
+void decode_cases(std::uint64_t seed) {
+  const DecodeCase cases[] = {
+      {{1}, 1, 4, 4, 64, 0, 1, 0, false},
+      {{0, 5, 1000, 333, 0}, 1, 4, 2, 64, 0, 1, 0, false},  // mixed, empty caches
+      {{777, 1500}, 4, 8, 2, 128, 0, 1, 0, true},           // GQA, heads-major
+      {{2049}, 16, 4, 1, 40, 7, 1, 0, false},               // MQA, 16 rows, odd dim
+      {{300, 31, 1}, 3, 2, 2, 16, 64, 3, 2, true},          // a rank's shard: 2 + 3 j
+      {{4000}, 2, 6, 3, 96, 1, 1, 0, false},                // one split
+  };
+  for (const DecodeCase& c : cases) {
+    check_decode<T>(c, FullMask{}, seed++);
+    check_decode<T>(c, CausalMask{}, seed++);
+    check_decode<T>(c, causal_window(200), seed++);
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("decode") {
+  TEST_CASE_TEMPLATE("attention_decode matches the fp64 reference", T, float, double, bf16) {
+    decode_cases<T>(100);
+  }
+
+  TEST_CASE("attention_decode: 100 000 cached keys, one query, fp32") {
+    check_decode<float>({{100000}, 1, 2, 1, 32, 0, 1, 0, false}, CausalMask{}, 7);
+    check_decode<float>({{100000, 99999}, 1, 1, 1, 16, 0, 1, 0, true}, FullMask{}, 8);
+  }
+
+  TEST_CASE("attention_decode: document masks on a striped shard") {
+    // Documents [0, 300), [300, 1000), [1000, 5000): keys at 1 + 4 j (rank 1 of 4).
+    const Documents<MemSpace> docs(std::vector<index_type>{0, 300, 1000, 5000});
+    const DocumentMask mask = docs.mask(true);
+    check_decode<float>({{400, 1200}, 2, 4, 2, 64, 0, 4, 1, false}, mask, 21);
+    check_decode<bf16>({{400, 1200}, 2, 4, 2, 64, 5, 4, 1, true}, mask, 22);
+  }
+
+  TEST_CASE("attention_decode: the split count does not change the result beyond rounding") {
+    for (int splits : {1, 2, 7, 64, 0})
+      check_decode<double>({{5000, 17}, 2, 4, 2, 32, splits, 1, 0, false}, CausalMask{}, 31);
+  }
+
+  TEST_CASE("attention_decode: NaN in a visible key makes its rows NaN, in a masked one nothing") {
+    const int n = 600, D = 16;
+    V4<float> q("q", 1, 1, 1, D), k("k", 1, n, 1, D), v("v", 1, n, 1, D), o("o", 1, 1, 1, D);
+    V3<float> lse("lse", 1, 1, 1);
+    Kokkos::deep_copy(q, 0.5f);
+    Kokkos::deep_copy(v, 1.0f);
+    Kokkos::View<int*, MemSpace> len("len", 1);
+    Kokkos::View<index_type*, MemSpace> qpos("qpos", 1);
+    Kokkos::deep_copy(len, n);
+    for (int slot : {100, 599}) {
+      Kokkos::deep_copy(k, 0.25f);
+      Kokkos::deep_copy(Kokkos::subview(k, 0, slot, 0, 3), std::numeric_limits<float>::quiet_NaN());
+      // Query at position 300: causal, slot 100 visible, slot 599 masked.
+      Kokkos::deep_copy(qpos, index_type(300));
+      DecodeOptions opts;
+      opts.splits = 4;
+      attention_decode(ExecSpace{}, q, k, v, len, qpos, o, lse, CausalMask{}, OffsetPositions{},
+                       opts);
+      auto oh = to_host(o);
+      auto lh = to_host(lse);
+      INFO("NaN at slot ", slot);
+      if (slot <= 300) {
+        CHECK(std::isnan(oh(0, 0, 0, 0)));
+        CHECK(std::isnan(lh(0, 0, 0)));
+      } else {
+        CHECK(oh(0, 0, 0, 0) == doctest::Approx(1.0));
+        CHECK(std::isfinite(lh(0, 0, 0)));
+      }
+    }
+  }
+
+  TEST_CASE("attention_decode: argument errors name the argument") {
+    V4<float> q("q", 2, 1, 2, 8), k("k", 2, 10, 2, 8), v("v", 2, 10, 2, 8), o("o", 2, 1, 2, 8);
+    V3<float> lse("lse", 2, 2, 1);
+    Kokkos::View<int*, MemSpace> len("len", 2), len3("len3", 3);
+    Kokkos::View<index_type*, MemSpace> qpos("qpos", 2);
+    Kokkos::deep_copy(len, 11);
+    auto message = [](auto&& f) {
+      try {
+        f();
+      } catch (const invalid_argument& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    const std::string over = message([&] { attention_decode(q, k, v, len, qpos, o, lse); });
+    CHECK(over.find("'lengths' holds 11 keys") != std::string::npos);
+    CHECK(over.find("capacity") != std::string::npos);
+    const std::string ext = message([&] { attention_decode(q, k, v, len3, qpos, o, lse); });
+    CHECK(ext.find("'lengths'") != std::string::npos);
+    Kokkos::deep_copy(len, 3);
+    DecodeOptions opts;
+    opts.splits = 65;
+    const std::string sp = message(
+        [&] { attention_decode(q, k, v, len, qpos, o, lse, FullMask{}, OffsetPositions{}, opts); });
+    CHECK(sp.find("'opts.splits' is 65") != std::string::npos);
+  }
+
+  TEST_CASE_TEMPLATE("merge_attention: n parts and two parts give the attention over all keys", T,
+                     float, double) {
+    const int B = 2, N = 5, Nk = 700, H = 4, Hkv = 2, D = 32;
+    std::mt19937_64 rng(5);
+    HostTensor q = random_tensor(B, N, H, D, rng, 2.0), k = random_tensor(B, Nk, Hkv, D, rng, 2.0),
+               v = random_tensor(B, Nk, Hkv, D, rng);
+    V4<T> qd("q", B, N, H, D), kd("k", B, Nk, Hkv, D), vd("v", B, Nk, Hkv, D);
+    upload(q, qd);
+    upload(k, kd);
+    upload(v, vd);
+    // Queries at 200 .. 204 under a causal mask: the parts [400, 700) see no key.
+    const index_type q_offset = 200;
+    const int cuts[] = {0, 1, 150, 400, 700};
+    const int parts = 4;
+    Kokkos::View<T*****, Kokkos::LayoutRight, MemSpace> op("op", parts, B, N, H, D);
+    Kokkos::View<T****, Kokkos::LayoutRight, MemSpace> lp("lp", parts, B, H, N);
+    for (int s = 0; s < parts; ++s) {
+      const auto ks = Kokkos::subview(kd, Kokkos::ALL, Kokkos::make_pair(cuts[s], cuts[s + 1]),
+                                      Kokkos::ALL, Kokkos::ALL);
+      const auto vs = Kokkos::subview(vd, Kokkos::ALL, Kokkos::make_pair(cuts[s], cuts[s + 1]),
+                                      Kokkos::ALL, Kokkos::ALL);
+      ForwardOptions fo;
+      fo.q_offset = q_offset;
+      fo.k_offset = cuts[s];
+      attention_forward(ExecSpace{}, qd, ks, vs,
+                        Kokkos::subview(op, s, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL),
+                        Kokkos::subview(lp, s, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL), CausalMask{},
+                        fo);
+    }
+    const ReferenceResult ref =
+        reference_attention(q, k, v, CausalMask{}, 1.0 / std::sqrt(double(D)), q_offset, 0);
+    const double tol = tolerance<T>(ref, D, Nk);
+    V4<T> o("o", B, N, H, D);
+    V3<T> lse("lse", B, H, N);
+    merge_attention(ExecSpace{}, op, lp, o, lse);
+    ErrorReport e = compare(ref, o, lse);
+    INFO("n-part merge: O err ", e.o_err, " LSE err ", e.lse_err, " bound ", tol);
+    CHECK(e.finite);
+    CHECK(e.o_err <= tol);
+    CHECK(e.lse_err <= tol);
+    // Pairwise, in place, in another order: ((3 + 1) + 0) + 2.
+    auto po = [&](int s) {
+      return Kokkos::subview(op, s, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
+    };
+    auto pl = [&](int s) { return Kokkos::subview(lp, s, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL); };
+    merge_attention(ExecSpace{}, po(3), pl(3), po(1), pl(1), po(3), pl(3));
+    merge_attention(ExecSpace{}, po(3), pl(3), po(0), pl(0), po(3), pl(3));
+    merge_attention(ExecSpace{}, po(3), pl(3), po(2), pl(2), o, lse);
+    e = compare(ref, o, lse);
+    INFO("pairwise merge: O err ", e.o_err, " LSE err ", e.lse_err, " bound ", tol);
+    CHECK(e.finite);
+    CHECK(e.o_err <= tol);
+    CHECK(e.lse_err <= tol);
+  }
+
+  TEST_CASE("merge_attention: -inf parts add nothing, all -inf gives O = 0, a NaN part gives NaN") {
+    const int D = 4;
+    Kokkos::View<float*****, Kokkos::LayoutRight, MemSpace> op("op", 3, 1, 3, 1, D);
+    Kokkos::View<float****, Kokkos::LayoutRight, MemSpace> lp("lp", 3, 1, 1, 3);
+    auto oh = Kokkos::create_mirror_view(op);
+    auto lh = Kokkos::create_mirror_view(lp);
+    const float inf = std::numeric_limits<float>::infinity();
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int s = 0; s < 3; ++s)
+      for (int d = 0; d < D; ++d)
+        for (int r = 0; r < 3; ++r) oh(s, 0, r, 0, d) = float(s + 1);
+    // Row 0: parts (lse 0, -inf, 0) -> mean of parts 0 and 2 = 2. Row 1: all -inf.
+    // Row 2: part 1 NaN.
+    const float l[3][3] = {{0.f, -inf, 0.f}, {-inf, -inf, -inf}, {1.f, nan, 2.f}};
+    for (int r = 0; r < 3; ++r)
+      for (int s = 0; s < 3; ++s) lh(s, 0, 0, r) = l[r][s];
+    Kokkos::deep_copy(op, oh);
+    Kokkos::deep_copy(lp, lh);
+    Kokkos::View<float****, Kokkos::LayoutRight, MemSpace> o("o", 1, 3, 1, D);
+    Kokkos::View<float***, Kokkos::LayoutRight, MemSpace> lse("lse", 1, 1, 3);
+    merge_attention(ExecSpace{}, op, lp, o, lse);
+    auto ot = to_host(o);
+    auto lt = to_host(lse);
+    CHECK(ot(0, 0, 0, 0) == doctest::Approx(2.0));
+    CHECK(lt(0, 0, 0) == doctest::Approx(std::log(2.0)));
+    CHECK(ot(0, 1, 0, 0) == 0.0f);
+    CHECK((std::isinf(lt(0, 0, 1)) && lt(0, 0, 1) < 0));
+    CHECK(std::isnan(ot(0, 2, 0, 0)));
+    CHECK(std::isnan(lt(0, 0, 2)));
+  }
+}  // TEST_SUITE
