@@ -207,7 +207,9 @@ TEST_SUITE("decode") {
       check_decode<double>({{5000, 17}, 2, 4, 2, 32, splits, 1, 0, false}, CausalMask{}, 31);
   }
 
-  TEST_CASE("attention_decode: NaN in a visible key makes its rows NaN, in a masked one nothing") {
+  TEST_CASE(
+      "attention_decode: NaN in a visible key makes its row NaN, in a visible value its column, "
+      "masked ones nothing") {
     const int n = 600, D = 16;
     V4<float> q("q", 1, 1, 1, D), k("k", 1, n, 1, D), v("v", 1, n, 1, D), o("o", 1, 1, 1, D);
     V3<float> lse("lse", 1, 1, 1);

@@ -67,6 +67,74 @@ KOKKOS_INLINE_FUNCTION T decode_dot(const T* q, const S* k, int n) {
   return s;
 }
 
+/// Host: the scores q . k_j of one row against nk keys (key(j) -> const S*,
+/// head_dim contiguous), four keys at a time (eight independent FMA chains).
+template <class T, class S, class Key>
+inline void host_scores(const T* q, const Key& key, int nk, int D, T* out) {
+  constexpr int L = sizeof(T) == 4 ? 16 : 8;
+  int j = 0;
+  for (; j + 4 <= nk; j += 4) {
+    const S* k0 = key(j);
+    const S* k1 = key(j + 1);
+    const S* k2 = key(j + 2);
+    const S* k3 = key(j + 3);
+    T a0[L], a1[L], a2[L], a3[L];
+    for (int l = 0; l < L; ++l) a0[l] = a1[l] = a2[l] = a3[l] = T(0);
+    int d = 0;
+    for (; d + L <= D; d += L)
+      for (int l = 0; l < L; ++l) {
+        const T x = q[d + l];
+        a0[l] += x * T(to_compute(k0[d + l]));
+        a1[l] += x * T(to_compute(k1[d + l]));
+        a2[l] += x * T(to_compute(k2[d + l]));
+        a3[l] += x * T(to_compute(k3[d + l]));
+      }
+    T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
+    for (; d < D; ++d) {
+      s0 += q[d] * T(to_compute(k0[d]));
+      s1 += q[d] * T(to_compute(k1[d]));
+      s2 += q[d] * T(to_compute(k2[d]));
+      s3 += q[d] * T(to_compute(k3[d]));
+    }
+    for (int l = 0; l < L; ++l) {
+      s0 += a0[l];
+      s1 += a1[l];
+      s2 += a2[l];
+      s3 += a3[l];
+    }
+    out[j] = s0;
+    out[j + 1] = s1;
+    out[j + 2] = s2;
+    out[j + 3] = s3;
+  }
+  for (; j < nk; ++j) out[j] = decode_dot(q, key(j), D);
+}
+
+/// Host: o = a o + sum_j p_j v_j over nk keys (value(j) -> const S*), the
+/// output in registers across the keys, C columns at a time.
+template <class T, class S, class Value>
+inline void host_pv(T* o, T a, const T* p, const Value& value, int nk, int D) {
+  constexpr int C = sizeof(T) == 4 ? 32 : 16;
+  int d0 = 0;
+  for (; d0 + C <= D; d0 += C) {
+    T acc[C];
+    for (int l = 0; l < C; ++l) acc[l] = o[d0 + l] * a;
+    for (int j = 0; j < nk; ++j) {
+      const T pj = p[j];
+      if (pj == T(0)) continue;  // a masked key: its value is never read (NaN stays out)
+      const S* vr = value(j) + d0;
+      for (int l = 0; l < C; ++l) acc[l] += pj * T(to_compute(vr[l]));
+    }
+    for (int l = 0; l < C; ++l) o[d0 + l] = acc[l];
+  }
+  for (int d = d0; d < D; ++d) {
+    T acc = o[d] * a;
+    for (int j = 0; j < nk; ++j)
+      if (p[j] != T(0)) acc += p[j] * T(to_compute(value(j)[d]));
+    o[d] = acc;
+  }
+}
+
 /// The split-KV pass: one team per (sequence, kv head, row tile, split).
 /// q, o: (batch, rows, heads, dim); k, v: (batch, capacity, kv_heads, dim)
 /// strided, k(b, j, g, 0 .. dim) contiguous when stride(3) == 1 (checked by
@@ -96,6 +164,30 @@ struct DecodeKernel {
   static std::size_t scratch_bytes(const DecodeGrid& g) {
     const std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 3);
     return scratch1::shmem_size(n);
+  }
+
+  /// The scores of the tile's rows against keys [j0, j0 + nk) by the team:
+  /// one (row, key) pair per thread.
+  KOKKOS_INLINE_FUNCTION void scores_generic(const member& m, int b, int kvh, std::int64_t j0,
+                                             int nk, int nr, int r0, index_type q0, TileKind kind,
+                                             const T* qs, T* ss) const {
+    const int D = g.dim, KT = g.key_tile;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * nk), [&](const int e) {
+      const int r = e / nk, j = e % nk;
+      const index_type kp = kpos(j0 + j);
+      const index_type qp = q0 + (r0 + r) % g.rows;
+      T s;
+      if (kind == TileKind::partial && !mask.allowed(qp, kp)) {
+        s = -infinity<T>();
+      } else if (unit) {
+        s = decode_dot(qs + std::size_t(r) * D, &k(b, int(j0 + j), kvh, 0), D);
+      } else {
+        s = T(0);
+        for (int d = 0; d < D; ++d)
+          s += qs[std::size_t(r) * D + d] * T(to_compute(k(b, int(j0 + j), kvh, d)));
+      }
+      ss[std::size_t(r) * KT + j] = s;
+    });
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member& m) const {
@@ -150,25 +242,23 @@ struct DecodeKernel {
       const TileKind kind = mask.classify(qlo, qhi, kpos(j0), kpos(j0 + nk - 1) + 1);
       if (kind == TileKind::empty) continue;
       // Scores S = q k^T (base 2, scaled), masked to -inf.
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * nk), [&](const int e) {
-        const int r = e / nk, j = e % nk;
-        const index_type kp = kpos(j0 + j);
-        const index_type qp = q0 + (r0 + r) % g.rows;
-        T s;
-        if (kind == TileKind::partial && !mask.allowed(qp, kp)) {
-          s = -infinity<T>();
+      if constexpr (is_host_space_v<ExecSpace>) {
+        if (unit) {
+          const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
+          for (int r = 0; r < nr; ++r)
+            host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
+          if (kind == TileKind::partial)
+            for (int r = 0; r < nr; ++r) {
+              const index_type qp = q0 + (r0 + r) % g.rows;
+              for (int j = 0; j < nk; ++j)
+                if (!mask.allowed(qp, kpos(j0 + j))) ss[std::size_t(r) * KT + j] = -infinity<T>();
+            }
         } else {
-          const S* kr = &k(b, int(j0 + j), kvh, 0);
-          if (unit) {
-            s = decode_dot(qs + std::size_t(r) * D, kr, D);
-          } else {
-            s = T(0);
-            for (int d = 0; d < D; ++d)
-              s += qs[std::size_t(r) * D + d] * T(to_compute(k(b, int(j0 + j), kvh, d)));
-          }
+          scores_generic(m, b, kvh, j0, nk, nr, r0, q0, kind, qs, ss);
         }
-        ss[std::size_t(r) * KT + j] = s;
-      });
+      } else {
+        scores_generic(m, b, kvh, j0, nk, nr, r0, q0, kind, qs, ss);
+      }
       m.team_barrier();
       // Online softmax per row: m' = max(m, max S), P = 2^(S - m'), l = a l + sum P.
       Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
@@ -187,7 +277,7 @@ struct DecodeKernel {
         const T a = ms[r] == -infinity<T>() ? T(0) : kmath::exp2(ms[r] - mn);
         T sum = T(0);
         for (int j = 0; j < nk; ++j) {
-          const T p = sr[j] == -infinity<T>() ? T(0) : kmath::exp2(sr[j] - mn);
+          const T p = exp2_nonpositive(sr[j] - mn);  // 0 for a masked (-inf) score
           sr[j] = p;
           sum += p;
         }
@@ -198,20 +288,19 @@ struct DecodeKernel {
       m.team_barrier();
       // O = a O + P V.
       if constexpr (is_host_space_v<ExecSpace>) {
-        for (int r = 0; r < nr; ++r) {
-          T* orow = os + std::size_t(r) * D;
-          const T a = as[r];
-          if (a != T(1))
-            for (int d = 0; d < D; ++d) orow[d] *= a;
-          const T* pr = ss + std::size_t(r) * KT;
-          for (int j = 0; j < nk; ++j) {
-            const T p = pr[j];
-            if (p == T(0)) continue;
-            const S* vr = &v(b, int(j0 + j), kvh, 0);
-            if (unit) {
-              for (int d = 0; d < D; ++d) orow[d] += p * T(to_compute(vr[d]));
-            } else {
-              for (int d = 0; d < D; ++d) orow[d] += p * T(to_compute(v(b, int(j0 + j), kvh, d)));
+        if (unit) {
+          const auto value = [&](int j) -> const S* { return &v(b, int(j0 + j), kvh, 0); };
+          for (int r = 0; r < nr; ++r)
+            host_pv<T, S>(os + std::size_t(r) * D, as[r], ss + std::size_t(r) * KT, value, nk, D);
+        } else {
+          for (int r = 0; r < nr; ++r) {
+            T* orow = os + std::size_t(r) * D;
+            const T* pr = ss + std::size_t(r) * KT;
+            for (int d = 0; d < D; ++d) {
+              T acc = orow[d] * as[r];
+              for (int j = 0; j < nk; ++j)
+                if (pr[j] != T(0)) acc += pr[j] * T(to_compute(v(b, int(j0 + j), kvh, d)));
+              orow[d] = acc;
             }
           }
         }
