@@ -6,8 +6,10 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/distributed/decode.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
 #include <blockattn/distributed/hybrid.hpp>
+#include <blockattn/distributed/kv_cache.hpp>
 #include <blockattn/distributed/options.hpp>
 #include <blockattn/distributed/ulysses.hpp>
 #include <blockattn/kernel/attention_backward.hpp>

@@ -14,6 +14,11 @@
 //   template <class T> void allreduce(const T* in, T* out, int count, ReduceOp op);
 //     element-wise, one collective (the consensus step of every collective
 //     call is then ONE allreduce; without it, one per element);
+//   void allreduce(const ExecSpace& exec, const View& v, ReduceOp op);
+//     in place, element-wise over the contiguous View v (int, int64, float,
+//     double; host or device memory) written by / read next by work on exec:
+//     the merges of serving (decode over a sharded KV cache) use it; without
+//     it they stage through the host and the array overload above;
 //   request_type isend(const ExecSpace& exec, const View& v, int dest, int tag);
 //   request_type irecv(const ExecSpace& exec, const View& v, int source, int tag);
 // where `v` was written (or will be read) by work enqueued on `exec`: the
@@ -207,6 +212,12 @@ class SelfCommunicator {
   template <class T>
   void allreduce(const T* in, T* out, int count, ReduceOp) {
     for (int i = 0; i < count; ++i) out[i] = in[i];
+  }
+  /// In place over a View: with one rank, nothing changes.
+  template <class ExecSpace, class View,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  void allreduce(const ExecSpace&, const View& v, ReduceOp) {
+    impl::require_contiguous("SelfCommunicator::allreduce", "view", v);
   }
 
   /// All-to-all with one rank: chunk 0 of send to chunk 0 of recv.

@@ -111,6 +111,33 @@ class MpiCommunicator {
     check(MPI_Allreduce(in, out, count, mpi_type<T>(), mpi_op(op), m_comm), "MPI_Allreduce");
   }
 
+  /// Element-wise allreduce in place over the contiguous View v (int, int64,
+  /// float, double), written by / read next by work on `exec`: one
+  /// MPI_Allreduce (MPI_IN_PLACE), through a host copy for device memory
+  /// unless the build's MPI is GPU-aware.
+  template <class ExecSpace, class View,
+            class = std::enable_if_t<Kokkos::is_execution_space<ExecSpace>::value>>
+  void allreduce(const ExecSpace& exec, const View& v, ReduceOp op) {
+    using T = typename View::non_const_value_type;
+    const char* fn = "MpiCommunicator::allreduce";
+    impl::require_contiguous(fn, "view", v);
+    const int n = element_count(fn, std::int64_t(v.span()));
+    if constexpr (needs_staging<View>()) {
+      auto flat = impl::flat_view(v);
+      Kokkos::View<T*, Kokkos::HostSpace> h(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::allreduce"), flat.extent(0));
+      Kokkos::deep_copy(exec, h, flat);
+      exec.fence();
+      check(MPI_Allreduce(MPI_IN_PLACE, h.data(), n, mpi_type<T>(), mpi_op(op), m_comm),
+            "MPI_Allreduce");
+      Kokkos::deep_copy(exec, flat, h);
+    } else {
+      exec.fence();
+      check(MPI_Allreduce(MPI_IN_PLACE, v.data(), n, mpi_type<T>(), mpi_op(op), m_comm),
+            "MPI_Allreduce");
+    }
+  }
+
   /// All-to-all with equal counts (MPI_Alltoall): chunk j of `send` (`count`
   /// elements) to rank j, rank i's chunk for us into chunk i of `recv`. The
   /// Views were written by / are read next by work on `exec` (host-staged:

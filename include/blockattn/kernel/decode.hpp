@@ -36,9 +36,33 @@ struct DecodeOptions {
 
 namespace impl {
 
+/// q, k, v of one value type S; o of S or of its compute type (fp32 partials
+/// of 16-bit inputs, for a merge that rounds once); lse of the compute type.
 template <class QV, class KV, class VV, class OV, class LV>
 constexpr bool decode_views_ok() {
-  return forward_views_ok<QV, KV, VV, OV, LV>();
+  if constexpr (Kokkos::is_view<QV>::value && Kokkos::is_view<KV>::value &&
+                Kokkos::is_view<VV>::value && Kokkos::is_view<OV>::value &&
+                Kokkos::is_view<LV>::value) {
+    using S = value_of<QV>;
+    using O = value_of<OV>;
+    return QV::rank == 4 && KV::rank == 4 && VV::rank == 4 && OV::rank == 4 && LV::rank == 3 &&
+           is_value_type_v<S> && std::is_same<value_of<KV>, S>::value &&
+           std::is_same<value_of<VV>, S>::value &&
+           (std::is_same<O, S>::value || std::is_same<O, compute_t<S>>::value) &&
+           std::is_same<value_of<LV>, compute_t<S>>::value &&
+           !std::is_const<typename OV::value_type>::value &&
+           !std::is_const<typename LV::value_type>::value;
+  } else {
+    return false;
+  }
+}
+
+template <class QV, class KV, class VV, class OV, class LV>
+constexpr void check_decode_view_types() {
+  static_assert(decode_views_ok<QV, KV, VV, OV, LV>(),
+                "BlockAttn: attention_decode takes Kokkos::Views q, k, v, o (rank 4) and lse "
+                "(rank 3); q, k, v of one value type (float, double, bf16, fp16), o of it or of "
+                "its compute type, lse of the compute type (float for float, bf16, fp16)");
 }
 
 /// The work cut of one decode call (host side).
@@ -102,7 +126,7 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
                       const LenV& lengths, const PosV& q_positions, const OV& o, const LV& lse,
                       const Mask& mask = {}, const KPos& kpos = {},
                       const DecodeOptions& opts = {}) {
-  impl::check_forward_view_types<QV, KV, VV, OV, LV>();
+  impl::check_decode_view_types<QV, KV, VV, OV, LV>();
   impl::check_mask_policy<Mask>();
   impl::check_position_map<KPos>();
   static_assert(Kokkos::is_view<LenV>::value && LenV::rank == 1 &&
@@ -113,7 +137,8 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
                 "BlockAttn: attention_decode's q_positions must be a rank-1 View of "
                 "blockattn::index_type (batch)");
   if constexpr (impl::decode_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask>) {
-    using S = typename OV::non_const_value_type;
+    using S = typename QV::non_const_value_type;
+    using OS = typename OV::non_const_value_type;
     using T = compute_t<S>;
     using mem = typename ExecSpace::memory_space;
     const char* fn = "attention_decode";
@@ -147,7 +172,7 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits);
 
-    impl::DecodeKernel<ExecSpace, T, S, S, S, Mask, KPos> kern;
+    impl::DecodeKernel<ExecSpace, T, S, S, OS, Mask, KPos> kern;
     kern.q = q;
     kern.k = k;
     kern.v = v;
@@ -174,8 +199,8 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     policy.set_scratch_size(0, Kokkos::PerTeam(kern.scratch_bytes(g)));
     Kokkos::parallel_for("blockattn::decode", policy, kern);
     if (g.splits > 1) {
-      impl::DecodeMerge<ExecSpace, T, S> merge{kern.o,      kern.lse,    kern.part_o,
-                                               kern.part_m, kern.part_l, g};
+      impl::DecodeMerge<ExecSpace, T, OS> merge{kern.o,      kern.lse,    kern.part_o,
+                                                kern.part_m, kern.part_l, g};
       Kokkos::parallel_for(
           "blockattn::decode_merge",
           Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, g.state_rows()),

@@ -1,0 +1,358 @@
+// SPDX-License-Identifier: Apache-2.0
+// Serving over ranks: decode and chunked prefill against a KVCache sharded
+// across the communicator's ranks. Each rank attends its shard (split-KV
+// inside, kernel/decode.hpp), then the partial results merge over the ranks:
+//   tree (Tree Attention): one max-allreduce of the LSEs, one sum-allreduce
+//        of e^(lse - max) (O, 1): log P collective steps, the same bits on
+//        every rank when the MPI's allreduce gives them (Open MPI's do);
+//   ring: every partial travels the ring (P - 1 steps), then every rank
+//        merges the P partials in rank order: the same bits on every rank.
+#pragma once
+
+#include <blockattn/comm/communicator.hpp>
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/kv_cache.hpp>
+#include <blockattn/kernel/decode.hpp>
+#include <blockattn/policy/mask.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace blockattn {
+
+/// How the ranks' partial results (O, LSE) merge.
+enum class MergeAlgorithm { tree, ring };
+
+/// Options of decode_attention and prefill_attention.
+struct ServeOptions {
+  /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  MergeAlgorithm merge = MergeAlgorithm::tree;
+  /// Key ranges per (sequence, kv head) on each rank; 0: automatic.
+  int splits = 0;
+  /// Compare the call's configuration across ranks first (one small
+  /// allreduce): a mismatch is a clear error on every rank instead of a hang
+  /// or a wrong answer. A serving loop that has checked may turn it off.
+  bool check_config = true;
+};
+
+namespace impl {
+
+inline const char* merge_name(MergeAlgorithm m) {
+  return m == MergeAlgorithm::tree ? "tree" : "ring";
+}
+
+/// In-place element-wise allreduce of a contiguous View: the communicator's
+/// View overload when it has one, else through a host copy.
+template <class C, class ExecSpace, class View, class = void>
+struct has_view_allreduce : std::false_type {};
+template <class C, class ExecSpace, class View>
+struct has_view_allreduce<
+    C, ExecSpace, View,
+    std::void_t<decltype(std::declval<C&>().allreduce(std::declval<const ExecSpace&>(),
+                                                      std::declval<const View&>(), ReduceOp::sum))>>
+    : std::true_type {};
+
+template <class C, class ExecSpace, class View>
+void allreduce_in_place(C& comm, const ExecSpace& exec, const View& v, ReduceOp op) {
+  if constexpr (has_view_allreduce<C, ExecSpace, View>::value) {
+    comm.allreduce(exec, v, op);
+  } else {
+    using T = typename View::non_const_value_type;
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+    std::vector<T> in(h.data(), h.data() + h.span()), out(in.size());
+    if constexpr (has_comm_array_allreduce<C>::value) {
+      comm.allreduce(in.data(), out.data(), int(in.size()), op);
+    } else {
+      for (std::size_t i = 0; i < in.size(); ++i) out[i] = comm.allreduce(in[i], op);
+    }
+    std::copy(out.begin(), out.end(), h.data());
+    Kokkos::deep_copy(exec, v, h);
+    exec.fence();
+  }
+}
+
+/// Row r of (batch, heads, rows) -> (b, h, i).
+struct RowIndex {
+  int rows, heads;
+  KOKKOS_INLINE_FUNCTION void operator()(std::int64_t r, int& b, int& h, int& i) const {
+    i = int(r % rows);
+    h = int((r / rows) % heads);
+    b = int(r / (std::int64_t(rows) * heads));
+  }
+};
+
+/// The merge over ranks of the rows' normalised partials (o_part, lse_part:
+/// compute type T) into o (storage OS) and lse.
+template <class C, class ExecSpace, class T, class OV, class LV>
+void merge_over_ranks(
+    C& comm, const ExecSpace& exec, MergeAlgorithm algorithm,
+    const Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>& o_part,
+    const Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space>& lse_part,
+    const OV& o, const LV& lse) {
+  using mem = typename ExecSpace::memory_space;
+  using OS = typename OV::non_const_value_type;
+  const int B = int(o.extent(0)), N = int(o.extent(1)), H = int(o.extent(2)), D = int(o.extent(3));
+  const std::int64_t rows = std::int64_t(B) * N * H;
+  const int P = comm.size();
+  // Row r = (b, h, i) packed as [O (D values), weight or LSE].
+  const RowIndex row_of{N, H};
+  const std::int64_t W = D + 1;
+  if (algorithm == MergeAlgorithm::tree || P == 1) {
+    Kokkos::View<T*, mem> mx(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::mx"),
+                             rows);
+    Kokkos::parallel_for(
+        "blockattn::merge_max",
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+        KOKKOS_LAMBDA(const std::int64_t r) {
+          int b, h, i;
+          row_of(r, b, h, i);
+          const T l = lse_part(b, h, i);
+          mx(r) = l == l ? l : -infinity<T>();  // a NaN part makes the row NaN below
+        });
+    allreduce_in_place(comm, exec, mx, ReduceOp::max);
+    Kokkos::View<T*, mem> buf(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::merge"),
+                              rows * W);
+    Kokkos::parallel_for(
+        "blockattn::merge_scale",
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+        KOKKOS_LAMBDA(const std::int64_t r) {
+          int b, h, i;
+          row_of(r, b, h, i);
+          const T l = lse_part(b, h, i);
+          // e^(lse - M): 0 for a part without a key, NaN for a NaN part.
+          const T w = l == -infinity<T>() ? T(0) : (l != l ? l : kmath::exp(l - mx(r)));
+          for (int d = 0; d < D; ++d) buf(r * W + d) = w != T(0) ? w * o_part(b, i, h, d) : T(0);
+          buf(r * W + D) = w;
+        });
+    allreduce_in_place(comm, exec, buf, ReduceOp::sum);
+    Kokkos::parallel_for(
+        "blockattn::merge_finish",
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+        KOKKOS_LAMBDA(const std::int64_t r) {
+          int b, h, i;
+          row_of(r, b, h, i);
+          const T l = buf(r * W + D);
+          if (l == T(0)) {  // no rank saw a key
+            for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(T(0));
+            lse(b, h, i) = -infinity<T>();
+            return;
+          }
+          const T inv = T(1) / l;
+          for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(buf(r * W + d) * inv);
+          lse(b, h, i) = l != l ? l : mx(r) + kmath::log(l);
+        });
+    return;
+  }
+  // Ring: all P packed partials on every rank, then one merge in rank order.
+  Kokkos::View<T**, Kokkos::LayoutRight, mem> all(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::merge_parts"), P, rows * W);
+  const int me = comm.rank();
+  Kokkos::parallel_for(
+      "blockattn::merge_pack",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t r) {
+        int b, h, i;
+        row_of(r, b, h, i);
+        for (int d = 0; d < D; ++d) all(me, r * W + d) = o_part(b, i, h, d);
+        all(me, r * W + D) = lse_part(b, h, i);
+      });
+  exec.fence();
+  const int next = (me + 1) % P, prev = (me + P - 1) % P;
+  for (int step = 0; step < P - 1; ++step) {
+    // Send the partial received last step (our own first); receive prev's.
+    const int send_part = (me - step + P) % P, recv_part = (me - step - 1 + 2 * P) % P;
+    auto s = Kokkos::subview(all, send_part, Kokkos::ALL);
+    auto rv = Kokkos::subview(all, recv_part, Kokkos::ALL);
+    auto rr = comm.irecv(rv, prev, 7400 + step % 64);
+    auto sr = comm.isend(s, next, 7400 + step % 64);
+    comm.wait(sr);
+    comm.wait(rr);
+  }
+  Kokkos::parallel_for(
+      "blockattn::merge_ring",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t r) {
+        int b, h, i;
+        row_of(r, b, h, i);
+        lse(b, h, i) = merge_row<T>(
+            P, D, [&](int s, int d) { return all(s, r * W + d); },
+            [&](int s) { return all(s, r * W + D); }, [&](int d, T x) { o(b, i, h, d) = OS(x); });
+      });
+}
+
+/// The common part of decode_attention and prefill_attention: sequences
+/// [s0, s1) of the cache, their last q.extent(1) tokens as queries.
+template <class C, class ExecSpace, class T, class Placement, class QV, class OV, class LV,
+          class Mask>
+void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
+                  const KVCache<T, ExecSpace, Placement>& cache, int s0, int s1, const QV& q,
+                  const OV& o, const LV& lse, const Mask& mask, const ServeOptions& opts,
+                  std::string error) {
+  using CT = compute_t<T>;
+  using mem = typename ExecSpace::memory_space;
+  const int B = s1 - s0;
+  const int N = int(q.extent(1)), H = int(q.extent(2)), D = int(q.extent(3));
+  // This rank's own checks (shapes; the library's own checks run in the
+  // kernel call below, after the ranks agree).
+  if (error.empty() && (comm.rank() != cache.rank() || comm.size() != cache.size()))
+    error = std::string("blockattn::") + fn + ": the cache is rank " +
+            std::to_string(cache.rank()) + " of " + std::to_string(cache.size()) +
+            ", the communicator rank " + std::to_string(comm.rank()) + " of " +
+            std::to_string(comm.size()) + "; expected the cache of this communicator's rank";
+  const char* names[4] = {"sequences", "rows", "heads", "head_dim"};
+  const std::size_t want[4] = {std::size_t(B), q.extent(1), q.extent(2), std::size_t(cache.dim())};
+  for (int d = 0; d < 4 && error.empty(); ++d)
+    if ((d == 0 || d == 3) && q.extent(d) != want[d])
+      error = std::string("blockattn::") + fn + ": argument 'q' has extent(" + std::to_string(d) +
+              ") (" + names[d] + ") = " + std::to_string(q.extent(d)) + ", expected " +
+              std::to_string(want[d]);
+  if (error.empty() && (N < 1 || H < 1 || H % cache.kv_heads() != 0))
+    error = std::string("blockattn::") + fn + ": argument 'q' has " + std::to_string(N) +
+            " rows and " + std::to_string(H) + " heads; expected >= 1 rows and a multiple of " +
+            "the cache's " + std::to_string(cache.kv_heads()) + " kv heads";
+  for (int d = 0; d < 4 && error.empty(); ++d)
+    if (o.extent(d) != q.extent(d))
+      error = std::string("blockattn::") + fn + ": argument 'o' has extent(" + std::to_string(d) +
+              ") = " + std::to_string(o.extent(d)) + ", expected q's " +
+              std::to_string(q.extent(d));
+  const std::size_t lse_want[3] = {q.extent(0), q.extent(2), q.extent(1)};
+  for (int d = 0; d < 3 && error.empty(); ++d)
+    if (lse.extent(d) != lse_want[d])
+      error = std::string("blockattn::") + fn + ": argument 'lse' has extent(" + std::to_string(d) +
+              ") = " + std::to_string(lse.extent(d)) + ", expected " + std::to_string(lse_want[d]) +
+              " (lse is (sequences, heads, rows))";
+  for (int s = s0; s < s1 && error.empty(); ++s)
+    if (cache.length(s) < N)
+      error = std::string("blockattn::") + fn + ": sequence " + std::to_string(s) + " holds " +
+              std::to_string(cache.length(s)) + " tokens; the " + std::to_string(N) +
+              " query rows are its last tokens: append their keys and values first";
+  if (opts.check_config) {
+    Fingerprint f;
+    f.text("call", fn)
+        .text("value type", type_name<T>())
+        .number("sequences", B)
+        .number("first sequence", s0)
+        .number("rows", N)
+        .number("heads", H)
+        .number("kv heads", cache.kv_heads())
+        .number("head_dim", D)
+        .text("merge", merge_name(opts.merge))
+        .number("splits", opts.splits)
+        .real("scale", opts.scale, to_text(opts.scale))
+        .text("placement", type_name<Placement>());
+    const auto pp = cache.placement().parameters();
+    for (std::size_t i = 0; i < pp.size(); ++i)
+      f.number("placement parameter " + std::to_string(i), pp[i]);
+    std::uint64_t h = 1469598103934665603ull;
+    for (int s = s0; s < s1; ++s) {
+      h ^= std::uint64_t(cache.length(s));
+      h *= 1099511628211ull;
+    }
+    f.number("sequence lengths (hash)", std::int64_t(h));
+    add_mask(f, mask);
+    reach_consensus(comm, fn, error, f);
+  } else if (!error.empty()) {
+    throw invalid_argument(error);
+  }
+
+  Kokkos::View<index_type*, mem> qpos("blockattn::q_positions", B);
+  auto qh = Kokkos::create_mirror_view(qpos);
+  int max_local = 0;
+  for (int s = s0; s < s1; ++s) {
+    qh(s - s0) = cache.length(s) - N;
+    max_local = std::max(max_local, cache.local_length(s));
+  }
+  Kokkos::deep_copy(qpos, qh);
+  const auto range = Kokkos::make_pair(s0, s1);
+  const auto k = Kokkos::subview(cache.keys(), range, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
+  const auto v = Kokkos::subview(cache.values(), range, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
+  const auto len = Kokkos::subview(cache.local_lengths(), range);
+  DecodeOptions dopts;
+  dopts.scale = opts.scale;
+  dopts.splits = opts.splits;
+  dopts.max_length = max_local;
+  if (comm.size() == 1 && std::is_same<typename OV::non_const_value_type, T>::value) {
+    attention_decode(exec, q, k, v, len, qpos, o, lse, mask, cache.positions(), dopts);
+    return;
+  }
+  // Partials in the compute type (16-bit outputs are rounded once, after the merge).
+  Kokkos::View<CT****, Kokkos::LayoutRight, mem> o_part(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::o_part"), B, N, H, D);
+  Kokkos::View<CT***, Kokkos::LayoutRight, mem> lse_part(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::lse_part"), B, H, N);
+  attention_decode(exec, q, k, v, len, qpos, o_part, lse_part, mask, cache.positions(), dopts);
+  merge_over_ranks(comm, exec, opts.merge, o_part, lse_part, o, lse);
+}
+
+}  // namespace impl
+
+/// Decode over a sharded KV cache: for every sequence of `cache`, the queries
+/// q (sequences, rows, heads, head_dim) of its last `rows` tokens (appended
+/// to the cache before the call) attend every cached token of the sequence,
+/// on whichever rank it lives, under `mask` on global positions (query i of
+/// sequence s at cache.length(s) - rows + i). o, lse: (sequences, rows, heads,
+/// head_dim), (sequences, heads, rows), the same on every rank. Collective
+/// over comm; a configuration that differs between ranks throws the same
+/// error on every rank.
+template <class C, class ExecSpace, class T, class Placement, class QV, class OV, class LV,
+          class Mask = CausalMask>
+void decode_attention(C& comm, const ExecSpace& exec, const KVCache<T, ExecSpace, Placement>& cache,
+                      const QV& q, const OV& o, const LV& lse, const Mask& mask = {},
+                      const ServeOptions& opts = {}) {
+  impl::check_communicator<C>();
+  static_assert(Kokkos::is_view<QV>::value && QV::rank == 4 &&
+                    std::is_same<typename QV::non_const_value_type, T>::value,
+                "BlockAttn: decode_attention's q must be a rank-4 View of the cache's value type");
+  impl::attend_cache(comm, exec, "decode_attention", cache, 0, cache.sequences(), q, o, lse, mask,
+                     opts, std::string());
+}
+
+/// Chunked prefill of sequence `seq`: appends the chunk's keys and values
+/// k, v (1, tokens, kv_heads, head_dim) to the cache (each rank keeps its
+/// own), then the chunk's queries q (1, tokens, heads, head_dim) attend the
+/// whole cached sequence, themselves included, under `mask` (causal: each
+/// sees the cache and the chunk up to itself). o, lse: (1, tokens, heads,
+/// head_dim), (1, heads, tokens). Collective over comm.
+template <class C, class ExecSpace, class T, class Placement, class QV, class KV, class VV,
+          class OV, class LV, class Mask = CausalMask>
+void prefill_attention(C& comm, const ExecSpace& exec, KVCache<T, ExecSpace, Placement>& cache,
+                       int seq, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
+                       const Mask& mask = {}, const ServeOptions& opts = {}) {
+  impl::check_communicator<C>();
+  static_assert(Kokkos::is_view<QV>::value && QV::rank == 4 &&
+                    std::is_same<typename QV::non_const_value_type, T>::value,
+                "BlockAttn: prefill_attention's q must be a rank-4 View of the cache's value type");
+  const char* fn = "prefill_attention";
+  std::string error;
+  if (seq < 0 || seq >= cache.sequences())
+    error = std::string("blockattn::") + fn + ": argument 'seq' = " + std::to_string(seq) +
+            ", expected 0 .. " + std::to_string(cache.sequences() - 1);
+  else if (q.extent(1) != k.extent(1))
+    error = std::string("blockattn::") + fn + ": argument 'k' has " + std::to_string(k.extent(1)) +
+            " tokens, expected the " + std::to_string(q.extent(1)) + " query rows of q";
+  else if (v.extent(1) != k.extent(1))
+    error = std::string("blockattn::") + fn + ": argument 'v' has " + std::to_string(v.extent(1)) +
+            " tokens, expected k's " + std::to_string(k.extent(1));
+  // The append's checks (shapes, capacity: the same on every rank, since
+  // lengths and capacities are global) become this rank's error, reported on
+  // every rank by the consensus below.
+  if (error.empty()) {
+    try {
+      cache.append(exec, seq, k, v);
+    } catch (const invalid_argument& e) {
+      error = e.what();
+    }
+  }
+  impl::attend_cache(comm, exec, fn, cache, error.empty() ? seq : 0, error.empty() ? seq + 1 : 1, q,
+                     o, lse, mask, opts, error);
+}
+
+}  // namespace blockattn

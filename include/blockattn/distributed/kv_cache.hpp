@@ -1,0 +1,307 @@
+// SPDX-License-Identifier: Apache-2.0
+// A KV cache sharded across ranks, for serving: each rank stores the keys and
+// values of the tokens a placement policy gives it, for a batch of sequences;
+// positions stay global, so every mask applies unchanged.
+//
+// A placement policy is a small, trivially copyable struct (as partitions
+// are) with
+//   KOKKOS_FUNCTION int owner(index_type t, int P) const;        rank of token t
+//   KOKKOS_FUNCTION index_type slot(index_type t, int P) const;  its slot there
+//   KOKKOS_FUNCTION index_type position(index_type s, int rank, int P) const;
+//                                       the token in slot s of rank (increasing in s)
+//   index_type local_count(index_type n, int rank, int P) const; tokens of [0, n) on rank
+//   index_type local_capacity(index_type n, int P) const;        slots rank needs for n tokens
+//   std::array<std::int64_t, 2> parameters() const;              compared across ranks
+#pragma once
+
+#include <blockattn/comm/communicator.hpp>
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/errors.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/distributed/impl/consensus.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace blockattn {
+
+/// Tokens dealt to the ranks in blocks of `interleave` (vLLM's decode context
+/// parallelism with interleave 1: token t on rank t mod P). Every rank's
+/// share grows as the sequence grows: decode work stays balanced.
+struct RoundRobinPlacement {
+  index_type interleave = 1;
+
+  KOKKOS_INLINE_FUNCTION int owner(index_type t, int P) const { return int((t / interleave) % P); }
+  KOKKOS_INLINE_FUNCTION index_type slot(index_type t, int P) const {
+    return (t / (interleave * P)) * interleave + t % interleave;
+  }
+  KOKKOS_INLINE_FUNCTION index_type position(index_type s, int rank, int P) const {
+    return (s / interleave) * interleave * P + index_type(rank) * interleave + s % interleave;
+  }
+  index_type local_count(index_type n, int rank, int P) const {
+    const index_type round = interleave * P;
+    const index_type rest = n % round - index_type(rank) * interleave;
+    return n / round * interleave + std::min(interleave, std::max<index_type>(0, rest));
+  }
+  index_type local_capacity(index_type n, int P) const { return local_count(n, 0, P); }
+  std::array<std::int64_t, 2> parameters() const { return {{1, interleave}}; }
+};
+
+/// Rank r holds tokens [r * tokens_per_rank, (r + 1) * tokens_per_rank): the
+/// sequence fills rank 0 first (a prefill that lands where it is computed;
+/// decode work sits on the last filled rank).
+struct ContiguousPlacement {
+  index_type tokens_per_rank = 1;
+
+  KOKKOS_INLINE_FUNCTION int owner(index_type t, int) const { return int(t / tokens_per_rank); }
+  KOKKOS_INLINE_FUNCTION index_type slot(index_type t, int) const { return t % tokens_per_rank; }
+  KOKKOS_INLINE_FUNCTION index_type position(index_type s, int rank, int) const {
+    return index_type(rank) * tokens_per_rank + s;
+  }
+  index_type local_count(index_type n, int rank, int) const {
+    return std::min(tokens_per_rank,
+                    std::max<index_type>(0, n - index_type(rank) * tokens_per_rank));
+  }
+  index_type local_capacity(index_type n, int) const { return std::min(tokens_per_rank, n); }
+  std::array<std::int64_t, 2> parameters() const { return {{2, tokens_per_rank}}; }
+};
+
+/// Slot -> global position on one rank: the key position map of its shard.
+template <class Placement>
+struct PlacementPositions {
+  Placement placement;
+  int rank = 0, size = 1;
+  KOKKOS_INLINE_FUNCTION index_type operator()(index_type s) const {
+    return placement.position(s, rank, size);
+  }
+};
+
+namespace impl {
+template <class P, class = void>
+struct is_placement : std::false_type {};
+template <class P>
+struct is_placement<P,
+                    std::void_t<decltype(std::declval<const P&>().owner(index_type{}, 1)),
+                                decltype(std::declval<const P&>().slot(index_type{}, 1)),
+                                decltype(std::declval<const P&>().position(index_type{}, 0, 1)),
+                                decltype(std::declval<const P&>().local_count(index_type{}, 0, 1)),
+                                decltype(std::declval<const P&>().local_capacity(index_type{}, 1)),
+                                decltype(std::declval<const P&>().parameters())>>
+    : std::is_trivially_copyable<P> {};
+}  // namespace impl
+
+/// The keys and values of `sequences` sequences on this rank: the tokens the
+/// placement gives it, `capacity` slots per sequence, stored heads-major
+/// (sequence, kv_head, slot, head_dim) so that decode streams each head's
+/// keys; keys() and values() show them as (sequence, slot, kv_head,
+/// head_dim), the library's order. T: float, double, bf16 or fp16 (16 bits
+/// halve the cache; decode computes in fp32).
+template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace,
+          class Placement = RoundRobinPlacement>
+class KVCache {
+  static_assert(is_value_type_v<T>,
+                "BlockAttn: KVCache's value type must be float, double, blockattn::bf16 or "
+                "blockattn::fp16");
+  static_assert(impl::is_placement<Placement>::value,
+                "BlockAttn: a placement policy needs owner(t, P), slot(t, P), position(s, rank, "
+                "P), local_count(n, rank, P), local_capacity(n, P) and parameters() (see "
+                "blockattn/distributed/kv_cache.hpp)");
+
+ public:
+  using value_type = T;
+  using execution_space = ExecSpace;
+  using memory_space = typename ExecSpace::memory_space;
+  using placement_type = Placement;
+  using view_type = Kokkos::View<T****, Kokkos::LayoutStride, memory_space>;
+  using storage_type = Kokkos::View<T****, Kokkos::LayoutRight, memory_space>;
+
+  /// The shard of rank `rank` of `size`: `capacity` slots per sequence (for a
+  /// longest sequence of n tokens: placement.local_capacity(n, size)).
+  KVCache(int rank, int size, int sequences, index_type capacity, int kv_heads, int dim,
+          const Placement& placement = {})
+      : m_rank(rank), m_size(size), m_placement(placement) {
+    const char* fn = "KVCache";
+    if (size < 1 || rank < 0 || rank >= size)
+      impl::fail(fn, "rank ", rank, " of size ", size, ", expected 0 <= rank < size");
+    if (sequences < 1) impl::fail(fn, "argument 'sequences' = ", sequences, ", expected >= 1");
+    if (kv_heads < 1) impl::fail(fn, "argument 'kv_heads' = ", kv_heads, ", expected >= 1");
+    if (dim < 1 || dim > 256)
+      impl::fail(fn, "argument 'dim' = ", dim, ", expected 1 .. 256 (the largest head dim)");
+    if (capacity < 1 || capacity > index_type(std::numeric_limits<int>::max() / 2))
+      impl::fail(fn, "argument 'capacity' = ", capacity, ", expected 1 .. ",
+                 std::numeric_limits<int>::max() / 2, " slots per sequence");
+    check_placement(fn);
+    m_k = storage_type(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::kv_cache_k"),
+                       sequences, kv_heads, capacity, dim);
+    m_v = storage_type(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::kv_cache_v"),
+                       sequences, kv_heads, capacity, dim);
+    m_local = Kokkos::View<int*, memory_space>("blockattn::kv_cache_lengths", sequences);
+    m_local_host = Kokkos::create_mirror_view(m_local);
+    m_length.assign(std::size_t(sequences), 0);
+  }
+  /// The shard of comm's rank.
+  template <class Comm, class = std::enable_if_t<is_communicator_v<Comm>>>
+  KVCache(const Comm& comm, int sequences, index_type capacity, int kv_heads, int dim,
+          const Placement& placement = {})
+      : KVCache(comm.rank(), comm.size(), sequences, capacity, kv_heads, dim, placement) {}
+
+  int rank() const { return m_rank; }
+  int size() const { return m_size; }
+  int sequences() const { return int(m_k.extent(0)); }
+  int kv_heads() const { return int(m_k.extent(1)); }
+  index_type capacity() const { return index_type(m_k.extent(2)); }
+  int dim() const { return int(m_k.extent(3)); }
+  const Placement& placement() const { return m_placement; }
+  /// Bytes of this rank's K and V storage.
+  std::int64_t bytes() const { return 2 * std::int64_t(m_k.span()) * std::int64_t(sizeof(T)); }
+
+  /// Tokens of sequence `seq` (all ranks together).
+  index_type length(int seq) const { return m_length.at(std::size_t(seq)); }
+  /// Of them, the ones in this rank's shard (slots 0 .. local_length - 1).
+  int local_length(int seq) const { return m_local_host(std::size_t(seq)); }
+  /// The longest shard of this rank's sequences.
+  int max_local_length() const {
+    int m = 0;
+    for (int s = 0; s < sequences(); ++s) m = std::max(m, local_length(s));
+    return m;
+  }
+  /// (sequence, slot, kv_head, head_dim) views of the shard's keys and values.
+  view_type keys() const { return as_view(m_k); }
+  view_type values() const { return as_view(m_v); }
+  /// Local lengths per sequence, in the cache's memory space.
+  const Kokkos::View<int*, memory_space>& local_lengths() const { return m_local; }
+  /// Slot -> global position of this rank's shard.
+  PlacementPositions<Placement> positions() const { return {m_placement, m_rank, m_size}; }
+
+  /// Appends `k_new.extent(1)` tokens to every sequence: k_new, v_new are
+  /// (sequences, tokens, kv_heads, head_dim), the same on every rank (each
+  /// rank keeps the tokens it owns). Throws, on every rank alike, when a
+  /// shard would overflow.
+  template <class KV, class VV>
+  void append(const ExecSpace& exec, const KV& k_new, const VV& v_new) {
+    append_rows(exec, "KVCache::append", 0, sequences(), k_new, v_new);
+  }
+  /// Appends `k_new.extent(1)` tokens to sequence `seq` (k_new, v_new:
+  /// (1, tokens, kv_heads, head_dim)).
+  template <class KV, class VV>
+  void append(const ExecSpace& exec, int seq, const KV& k_new, const VV& v_new) {
+    if (seq < 0 || seq >= sequences())
+      impl::fail("KVCache::append", "argument 'seq' = ", seq, ", expected 0 .. ", sequences() - 1);
+    append_rows(exec, "KVCache::append", seq, seq + 1, k_new, v_new);
+  }
+  /// Forgets sequence `seq`'s tokens (its slots are reused).
+  void clear(int seq) {
+    if (seq < 0 || seq >= sequences())
+      impl::fail("KVCache::clear", "argument 'seq' = ", seq, ", expected 0 .. ", sequences() - 1);
+    m_length[std::size_t(seq)] = 0;
+    m_local_host(std::size_t(seq)) = 0;
+    Kokkos::deep_copy(m_local, m_local_host);
+  }
+  void clear() {
+    for (int s = 0; s < sequences(); ++s) clear(s);
+  }
+
+ private:
+  int m_rank = 0, m_size = 1;
+  Placement m_placement;
+  storage_type m_k, m_v;
+  Kokkos::View<int*, memory_space> m_local;
+  typename Kokkos::View<int*, memory_space>::HostMirror m_local_host;
+  std::vector<index_type> m_length;
+
+  static view_type as_view(const storage_type& s) {
+    const Kokkos::LayoutStride l(s.extent(0), s.stride(0), s.extent(2), s.stride(2), s.extent(1),
+                                 s.stride(1), s.extent(3), s.stride(3));
+    return view_type(s.data(), l);
+  }
+
+  void check_placement(const char* fn) const {
+    // The map's contract on the first slots (cheap, catches a wrong policy early).
+    for (index_type t = 0; t < 4 * m_size; ++t) {
+      const int r = m_placement.owner(t, m_size);
+      if (r < 0 || r >= m_size) continue;  // beyond a contiguous placement's reach
+      if (m_placement.position(m_placement.slot(t, m_size), r, m_size) != t)
+        impl::fail(fn, "placement ", impl::type_name<Placement>(),
+                   ": position(slot(t), owner(t)) != t for t = ", t,
+                   "; expected a placement whose position() inverts slot()");
+    }
+  }
+
+  template <class KV, class VV>
+  void append_rows(const ExecSpace& exec, const char* fn, int s0, int s1, const KV& k_new,
+                   const VV& v_new) {
+    static_assert(
+        Kokkos::is_view<KV>::value && Kokkos::is_view<VV>::value && KV::rank == 4 && VV::rank == 4,
+        "BlockAttn: KVCache::append takes rank-4 Views k_new, v_new (sequences, "
+        "tokens, kv_heads, head_dim)");
+    static_assert(std::is_same<typename KV::non_const_value_type, T>::value &&
+                      std::is_same<typename VV::non_const_value_type, T>::value,
+                  "BlockAttn: KVCache::append: k_new and v_new must have the cache's value type");
+    impl::require_accessible<ExecSpace, typename KV::memory_space>(fn, "k_new");
+    impl::require_accessible<ExecSpace, typename VV::memory_space>(fn, "v_new");
+    const char* names[4] = {"sequences", "tokens", "kv_heads", "head_dim"};
+    const std::size_t want[4] = {std::size_t(s1 - s0), k_new.extent(1), std::size_t(kv_heads()),
+                                 std::size_t(dim())};
+    for (int d = 0; d < 4; ++d) {
+      impl::require_extent(fn, "k_new", k_new, d, names[d], want[d],
+                           d == 0 ? "the sequences appended to" : "the cache's");
+      impl::require_extent(fn, "v_new", v_new, d, names[d], want[d],
+                           d == 0 ? "the sequences appended to" : "the cache's");
+    }
+    const index_type n = index_type(k_new.extent(1));
+    if (n == 0) return;
+    // The same check on every rank (lengths are global): every shard must fit.
+    for (int s = s0; s < s1; ++s) {
+      const index_type after = m_length[std::size_t(s)] + n;
+      for (int r = 0; r < m_size; ++r) {
+        const index_type need = m_placement.local_count(after, r, m_size);
+        const int last = m_placement.owner(after - 1, m_size);
+        const bool last_owner_ok = last >= 0 && last < m_size;
+        if (need > capacity() || !last_owner_ok)
+          impl::fail(fn, "sequence ", s, " would hold ", after, " tokens; rank ", r,
+                     "'s shard holds at most ", capacity(), " slots per sequence (",
+                     impl::type_name<Placement>(), ", P = ", m_size,
+                     "); expected at most the tokens that fit: clear() the sequence or build the "
+                     "cache with a larger capacity");
+      }
+    }
+    using mem = memory_space;
+    const Kokkos::View<const T****, Kokkos::LayoutStride, mem,
+                       Kokkos::MemoryTraits<Kokkos::Unmanaged>>
+        kn(k_new), vn(v_new);
+    const storage_type kc = m_k, vc = m_v;
+    const Placement pl = m_placement;
+    const int rank = m_rank, P = m_size, H = kv_heads(), D = dim();
+    Kokkos::View<index_type*, Kokkos::HostSpace> start_h("blockattn::kv_cache_start", s1 - s0);
+    for (int s = s0; s < s1; ++s) start_h(s - s0) = m_length[std::size_t(s)];
+    const auto start = Kokkos::create_mirror_view_and_copy(mem(), start_h);
+    const std::int64_t total = std::int64_t(s1 - s0) * n * H * D;
+    Kokkos::parallel_for(
+        "blockattn::kv_cache_append",
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, total),
+        KOKKOS_LAMBDA(const std::int64_t e) {
+          const int d = int(e % D);
+          const int g = int((e / D) % H);
+          const index_type t = (e / (std::int64_t(D) * H)) % n;
+          const int b = int(e / (std::int64_t(D) * H * n));
+          const index_type pos = start(b) + t;
+          if (pl.owner(pos, P) != rank) return;
+          const index_type slot = pl.slot(pos, P);
+          kc(s0 + b, g, slot, d) = kn(b, int(t), g, d);
+          vc(s0 + b, g, slot, d) = vn(b, int(t), g, d);
+        });
+    exec.fence();  // start_h / start are freed here
+    for (int s = s0; s < s1; ++s) {
+      m_length[std::size_t(s)] += n;
+      m_local_host(std::size_t(s)) =
+          int(m_placement.local_count(m_length[std::size_t(s)], m_rank, m_size));
+    }
+    Kokkos::deep_copy(m_local, m_local_host);
+  }
+};
+
+}  // namespace blockattn

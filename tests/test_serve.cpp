@@ -1,0 +1,288 @@
+// SPDX-License-Identifier: Apache-2.0
+// Serving over ranks: KVCache (placements, append, capacity), decode_attention
+// and prefill_attention against the fp64 reference of the whole sequence:
+// cache lengths not divisible by P and shorter than P (empty shards), both
+// placements, causal / window / document masks, fp32 and bf16, GQA, tree and
+// ring merges (agreeing within the fp32 bound; the ring's result the same
+// bits on every rank), errors on every rank alike.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+#include <blockattn/mpi_communicator.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "forward_check.hpp"
+#include "reference.hpp"
+
+using namespace blockattn;
+using namespace blockattn::test;
+
+namespace {
+
+using Comm = MpiCommunicator<>;
+template <class T>
+using V4 = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
+template <class T>
+using V3 = Kokkos::View<compute_t<T>***, Kokkos::LayoutRight, MemSpace>;
+
+template <class T>
+double bound(const ReferenceResult& ref, int dim, int keys) {
+  if constexpr (std::is_same<T, float>::value)
+    return tolerance<float>(ref, dim, keys);
+  else  // fp32 arithmetic, O rounded once to 16 bits
+    return tolerance<float>(ref, dim, keys) + std::ldexp(1.0, -7);
+}
+
+/// The rows [r0, r0 + n) of sequence s of a global (sequences, tokens, ...) tensor.
+HostTensor rows_of(const HostTensor& t, int s, int r0, int n) {
+  HostTensor out(1, n, t.h, t.d);
+  for (int i = 0; i < n; ++i)
+    for (int h = 0; h < t.h; ++h)
+      for (int d = 0; d < t.d; ++d) out(0, i, h, d) = t(s, r0 + i, h, d);
+  return out;
+}
+
+/// A device View of rows [r0, r0 + n) of sequence s (values already rounded to T).
+template <class T>
+V4<T> device_rows(const HostTensor& t, int s, int r0, int n) {
+  HostTensor r = rows_of(t, s, r0, n);
+  V4<T> v("rows", 1, n, t.h, t.d);
+  upload(r, v);
+  return v;
+}
+
+struct Worst {
+  double o = 0, lse = 0, bound = 0;
+  bool ok = true;
+};
+
+/// o, lse (sequence s's rows, at index `at` of the batch) against the fp64
+/// reference of queries at positions [len - n, len) over keys [0, len).
+template <class T, class Mask>
+void compare_rows(const HostTensor& q, const HostTensor& k, const HostTensor& v, int s, int len,
+                  int n, const Mask& mask, const V4<T>& o, const V3<T>& lse, int at, Worst& w) {
+  const ReferenceResult ref =
+      reference_attention(rows_of(q, s, 0, n), rows_of(k, s, 0, len), rows_of(v, s, 0, len), mask,
+                          1.0 / std::sqrt(double(q.d)), len - n, 0);
+  const double tol = bound<T>(ref, q.d, std::max(len, 1));
+  w.bound = std::max(w.bound, tol);
+  auto oh = to_host(o);
+  auto lh = to_host(lse);
+  for (int h = 0; h < q.h; ++h)
+    for (int i = 0; i < n; ++i) {
+      const double want = ref.lse[std::size_t(h) * n + i], got = double(lh(at, h, i));
+      if (std::isinf(want)) {
+        w.ok = w.ok && std::isinf(got) && got < 0;
+      } else {
+        w.ok = w.ok && std::isfinite(got);
+        w.lse = std::max(w.lse, std::abs(got - want) / tol);
+      }
+      for (int d = 0; d < q.d; ++d) {
+        const double og = double(oh(at, i, h, d));
+        w.ok = w.ok && std::isfinite(og) && (!std::isinf(want) || og == 0.0);
+        w.o = std::max(w.o, std::abs(og - ref.o(0, i, h, d)) / tol);
+      }
+    }
+}
+
+/// A fingerprint of a View's bits, the same on every rank iff the bits are.
+template <class View>
+bool same_bits_on_every_rank(Comm& comm, const View& x) {
+  auto h = to_host(x);
+  std::uint64_t f = 1469598103934665603ull;
+  const auto* p = reinterpret_cast<const unsigned char*>(h.data());
+  for (std::size_t i = 0; i < h.span() * sizeof(typename View::value_type); ++i) {
+    f ^= p[i];
+    f *= 1099511628211ull;
+  }
+  const std::int64_t v = std::int64_t(f >> 1);
+  return comm.allreduce(v, ReduceOp::min) == comm.allreduce(v, ReduceOp::max);
+}
+
+/// Decode over the cache with `lengths` tokens per sequence (appended token
+/// by token in chunks), queries = the last `rows` tokens, under `mask`,
+/// with both merges; checks against fp64, and tree vs ring.
+template <class T, class Placement, class Mask>
+void check_decode(Comm& comm, const std::vector<int>& lengths, int rows, int H, int Hkv, int D,
+                  const Placement& placement, const Mask& mask, std::uint64_t seed) {
+  const int B = int(lengths.size()), P = comm.size();
+  int longest = 0;
+  for (int l : lengths) longest = std::max(longest, l);
+  std::mt19937_64 rng(seed);  // the same global problem on every rank
+  HostTensor q = random_tensor(B, longest, H, D, rng, 2.0);
+  HostTensor k = random_tensor(B, longest, Hkv, D, rng, 2.0);
+  HostTensor v = random_tensor(B, longest, Hkv, D, rng);
+  for (HostTensor* t : {&q, &k, &v})
+    for (double& x : t->data) x = double(T(float(x)));  // what the cache holds
+  KVCache<T, ExecSpace, Placement> cache(comm, B, placement.local_capacity(longest, P), Hkv, D,
+                                         placement);
+  // Append in uneven chunks per sequence (a prefill chunk, then tokens).
+  for (int s = 0; s < B; ++s)
+    for (int t0 = 0; t0 < lengths[std::size_t(s)];) {
+      const int n = std::min(lengths[std::size_t(s)] - t0, t0 == 0 ? 37 : 1 + t0 % 5);
+      cache.append(ExecSpace{}, s, device_rows<T>(k, s, t0, n), device_rows<T>(v, s, t0, n));
+      t0 += n;
+    }
+  for (int s = 0; s < B; ++s) {
+    REQUIRE(cache.length(s) == lengths[std::size_t(s)]);
+    CHECK(cache.local_length(s) == placement.local_count(lengths[std::size_t(s)], comm.rank(), P));
+  }
+  V4<T> qd("q", B, rows, H, D);
+  {
+    HostTensor qr(B, rows, H, D);
+    for (int s = 0; s < B; ++s)
+      for (int i = 0; i < rows; ++i)
+        for (int h = 0; h < H; ++h)
+          for (int d = 0; d < D; ++d)
+            qr(s, i, h, d) = q(s, lengths[std::size_t(s)] - rows + i, h, d);
+    upload(qr, qd);
+  }
+  V4<T> o_tree("o", B, rows, H, D), o_ring("o", B, rows, H, D);
+  V3<T> l_tree("lse", B, H, rows), l_ring("lse", B, H, rows);
+  ServeOptions opts;
+  decode_attention(comm, ExecSpace{}, cache, qd, o_tree, l_tree, mask, opts);
+  opts.merge = MergeAlgorithm::ring;
+  decode_attention(comm, ExecSpace{}, cache, qd, o_ring, l_ring, mask, opts);
+  Kokkos::fence();
+  Worst tree, ring;
+  for (int s = 0; s < B; ++s) {
+    // The reference sees q at the sequence's last rows: rows_of(q, s, 0, n)
+    // must be those rows, so shift them to the front.
+    HostTensor qs(B, lengths[std::size_t(s)], H, D);
+    for (int i = 0; i < rows; ++i)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) qs(s, i, h, d) = q(s, lengths[std::size_t(s)] - rows + i, h, d);
+    compare_rows<T>(qs, k, v, s, lengths[std::size_t(s)], rows, mask, o_tree, l_tree, s, tree);
+    compare_rows<T>(qs, k, v, s, lengths[std::size_t(s)], rows, mask, o_ring, l_ring, s, ring);
+  }
+  INFO("P=", P, " B=", B, " rows=", rows, " H=", H, " Hkv=", Hkv, " D=", D, " ",
+       impl::type_name<Placement>(), " ", impl::type_name<Mask>(), " ", value_type_name<T>(),
+       ": tree O err/bound ", tree.o, " LSE ", tree.lse, "; ring O ", ring.o, " LSE ", ring.lse);
+  CHECK(tree.ok);
+  CHECK(ring.ok);
+  CHECK(tree.o <= 1.0);
+  CHECK(tree.lse <= 1.0);
+  CHECK(ring.o <= 1.0);
+  CHECK(ring.lse <= 1.0);
+  CHECK(same_bits_on_every_rank(comm, o_ring));
+  CHECK(same_bits_on_every_rank(comm, l_ring));
+}
+
+}  // namespace
+
+TEST_SUITE("serve") {
+  TEST_CASE_TEMPLATE("decode over a sharded cache matches the fp64 reference", T, float, bf16) {
+    Comm comm(MPI_COMM_WORLD);
+    const int P = comm.size();
+    std::uint64_t seed = 1;
+    for (int rows : {1, 4}) {
+      // Lengths not divisible by P, shorter than P (empty shards), just the queries.
+      const std::vector<int> lengths = {rows, rows + 1, P + rows, 7 * P + 3, 1000};
+      check_decode<T>(comm, lengths, rows, 4, 2, 64, RoundRobinPlacement{1}, CausalMask{}, seed++);
+      check_decode<T>(comm, lengths, rows, 4, 4, 32, RoundRobinPlacement{3}, causal_window(100),
+                      seed++);
+      check_decode<T>(comm, lengths, rows, 2, 1, 48, ContiguousPlacement{(1000 + P - 1) / P},
+                      CausalMask{}, seed++);
+    }
+    const Documents<MemSpace> docs(std::vector<index_type>{0, 5, 400, 2000});
+    check_decode<T>(comm, {300, 1000}, 2, 4, 2, 64, RoundRobinPlacement{2}, docs.mask(true), 50);
+  }
+
+  TEST_CASE("chunked prefill against the cache, then decode, matches the fp64 reference") {
+    Comm comm(MPI_COMM_WORLD);
+    const int P = comm.size(), H = 4, Hkv = 2, D = 32, total = 301;
+    for (int placement = 0; placement < 2; ++placement) {
+      std::mt19937_64 rng(77);
+      HostTensor q = random_tensor(2, total, H, D, rng, 2.0);
+      HostTensor k = random_tensor(2, total, Hkv, D, rng, 2.0);
+      HostTensor v = random_tensor(2, total, Hkv, D, rng);
+      for (HostTensor* t : {&q, &k, &v})
+        for (double& x : t->data) x = double(float(x));
+      auto run = [&](auto pl) {
+        using Pl = decltype(pl);
+        KVCache<float, ExecSpace, Pl> cache(comm, 2, pl.local_capacity(total, P), Hkv, D, pl);
+        Worst w;
+        int t0 = 0;
+        for (int chunk : {64, 1, 100, 136}) {  // prefill chunks of sequence 1
+          V4<float> o("o", 1, chunk, H, D);
+          V3<float> lse("lse", 1, H, chunk);
+          prefill_attention(comm, ExecSpace{}, cache, 1, device_rows<float>(q, 1, t0, chunk),
+                            device_rows<float>(k, 1, t0, chunk),
+                            device_rows<float>(v, 1, t0, chunk), o, lse, CausalMask{});
+          t0 += chunk;
+          HostTensor qs(2, t0, H, D);
+          for (int i = 0; i < chunk; ++i)
+            for (int h = 0; h < H; ++h)
+              for (int d = 0; d < D; ++d) qs(1, i, h, d) = q(1, t0 - chunk + i, h, d);
+          compare_rows<float>(qs, k, v, 1, t0, chunk, CausalMask{}, o, lse, 0, w);
+        }
+        CHECK(cache.length(0) == 0);
+        CHECK(cache.length(1) == total);
+        INFO("P=", P, " ", impl::type_name<Pl>(), ": O err/bound ", w.o, " LSE ", w.lse);
+        CHECK(w.ok);
+        CHECK(w.o <= 1.0);
+        CHECK(w.lse <= 1.0);
+      };
+      if (placement == 0)
+        run(RoundRobinPlacement{1});
+      else
+        run(ContiguousPlacement{(total + P - 1) / P});
+    }
+  }
+
+  TEST_CASE("KVCache: a full shard and a configuration that differs throw on every rank") {
+    Comm comm(MPI_COMM_WORLD);
+    const int P = comm.size();
+    KVCache<float, ExecSpace> cache(comm, 1, 2, 1, 8);  // 2 slots per rank: 2 P tokens
+    V4<float> k("k", 1, 2 * P + 1, 1, 8), v("v", 1, 2 * P + 1, 1, 8);
+    std::string msg;
+    try {
+      cache.append(ExecSpace{}, 0, k, v);
+    } catch (const invalid_argument& e) {
+      msg = e.what();
+    }
+    INFO(msg);
+    CHECK(msg.find("sequence 0 would hold " + std::to_string(2 * P + 1) + " tokens") !=
+          std::string::npos);
+    CHECK(msg.find("at most 2 slots") != std::string::npos);
+    CHECK(cache.length(0) == 0);
+    // Fill it exactly; then a decode whose rows differ on the last rank.
+    const auto full = Kokkos::make_pair(0, 2 * P);
+    cache.append(ExecSpace{}, 0, Kokkos::subview(k, Kokkos::ALL, full, Kokkos::ALL, Kokkos::ALL),
+                 Kokkos::subview(v, Kokkos::ALL, full, Kokkos::ALL, Kokkos::ALL));
+    CHECK(cache.length(0) == 2 * P);
+    CHECK(cache.local_length(0) == 2);
+    if (P > 1) {
+      const int rows = comm.rank() == P - 1 ? 2 : 1;
+      V4<float> q("q", 1, rows, 1, 8), o("o", 1, rows, 1, 8);
+      V3<float> lse("lse", 1, 1, rows);
+      msg.clear();
+      try {
+        decode_attention(comm, ExecSpace{}, cache, q, o, lse);
+      } catch (const invalid_argument& e) {
+        msg = e.what();
+      }
+      INFO(msg);
+      CHECK(msg.find("rows differs between ranks") != std::string::npos);
+    }
+    // A bad argument on one rank only: every rank throws its message.
+    V4<float> q("q", 1, 1, 1, comm.rank() == 0 ? 8 : 8), o("o", 1, 1, 1, 8);
+    V3<float> lse_bad("lse", 1, 1, comm.rank() == 0 ? 2 : 1);
+    msg.clear();
+    try {
+      decode_attention(comm, ExecSpace{}, cache, q, o, lse_bad);
+    } catch (const invalid_argument& e) {
+      msg = e.what();
+    }
+    INFO(msg);
+    CHECK(msg.find("argument 'lse' has extent(2) = 2, expected 1") != std::string::npos);
+    CHECK(msg.find("[rank 0 of") != std::string::npos);
+  }
+}  // TEST_SUITE
