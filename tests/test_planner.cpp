@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <blockattn/plan/balance.hpp>
+#include <blockattn/plan/decode.hpp>
 #include <blockattn/plan/planner.hpp>
 
 #include <algorithm>
@@ -610,4 +611,57 @@ TEST_CASE("planner: whole-sequence tiles of the band masks in O(N / block_q)") {
         same(SlidingWindowMask{5, 70});
         same(SlidingWindowMask{INT64_MAX, 3});
       }
+}
+
+TEST_CASE("planner: the decode step over a sharded cache, tree and ring merges") {
+  plan::Hardware hw;
+  hw.memory_bandwidth = 1e12;
+  hw.flops = 1e15;
+  hw.bandwidth = 1e10;
+  hw.latency = 1e-5;
+  plan::DecodeProblem pb;
+  pb.cache = 1000;
+  pb.batch = 2;
+  pb.heads = 8;
+  pb.kv_heads = 2;
+  pb.dim = 64;
+  pb.dtype_bytes = 2;
+  pb.compute_bytes = 4;
+  pb.P = 1;
+  plan::DecodePrediction d = plan::predict_decode(hw, pb);
+  CHECK(d.shard_tokens == 1000);
+  CHECK(d.shard_bytes == doctest::Approx(2.0 * 1000 * 2 * 2 * 64 * 2));
+  CHECK(d.local_s == doctest::Approx(d.shard_bytes / 1e12));
+  CHECK(d.tree_s == 0.0);
+  CHECK(d.ring_s == 0.0);
+  // P = 5: busiest shard ceil(1000 / 5) = 200 tokens; 3 levels of two
+  // messages (max: 16 rows x 4 bytes; sums: 16 rows x 65 x 4 bytes); the ring
+  // 4 steps of the partials.
+  pb.P = 5;
+  d = plan::predict_decode(hw, pb);
+  CHECK(d.shard_tokens == 200);
+  CHECK(d.tree_levels == 3);
+  const double rows = 2 * 8 * 1, part = rows * 65 * 4;
+  CHECK(d.partial_bytes == doctest::Approx(part));
+  CHECK(d.tree_s == doctest::Approx(3 * (2e-5 + rows * 4 / 1e10 + part / 1e10)));
+  CHECK(d.ring_s == doctest::Approx(4 * (1e-5 + part / 1e10)));
+  // Two levels: the ring crosses nodes (the slow link), the tree's first
+  // levels stay inside them.
+  hw.ranks_per_node = 4;
+  hw.intra_bandwidth = 1e11;
+  hw.intra_latency = 1e-6;
+  pb.P = 8;
+  d = plan::predict_decode(hw, pb);
+  CHECK(d.ring_s == doctest::Approx(7 * (1e-5 + part / 1e10)));
+  const double near = 2e-6 + rows * 4 / 1e11 + part / 1e11,
+               far = 2e-5 + rows * 4 / 1e10 + part / 1e10;
+  CHECK(d.tree_s == doctest::Approx(2 * near + far));
+  // Compute bound: many rows.
+  pb.rows = 100000;
+  hw.flops = 1e9;
+  d = plan::predict_decode(hw, pb);
+  CHECK(d.local_s == doctest::Approx(4.0 * 125 * 2 * 100000 * 8 * 64 / 1e9));
+  pb.kv_heads = 3;
+  CHECK_THROWS_WITH_AS(plan::predict_decode(hw, pb), doctest::Contains("kv_heads dividing heads"),
+                       invalid_argument);
 }

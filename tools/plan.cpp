@@ -43,6 +43,9 @@ struct Args {
   long long balance = -1;  // --balance SEED (>= 0: the balance analysis)
   index_type chunk = 0;
   index_type window = 0;  // --mask window:W
+  bool decode = false;    // --decode: the decode step over a sharded KV cache of --n tokens
+  int rows = 1;           // --rows: query rows per sequence of the decode step
+  double memory_bandwidth = -1;
 };
 
 const char* const usage_text = R"(usage: blockattn_plan [flags]
@@ -81,6 +84,16 @@ layout balance (instead of the schedules)
                         of a long-tailed length mix (plan::long_tailed_documents(N, SEED));
                         takes --n, --p, --dim, --dtype, --tile, --hw, --chunk only
   --chunk C             the mask-aware layout's chunk [lcm of the tile sizes x 4]
+serving (instead of the schedules)
+  --decode              the decode step over a KV cache of --n tokens per sequence,
+                        round-robin over P' = 1, 2, 4, ..., --p ranks: the busiest
+                        rank's shard read, tree and ring merges, tokens/s;
+                        takes --n, --p, --batch, --heads, --kv-heads, --dim, --dtype,
+                        --rows and the hardware flags
+  --rows R              query rows per sequence (1: decode; more: a speculative or
+                        prefill chunk) [1]
+  --memory-bandwidth B  device memory read rate, bytes/s per rank [preset; calibrate:
+                        2 x memcpy]
   --help, -h            this text
 Exit status: 0 a recommendation (or the balance table), 1 nothing fits in memory,
 2 a bad command line.
@@ -163,6 +176,12 @@ Args parse(int argc, char** argv) {
       check(read_int(f, val(), a.balance, 0));
     else if (f == "--chunk")
       check(read_int(f, val(), a.chunk));
+    else if (f == "--decode")
+      a.decode = true;
+    else if (f == "--rows")
+      check(read_int(f, val(), a.rows, 1, 4096));
+    else if (f == "--memory-bandwidth")
+      check(read_real(f, val(), a.memory_bandwidth, true));
     else if (f.rfind("--kokkos", 0) != 0)
       usage("unknown option " + f);
   }
@@ -180,7 +199,7 @@ Args parse(int argc, char** argv) {
     usage("--n " + std::to_string(a.n) + " over --p " + std::to_string(a.p) +
           ": a rank's sequence length exceeds the per-call limit of " +
           std::to_string(std::numeric_limits<int>::max() / 2) + " rows");
-  if (a.n < a.p)
+  if (a.n < a.p && !a.decode)
     usage("--n " + std::to_string(a.n) + ": expected at least --p (" + std::to_string(a.p) +
           ") tokens, one per rank");
   const char* const presets[] = {"a100-nvlink", "a100-ib",      "tpu-v3",   "tpu-v4",
@@ -203,6 +222,17 @@ Args parse(int argc, char** argv) {
               "it takes --n, --p, --dim, --dtype, --tile, --hw, --chunk)");
   } else if (has("--chunk")) {
     usage("--chunk applies to --balance only (the mask-aware layout's chunk)");
+  }
+  if (a.decode) {
+    for (const char* f :
+         {"--mask", "--steps", "--json", "--data", "--tile", "--balance", "--memory"})
+      if (has(f))
+        usage(std::string(f) +
+              " does not apply to --decode (it takes --n, --p, --batch, --heads, --kv-heads, "
+              "--dim, --dtype, --rows and the hardware flags)");
+  } else if (has("--rows") || has("--memory-bandwidth")) {
+    usage(std::string(has("--rows") ? "--rows" : "--memory-bandwidth") +
+          " applies to --decode only");
   }
   return a;
 }
@@ -306,6 +336,49 @@ int run_balance(const Args& a, const plan::Problem& pb, const plan::Hardware& hw
   return 0;
 }
 
+/// --decode: the decode step over P' = 1, 2, 4, ..., P ranks.
+int run_decode(const Args& a, const plan::Hardware& hw) {
+  std::printf(
+      "decode: cache %lld tokens per sequence (round-robin), batch %d, %d row(s), heads %d "
+      "(kv %d), D = %d, %s\n",
+      (long long)a.n, a.batch, a.rows, a.heads, a.kv_heads, a.dim, a.dtype_name.c_str());
+  std::printf(
+      "hardware: %s, memory %.3g B/s, F = %.3g FLOP/s, B = %.3g B/s, latency %.3g s, step "
+      "overhead %.3g s\n",
+      hw.name.c_str(), hw.memory_bandwidth, hw.flops, hw.bandwidth, hw.latency, hw.step_overhead);
+  if (hw.ranks_per_node > 0)
+    std::printf("          %d ranks per node: B = %.3g B/s, latency %.3g s inside a node\n",
+                hw.ranks_per_node, hw.intra_bandwidth, hw.intra_latency);
+  if (hw.latency == 0 || (hw.ranks_per_node > 0 && hw.intra_latency == 0))
+    std::printf(
+        "          (message latency 0: the presets carry bandwidths only; pass --latency and "
+        "--intra-latency for your network)\n");
+  std::printf("\n%7s %12s %12s %11s %11s %11s %11s %9s %12s\n", "P", "shard/rank", "read ms",
+              "tree ms", "ring ms", "total tree", "total ring", "ring/tree", "tokens/s");
+  std::vector<int> ps;
+  for (int p = 1; p < a.p; p *= 2) ps.push_back(p);
+  ps.push_back(a.p);
+  for (int p : ps) {
+    plan::DecodeProblem pb;
+    pb.cache = a.n;
+    pb.P = p;
+    pb.batch = a.batch;
+    pb.rows = a.rows;
+    pb.heads = a.heads;
+    pb.kv_heads = a.kv_heads;
+    pb.dim = a.dim;
+    pb.dtype_bytes = a.dtype;
+    pb.compute_bytes = a.dtype < 4 ? 4 : a.dtype;
+    const plan::DecodePrediction d = plan::predict_decode(hw, pb);
+    std::printf("%7d %12s %12.4f %11.4f %11.4f %11.4f %11.4f %9.2f %12.1f\n", p,
+                human(d.shard_bytes).c_str(), d.local_s * 1e3, d.tree_s * 1e3, d.ring_s * 1e3,
+                d.tree_total() * 1e3, d.ring_total() * 1e3,
+                d.tree_total() > 0 ? d.ring_total() / d.tree_total() : 1.0,
+                d.tree_total() > 0 ? a.batch / d.tree_total() : 0.0);
+  }
+  return 0;
+}
+
 template <class Mask>
 int run(const Args& a, const Mask& mask) {
   plan::Hardware hw;
@@ -341,6 +414,9 @@ int run(const Args& a, const Mask& mask) {
   if (a.ranks_per_node >= 0) hw.ranks_per_node = a.ranks_per_node;
   if (a.intra_bandwidth >= 0) hw.intra_bandwidth = a.intra_bandwidth;
   if (a.intra_latency >= 0) hw.intra_latency = a.intra_latency;
+  if (a.hw == "calibrate") hw.memory_bandwidth = 2 * memcpy_bandwidth(std::size_t(64) << 20);
+  if (a.memory_bandwidth > 0) hw.memory_bandwidth = a.memory_bandwidth;
+  if (a.decode) return run_decode(a, hw);
 
   plan::Problem pb =
       gpu_like

@@ -21,6 +21,7 @@
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>
 #include <blockattn/plan/balance.hpp>
+#include <blockattn/plan/decode.hpp>
 #include <blockattn/plan/planner.hpp>
 #include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/mask.hpp>

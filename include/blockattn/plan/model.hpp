@@ -35,6 +35,10 @@ struct Hardware {
   int ranks_per_node = 0;
   double intra_bandwidth = 0;  // bytes/s per rank and direction inside a node (<= 0: free)
   double intra_latency = 0;    // seconds per message inside a node
+  /// Device memory read rate, bytes/s per rank: what bounds decode (each step
+  /// reads the rank's whole KV shard). <= 0: unknown (decode predictions
+  /// then count only compute and messages).
+  double memory_bandwidth = 0;
   bool same_node(int r, int s) const {
     return ranks_per_node > 0 && r / ranks_per_node == s / ranks_per_node;
   }
@@ -47,21 +51,32 @@ struct Hardware {
 };
 
 /// Published per-host figures of Ring Attention (arXiv:2310.01889) Table 2 (FLOPS, HBM,
-/// unidirectional interconnect bandwidth between hosts).
+/// unidirectional interconnect bandwidth between hosts); memory_bandwidth: the
+/// vendors' HBM read rates (A100 80GB 2.0 TB/s, TPU v3 0.9, v4 1.2, v5e 0.82).
 inline Hardware a100_nvlink() {
-  return {"A100 NVLink", 312e12, 1, 300e9, 0, 80e9, 0};
+  Hardware hw{"A100 NVLink", 312e12, 1, 300e9, 0, 80e9, 0};
+  hw.memory_bandwidth = 2.039e12;
+  return hw;
 }
 inline Hardware a100_infiniband() {
-  return {"A100 InfiniBand", 312e12, 1, 12.5e9, 0, 80e9, 0};
+  Hardware hw{"A100 InfiniBand", 312e12, 1, 12.5e9, 0, 80e9, 0};
+  hw.memory_bandwidth = 2.039e12;
+  return hw;
 }
 inline Hardware tpu_v3() {
-  return {"TPU v3", 123e12, 1, 112e9, 0, 16e9, 0};
+  Hardware hw{"TPU v3", 123e12, 1, 112e9, 0, 16e9, 0};
+  hw.memory_bandwidth = 0.9e12;
+  return hw;
 }
 inline Hardware tpu_v4() {
-  return {"TPU v4", 275e12, 1, 268e9, 0, 32e9, 0};
+  Hardware hw{"TPU v4", 275e12, 1, 268e9, 0, 32e9, 0};
+  hw.memory_bandwidth = 1.2e12;
+  return hw;
 }
 inline Hardware tpu_v5e() {
-  return {"TPU v5e", 196e12, 1, 186e9, 0, 16e9, 0};
+  Hardware hw{"TPU v5e", 196e12, 1, 186e9, 0, 16e9, 0};
+  hw.memory_bandwidth = 0.819e12;
+  return hw;
 }
 /// A two-level cluster of published figures: H100 SXM (989e12 dense bf16
 /// FLOP/s, 80 GB HBM3), 8 per node on NVLink 4 (900 GB/s bidirectional: 450e9
@@ -71,6 +86,7 @@ inline Hardware h100_cluster() {
   Hardware hw{"H100 x8/node NVLink + 400Gb/s", 989e12, 1, 50e9, 0, 80e9, 0};
   hw.ranks_per_node = 8;
   hw.intra_bandwidth = 450e9;
+  hw.memory_bandwidth = 3.35e12;  // HBM3
   return hw;
 }
 
