@@ -114,7 +114,7 @@ inline void host_scores(const T* q, const Key& key, int nk, int D, T* out) {
 /// output in registers across the keys, C columns at a time.
 template <class T, class S, class Value>
 inline void host_pv(T* o, T a, const T* p, const Value& value, int nk, int D) {
-  constexpr int C = sizeof(T) == 4 ? 32 : 16;
+  constexpr int C = sizeof(T) == 4 ? 64 : 32;
   int d0 = 0;
   for (; d0 + C <= D; d0 += C) {
     T acc[C];
@@ -244,6 +244,23 @@ struct DecodeKernel {
       // Scores S = q k^T (base 2, scaled), masked to -inf.
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit) {
+#if defined(__GNUC__)
+          // The next tile's keys and values, one cache line at a time: decode
+          // streams K and V once, and the prefetch keeps the loads ahead of
+          // this tile's arithmetic.
+          if (j0 + KT < k_end) {
+            const int nn = int(k_end - (j0 + KT) < KT ? k_end - (j0 + KT) : KT);
+            const int lines = int((std::size_t(D) * sizeof(S) + 63) / 64);
+            for (int j = 0; j < nn; ++j) {
+              const char* kr = reinterpret_cast<const char*>(&k(b, int(j0 + KT + j), kvh, 0));
+              const char* vr = reinterpret_cast<const char*>(&v(b, int(j0 + KT + j), kvh, 0));
+              for (int c = 0; c < lines; ++c) {
+                __builtin_prefetch(kr + 64 * c);
+                __builtin_prefetch(vr + 64 * c);
+              }
+            }
+          }
+#endif
           const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
           for (int r = 0; r < nr; ++r)
             host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
