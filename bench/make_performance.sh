@@ -30,6 +30,12 @@ for i in $(seq "$runs"); do
   logs+=("$log")
 done
 
+# Serving: decode on one device against a plain read of the same bytes, and
+# the distributed decode step at P = 1, 2 next to the planner (one run).
+serve_log=$logdir/serve.log
+"$repo/cmake/blockattn.sh" bench-serve --reps 5 2>&1 | grep -v -e '^Kokkos::' -e OMP_PROC_BIND \
+  -e 'In general' -e 'For best' -e 'For unit' -e Detected: -e Requested: | tee "$serve_log"
+
 py=python3
 [ -x "$repo/.deps/torch-venv/bin/python" ] && py=$repo/.deps/torch-venv/bin/python
 torch=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo "not installed")
@@ -59,6 +65,20 @@ flags=$(grep -m1 -ow -E 'avx512f|avx512_bf16|avx512_fp16|amx_tile|amx_bf16|avx2|
     echo "## $dt"
     "$py" "$repo/bench/summarize_runs.py" --dtype "$dt" "${logs[@]}" || true
   done
+  echo
+  echo "## Serving (decode)"
+  echo
+  echo "\`cmake/blockattn.sh bench-serve\`: one query row per sequence against a"
+  echo "cache of 65536 keys, causal. First on one device (all cores): ms per step,"
+  echo "GB/s of K/V read and the ratio to a plain read of the same bytes in the"
+  echo "same run (heads-major: the KVCache's layout; seq: (batch, keys, heads, D))."
+  echo "Then one decode step over P ranks (round-robin cache): measured local"
+  echo "split-KV, step with tree and ring merge; the planner's prediction from the"
+  echo "read rate and message latency measured in the same run."
+  echo
+  echo '```'
+  grep -v '^\[' "$serve_log" | sed '/^$/N;/^\n$/D'
+  echo '```'
   echo
   echo "GPU numbers: [gpu.md](gpu.md)."
 } >"$out"

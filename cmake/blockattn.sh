@@ -9,7 +9,8 @@
 #                                          then the sanitizer set (test-sanitize)
 #   cmake/blockattn.sh test-sanitize       ASan + UBSan over a focused set (build-sanitize/)
 #   cmake/blockattn.sh bench [bench args]  build and run the forward/backward benchmark
-#                                          (vs sgemm, and vs PyTorch when torch imports)
+#                                          (vs sgemm, and vs PyTorch when torch imports),
+#                                          then the decode rows (vs a plain read)
 #   cmake/blockattn.sh bench-isa [args]    the same for -march=native and -march=x86-64-v3
 #                                          (its AVX2 kernels next to PyTorch's, MKL's, oneDNN's
 #                                          and OpenBLAS's AVX2 kernels; ISAS="..." for others)
@@ -18,6 +19,8 @@
 #   cmake/blockattn.sh bench-ring          KV-ring overlap, bytes and memory benchmarks
 #   cmake/blockattn.sh bench-plan          planner prediction vs measurement (P = 2)
 #   cmake/blockattn.sh bench-balance       packed documents: every layout run (P = 2, 4)
+#   cmake/blockattn.sh bench-serve [args]  decode: one device vs a plain read, then over
+#                                          P = 1, 2 ranks (tree, ring) next to the planner
 #   cmake/blockattn.sh plan [plan args]    the planner CLI (tools/plan.cpp)
 #   cmake/blockattn.sh plot [out.png]      per-rank per-step work at P = 8, four schedules
 #                                          (gnuplot; default docs/schedules_p8.png)
@@ -249,8 +252,10 @@ case "$cmd" in
   bench)
     ensure_deps
     configure
-    cmake --build "$build" -j "$jobs" --target blockattn_bench_forward
+    cmake --build "$build" -j "$jobs" --target blockattn_bench_forward blockattn_bench_decode
     "$repo/bench/run_forward.sh" "$build/bench/blockattn_bench_forward" "$@"
+    echo
+    "$repo/bench/run_serve.sh" "$build/bench/blockattn_bench_decode" --reps 3
     ;;
   bench-isa)
     # The x86-64-v3 build runs its AVX2 kernels (BLOCKATTN_HOST_ISA=avx2: it
@@ -283,6 +288,13 @@ case "$cmd" in
     log "installing torch and numpy from PyPI into $deps/torch-venv (a few minutes, ~5 GB)"
     "$deps/torch-venv/bin/pip" install -q torch numpy
     "$deps/torch-venv/bin/python" -c 'import torch; print("torch", torch.__version__)'
+    ;;
+  bench-serve)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_bench_decode blockattn_bench_serve
+    "$repo/bench/run_serve.sh" "$build/bench/blockattn_bench_decode" \
+      "$build/bench/blockattn_bench_serve" "$@"
     ;;
   bench-ring)
     ensure_deps

@@ -218,26 +218,34 @@ TEST_SUITE("decode") {
     Kokkos::View<int*, MemSpace> len("len", 1);
     Kokkos::View<index_type*, MemSpace> qpos("qpos", 1);
     Kokkos::deep_copy(len, n);
-    for (int slot : {100, 599}) {
-      Kokkos::deep_copy(k, 0.25f);
-      Kokkos::deep_copy(Kokkos::subview(k, 0, slot, 0, 3), std::numeric_limits<float>::quiet_NaN());
-      // Query at position 300: causal, slot 100 visible, slot 599 masked.
-      Kokkos::deep_copy(qpos, index_type(300));
-      DecodeOptions opts;
-      opts.splits = 4;
-      attention_decode(ExecSpace{}, q, k, v, len, qpos, o, lse, CausalMask{}, OffsetPositions{},
-                       opts);
-      auto oh = to_host(o);
-      auto lh = to_host(lse);
-      INFO("NaN at slot ", slot);
-      if (slot <= 300) {
-        CHECK(std::isnan(oh(0, 0, 0, 0)));
-        CHECK(std::isnan(lh(0, 0, 0)));
-      } else {
-        CHECK(oh(0, 0, 0, 0) == doctest::Approx(1.0));
-        CHECK(std::isfinite(lh(0, 0, 0)));
+    for (int slot : {100, 599})
+      for (bool in_v : {false, true}) {
+        Kokkos::deep_copy(k, 0.25f);
+        Kokkos::deep_copy(v, 1.0f);
+        Kokkos::deep_copy(Kokkos::subview(in_v ? v : k, 0, slot, 0, 3),
+                          std::numeric_limits<float>::quiet_NaN());
+        // Query at position 300: causal, slot 100 visible, slot 599 masked.
+        Kokkos::deep_copy(qpos, index_type(300));
+        DecodeOptions opts;
+        opts.splits = 4;
+        attention_decode(ExecSpace{}, q, k, v, len, qpos, o, lse, CausalMask{}, OffsetPositions{},
+                         opts);
+        auto oh = to_host(o);
+        auto lh = to_host(lse);
+        INFO("NaN at slot ", slot, in_v ? " of v" : " of k");
+        if (slot <= 300 && in_v) {  // a visible value: its column only
+          CHECK(std::isnan(oh(0, 0, 0, 3)));
+          CHECK(oh(0, 0, 0, 0) == doctest::Approx(1.0));
+          CHECK(std::isfinite(lh(0, 0, 0)));
+        } else if (slot <= 300) {  // a visible key: the row
+          CHECK(std::isnan(oh(0, 0, 0, 0)));
+          CHECK(std::isnan(lh(0, 0, 0)));
+        } else {  // masked: nothing
+          CHECK(oh(0, 0, 0, 0) == doctest::Approx(1.0));
+          CHECK(oh(0, 0, 0, 3) == doctest::Approx(1.0));
+          CHECK(std::isfinite(lh(0, 0, 0)));
+        }
       }
-    }
   }
 
   TEST_CASE("attention_decode: argument errors name the argument") {

@@ -6,7 +6,7 @@
 // extracted at build time (readme_snippets.cpp), so an edit that breaks the
 // code breaks this test; a new block fails to compile here until it is given
 // a context below. Snippets 1-2: README.md; 3-6: docs/distributed.md;
-// 7: docs/planner.md; 8-9: docs/extending.md.
+// 7: docs/planner.md; 8-9: docs/extending.md; 10: docs/serving.md.
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -17,7 +17,7 @@
 
 #include <readme_snippets.hpp>
 
-static_assert(BLOCKATTN_README_SNIPPETS == 9,
+static_assert(BLOCKATTN_README_SNIPPETS == 10,
               "the ```cpp blocks of README.md or docs/ changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
@@ -176,4 +176,28 @@ TEST_CASE("README snippets 8 and 9: a user mask and packed documents") {
   blockattn::attention_forward(q, k, v, o, lse, bidir);
   Kokkos::fence();
   CHECK(all_finite(lse));
+}
+
+TEST_CASE("docs/serving.md snippet 10: prefill, append, decode over a sharded cache") {
+  blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const Kokkos::DefaultExecutionSpace exec;
+  const blockattn::index_type max_tokens = 100;
+  using B4 = Kokkos::View<blockattn::bf16****>;
+  const int C = 20;  // a prompt chunk of sequence 0
+  B4 q_chunk("q", 1, C, 4, 64), k_chunk("k", 1, C, 2, 64), v_chunk("v", 1, C, 2, 64),
+      o_chunk("o", 1, C, 4, 64);
+  V3 lse_chunk("lse", 1, 4, C);
+  B4 k_new("k", 4, 1, 2, 64), v_new("v", 4, 1, 2, 64), q_new("q", 4, 1, 4, 64),
+      o_new("o", 4, 1, 4, 64);
+  V3 lse_new("lse", 4, 4, 1);
+#include <readme_snippet_10.inc>
+  Kokkos::fence();
+  CHECK(cache.length(0) == C + 1);
+  CHECK(cache.length(3) == 1);
+  // Zero inputs: every visible logit is 0, so LSE = log(visible keys).
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse_new);
+  CHECK(lh(0, 0, 0) == doctest::Approx(std::log(double(C + 1))));
+  CHECK(lh(3, 0, 0) == doctest::Approx(0.0));
+  auto lc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse_chunk);
+  CHECK(lc(0, 0, C - 1) == doctest::Approx(std::log(double(C))));
 }

@@ -92,6 +92,31 @@ struct is_placement<P,
                                 decltype(std::declval<const P&>().local_capacity(index_type{}, 1)),
                                 decltype(std::declval<const P&>().parameters())>>
     : std::is_trivially_copyable<P> {};
+
+/// The append kernel (a free function: nvcc takes no extended lambda in a
+/// private member): token t of batch row b goes to sequence s0 + b at
+/// position start(b) + t, on the rank that owns that position.
+template <class ExecSpace, class Storage, class New, class Start, class Placement>
+void kv_cache_append(const ExecSpace& exec, const Storage& kc, const Storage& vc, const New& kn,
+                     const New& vn, const Start& start, const Placement& pl, int rank, int P,
+                     int s0, index_type n) {
+  const int H = int(kc.extent(1)), D = int(kc.extent(3));
+  const std::int64_t total = std::int64_t(kn.extent(0)) * n * H * D;
+  Kokkos::parallel_for(
+      "blockattn::kv_cache_append",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, total),
+      KOKKOS_LAMBDA(const std::int64_t e) {
+        const int d = int(e % D);
+        const int g = int((e / D) % H);
+        const index_type t = (e / (std::int64_t(D) * H)) % n;
+        const int b = int(e / (std::int64_t(D) * H * n));
+        const index_type pos = start(b) + t;
+        if (pl.owner(pos, P) != rank) return;
+        const index_type slot = pl.slot(pos, P);
+        kc(s0 + b, g, slot, d) = kn(b, int(t), g, d);
+        vc(s0 + b, g, slot, d) = vn(b, int(t), g, d);
+      });
+}
 }  // namespace impl
 
 /// The keys and values of `sequences` sequences on this rank: the tokens the
@@ -275,25 +300,11 @@ class KVCache {
         kn(k_new), vn(v_new);
     const storage_type kc = m_k, vc = m_v;
     const Placement pl = m_placement;
-    const int rank = m_rank, P = m_size, H = kv_heads(), D = dim();
+    const int rank = m_rank, P = m_size;
     Kokkos::View<index_type*, Kokkos::HostSpace> start_h("blockattn::kv_cache_start", s1 - s0);
     for (int s = s0; s < s1; ++s) start_h(s - s0) = m_length[std::size_t(s)];
     const auto start = Kokkos::create_mirror_view_and_copy(mem(), start_h);
-    const std::int64_t total = std::int64_t(s1 - s0) * n * H * D;
-    Kokkos::parallel_for(
-        "blockattn::kv_cache_append",
-        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, total),
-        KOKKOS_LAMBDA(const std::int64_t e) {
-          const int d = int(e % D);
-          const int g = int((e / D) % H);
-          const index_type t = (e / (std::int64_t(D) * H)) % n;
-          const int b = int(e / (std::int64_t(D) * H * n));
-          const index_type pos = start(b) + t;
-          if (pl.owner(pos, P) != rank) return;
-          const index_type slot = pl.slot(pos, P);
-          kc(s0 + b, g, slot, d) = kn(b, int(t), g, d);
-          vc(s0 + b, g, slot, d) = vn(b, int(t), g, d);
-        });
+    impl::kv_cache_append(exec, kc, vc, kn, vn, start, pl, rank, P, s0, n);
     exec.fence();  // start_h / start are freed here
     for (int s = s0; s < s1; ++s) {
       m_length[std::size_t(s)] += n;

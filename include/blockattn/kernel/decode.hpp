@@ -65,6 +65,21 @@ constexpr void check_decode_view_types() {
                 "its compute type, lse of the compute type (float for float, bf16, fp16)");
 }
 
+/// The smallest and largest of `len` (waits for exec). A function of its own:
+/// nvcc takes no extended lambda that first captures inside `if constexpr`.
+template <class ExecSpace, class LenV>
+void length_range(const ExecSpace& exec, const LenV& len, int& lo, int& hi) {
+  lo = 0;
+  hi = 0;
+  Kokkos::parallel_reduce(
+      "blockattn::decode_lengths", Kokkos::RangePolicy<ExecSpace>(exec, 0, int(len.extent(0))),
+      KOKKOS_LAMBDA(const int b, int& mn, int& mx) {
+        mn = len(b) < mn ? len(b) : mn;
+        mx = len(b) > mx ? len(b) : mx;
+      },
+      Kokkos::Min<int>(lo), Kokkos::Max<int>(hi));
+}
+
 /// The work cut of one decode call (host side).
 template <class T, class ExecSpace>
 DecodeGrid decode_grid(const ExecSpace& exec, const BlockExtents& e, index_type max_len,
@@ -155,14 +170,9 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     index_type max_len = opts.max_length;
     if (max_len < 0) {
       int lo = 0, hi = 0;
-      const Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> len = lengths;
-      Kokkos::parallel_reduce(
-          "blockattn::decode_lengths", Kokkos::RangePolicy<ExecSpace>(exec, 0, e.batch),
-          KOKKOS_LAMBDA(const int b, int& mn, int& mx) {
-            mn = len(b) < mn ? len(b) : mn;
-            mx = len(b) > mx ? len(b) : mx;
-          },
-          Kokkos::Min<int>(lo), Kokkos::Max<int>(hi));
+      impl::length_range(
+          exec, Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(lengths), lo,
+          hi);
       if (lo < 0) impl::fail(fn, "argument 'lengths' holds ", lo, ", expected >= 0");
       max_len = hi;
     }
