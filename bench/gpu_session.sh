@@ -70,6 +70,13 @@ else
   log "no $cuda/bench/blockattn_bench_gpu: skipped"
 fi
 
+# Decode on the GPU: split-KV against a plain read of the same bytes (HBM).
+if [ -x "$cuda/bench/blockattn_bench_decode" ]; then
+  step bench_decode 60 "$cuda/bench/blockattn_bench_decode" --reps 5
+else
+  log "no $cuda/bench/blockattn_bench_decode: skipped"
+fi
+
 # 3. Ranks sharing the GPU (the distributed suite), and the planner at P = 4, 8 on the CPUs.
 if [ -d .mpi ]; then
   export OPAL_PREFIX=$PWD/.mpi/usr PATH=$PWD/.mpi/usr/bin:$PATH
@@ -86,6 +93,13 @@ if [ -d .mpi ]; then
     for np in 4 8; do
       step "bench_plan_np$np" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
         mpiexec -n $np --oversubscribe "$host/bench/blockattn_bench_plan"
+    done
+  fi
+  # The distributed decode step on the CPUs at P = 1, 2, 4, 8 (tree, ring, planner).
+  if [ -x "$host/bench/blockattn_bench_serve" ]; then
+    for np in 1 2 4 8; do
+      step "bench_serve_np$np" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
+        mpiexec -n $np --oversubscribe --bind-to none "$host/bench/blockattn_bench_serve" --reps 3
     done
   fi
 else

@@ -7,7 +7,8 @@
 #
 # Writes .gpu/bundle.tar.gz (git-ignored through .git/info/exclude): the CUDA
 # build's blockattn_test_cuda, blockattn_test_distributed_cuda and
-# blockattn_bench_gpu, the host build's blockattn_bench_plan, and Open MPI.
+# blockattn_bench_gpu and blockattn_bench_decode, the host build's
+# blockattn_bench_plan and blockattn_bench_serve, and Open MPI.
 # Then: run(carry [".gpu"], command "bash bench/gpu_session.sh").
 set -euo pipefail
 cuda=${1:?usage: pack_gpu_bundle.sh <cuda build dir> [<host build dir>] [<mpi dir>]}
@@ -17,12 +18,13 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 grep -qs '^/.gpu/$' "$repo/.git/info/exclude" || echo /.gpu/ >>"$repo/.git/info/exclude"
 stage=$(mktemp -d)
 mkdir -p "$stage/build-cuda/tests" "$stage/build-cuda/bench" "$stage/build-host/bench"
-for f in tests/blockattn_test_cuda tests/blockattn_test_distributed_cuda bench/blockattn_bench_gpu; do
+for f in tests/blockattn_test_cuda tests/blockattn_test_distributed_cuda bench/blockattn_bench_gpu \
+  bench/blockattn_bench_decode; do
   if [ -x "$cuda/$f" ]; then strip -o "$stage/build-cuda/$f" "$cuda/$f"; else echo "missing $cuda/$f"; fi
 done
-if [ -n "$host" ] && [ -x "$host/bench/blockattn_bench_plan" ]; then
-  strip -o "$stage/build-host/bench/blockattn_bench_plan" "$host/bench/blockattn_bench_plan"
-fi
+for f in bench/blockattn_bench_plan bench/blockattn_bench_serve; do
+  if [ -n "$host" ] && [ -x "$host/$f" ]; then strip -o "$stage/build-host/$f" "$host/$f"; fi
+done
 if [ -n "$mpi" ]; then cp -a "$mpi" "$stage/.mpi"; fi
 mkdir -p "$repo/.gpu"
 tar -C "$stage" -czf "$repo/.gpu/bundle.tar.gz" .
