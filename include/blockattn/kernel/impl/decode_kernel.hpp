@@ -36,8 +36,12 @@ struct DecodeGrid {
   int key_tile = 32;  // keys per scratch tile
   int splits = 1;     // key ranges per (sequence, kv head)
   int team_size = 1;  // threads per team (1 on host spaces)
-  std::int64_t league() const { return std::int64_t(batch) * kv_heads * row_tiles * splits; }
-  std::int64_t state_rows() const { return std::int64_t(batch) * heads * rows; }
+  KOKKOS_INLINE_FUNCTION std::int64_t league() const {
+    return std::int64_t(batch) * kv_heads * row_tiles * splits;
+  }
+  KOKKOS_INLINE_FUNCTION std::int64_t state_rows() const {
+    return std::int64_t(batch) * heads * rows;
+  }
 };
 
 template <class T>
@@ -70,7 +74,7 @@ KOKKOS_INLINE_FUNCTION T decode_dot(const T* q, const S* k, int n) {
 /// Host: the scores q . k_j of one row against nk keys (key(j) -> const S*,
 /// head_dim contiguous), four keys at a time (eight independent FMA chains).
 template <class T, class S, class Key>
-inline void host_scores(const T* q, const Key& key, int nk, int D, T* out) {
+KOKKOS_INLINE_FUNCTION void host_scores(const T* q, const Key& key, int nk, int D, T* out) {
   constexpr int L = sizeof(T) == 4 ? 16 : 8;
   int j = 0;
   for (; j + 4 <= nk; j += 4) {
@@ -113,7 +117,7 @@ inline void host_scores(const T* q, const Key& key, int nk, int D, T* out) {
 /// Host: o = a o + sum_j p_j v_j over nk keys (value(j) -> const S*), the
 /// output in registers across the keys, C columns at a time.
 template <class T, class S, class Value>
-inline void host_pv(T* o, T a, const T* p, const Value& value, int nk, int D) {
+KOKKOS_INLINE_FUNCTION void host_pv(T* o, T a, const T* p, const Value& value, int nk, int D) {
   constexpr int C = sizeof(T) == 4 ? 64 : 32;
   int d0 = 0;
   for (; d0 + C <= D; d0 += C) {
@@ -244,7 +248,7 @@ struct DecodeKernel {
       // Scores S = q k^T (base 2, scaled), masked to -inf.
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit) {
-#if defined(__GNUC__)
+#if defined(__GNUC__) && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
           // The next tile's keys and values, one cache line at a time: decode
           // streams K and V once, and the prefetch keeps the loads ahead of
           // this tile's arithmetic.
