@@ -284,5 +284,21 @@ TEST_SUITE("serve") {
     INFO(msg);
     CHECK(msg.find("argument 'lse' has extent(2) = 2, expected 1") != std::string::npos);
     CHECK(msg.find("[rank 0 of") != std::string::npos);
+    // A prefill whose k is wrong on rank 0 only: every rank throws and no
+    // rank appends anything.
+    KVCache<float, ExecSpace> fresh(comm, 1, 8, 1, 8);
+    V4<float> qc("q", 1, 3, 1, 8), oc("o", 1, 3, 1, 8), vc("v", 1, 3, 1, 8);
+    V4<float> kc("k", 1, 3, 1, comm.rank() == 0 ? 4 : 8);
+    V3<float> lc("lse", 1, 1, 3);
+    msg.clear();
+    try {
+      prefill_attention(comm, ExecSpace{}, fresh, 0, qc, kc, vc, oc, lc);
+    } catch (const invalid_argument& e) {
+      msg = e.what();
+    }
+    INFO(msg);
+    CHECK(msg.find("argument 'k' has extent(3) (head_dim) = 4, expected 8") != std::string::npos);
+    CHECK(fresh.length(0) == 0);
+    CHECK(fresh.local_length(0) == 0);
   }
 }  // TEST_SUITE

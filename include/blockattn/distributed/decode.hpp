@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -195,7 +196,8 @@ template <class C, class ExecSpace, class T, class Placement, class QV, class OV
 void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
                   const KVCache<T, ExecSpace, Placement>& cache, int s0, int s1, const QV& q,
                   const OV& o, const LV& lse, const Mask& mask, const ServeOptions& opts,
-                  std::string error) {
+                  std::string error, index_type appending = 0,
+                  const std::function<void()>& after_consensus = {}) {
   using CT = compute_t<T>;
   using mem = typename ExecSpace::memory_space;
   const int B = s1 - s0;
@@ -229,10 +231,11 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
       error = std::string("blockattn::") + fn + ": argument 'lse' has extent(" + std::to_string(d) +
               ") = " + std::to_string(lse.extent(d)) + ", expected " + std::to_string(lse_want[d]) +
               " (lse is (sequences, heads, rows))";
+  // `appending` tokens go into each sequence after the consensus (prefill).
   for (int s = s0; s < s1 && error.empty(); ++s)
-    if (cache.length(s) < N)
+    if (cache.length(s) + appending < N)
       error = std::string("blockattn::") + fn + ": sequence " + std::to_string(s) + " holds " +
-              std::to_string(cache.length(s)) + " tokens; the " + std::to_string(N) +
+              std::to_string(cache.length(s) + appending) + " tokens; the " + std::to_string(N) +
               " query rows are its last tokens: append their keys and values first";
   if (opts.check_config) {
     Fingerprint f;
@@ -257,11 +260,13 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
       h *= 1099511628211ull;
     }
     f.number("sequence lengths (hash)", std::int64_t(h));
+    f.number("tokens appended", appending);
     add_mask(f, mask);
     reach_consensus(comm, fn, error, f);
   } else if (!error.empty()) {
     throw invalid_argument(error);
   }
+  if (after_consensus) after_consensus();  // every rank agreed: the prefill's append
 
   Kokkos::View<index_type*, mem> qpos("blockattn::q_positions", B);
   auto qh = Kokkos::create_mirror_view(qpos);
@@ -341,18 +346,31 @@ void prefill_attention(C& comm, const ExecSpace& exec, KVCache<T, ExecSpace, Pla
   else if (v.extent(1) != k.extent(1))
     error = std::string("blockattn::") + fn + ": argument 'v' has " + std::to_string(v.extent(1)) +
             " tokens, expected k's " + std::to_string(k.extent(1));
-  // The append's checks (shapes, capacity: the same on every rank, since
-  // lengths and capacities are global) become this rank's error, reported on
-  // every rank by the consensus below.
-  if (error.empty()) {
-    try {
-      cache.append(exec, seq, k, v);
-    } catch (const invalid_argument& e) {
-      error = e.what();
+  else {
+    // The append's own checks, before anything is appended on any rank: its
+    // shapes (this rank's) and the capacity (the same on every rank).
+    const char* names[4] = {"sequences", "tokens", "kv_heads", "head_dim"};
+    const std::size_t want[4] = {1, q.extent(1), std::size_t(cache.kv_heads()),
+                                 std::size_t(cache.dim())};
+    for (int d = 0; d < 4 && error.empty(); ++d)
+      if (k.extent(d) != want[d] || v.extent(d) != want[d])
+        error = std::string("blockattn::") + fn + ": argument '" +
+                (k.extent(d) != want[d] ? "k" : "v") + "' has extent(" + std::to_string(d) + ") (" +
+                names[d] +
+                ") = " + std::to_string(k.extent(d) != want[d] ? k.extent(d) : v.extent(d)) +
+                ", expected " + std::to_string(want[d]);
+    if (error.empty()) {
+      const std::string full = cache.overflow(seq, index_type(k.extent(1)));
+      if (!full.empty()) error = std::string("blockattn::") + fn + ": " + full;
     }
   }
-  impl::attend_cache(comm, exec, fn, cache, error.empty() ? seq : 0, error.empty() ? seq + 1 : 1, q,
-                     o, lse, mask, opts, error);
+  // The chunk goes into the cache once every rank agreed (nothing is
+  // appended anywhere when one rank's arguments are wrong), then its queries
+  // attend the cache.
+  const int s0 = error.empty() ? seq : 0;
+  const index_type n = error.empty() ? index_type(k.extent(1)) : 0;
+  impl::attend_cache(comm, exec, fn, cache, s0, s0 + 1, q, o, lse, mask, opts, error, n,
+                     [&] { cache.append(exec, seq, k, v); });
 }
 
 }  // namespace blockattn

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -218,6 +219,25 @@ class KVCache {
       impl::fail("KVCache::append", "argument 'seq' = ", seq, ", expected 0 .. ", sequences() - 1);
     append_rows(exec, "KVCache::append", seq, seq + 1, k_new, v_new);
   }
+  /// Why `n` more tokens of sequence `seq` do not fit, or "" when they do
+  /// (the same answer on every rank: lengths and capacities are global).
+  std::string overflow(int seq, index_type n) const {
+    const index_type after = m_length.at(std::size_t(seq)) + n;
+    for (int r = 0; r < m_size; ++r) {
+      const int last = m_placement.owner(after - 1, m_size);
+      if (m_placement.local_count(after, r, m_size) > capacity() || last < 0 || last >= m_size) {
+        std::ostringstream m;
+        m << "sequence " << seq << " would hold " << after << " tokens; rank " << r
+          << "'s shard holds at most " << capacity() << " slots per sequence ("
+          << impl::type_name<Placement>() << ", P = " << m_size
+          << "); expected at most the tokens that fit: clear() the sequence or build the cache "
+             "with a larger capacity";
+        return m.str();
+      }
+    }
+    return "";
+  }
+
   /// Forgets sequence `seq`'s tokens (its slots are reused).
   void clear(int seq) {
     if (seq < 0 || seq >= sequences())
@@ -281,18 +301,8 @@ class KVCache {
     if (n == 0) return;
     // The same check on every rank (lengths are global): every shard must fit.
     for (int s = s0; s < s1; ++s) {
-      const index_type after = m_length[std::size_t(s)] + n;
-      for (int r = 0; r < m_size; ++r) {
-        const index_type need = m_placement.local_count(after, r, m_size);
-        const int last = m_placement.owner(after - 1, m_size);
-        const bool last_owner_ok = last >= 0 && last < m_size;
-        if (need > capacity() || !last_owner_ok)
-          impl::fail(fn, "sequence ", s, " would hold ", after, " tokens; rank ", r,
-                     "'s shard holds at most ", capacity(), " slots per sequence (",
-                     impl::type_name<Placement>(), ", P = ", m_size,
-                     "); expected at most the tokens that fit: clear() the sequence or build the "
-                     "cache with a larger capacity");
-      }
+      const std::string full = overflow(s, n);
+      if (!full.empty()) impl::fail(fn, full);
     }
     using mem = memory_space;
     const Kokkos::View<const T****, Kokkos::LayoutStride, mem,
