@@ -106,13 +106,12 @@ void merge_over_ranks(
   // Row r = (b, h, i) packed as [O (D values), weight or LSE].
   const RowIndex row_of{N, H};
   const std::int64_t W = D + 1;
+  const Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>> each_row(exec, 0, rows);
   if (algorithm == MergeAlgorithm::tree || P == 1) {
     Kokkos::View<T*, mem> mx(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::mx"),
                              rows);
     Kokkos::parallel_for(
-        "blockattn::merge_max",
-        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-        KOKKOS_LAMBDA(const std::int64_t r) {
+        "blockattn::merge_max", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
           int b, h, i;
           row_of(r, b, h, i);
           const T l = lse_part(b, h, i);
@@ -122,9 +121,7 @@ void merge_over_ranks(
     Kokkos::View<T*, mem> buf(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::merge"),
                               rows * W);
     Kokkos::parallel_for(
-        "blockattn::merge_scale",
-        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-        KOKKOS_LAMBDA(const std::int64_t r) {
+        "blockattn::merge_scale", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
           int b, h, i;
           row_of(r, b, h, i);
           const T l = lse_part(b, h, i);
@@ -135,9 +132,7 @@ void merge_over_ranks(
         });
     allreduce_in_place(comm, exec, buf, ReduceOp::sum);
     Kokkos::parallel_for(
-        "blockattn::merge_finish",
-        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-        KOKKOS_LAMBDA(const std::int64_t r) {
+        "blockattn::merge_finish", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
           int b, h, i;
           row_of(r, b, h, i);
           const T l = buf(r * W + D);
@@ -157,9 +152,7 @@ void merge_over_ranks(
       Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::merge_parts"), P, rows * W);
   const int me = comm.rank();
   Kokkos::parallel_for(
-      "blockattn::merge_pack",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-      KOKKOS_LAMBDA(const std::int64_t r) {
+      "blockattn::merge_pack", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
         int b, h, i;
         row_of(r, b, h, i);
         for (int d = 0; d < D; ++d) all(me, r * W + d) = o_part(b, i, h, d);
@@ -178,9 +171,7 @@ void merge_over_ranks(
     comm.wait(rr);
   }
   Kokkos::parallel_for(
-      "blockattn::merge_ring",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-      KOKKOS_LAMBDA(const std::int64_t r) {
+      "blockattn::merge_ring", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
         int b, h, i;
         row_of(r, b, h, i);
         lse(b, h, i) = merge_row<T>(
@@ -343,25 +334,13 @@ void prefill_attention(C& comm, const ExecSpace& exec, KVCache<T, ExecSpace, Pla
   else if (q.extent(1) != k.extent(1))
     error = std::string("blockattn::") + fn + ": argument 'k' has " + std::to_string(k.extent(1)) +
             " tokens, expected the " + std::to_string(q.extent(1)) + " query rows of q";
-  else if (v.extent(1) != k.extent(1))
-    error = std::string("blockattn::") + fn + ": argument 'v' has " + std::to_string(v.extent(1)) +
-            " tokens, expected k's " + std::to_string(k.extent(1));
   else {
     // The append's own checks, before anything is appended on any rank: its
     // shapes (this rank's) and the capacity (the same on every rank).
-    const char* names[4] = {"sequences", "tokens", "kv_heads", "head_dim"};
-    const std::size_t want[4] = {1, q.extent(1), std::size_t(cache.kv_heads()),
-                                 std::size_t(cache.dim())};
-    for (int d = 0; d < 4 && error.empty(); ++d)
-      if (k.extent(d) != want[d] || v.extent(d) != want[d])
-        error = std::string("blockattn::") + fn + ": argument '" +
-                (k.extent(d) != want[d] ? "k" : "v") + "' has extent(" + std::to_string(d) + ") (" +
-                names[d] +
-                ") = " + std::to_string(k.extent(d) != want[d] ? k.extent(d) : v.extent(d)) +
-                ", expected " + std::to_string(want[d]);
-    if (error.empty()) {
-      const std::string full = cache.overflow(seq, index_type(k.extent(1)));
-      if (!full.empty()) error = std::string("blockattn::") + fn + ": " + full;
+    try {
+      cache.check_append(fn, seq, seq + 1, k, v, "k", "v");
+    } catch (const invalid_argument& e) {
+      error = e.what();
     }
   }
   // The chunk goes into the cache once every rank agreed (nothing is

@@ -238,6 +238,31 @@ class KVCache {
     return "";
   }
 
+  /// The checks of an append of k_new, v_new to sequences [s0, s1), without
+  /// appending: their shapes (this rank's) and the capacity (the same on every
+  /// rank). Throws invalid_argument naming `fn` and the arguments `k_name`,
+  /// `v_name`.
+  template <class KV, class VV>
+  void check_append(const char* fn, int s0, int s1, const KV& k_new, const VV& v_new,
+                    const char* k_name = "k_new", const char* v_name = "v_new") const {
+    impl::require_accessible<ExecSpace, typename KV::memory_space>(fn, k_name);
+    impl::require_accessible<ExecSpace, typename VV::memory_space>(fn, v_name);
+    const char* names[4] = {"sequences", "tokens", "kv_heads", "head_dim"};
+    const std::size_t want[4] = {std::size_t(s1 - s0), k_new.extent(1), std::size_t(kv_heads()),
+                                 std::size_t(dim())};
+    for (int d = 0; d < 4; ++d) {
+      impl::require_extent(fn, k_name, k_new, d, names[d], want[d],
+                           d == 0 ? "the sequences appended to" : "the cache's");
+      impl::require_extent(fn, v_name, v_new, d, names[d], want[d],
+                           d == 0 ? "the sequences appended to" : "the cache's");
+    }
+    // The same check on every rank (lengths are global): every shard must fit.
+    for (int s = s0; s < s1 && k_new.extent(1) > 0; ++s) {
+      const std::string full = overflow(s, index_type(k_new.extent(1)));
+      if (!full.empty()) impl::fail(fn, full);
+    }
+  }
+
   /// Forgets sequence `seq`'s tokens (its slots are reused).
   void clear(int seq) {
     if (seq < 0 || seq >= sequences())
@@ -286,24 +311,9 @@ class KVCache {
     static_assert(std::is_same<typename KV::non_const_value_type, T>::value &&
                       std::is_same<typename VV::non_const_value_type, T>::value,
                   "BlockAttn: KVCache::append: k_new and v_new must have the cache's value type");
-    impl::require_accessible<ExecSpace, typename KV::memory_space>(fn, "k_new");
-    impl::require_accessible<ExecSpace, typename VV::memory_space>(fn, "v_new");
-    const char* names[4] = {"sequences", "tokens", "kv_heads", "head_dim"};
-    const std::size_t want[4] = {std::size_t(s1 - s0), k_new.extent(1), std::size_t(kv_heads()),
-                                 std::size_t(dim())};
-    for (int d = 0; d < 4; ++d) {
-      impl::require_extent(fn, "k_new", k_new, d, names[d], want[d],
-                           d == 0 ? "the sequences appended to" : "the cache's");
-      impl::require_extent(fn, "v_new", v_new, d, names[d], want[d],
-                           d == 0 ? "the sequences appended to" : "the cache's");
-    }
+    check_append(fn, s0, s1, k_new, v_new);
     const index_type n = index_type(k_new.extent(1));
     if (n == 0) return;
-    // The same check on every rank (lengths are global): every shard must fit.
-    for (int s = s0; s < s1; ++s) {
-      const std::string full = overflow(s, n);
-      if (!full.empty()) impl::fail(fn, full);
-    }
     using mem = memory_space;
     const Kokkos::View<const T****, Kokkos::LayoutStride, mem,
                        Kokkos::MemoryTraits<Kokkos::Unmanaged>>
