@@ -44,10 +44,13 @@ struct ReferenceResult {
 /// O and LSE in fp64 straight from the definition, for any mask policy and
 /// position offsets. Inputs are taken as given (already rounded to the test's
 /// value type), so the result is the exact answer for those inputs.
+/// A score policy on the mask (policy/score.hpp) changes the logits of the
+/// allowed pairs; `sinks` (one logit per head) joins every row's denominator.
 template <class Mask>
 ReferenceResult reference_attention(const HostTensor& q, const HostTensor& k, const HostTensor& v,
                                     const Mask& mask, double scale, index_type q_offset = 0,
-                                    index_type k_offset = 0) {
+                                    index_type k_offset = 0,
+                                    const std::vector<double>* sinks = nullptr) {
   ReferenceResult r;
   r.o = HostTensor(q.b, q.n, q.h, q.d);
   r.lse.assign(std::size_t(q.b) * q.h * q.n, -std::numeric_limits<double>::infinity());
@@ -68,12 +71,17 @@ ReferenceResult reference_attention(const HostTensor& q, const HostTensor& k, co
             cond += std::abs(q(b, i, h, x) * k(b, j, h / group, x));
           }
           s[j] = scale * acc;
+          if constexpr (impl::has_score_mod_v<Mask>)
+            s[j] = mask.score(s[j], q_offset + i, k_offset + j, h);
           r.max_abs_logit = std::max(r.max_abs_logit, std::abs(s[j]));
           r.max_dot_condition = std::max(r.max_dot_condition, std::abs(scale) * cond);
           mx = std::max(mx, s[j]);
         }
+        const double sink = sinks ? (*sinks)[std::size_t(h)] : -HUGE_VAL;
+        if (sinks && mx == -HUGE_VAL) r.lse[(std::size_t(b) * q.h + h) * q.n + i] = sink;
         if (mx == -std::numeric_limits<double>::infinity()) continue;  // O row stays 0
-        double sum = 0.0;
+        mx = std::max(mx, sink);
+        double sum = sinks ? std::exp(sink - mx) : 0.0;
         for (int j = 0; j < k.n; ++j) sum += (s[j] = std::exp(s[j] - mx));
         for (int x = 0; x < q.d; ++x) {
           double acc = 0.0;
@@ -91,6 +99,7 @@ namespace blockattn::test {
 
 struct ReferenceGrads {
   HostTensor dq, dk, dv;
+  std::vector<double> dsink;  // dL/dsinks, per head (with sinks)
   double max_dot_condition = 0.0;
 };
 
@@ -103,13 +112,15 @@ template <class Mask>
 ReferenceGrads reference_backward(const HostTensor& q, const HostTensor& k, const HostTensor& v,
                                   const HostTensor& dout, const Mask& mask, double scale,
                                   index_type q_offset = 0, index_type k_offset = 0,
-                                  const HostTensor* o_used = nullptr) {
+                                  const HostTensor* o_used = nullptr,
+                                  const std::vector<double>* sinks = nullptr) {
   ReferenceGrads g;
   g.dq = HostTensor(q.b, q.n, q.h, q.d);
   g.dk = HostTensor(k.b, k.n, k.h, k.d);
   g.dv = HostTensor(v.b, v.n, v.h, v.d);
   const int group = q.h / k.h;
-  std::vector<double> p(k.n), dp(k.n);
+  std::vector<double> p(k.n), dp(k.n), raw(k.n);
+  g.dsink.assign(std::size_t(q.h), 0.0);
   for (int b = 0; b < q.b; ++b)
     for (int h = 0; h < q.h; ++h) {
       const int hk = h / group;
@@ -125,12 +136,17 @@ ReferenceGrads reference_backward(const HostTensor& q, const HostTensor& k, cons
             acc += q(b, i, h, x) * k(b, j, hk, x);
             cond += std::abs(q(b, i, h, x) * k(b, j, hk, x));
           }
-          p[j] = scale * acc;
+          p[j] = raw[j] = scale * acc;
+          if constexpr (impl::has_score_mod_v<Mask>)
+            p[j] = mask.score(raw[j], q_offset + i, k_offset + j, h);
           g.max_dot_condition = std::max(g.max_dot_condition, std::abs(scale) * cond);
           mx = std::max(mx, p[j]);
         }
         if (mx == -std::numeric_limits<double>::infinity()) continue;  // no gradient
-        double sum = 0.0;
+        const double sink = sinks ? (*sinks)[std::size_t(h)] : -HUGE_VAL;
+        mx = std::max(mx, sink);
+        double sum = sinks ? std::exp(sink - mx) : 0.0;
+        const double sink_term = sum;
         for (int j = 0; j < k.n; ++j) sum += (p[j] = std::exp(p[j] - mx));
         double drow = 0.0;
         for (int j = 0; j < k.n; ++j) {
@@ -144,9 +160,12 @@ ReferenceGrads reference_backward(const HostTensor& q, const HostTensor& k, cons
           drow = 0.0;
           for (int x = 0; x < q.d; ++x) drow += dout(b, i, h, x) * (*o_used)(b, i, h, x);
         }
+        g.dsink[std::size_t(h)] -= sink_term / sum * drow;
         for (int j = 0; j < k.n; ++j) {
           if (p[j] == 0.0) continue;
-          const double ds = p[j] * (dp[j] - drow);
+          double ds = p[j] * (dp[j] - drow);
+          if constexpr (impl::has_score_mod_v<Mask>)
+            ds *= mask.score_grad(raw[j], q_offset + i, k_offset + j, h);
           for (int x = 0; x < q.d; ++x) {
             g.dv(b, j, hk, x) += p[j] * dout(b, i, h, x);
             g.dq(b, i, h, x) += scale * ds * k(b, j, hk, x);

@@ -27,6 +27,7 @@
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/partition.hpp>
 #include <blockattn/policy/positions.hpp>
+#include <blockattn/policy/score.hpp>
 #include <blockattn/policy/table_partition.hpp>
 #include <blockattn/schedule/allgather.hpp>
 #include <blockattn/schedule/balanced.hpp>

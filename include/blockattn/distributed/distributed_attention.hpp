@@ -16,6 +16,7 @@
 #include <blockattn/distributed/impl/buffers.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
 #include <blockattn/distributed/impl/forward_steps.hpp>
+#include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/distributed/impl/step_loop.hpp>
 #include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/impl/validate.hpp>
@@ -103,6 +104,10 @@ class DistributedAttention {
   Communicator& communicator() { return m_comm; }
   const Partition& partition() const { return m_part; }
   const Mask& mask() const { return m_mask; }
+  /// Replaces the mask (e.g. the document layout of the next batch). Every
+  /// rank must make the same change before its next call (the consensus
+  /// compares the masks).
+  void set_mask(const Mask& mask) { m_mask = mask; }
 
   /// O and LSE of this rank's queries. q, k, v, o, lse are this rank's local
   /// Views, in the partition's local order (see to_local()): the
@@ -119,6 +124,7 @@ class DistributedAttention {
       using T = compute_t<typename OV::non_const_value_type>;
       RunStats stats;
       run_forward(c, forward_layout<T, ExecSpace>(c.e.dim), q, k, v, o, lse, opts, stats);
+      impl::apply_sinks(m_exec, opts.sinks, o, lse);
       return stats;
     } else {
       return RunStats{};
@@ -142,6 +148,7 @@ class DistributedAttention {
                                            true);
       });
       using T = compute_t<V>;
+      impl::distributed_sink_gradient(m_comm, m_exec, opts, o, dout, lse);
       run_backward(c, backward_layout<T, ExecSpace>(c.e.dim), q, k, v, o, lse, dout, dq, dk, dv,
                    opts, stats);
     }

@@ -226,7 +226,10 @@ class HybridAttention : public impl::HeadParallelCalls<
                   vf = x.template in<V>(v, true);
     const Buf4<V> of = x.template buffer<V>("blockattn::hybrid_o", e.batch, Ng, x.hl, e.dim);
     const Buf3<C> lf = x.template lse_buffer<C>("blockattn::hybrid_lse", e.batch, Ng);
-    const RunStats ring = m_ring.forward(qf, kf, vf, of, lf, opts);
+    // The ring computes this rank's heads of the group (global from x.first_q);
+    // the sinks are folded in by the caller, on the whole heads.
+    m_ring.set_mask(impl::shift_heads(m_mask, x.first_q));
+    const RunStats ring = m_ring.forward(qf, kf, vf, of, lf, impl::without_sinks(opts));
     merge(stats, ring, x.live);
     x.template out<C>(of, o, false);
     x.out_lse(lf, lse);
@@ -254,7 +257,9 @@ class HybridAttention : public impl::HeadParallelCalls<
     const Buf4<V> dqf = x.template buffer<V>("blockattn::hybrid_dq", e.batch, Ng, x.hl, e.dim),
                   dkf = x.template buffer<V>("blockattn::hybrid_dk", e.batch, Ng, x.kl, e.dim),
                   dvf = x.template buffer<V>("blockattn::hybrid_dv", e.batch, Ng, x.kl, e.dim);
-    const RunStats ring = m_ring.backward(qf, kf, vf, of, lf, dof, dqf, dkf, dvf, opts);
+    m_ring.set_mask(impl::shift_heads(m_mask, x.first_q));
+    const RunStats ring =
+        m_ring.backward(qf, kf, vf, of, lf, dof, dqf, dkf, dvf, impl::without_sinks(opts));
     merge(stats, ring, x.live);
     x.template out<C>(dqf, dq, false);
     x.template out<C>(dkf, dk, true);

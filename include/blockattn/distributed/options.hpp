@@ -6,6 +6,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/fused.hpp>
+#include <blockattn/kernel/sinks.hpp>
 #include <blockattn/kernel/work.hpp>
 
 #include <cstdint>
@@ -87,6 +88,14 @@ struct DistributedOptions {
   /// Compute every block pair on BlockAttn's kernels, never a vendor's fused
   /// attention (cuDNN on CUDA, bf16 / fp16; kernel/fused.hpp).
   bool portable_only = false;
+  /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
+  /// the execution space's memory, the same on every rank (compared in the
+  /// consensus). Each row's sink enters once, after the last merge of its
+  /// partial results, on the rank that returns the row. Empty: none.
+  SinkLogits sinks;
+  /// Backward: dL/dsinks (one fp32 per query head), summed over the rows of
+  /// every rank: the same values on every rank. Empty: not computed.
+  SinkGradient sink_grad;
 };
 
 }  // namespace blockattn

@@ -312,6 +312,7 @@ struct HeadExchange {
   UlyssesIndex<mem> where;
   Kokkos::View<int*, mem> fq, fkv;  // each rank's first query / K/V head
   int hl, kl;                       // query and K/V heads per rank
+  int first_q;                      // this rank's first query head (global index)
   std::int64_t sent = 0;
   UlyssesLive live;
 
@@ -322,7 +323,8 @@ struct HeadExchange {
         fq(ulysses_firsts(e, u, false)),
         fkv(ulysses_firsts(e, u, true)),
         hl(u.heads_per_rank),
-        kl(u.kv_heads_per_rank) {
+        kl(u.kv_heads_per_rank),
+        first_q(u.first_head(c.rank())) {
     live.add(ulysses_bytes(where));
   }
   /// Rows (batch, sequence, heads, dim) in: query heads (`kv` = false) or K/V heads.
@@ -380,6 +382,7 @@ class HeadParallelCalls {
       const auto t0 = std::chrono::steady_clock::now();
       const auto [e, N] = d.validate(Derived::fn, q, k, v, o, lse, opts);
       d.run_forward(e, N, q, k, v, o, lse, opts, stats);
+      apply_sinks(d.m_exec, opts.sinks, o, lse);
       d.m_exec.fence();
       Derived::account(stats, seconds_since(t0));
     }
@@ -401,6 +404,7 @@ class HeadParallelCalls {
       const auto [e, N] = d.validate(Derived::bfn, q, k, v, o, lse, opts, [&] {
         validate_backward<ES>(Derived::bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale, true);
       });
+      distributed_sink_gradient(d.m_comm, d.m_exec, opts, o, dout, lse);
       d.run_backward(e, N, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       d.m_exec.fence();
       Derived::account(stats, seconds_since(t0));
@@ -524,8 +528,8 @@ class UlyssesAttention
       x.live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();
       pack_forward_block(m_exec, kf, vf, kv);
-      forward_block(m_exec, fe, qf, kv, of, lf, m_mask, OffsetPositions{}, OffsetPositions{},
-                    scale);
+      forward_block(m_exec, fe, qf, kv, of, lf, impl::shift_heads(m_mask, x.first_q),
+                    OffsetPositions{}, OffsetPositions{}, scale);
       m_exec.fence();  // the packed block is freed here
       busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       x.live.sub(packed);
@@ -571,8 +575,8 @@ class UlyssesAttention
       const auto c0 = std::chrono::steady_clock::now();
       pack_backward_keys(m_exec, kf, vf, keys);
       pack_backward_queries(m_exec, qf, dof, of, lf, rows);
-      backward_block(m_exec, fe, rows, keys, dqf, dkf, dvf, m_mask, OffsetPositions{},
-                     OffsetPositions{}, scale);
+      backward_block(m_exec, fe, rows, keys, dqf, dkf, dvf, impl::shift_heads(m_mask, x.first_q),
+                     OffsetPositions{}, OffsetPositions{}, scale);
       m_exec.fence();  // the packed buffers are freed here
       busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       x.live.sub(packed);

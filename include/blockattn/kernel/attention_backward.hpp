@@ -42,6 +42,10 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
     if (impl::check_policies_always || opts.check_policies)
       impl::check_mask_contract(fn, exec, mask, opts.q_offset, opts.q_offset + e.queries,
                                 opts.k_offset, opts.k_offset + e.keys);
+    impl::check_score_and_sinks(fn, mask, opts, e.heads, true);
+    if (opts.sink_grad.data() != nullptr)
+      impl::store_sink_gradient(exec, impl::sink_gradient_part(exec, opts.sinks, o, dout, lse),
+                                opts.sink_grad);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     if (impl::fused_backward(exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask, scale, opts)) return;
     if (opts.paths) ++opts.paths->portable;

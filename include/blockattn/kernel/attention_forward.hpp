@@ -12,12 +12,24 @@
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
+#include <blockattn/policy/score.hpp>
 
 #include <cmath>
 #include <limits>
 #include <type_traits>
 
 namespace blockattn {
+
+namespace impl {
+/// The score policy's and the sinks' checks of a single-device call.
+template <class Mask>
+void check_score_and_sinks(const char* fn, const Mask& mask, const ForwardOptions& opts, int heads,
+                           bool backward) {
+  if (const std::string why = score_check(mask, heads); !why.empty())
+    fail(fn, "argument 'mask': ", why);
+  check_sinks(fn, opts.sinks, opts.sink_grad, heads, backward);
+}
+}  // namespace impl
 
 /// O = softmax(scale * Q K^T, masked) V and LSE, on one device.
 ///
@@ -56,10 +68,14 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
     if (impl::check_policies_always || opts.check_policies)
       impl::check_mask_contract(fn, exec, mask, qpos(0), qpos(e.queries - 1) + 1, kpos(0),
                                 kpos(e.keys - 1) + 1);
+    impl::check_score_and_sinks(fn, mask, opts, e.heads, false);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     // A vendor's fused attention where it is built in and takes the call
     // (kernel/impl/fused_path.hpp); BlockAttn's kernels otherwise.
-    if (impl::fused_forward(exec, e, q, k, v, o, lse, mask, scale, opts)) return;
+    if (impl::fused_forward(exec, e, q, k, v, o, lse, mask, scale, opts)) {
+      impl::apply_sinks(exec, opts.sinks, o, lse);
+      return;
+    }
     if (opts.paths) ++opts.paths->portable;
     const BlockLayout layout = forward_layout<T, ExecSpace>(e.dim);
     impl::CallBuffers<ExecSpace> buffers(exec);
@@ -75,6 +91,7 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
                                                      exec.concurrency(), rows_are_work);
     }
     forward_block(exec, e, q, kv, o, lse, mask, qpos, kpos, scale, state);
+    impl::apply_sinks(exec, opts.sinks, o, lse);
   }
 }
 

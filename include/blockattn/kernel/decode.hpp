@@ -13,6 +13,7 @@
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
+#include <blockattn/policy/score.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -179,6 +180,8 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     if (max_len > index_type(k.extent(1)))
       impl::fail(fn, "argument 'lengths' holds ", max_len,
                  " keys, expected at most k.extent(1) = ", k.extent(1), " (the cache's capacity)");
+    if (const std::string why = impl::score_check(mask, e.heads); !why.empty())
+      impl::fail(fn, "argument 'mask': ", why);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits);
 

@@ -4,6 +4,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/fused.hpp>
+#include <blockattn/kernel/sinks.hpp>
 
 #include <limits>
 
@@ -30,6 +31,14 @@ struct ForwardOptions {
   /// When set, the call adds the block pairs each implementation computed
   /// (BlockPathCounts: portable, fused, fused band pieces).
   BlockPathCounts* paths = nullptr;
+  /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
+  /// the memory of the execution space, added to every row's softmax
+  /// denominator (no value row). Empty: none. The forward returns the LSE with
+  /// the sink in it; pass that LSE and the same sinks to the backward.
+  SinkLogits sinks;
+  /// Backward: dL/dsinks, one fp32 value per query head, written here (sum
+  /// over the call's rows). Empty: not computed.
+  SinkGradient sink_grad;
 };
 
 }  // namespace blockattn

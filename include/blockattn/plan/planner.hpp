@@ -23,6 +23,7 @@
 #include <blockattn/plan/model.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/partition.hpp>
+#include <blockattn/policy/score.hpp>
 #include <blockattn/schedule/allgather.hpp>
 #include <blockattn/schedule/balanced.hpp>
 #include <blockattn/schedule/hybrid.hpp>
@@ -205,6 +206,9 @@ template <>
 struct shift_invariant_mask<CausalMask> : std::true_type {};
 template <>
 struct shift_invariant_mask<SlidingWindowMask> : std::true_type {};
+/// A score policy changes logits, not which pairs exist: the mask's answer.
+template <class M, class S>
+struct shift_invariant_mask<ScoredMask<M, S>> : shift_invariant_mask<M> {};
 
 inline std::int64_t floor_div(std::int64_t a, std::int64_t b) {  // b > 0
   return a >= 0 ? a / b : -((-a + b - 1) / b);

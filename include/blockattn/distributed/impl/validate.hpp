@@ -24,6 +24,20 @@
 namespace blockattn {
 namespace impl {
 
+/// The sink logits as text, for the consensus ("none", or the values).
+template <class ExecSpace>
+std::string sink_text(const SinkLogits& sinks) {
+  if (sinks.data() == nullptr) return "none";
+  const sink_view<typename ExecSpace::memory_space> s(sinks.data(), sinks.extent(0));
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), s);
+  std::ostringstream t;
+  t.precision(9);
+  t << "{";
+  for (std::size_t i = 0; i < h.extent(0); ++i) t << (i ? ", " : "") << h(i);
+  t << "}";
+  return t.str();
+}
+
 /// `describe(Fingerprint&)` adds the driver's fields after "call" (schedule,
 /// partition, grid); `extra()` runs more per-rank checks (the backward's);
 /// `opts` is the driver's DistributedOptions (scale, check_policies, and
@@ -53,6 +67,9 @@ BlockExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const
       fail(name, "argument 'k' has extent(1) (seq) = ", k.extent(1), ", expected ", q.extent(1),
            " (the local length of q: q, k and v hold the same tokens)");
     extra();
+    check_sinks(name, opts.sinks, opts.sink_grad, e.heads, true);
+    if (const std::string why = score_check(mask, e.heads); !why.empty())
+      fail(name, "argument 'mask': ", why);
   } catch (const invalid_argument& ex) {
     error = ex.what();
   }
@@ -69,6 +86,8 @@ BlockExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const
           "options.scale", opts.scale,
           std::isnan(opts.scale) ? std::string("default (1/sqrt(head_dim))") : to_text(opts.scale));
   if (uses_communicate) f.number("options.communicate", opts.communicate ? 1 : 0);
+  f.text("options.sinks", sink_text<ExecSpace>(opts.sinks))
+      .number("options.sink_grad (set)", opts.sink_grad.data() ? 1 : 0);
   f.number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
            check_policies_always || opts.check_policies ? 1 : 0);
   f.text(

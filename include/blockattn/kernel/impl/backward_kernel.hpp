@@ -24,6 +24,7 @@
 #include <blockattn/kernel/impl/micro_gemm.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/score.hpp>
 
 #include <cstdint>
 #include <type_traits>
@@ -75,10 +76,11 @@ struct BackwardCommon {
   }
 
   /// S = Q K^T into ss and dP = dO V^T into dps, then P into ss and dS into dps.
-  KOKKOS_INLINE_FUNCTION void tile_p_ds(const member_type& team, int b, int hk, int kb, int q0,
-                                        int q_rows, int k0, int k_rows, TileKind kind, const T* qs,
-                                        const T* dos, const T* lse2, const T* dr, T* ss,
-                                        T* dps) const {
+  /// h: the query head (a score policy's argument).
+  KOKKOS_INLINE_FUNCTION void tile_p_ds(const member_type& team, int b, int h, int hk, int kb,
+                                        int q0, int q_rows, int k0, int k_rows, TileKind kind,
+                                        const T* qs, const T* dos, const T* lse2, const T* dr,
+                                        T* ss, T* dps) const {
     const int p = dp();
     const T* const kt_tile = &kt(b, hk, kb, 0, 0);
     const T* const vt_tile = &vt(b, hk, kb, 0, 0);
@@ -101,6 +103,25 @@ struct BackwardCommon {
       T* const drow_ = dps + r * BK;
       const bool row_live = r < q_rows && lse2[r] != -infinity<T>();
       const T l2 = row_live ? lse2[r] : T(0), d = dr[r];
+      if constexpr (has_score_mod_v<Mask>) {
+        // A score policy: P = 2^(score(s) log2(e) - LSE2) on the allowed
+        // pairs, dS = P (dP - D) score_grad(s); 0 elsewhere (selects).
+        const index_type qp = qpos(q0 + (r < q_rows ? r : 0));
+        const impl::RowMask<Mask> allow(mask, qp, row_live && kind == TileKind::partial);
+        const T sc = scale;
+        for (int c = 0; c < BK; ++c) {
+          if (!(row_live && c < k_rows && allow(kpos(k0 + c)))) {
+            srow[c] = drow_[c] = T(0);
+            continue;
+          }
+          const index_type kp = kpos(k0 + c);
+          const T s = srow[c] * sc;
+          const T pv = exp2_nonpositive(mask.score(s, qp, kp, h) * log2e<T> - l2);
+          srow[c] = pv;
+          drow_[c] = pv * (drow_[c] - d) * mask.score_grad(s, qp, kp, h);
+        }
+        return;
+      }
       if (row_live && kind == TileKind::full && k_rows == BK) {
 #if BLOCKATTN_SIMD_KERNELS
         if constexpr (simd_exp2_rows<isa, T, BK>()) {
@@ -257,8 +278,8 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
         if (kind == TileKind::empty) continue;
         const auto qt_ = this->query_tile(b, h, q0);
         const T *qs = qt_.q, *dos = qt_.dout;
-        this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2, qt_.drow,
-                        ss, dps);
+        this->tile_p_ds(team, b, h, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
+                        qt_.drow, ss, dps);
         const auto bad = this->poisoned(team, kind, qs, dos, nullptr);
         // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q   (P, dS stored query-major)
         const int tiles = (BK / MR) * (p / NRO);
@@ -347,7 +368,7 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
       const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
       const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
       if (kind == TileKind::empty) continue;
-      this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, lse2, dr, ss, dps);
+      this->tile_p_ds(team, b, h, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, lse2, dr, ss, dps);
       // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
       const T* const k_tile = k_head + static_cast<std::ptrdiff_t>(k0) * p;
       const auto bad = this->poisoned(team, kind, nullptr, nullptr, k_tile);
@@ -444,7 +465,7 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
           if (kind == TileKind::empty) continue;
           const auto qt_ = this->query_tile(b, h, q0);
           const T *qs = qt_.q, *dos = qt_.dout;
-          this->tile_p_ds(team, b, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
+          this->tile_p_ds(team, b, h, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
                           qt_.drow, ss, dps);
           const auto bad = this->poisoned(team, kind, qs, dos, k_tile);
           T* const dq_tile = &dqacc(slice * this->batch + b, h, q0, 0);

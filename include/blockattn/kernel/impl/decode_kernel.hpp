@@ -17,6 +17,7 @@
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/score.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -190,6 +191,9 @@ struct DecodeKernel {
         for (int d = 0; d < D; ++d)
           s += qs[std::size_t(r) * D + d] * T(to_compute(k(b, int(j0 + j), kvh, d)));
       }
+      if constexpr (has_score_mod_v<Mask>)  // the allowed pairs' logits through the policy
+        if (kind != TileKind::partial || mask.allowed(qp, kp))
+          s = mask.score(s * ln2<T>, qp, kp, kvh * g.group + (r0 + r) / g.rows) * log2e<T>;
       ss[std::size_t(r) * KT + j] = s;
     });
   }
@@ -268,6 +272,14 @@ struct DecodeKernel {
           const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
           for (int r = 0; r < nr; ++r)
             host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
+          if constexpr (has_score_mod_v<Mask>)
+            for (int r = 0; r < nr; ++r) {
+              const index_type qp = q0 + (r0 + r) % g.rows;
+              const int h = kvh * g.group + (r0 + r) / g.rows;
+              T* const sr = ss + std::size_t(r) * KT;
+              for (int j = 0; j < nk; ++j)
+                sr[j] = mask.score(sr[j] * ln2<T>, qp, kpos(j0 + j), h) * log2e<T>;
+            }
           if (kind == TileKind::partial)
             for (int r = 0; r < nr; ++r) {
               const index_type qp = q0 + (r0 + r) % g.rows;

@@ -12,6 +12,7 @@
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/score.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -250,7 +251,8 @@ struct ForwardKernel {
 
       const T* const kt_tile = &kt(b, hk, kb, 0, 0);
       const T* const v_tile = v_head + static_cast<std::ptrdiff_t>(k0) * dp;
-      const Tile tile{kind, q0, q_rows, k0, k_rows, dp, kt_tile, v_tile, qs, os, ss, m, l, alpha};
+      const Tile tile{kind, q0, q_rows, k0, k_rows, dp,    kt_tile, v_tile,
+                      qs,   os, ss,     m,  l,      alpha, h};
       // A non-finite V row: P = 0 (masked) times inf / NaN must add nothing, so
       // the P*V of a partial tile then selects instead of multiplying (rare).
       const bool select_pv = kind == TileKind::partial && tile_has_nonfinite(team, v_tile, BK * dp);
@@ -325,6 +327,7 @@ struct ForwardKernel {
     T* m;
     T* l;
     T* alpha;
+    int h;  // query head (a score policy's argument)
   };
 
   /// S micro tile (r0, c0) = Q rows r0.. times K^T columns c0... In a partial
@@ -347,6 +350,8 @@ struct ForwardKernel {
   /// Rows r0 .. r0 + SR - 1 of S: the mask (partial tiles, or keys past the
   /// block's end), then the online-softmax update, leaving P in S.
   KOKKOS_FORCEINLINE_FUNCTION void softmax_tile_rows(const Tile& t, int r0) const {
+    if constexpr (has_score_mod_v<Mask>)
+      for (int r = r0; r < r0 + SR; ++r) score_tile_row(t, r);
     for (int r = r0; r < r0 + SR; ++r) mask_tile_row(t, r);
 #if BLOCKATTN_SIMD_KERNELS
     if constexpr (SR > 1) {
@@ -355,6 +360,16 @@ struct ForwardKernel {
     }
 #endif
     for (int r = r0; r < r0 + SR; ++r) softmax_row(t.ss + r * BK, t.m[r], t.l[r], t.alpha[r]);
+  }
+
+  /// Row r of S through the score policy (before the mask, which then
+  /// overwrites the pairs it rules out): s' = score(s) on natural logits.
+  KOKKOS_FORCEINLINE_FUNCTION void score_tile_row(const Tile& t, int r) const {
+    T* const srow = t.ss + r * BK;
+    const int rq = r < t.q_rows ? r : t.q_rows - 1;
+    const index_type qp = qpos(t.q0 + rq);
+    for (int c = 0; c < t.k_rows; ++c)
+      srow[c] = mask.score(srow[c] * ln2<T>, qp, kpos(t.k0 + c), t.h) * log2e<T>;
   }
 
   /// Row r of S: -inf where the mask (partial tiles) or the block's end rules

@@ -1,0 +1,424 @@
+// SPDX-License-Identifier: Apache-2.0
+// Score policies (policy/score.hpp) and attention sinks (kernel/sinks.hpp) on
+// one device: forward and backward against the fp64 reference with the
+// modification applied, the gradients also against central finite
+// differences, the rules for huge logits and fully masked rows, decode, and
+// the argument checks.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "forward_check.hpp"
+#include "reference.hpp"
+#include "score_policies.hpp"
+
+using namespace blockattn;
+using namespace blockattn::test;
+
+namespace {
+
+template <class T>
+using V4 = Kokkos::View<T****, MemSpace>;
+template <class T>
+using V3 = Kokkos::View<T***, MemSpace>;
+
+struct Shape4 {
+  int b, nq, nk, h, hkv, d;
+};
+
+template <class View>
+HostTensor download(const View& v) {
+  auto h = to_host(v);
+  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
+  for (int a = 0; a < t.b; ++a)
+    for (int n = 0; n < t.n; ++n)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = double(h(a, n, x, d));
+  return t;
+}
+
+/// max |a - b| / max |b| (false in `finite` on a non-finite entry of a).
+double rel_err(const std::vector<double>& a, const std::vector<double>& b, bool& finite) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) finite = false;
+    num = std::max(num, std::abs(a[i] - b[i]));
+    den = std::max(den, std::abs(b[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+/// Sink logits on the device (fp32) and their values as the reference sees them.
+struct Sinks {
+  Kokkos::View<float*, MemSpace> logits, grad;
+  std::vector<double> values;
+  explicit Sinks(const std::vector<float>& s)
+      : logits("sinks", s.size()), grad("sink_grad", s.size()) {
+    auto h = Kokkos::create_mirror_view(logits);
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      h(i) = s[i];
+      values.push_back(double(s[i]));
+    }
+    Kokkos::deep_copy(logits, h);
+  }
+  std::vector<double> gradient() const {
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), grad);
+    return std::vector<double>(h.data(), h.data() + h.extent(0));
+  }
+};
+
+/// Inputs, and what attention_forward + attention_backward make of them.
+struct Run {
+  HostTensor q, k, v, dout;
+  HostTensor o, dq, dk, dv;
+  std::vector<double> lse, dsink;
+};
+
+template <class T, class Mask>
+Run forward_backward(const Shape4& s, const Mask& mask, std::uint64_t seed, ForwardOptions opts,
+                     const Sinks* sinks, double amplitude) {
+  std::mt19937_64 rng(seed);
+  Run r;
+  r.q = random_tensor(s.b, s.nq, s.h, s.d, rng, amplitude);
+  r.k = random_tensor(s.b, s.nk, s.hkv, s.d, rng, amplitude);
+  r.v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  r.dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  V4<T> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
+      vd("v", s.b, s.nk, s.hkv, s.d), od("o", s.b, s.nq, s.h, s.d), dod("do", s.b, s.nq, s.h, s.d),
+      dqd("dq", s.b, s.nq, s.h, s.d), dkd("dk", s.b, s.nk, s.hkv, s.d),
+      dvd("dv", s.b, s.nk, s.hkv, s.d);
+  V3<compute_t<T>> ld("lse", s.b, s.h, s.nq);
+  upload(r.q, qd);
+  upload(r.k, kd);
+  upload(r.v, vd);
+  upload(r.dout, dod);
+  if (sinks) {
+    opts.sinks = sinks->logits;
+    opts.sink_grad = sinks->grad;
+  }
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+  attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, mask, opts);
+  Kokkos::fence();
+  r.o = download(od);
+  r.dq = download(dqd);
+  r.dk = download(dkd);
+  r.dv = download(dvd);
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ld);
+  r.lse.assign(lh.data(), lh.data() + lh.span());
+  if (sinks) r.dsink = sinks->gradient();
+  return r;
+}
+
+/// Gradient tolerance relative to the largest entry (test_backward.cpp's
+/// budget; 16-bit: the inputs are exact, the fp32 compute rounds once into
+/// bf16 / fp16 outputs: 2^-7 relative, 4x margin).
+template <class T>
+double grad_tol() {
+  if constexpr (std::is_same<T, double>::value) return 1e-11;
+  if constexpr (std::is_same<T, float>::value) return 1e-4;
+  return 3e-2;
+}
+
+/// Forward and backward of one (mask, policy, sinks) case against the fp64
+/// reference with the modification applied.
+template <class T, class Mask>
+void check_case(const Shape4& s, const Mask& mask, std::uint64_t seed, const Sinks* sinks = nullptr,
+                double amplitude = 2.0, ForwardOptions opts = {}) {
+  const Run r = forward_backward<T>(s, mask, seed, opts, sinks, amplitude);
+  const double scale = 1.0 / std::sqrt(double(s.d));
+  const std::vector<double>* sv = sinks ? &sinks->values : nullptr;
+  const ReferenceResult ref =
+      reference_attention(r.q, r.k, r.v, mask, scale, opts.q_offset, opts.k_offset, sv);
+  // The O a 16-bit forward returned (rounded) is what its backward uses.
+  const HostTensor* o_used = std::is_same<compute_t<T>, T>::value ? nullptr : &r.o;
+  const ReferenceGrads g = reference_backward(r.q, r.k, r.v, r.dout, mask, scale, opts.q_offset,
+                                              opts.k_offset, o_used, sv);
+  bool finite = true;
+  const double eo = rel_err(r.o.data, ref.o.data, finite);
+  double el = 0.0;
+  for (std::size_t i = 0; i < r.lse.size(); ++i) {
+    if (std::isinf(ref.lse[i])) {
+      CHECK(r.lse[i] == ref.lse[i]);
+      continue;
+    }
+    el = std::max(el, std::abs(r.lse[i] - ref.lse[i]));
+  }
+  const double eq = rel_err(r.dq.data, g.dq.data, finite);
+  const double ek = rel_err(r.dk.data, g.dk.data, finite);
+  const double ev = rel_err(r.dv.data, g.dv.data, finite);
+  const double es = sinks ? rel_err(r.dsink, g.dsink, finite) : 0.0;
+  const double tol = grad_tol<T>();
+  INFO("B=", s.b, " Nq=", s.nq, " Nk=", s.nk, " H=", s.h, "/", s.hkv, " D=", s.d, " o ", eo,
+       " lse ", el, " dq ", eq, " dk ", ek, " dv ", ev, " dsink ", es, " tol ", tol);
+  CHECK(finite);
+  CHECK(eo <= tol);
+  CHECK(el <= (std::is_same<compute_t<T>, double>::value ? 1e-11 : 1e-4));
+  CHECK(eq <= tol);
+  CHECK(ek <= tol);
+  CHECK(ev <= tol);
+  CHECK(es <= std::max(tol, 1e-6));  // dL/dsinks is returned in fp32
+}
+
+const Shape4 shapes[] = {{1, 70, 90, 4, 2, 32}, {2, 130, 130, 4, 4, 64}};
+
+template <class T>
+void every_policy(std::uint64_t seed) {
+  std::vector<index_type> off{0, 9, 40, 41, 100, 130};
+  const Documents<MemSpace> docs(off);
+  const Sinks sinks({0.5f, -1.0f, 2.0f, -std::numeric_limits<float>::infinity()});
+  for (const Shape4& s : shapes) {
+    const Alibi alibi = Alibi::geometric(s.h);
+    for (const Sinks* sk : {static_cast<const Sinks*>(nullptr), &sinks}) {
+      check_case<T>(s, with_score(CausalMask{}, SoftCap{1.5}), ++seed, sk);
+      check_case<T>(s, with_score(causal_window(24), SoftCap{1.5}), ++seed, sk);
+      check_case<T>(s, with_score(docs.mask(), SoftCap{1.5}), ++seed, sk);
+      check_case<T>(s, with_score(CausalMask{}, alibi), ++seed, sk);
+      check_case<T>(s, with_score(causal_window(24), alibi), ++seed, sk);
+      check_case<T>(s, with_score(docs.mask(), alibi), ++seed, sk);
+      check_case<T>(s, with_score(CausalMask{}, HeadTemperature{0.25}), ++seed, sk);
+      check_case<T>(s, with_score(causal_window(24), HeadTemperature{0.25}), ++seed, sk);
+      check_case<T>(s, with_score(docs.mask(), HeadTemperature{0.25}), ++seed, sk);
+      // Sinks alone, and the symmetric ALiBi without a mask.
+      check_case<T>(s, causal_window(24), ++seed, sk);
+      check_case<T>(s, with_score(FullMask{}, Alibi::geometric(s.h, true)), ++seed, sk);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("score policies and sinks match the fp64 reference, forward and backward", T,
+                   BLOCKATTN_TEST_TYPES) {
+  every_policy<T>(900);
+}
+
+TEST_CASE("score policies and sinks in bf16 and fp16 (fp32 compute) match the fp64 reference") {
+  every_policy<bf16>(1900);
+  const Sinks sinks({0.5f, -1.0f, 2.0f, 0.0f});
+  check_case<fp16>({1, 70, 90, 4, 2, 32}, with_score(CausalMask{}, SoftCap{1.5}), 2901, &sinks);
+  check_case<fp16>({1, 70, 90, 4, 2, 32}, with_score(CausalMask{}, Alibi::geometric(4)), 2902,
+                   &sinks);
+}
+
+TEST_CASE("the gradients of a score policy and of the sinks match central finite differences") {
+  // fp64 on the library itself: L = sum(dO o O(q, k, v, sinks)), perturbed
+  // one entry at a time by +-h; central differences err by ~h^2 f''' and
+  // ~eps / h in rounding: 1e-5 gives ~1e-10 of a unit gradient; 1e-6 relative
+  // to the largest entry leaves a wide margin and fails on any wrong term.
+  const Shape4 s{1, 13, 13, 2, 1, 8};
+  const auto mask = with_score(causal_window(9), SoftCap{1.0});
+  const Alibi alibi = Alibi::geometric(2);
+  for (int which = 0; which < 2; ++which) {
+    const Sinks sinks({0.75f, -0.5f});
+    ForwardOptions opts;
+    opts.sinks = sinks.logits;
+    opts.sink_grad = sinks.grad;
+    std::mt19937_64 rng(4242 + which);
+    HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng, 2.0),
+               k = random_tensor(s.b, s.nk, s.hkv, s.d, rng, 2.0),
+               v = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+               dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+    V4<double> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
+        vd("v", s.b, s.nk, s.hkv, s.d), od("o", s.b, s.nq, s.h, s.d),
+        dod("do", s.b, s.nq, s.h, s.d), dqd("dq", s.b, s.nq, s.h, s.d),
+        dkd("dk", s.b, s.nk, s.hkv, s.d), dvd("dv", s.b, s.nk, s.hkv, s.d);
+    V3<double> ld("lse", s.b, s.h, s.nq);
+    upload(dout, dod);
+    auto loss = [&](HostTensor& qq, HostTensor& kk, HostTensor& vv) {
+      upload(qq, qd);
+      upload(kk, kd);
+      upload(vv, vd);
+      if (which == 0)
+        attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+      else
+        attention_forward(ExecSpace{}, qd, kd, vd, od, ld, with_score(CausalMask{}, alibi), opts);
+      Kokkos::fence();
+      const HostTensor o = download(od);
+      double l = 0.0;
+      for (std::size_t i = 0; i < o.data.size(); ++i) l += o.data[i] * dout.data[i];
+      return l;
+    };
+    loss(q, k, v);
+    if (which == 0)
+      attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, mask, opts);
+    else
+      attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd,
+                         with_score(CausalMask{}, alibi), opts);
+    Kokkos::fence();
+    const HostTensor dq = download(dqd), dk = download(dkd), dv = download(dvd);
+    const std::vector<double> dsink = sinks.gradient();
+    const double h = 1e-5;
+    double worst = 0.0, largest = 1e-300;
+    auto probe = [&](HostTensor& t, const HostTensor& grad, std::size_t i) {
+      const double x = t.data[i];
+      t.data[i] = x + h;
+      const double up = loss(q, k, v);
+      t.data[i] = x - h;
+      const double down = loss(q, k, v);
+      t.data[i] = x;
+      const double fd = (up - down) / (2 * h);
+      worst = std::max(worst, std::abs(fd - grad.data[i]));
+      largest = std::max(largest, std::abs(fd));
+    };
+    for (std::size_t i = 0; i < q.data.size(); i += 7) probe(q, dq, i);
+    for (std::size_t i = 0; i < k.data.size(); i += 5) probe(k, dk, i);
+    for (std::size_t i = 0; i < v.data.size(); i += 11) probe(v, dv, i);
+    // The sinks: perturb the fp32 logit itself (h = 2^-10 is exact in fp32).
+    const double hs = 1.0 / 1024;
+    for (int head = 0; head < s.h; ++head) {
+      auto hv = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), sinks.logits);
+      const float x = hv(head);
+      hv(head) = float(x + hs);
+      Kokkos::deep_copy(sinks.logits, hv);
+      const double up = loss(q, k, v);
+      hv(head) = float(x - hs);
+      Kokkos::deep_copy(sinks.logits, hv);
+      const double down = loss(q, k, v);
+      hv(head) = x;
+      Kokkos::deep_copy(sinks.logits, hv);
+      const double fd = (up - down) / (2 * hs);
+      // O is smooth in the sink: the h^2 term is ~1e-7 of the gradient here.
+      INFO("sink ", head, " fd ", fd, " backward ", dsink[std::size_t(head)]);
+      CHECK(std::abs(fd - dsink[std::size_t(head)]) <= 1e-5 * (1.0 + std::abs(fd)));
+    }
+    INFO("policy ", which, " max |fd - grad| ", worst, " max |fd| ", largest);
+    CHECK(worst <= 1e-6 * largest);
+  }
+}
+
+TEST_CASE(
+    "softcap keeps huge logits finite; a fully masked row with a sink gives O = 0, LSE = sink") {
+  // Logits up to ~1e36: softcap maps them into (-cap, cap) and its
+  // derivative to 0; the result is that of the capped logits.
+  const Shape4 s{1, 40, 40, 2, 2, 16};
+  check_case<double>(s, with_score(CausalMask{}, SoftCap{30.0}), 31, nullptr, 1e15);
+  check_case<float>(s, with_score(CausalMask{}, SoftCap{30.0}), 32, nullptr, 1e10);
+  check_case<float>(s, with_score(CausalMask{}, SoftCap{30.0}), 33, nullptr, 1e18);
+
+  // Queries at positions -10 .. 29 under a causal mask: rows -10 .. -1 see no
+  // key. With a sink they get O = 0 and LSE = the sink, exactly.
+  const Sinks sinks({1.25f, -3.0f});
+  ForwardOptions opts;
+  opts.q_offset = -10;
+  check_case<float>(s, with_score(CausalMask{}, SoftCap{5.0}), 34, &sinks, 1.0, opts);
+  const Run r = forward_backward<float>(s, CausalMask{}, 35, opts, &sinks, 1.0);
+  for (int h = 0; h < s.h; ++h)
+    for (int i = 0; i < 10; ++i) {
+      CHECK(r.lse[std::size_t(h) * s.nq + std::size_t(i)] == double(sinks.values[std::size_t(h)]));
+      for (int d = 0; d < s.d; ++d) CHECK(r.o(0, i, h, d) == 0.0);
+      for (int d = 0; d < s.d; ++d) CHECK(r.dq(0, i, h, d) == 0.0);
+    }
+}
+
+TEST_CASE("a NaN sink makes its head NaN and leaves the other heads alone") {
+  const Shape4 s{1, 20, 20, 2, 1, 16};
+  const Sinks sinks({std::numeric_limits<float>::quiet_NaN(), 0.5f});
+  const Run r = forward_backward<float>(s, CausalMask{}, 36, {}, &sinks, 1.0);
+  for (int i = 0; i < s.nq; ++i) {
+    CHECK(std::isnan(r.lse[std::size_t(i)]));
+    CHECK(std::isfinite(r.lse[std::size_t(s.nq + i)]));
+    CHECK(std::isnan(r.o(0, i, 0, 3)));
+    CHECK(std::isfinite(r.o(0, i, 1, 3)));
+  }
+}
+
+TEST_CASE("decode with a score policy matches the fp64 reference") {
+  // One new token per sequence at position len - 1 against its cache.
+  const int B = 2, H = 4, HKV = 2, D = 32, cap = 300;
+  std::mt19937_64 rng(77);
+  HostTensor q = random_tensor(B, 1, H, D, rng, 2.0), k = random_tensor(B, cap, HKV, D, rng, 2.0),
+             v = random_tensor(B, cap, HKV, D, rng);
+  V4<float> qd("q", B, 1, H, D), kd("k", B, cap, HKV, D), vd("v", B, cap, HKV, D),
+      od("o", B, 1, H, D);
+  V3<float> ld("lse", B, H, 1);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  Kokkos::View<int*, MemSpace> len("len", B);
+  Kokkos::View<index_type*, MemSpace> qpos("qpos", B);
+  auto lh = Kokkos::create_mirror_view(len);
+  auto ph = Kokkos::create_mirror_view(qpos);
+  const int lengths[B] = {300, 171};
+  for (int b = 0; b < B; ++b) {
+    lh(b) = lengths[b];
+    ph(b) = lengths[b] - 1;
+  }
+  Kokkos::deep_copy(len, lh);
+  Kokkos::deep_copy(qpos, ph);
+  const auto mask = with_score(causal_window(100), Alibi::geometric(H));
+  const auto capped = with_score(CausalMask{}, SoftCap{1.0});
+  for (int which = 0; which < 2; ++which) {
+    if (which == 0)
+      attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, od, ld, mask, OffsetPositions{});
+    else
+      attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, od, ld, capped, OffsetPositions{});
+    Kokkos::fence();
+    const HostTensor o = download(od);
+    auto lse = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ld);
+    for (int b = 0; b < B; ++b) {
+      HostTensor qb(1, 1, H, D), kb(1, lengths[b], HKV, D), vb(1, lengths[b], HKV, D);
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) qb(0, 0, h, d) = q(b, 0, h, d);
+      for (int j = 0; j < lengths[b]; ++j)
+        for (int h = 0; h < HKV; ++h)
+          for (int d = 0; d < D; ++d) {
+            kb(0, j, h, d) = k(b, j, h, d);
+            vb(0, j, h, d) = v(b, j, h, d);
+          }
+      const double scale = 1.0 / std::sqrt(double(D));
+      const ReferenceResult ref =
+          which == 0 ? reference_attention(qb, kb, vb, mask, scale, lengths[b] - 1, 0)
+                     : reference_attention(qb, kb, vb, capped, scale, lengths[b] - 1, 0);
+      double err = 0.0;
+      for (int h = 0; h < H; ++h) {
+        err = std::max(err, std::abs(double(lse(b, h, 0)) - ref.lse[std::size_t(h)]));
+        for (int d = 0; d < D; ++d)
+          err = std::max(err, std::abs(o(b, 0, h, d) - ref.o(0, 0, h, d)));
+      }
+      INFO("policy ", which, " sequence ", b, " err ", err);
+      CHECK(err <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("score policies and sinks: bad arguments name what was expected") {
+  V4<float> q("q", 1, 8, 4, 16), k("k", 1, 8, 2, 16), v("v", 1, 8, 2, 16), o("o", 1, 8, 4, 16);
+  V3<float> lse("lse", 1, 4, 8);
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string few = message([&] {
+    attention_forward(ExecSpace{}, q, k, v, o, lse, with_score(CausalMask{}, Alibi::geometric(2)));
+  });
+  CHECK(few.find("argument 'mask'") != std::string::npos);
+  CHECK(few.find("Alibi::heads = 2") != std::string::npos);
+  const std::string cap = message([&] {
+    attention_forward(ExecSpace{}, q, k, v, o, lse, with_score(FullMask{}, SoftCap{0.0}));
+  });
+  CHECK(cap.find("SoftCap::cap") != std::string::npos);
+  const Sinks three({1.0f, 2.0f, 3.0f});
+  ForwardOptions opts;
+  opts.sinks = three.logits;
+  const std::string sinks =
+      message([&] { attention_forward(ExecSpace{}, q, k, v, o, lse, CausalMask{}, opts); });
+  CHECK(sinks.find("'options.sinks' has extent(0) = 3") != std::string::npos);
+  ForwardOptions grad_only;
+  grad_only.sink_grad = three.grad;
+  const std::string orphan = message([&] {
+    attention_backward(ExecSpace{}, q, k, v, o, lse, o, q, k, v, CausalMask{}, grad_only);
+  });
+  CHECK(orphan.find("'options.sink_grad' is set but 'options.sinks' is empty") !=
+        std::string::npos);
+}
