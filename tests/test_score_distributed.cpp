@@ -1,0 +1,223 @@
+// SPDX-License-Identifier: Apache-2.0
+// Score policies and attention sinks under every distributed schedule: the
+// forward (O, LSE) and backward (dQ, dK, dV, dL/dsinks) of this rank's rows
+// against the fp64 reference of the global sequence with the modification
+// applied. Each policy (SoftCap, Alibi, a user policy) meets each of the
+// causal, sliding-window and document masks under every schedule (KV ring,
+// Q ring, balanced, all-gather, Ulysses; the 2D hybrid where P allows it),
+// with and without sinks.
+#include <doctest/doctest.h>
+
+#include <blockattn/blockattn.hpp>
+#include <blockattn/mpi_communicator.hpp>
+#include <blockattn/schedule/allgather.hpp>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend.hpp"
+#include "distributed_check.hpp"
+#include "reference.hpp"
+#include "score_policies.hpp"
+
+using namespace blockattn;
+using namespace blockattn::test;
+
+namespace {
+
+constexpr int H = 4, HKV = 2, D = 32;
+
+/// The global problem (the same on every rank) and its fp64 answers.
+struct Problem {
+  int N;
+  HostTensor q, k, v, dout;
+  std::vector<double> sinks;
+};
+
+Problem problem(int N, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Problem p{N, {}, {}, {}, {}, {0.5, -1.0, 2.0, -0.25}};
+  // Inputs rounded to fp32: the reference sees exactly what the kernels see.
+  p.q = rounded_to<float>(random_tensor(1, N, H, D, rng, 2.0));
+  p.k = rounded_to<float>(random_tensor(1, N, HKV, D, rng, 2.0));
+  p.v = rounded_to<float>(random_tensor(1, N, HKV, D, rng));
+  p.dout = rounded_to<float>(random_tensor(1, N, H, D, rng));
+  return p;
+}
+
+/// Runs attn.forward and attn.backward on this rank's n rows (local row i is
+/// global row map(i)) and checks them against the fp64 reference. Bounds:
+/// fp32 compute against fp64, relative to the largest entry, as
+/// test_score.cpp (1e-4 for O and the gradients, 1e-4 absolute for LSE;
+/// dL/dsinks is summed over every row in double and returned in fp32).
+template <class Attn, class Mask, class Map>
+void check(Attn& attn, const Mask& mask, const Problem& p, index_type n, const Map& map,
+           bool with_sinks, const char* what) {
+  const int rank = attn.communicator().rank(), P = attn.communicator().size();
+  const double scale = 1.0 / std::sqrt(double(D));
+  const std::vector<double>* sv = with_sinks ? &p.sinks : nullptr;
+  const ReferenceResult ref = reference_attention(p.q, p.k, p.v, mask, scale, 0, 0, sv);
+  const ReferenceGrads g =
+      reference_backward(p.q, p.k, p.v, p.dout, mask, scale, 0, 0, nullptr, sv);
+
+  const V4<float> q = local_rows<float>(p.q, n, map), k = local_rows<float>(p.k, n, map),
+                  v = local_rows<float>(p.v, n, map), dout = local_rows<float>(p.dout, n, map);
+  V4<float> o("o", 1, n, H, D), dq("dq", 1, n, H, D), dk("dk", 1, n, HKV, D),
+      dv("dv", 1, n, HKV, D);
+  V3<float> lse("lse", 1, H, n);
+  Kokkos::View<float*, MemSpace> sinks("sinks", H), sink_grad("sink_grad", H);
+  auto sh = Kokkos::create_mirror_view(sinks);
+  for (int h = 0; h < H; ++h) sh(h) = float(p.sinks[std::size_t(h)]);
+  Kokkos::deep_copy(sinks, sh);
+  DistributedOptions opts;
+  if (with_sinks) {
+    opts.sinks = sinks;
+    opts.sink_grad = sink_grad;
+  }
+  attn.forward(q, k, v, o, lse, opts);
+  attn.backward(q, k, v, o, lse, dout, dq, dk, dv, opts);
+  Kokkos::fence();
+
+  bool finite = true;
+  const double eo = max_error(o, ref.o, map, finite) / largest(ref.o);
+  const double eq = max_error(dq, g.dq, map, finite) / largest(g.dq);
+  // dK, dV: this rank's key rows are its own rows (q, k, v hold the same tokens).
+  const double ek = max_error(dk, g.dk, map, finite) / largest(g.dk);
+  const double ev = max_error(dv, g.dv, map, finite) / largest(g.dv);
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  double el = 0.0;
+  bool lse_pattern = true;
+  for (int h = 0; h < H; ++h)
+    for (index_type i = 0; i < n; ++i) {
+      const double want = ref.lse[std::size_t(h) * std::size_t(p.N) + std::size_t(map(i))];
+      const double got = double(lh(0, h, i));
+      if (std::isinf(want))
+        lse_pattern = lse_pattern && got == want;
+      else
+        el = std::max(el, std::abs(got - want));
+    }
+  double es = 0.0;
+  if (with_sinks) {
+    auto gh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), sink_grad);
+    double den = 1e-300;
+    for (int h = 0; h < H; ++h) {
+      es = std::max(es, std::abs(double(gh(h)) - g.dsink[std::size_t(h)]));
+      den = std::max(den, std::abs(g.dsink[std::size_t(h)]));
+    }
+    es /= den;
+  }
+  INFO("rank ", rank, "/", P, " ", what, " sinks ", with_sinks, " N ", p.N, ": o ", eo, " lse ", el,
+       " dq ", eq, " dk ", ek, " dv ", ev, " dsink ", es);
+  CHECK(finite);
+  CHECK(lse_pattern);
+  CHECK(eo <= 1e-4);
+  CHECK(el <= 1e-4);
+  CHECK(eq <= 1e-4);
+  CHECK(ek <= 1e-4);
+  CHECK(ev <= 1e-4);
+  CHECK(es <= 1e-4);
+}
+
+template <class Partition, class Schedule, class Mask>
+void sequence_parallel(Mpi& comm, const Mask& mask, const Problem& p, const char* what) {
+  const int P = comm.size(), rank = comm.rank();
+  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
+  for (const bool sinks : {false, true})
+    check(attn, mask, p, local_length<Partition>(p.N, P, rank), Partition::positions(p.N, P, rank),
+          sinks, what);
+}
+
+template <class Mask>
+void ulysses(Mpi& comm, const Mask& mask, const Problem& p, const char* what) {
+  const int P = comm.size(), rank = comm.rank();
+  if (!UlyssesHeads::why_not(H, HKV, P).empty()) return;  // the heads do not split over P
+  UlyssesAttention<ContiguousPartition, Mask, Mpi, ExecSpace> attn(comm, mask);
+  for (const bool sinks : {false, true})
+    check(attn, mask, p, local_length<ContiguousPartition>(p.N, P, rank),
+          ContiguousPartition::positions(p.N, P, rank), sinks, what);
+}
+
+template <class Mask>
+void hybrid(Mpi& comm, const Mask& mask, const Problem& p, const char* what) {
+  const int P = comm.size(), rank = comm.rank();
+  if (P % 2 != 0) return;  // groups of 2 ranks
+  const HybridGrid g = HybridGrid::make(P, 2);
+  if (!hybrid_length_why_not<ZigzagPartition>(p.N, g).empty()) return;
+  HybridAttention<ZigzagPartition, Mask, RingSchedule, Mpi, ExecSpace> attn(comm, 2, mask);
+  for (const bool sinks : {false, true})
+    check(attn, mask, p, hybrid_length<ZigzagPartition>(p.N, g, rank),
+          hybrid_position_map<ZigzagPartition>(p.N, g, rank), sinks, what);
+}
+
+/// One policy under every schedule, on the causal, window and document masks
+/// in turn: schedule s gets mask (s + Shift) % 3, so with Shift = 0, 1, 2 for
+/// the three policies every schedule meets every policy and every mask, and
+/// every (policy, mask) pair runs under two schedules. (The full product
+/// compiles 54 drivers, 6 minutes of CI on 2 cores; the kernels a pair runs
+/// on are the same under every schedule.)
+template <int Shift, class Score>
+void every_schedule(Mpi& comm, const Score& score, const Problem& p) {
+  const Documents<MemSpace> docs(uneven_documents(p.N));
+  const auto m =
+      std::make_tuple(with_score(CausalMask{}, score), with_score(causal_window(13), score),
+                      with_score(docs.mask(), score));
+  const char* name[3] = {"causal", "window", "documents"};
+  std::string what[6];
+  const char* sched[6] = {"KV ring, striped", "Q ring, zigzag", "balanced",
+                          "all-gather",       "Ulysses",        "hybrid 2 x P/2"};
+  for (int s = 0; s < 6; ++s) what[s] = std::string(sched[s]) + ", " + name[(s + Shift) % 3];
+  sequence_parallel<StripedPartition, RingSchedule>(comm, std::get<(Shift + 0) % 3>(m), p,
+                                                    what[0].c_str());
+  sequence_parallel<ZigzagPartition, BurstSchedule>(comm, std::get<(Shift + 1) % 3>(m), p,
+                                                    what[1].c_str());
+  sequence_parallel<ContiguousPartition, BalancedSchedule>(comm, std::get<(Shift + 2) % 3>(m), p,
+                                                           what[2].c_str());
+  sequence_parallel<ContiguousPartition, AllGatherSchedule>(comm, std::get<(Shift + 0) % 3>(m), p,
+                                                            what[3].c_str());
+  ulysses(comm, std::get<(Shift + 1) % 3>(m), p, what[4].c_str());
+  hybrid(comm, std::get<(Shift + 2) % 3>(m), p, what[5].c_str());
+}
+
+}  // namespace
+
+TEST_CASE("score policies and sinks under every schedule match the fp64 reference") {
+  Mpi comm(MPI_COMM_WORLD);
+  // 20 tokens per rank, a multiple of 2P for the zigzag layouts.
+  const Problem p = problem(20 * comm.size() * (comm.size() % 2 == 0 ? 1 : 2), 2027);
+  every_schedule<0>(comm, SoftCap{1.5}, p);
+  every_schedule<1>(comm, Alibi::geometric(H), p);
+  every_schedule<2>(comm, HeadTemperature{0.25}, p);
+  // Sinks with a plain sliding window (gpt-oss's combination), no policy.
+  sequence_parallel<StripedPartition, RingSchedule>(comm, causal_window(13), p,
+                                                    "KV ring, striped, window only");
+  sequence_parallel<ContiguousPartition, BalancedSchedule>(comm, causal_window(13), p,
+                                                           "balanced, window only");
+}
+
+TEST_CASE("sinks and score policies that differ between ranks are errors on every rank") {
+  Mpi comm(MPI_COMM_WORLD);
+  if (comm.size() < 2) return;
+  const int P = comm.size(), rank = comm.rank(), n = 8;
+  V4<float> q("q", 1, n, H, D), k("k", 1, n, HKV, D), v("v", 1, n, HKV, D), o("o", 1, n, H, D);
+  V3<float> lse("lse", 1, H, n);
+  Kokkos::View<float*, MemSpace> sinks("sinks", H);
+  Kokkos::deep_copy(sinks, rank == P - 1 ? 1.0f : 0.5f);
+  DistributedOptions opts;
+  opts.sinks = sinks;
+  DistributedAttention<ContiguousPartition, ScoredMask<CausalMask, SoftCap>, RingSchedule, Mpi,
+                       ExecSpace>
+      attn(comm, with_score(CausalMask{}, SoftCap{rank == 0 ? 20.0 : 30.0}));
+  std::string error;
+  try {
+    attn.forward(q, k, v, o, lse, opts);
+  } catch (const invalid_argument& e) {
+    error = e.what();
+  }
+  INFO(error);
+  CHECK(error.find("mask value differs between ranks") != std::string::npos);
+  CHECK(error.find("options.sinks") != std::string::npos);
+}
