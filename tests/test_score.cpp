@@ -337,7 +337,7 @@ TEST_CASE("a NaN sink makes its head NaN and leaves the other heads alone") {
   }
 }
 
-TEST_CASE("decode with a score policy matches the fp64 reference") {
+TEST_CASE("decode with a score policy and sinks matches the fp64 reference") {
   // One new token per sequence at position len - 1 against its cache.
   const int B = 2, H = 4, HKV = 2, D = 32, cap = 300;
   std::mt19937_64 rng(77);
@@ -362,11 +362,15 @@ TEST_CASE("decode with a score policy matches the fp64 reference") {
   Kokkos::deep_copy(qpos, ph);
   const auto mask = with_score(causal_window(100), Alibi::geometric(H));
   const auto capped = with_score(CausalMask{}, SoftCap{1.0});
+  const Sinks sinks({0.5f, -1.0f, 2.0f, 1.0f});
   for (int which = 0; which < 2; ++which) {
+    DecodeOptions dopts;
+    if (which == 1) dopts.sinks = sinks.logits;  // gpt-oss style, with softcap here
     if (which == 0)
-      attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, od, ld, mask, OffsetPositions{});
+      attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, od, ld, mask, OffsetPositions{}, dopts);
     else
-      attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, od, ld, capped, OffsetPositions{});
+      attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, od, ld, capped, OffsetPositions{},
+                       dopts);
     Kokkos::fence();
     const HostTensor o = download(od);
     auto lse = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ld);
@@ -382,8 +386,9 @@ TEST_CASE("decode with a score policy matches the fp64 reference") {
           }
       const double scale = 1.0 / std::sqrt(double(D));
       const ReferenceResult ref =
-          which == 0 ? reference_attention(qb, kb, vb, mask, scale, lengths[b] - 1, 0)
-                     : reference_attention(qb, kb, vb, capped, scale, lengths[b] - 1, 0);
+          which == 0
+              ? reference_attention(qb, kb, vb, mask, scale, lengths[b] - 1, 0)
+              : reference_attention(qb, kb, vb, capped, scale, lengths[b] - 1, 0, &sinks.values);
       double err = 0.0;
       for (int h = 0; h < H; ++h) {
         err = std::max(err, std::abs(double(lse(b, h, 0)) - ref.lse[std::size_t(h)]));

@@ -67,10 +67,11 @@ struct Worst {
 /// reference of queries at positions [len - n, len) over keys [0, len).
 template <class T, class Mask>
 void compare_rows(const HostTensor& q, const HostTensor& k, const HostTensor& v, int s, int len,
-                  int n, const Mask& mask, const V4<T>& o, const V3<T>& lse, int at, Worst& w) {
+                  int n, const Mask& mask, const V4<T>& o, const V3<T>& lse, int at, Worst& w,
+                  const std::vector<double>* sinks = nullptr) {
   const ReferenceResult ref =
       reference_attention(rows_of(q, s, 0, n), rows_of(k, s, 0, len), rows_of(v, s, 0, len), mask,
-                          1.0 / std::sqrt(double(q.d)), len - n, 0);
+                          1.0 / std::sqrt(double(q.d)), len - n, 0, sinks);
   const double tol = bound<T>(ref, q.d, std::max(len, 1));
   w.bound = std::max(w.bound, tol);
   auto oh = to_host(o);
@@ -111,7 +112,8 @@ bool same_bits_on_every_rank(Comm& comm, const View& x) {
 /// with both merges; checks against fp64, and tree vs ring.
 template <class T, class Placement, class Mask>
 void check_decode(Comm& comm, const std::vector<int>& lengths, int rows, int H, int Hkv, int D,
-                  const Placement& placement, const Mask& mask, std::uint64_t seed) {
+                  const Placement& placement, const Mask& mask, std::uint64_t seed,
+                  const std::vector<double>* sinks = nullptr) {
   const int B = int(lengths.size()), P = comm.size();
   int longest = 0;
   for (int l : lengths) longest = std::max(longest, l);
@@ -147,6 +149,13 @@ void check_decode(Comm& comm, const std::vector<int>& lengths, int rows, int H, 
   V4<T> o_tree("o", B, rows, H, D), o_ring("o", B, rows, H, D);
   V3<T> l_tree("lse", B, H, rows), l_ring("lse", B, H, rows);
   ServeOptions opts;
+  Kokkos::View<float*, MemSpace> sink_logits("sinks", sinks ? sinks->size() : 0);
+  if (sinks) {
+    auto h = Kokkos::create_mirror_view(sink_logits);
+    for (std::size_t i = 0; i < sinks->size(); ++i) h(i) = float((*sinks)[i]);
+    Kokkos::deep_copy(sink_logits, h);
+    opts.sinks = sink_logits;
+  }
   decode_attention(comm, ExecSpace{}, cache, qd, o_tree, l_tree, mask, opts);
   opts.merge = MergeAlgorithm::ring;
   decode_attention(comm, ExecSpace{}, cache, qd, o_ring, l_ring, mask, opts);
@@ -159,8 +168,10 @@ void check_decode(Comm& comm, const std::vector<int>& lengths, int rows, int H, 
     for (int i = 0; i < rows; ++i)
       for (int h = 0; h < H; ++h)
         for (int d = 0; d < D; ++d) qs(s, i, h, d) = q(s, lengths[std::size_t(s)] - rows + i, h, d);
-    compare_rows<T>(qs, k, v, s, lengths[std::size_t(s)], rows, mask, o_tree, l_tree, s, tree);
-    compare_rows<T>(qs, k, v, s, lengths[std::size_t(s)], rows, mask, o_ring, l_ring, s, ring);
+    compare_rows<T>(qs, k, v, s, lengths[std::size_t(s)], rows, mask, o_tree, l_tree, s, tree,
+                    sinks);
+    compare_rows<T>(qs, k, v, s, lengths[std::size_t(s)], rows, mask, o_ring, l_ring, s, ring,
+                    sinks);
   }
   INFO("P=", P, " B=", B, " rows=", rows, " H=", H, " Hkv=", Hkv, " D=", D, " ",
        impl::type_name<Placement>(), " ", impl::type_name<Mask>(), " ", value_type_name<T>(),
@@ -193,6 +204,23 @@ TEST_SUITE("serve") {
     }
     const Documents<MemSpace> docs(std::vector<index_type>{0, 5, 400, 2000});
     check_decode<T>(comm, {300, 1000}, 2, 4, 2, 64, RoundRobinPlacement{2}, docs.mask(true), 50);
+  }
+
+  TEST_CASE(
+      "decode with a score policy and sinks over a sharded cache matches the fp64 reference") {
+    // gpt-oss serving: a causal window with one sink per head (exact fp32
+    // sink values: 0.5 steps), and Gemma 2's softcap; sinks enter once, after
+    // the merge over the ranks, with either merge.
+    Comm comm(MPI_COMM_WORLD);
+    const int P = comm.size();
+    const std::vector<double> sinks{0.5, -1.0, 2.0, -0.5};
+    const std::vector<int> lengths = {3, P + 3, 7 * P + 3, 600};
+    check_decode<float>(comm, lengths, 1, 4, 2, 64, RoundRobinPlacement{2}, causal_window(64), 70,
+                        &sinks);
+    check_decode<float>(comm, lengths, 3, 4, 2, 32, ContiguousPlacement{(600 + P - 1) / P},
+                        with_score(CausalMask{}, SoftCap{1.5}), 71, &sinks);
+    check_decode<float>(comm, lengths, 1, 4, 4, 32, RoundRobinPlacement{1},
+                        with_score(causal_window(100), Alibi::geometric(4)), 72);
   }
 
   TEST_CASE("chunked prefill against the cache, then decode, matches the fp64 reference") {

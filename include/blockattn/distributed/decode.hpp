@@ -14,6 +14,7 @@
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/distributed/kv_cache.hpp>
 #include <blockattn/kernel/decode.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -42,6 +43,10 @@ struct ServeOptions {
   /// allreduce): a mismatch is a clear error on every rank instead of a hang
   /// or a wrong answer. A serving loop that has checked may turn it off.
   bool check_config = true;
+  /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
+  /// the execution space's memory, the same on every rank; folded in once,
+  /// after the merge over the ranks. Empty: none.
+  SinkLogits sinks;
 };
 
 namespace impl {
@@ -222,6 +227,10 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
       error = std::string("blockattn::") + fn + ": argument 'lse' has extent(" + std::to_string(d) +
               ") = " + std::to_string(lse.extent(d)) + ", expected " + std::to_string(lse_want[d]) +
               " (lse is (sequences, heads, rows))";
+  if (error.empty() && opts.sinks.data() != nullptr && int(opts.sinks.extent(0)) != H)
+    error = std::string("blockattn::") + fn +
+            ": argument 'opts.sinks' has extent(0) = " + std::to_string(opts.sinks.extent(0)) +
+            ", expected one sink logit per query head (" + std::to_string(H) + ")";
   // `appending` tokens go into each sequence after the consensus (prefill).
   for (int s = s0; s < s1 && error.empty(); ++s)
     if (cache.length(s) + appending < N)
@@ -252,6 +261,7 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
     }
     f.number("sequence lengths (hash)", std::int64_t(h));
     f.number("tokens appended", appending);
+    f.text("sinks", sink_text<ExecSpace>(opts.sinks));
     add_mask(f, mask);
     reach_consensus(comm, fn, error, f);
   } else if (!error.empty()) {
@@ -276,6 +286,7 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
   dopts.splits = opts.splits;
   dopts.max_length = max_local;
   if (comm.size() == 1 && std::is_same<typename OV::non_const_value_type, T>::value) {
+    dopts.sinks = opts.sinks;
     attention_decode(exec, q, k, v, len, qpos, o, lse, mask, cache.positions(), dopts);
     return;
   }
@@ -286,6 +297,8 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
       Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::lse_part"), B, H, N);
   attention_decode(exec, q, k, v, len, qpos, o_part, lse_part, mask, cache.positions(), dopts);
   merge_over_ranks(comm, exec, opts.merge, o_part, lse_part, o, lse);
+  // Every rank holds the merged rows: each folds the sinks in once.
+  apply_sinks(exec, opts.sinks, o, lse);
 }
 
 }  // namespace impl

@@ -33,6 +33,9 @@ struct DecodeOptions {
   /// The longest cache length if the caller knows it (>= every lengths(b));
   /// -1: read from `lengths` (a reduction, which waits for the device).
   index_type max_length = -1;
+  /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
+  /// the execution space's memory, folded into the rows' results. Empty: none.
+  SinkLogits sinks;
 };
 
 namespace impl {
@@ -182,6 +185,7 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
                  " keys, expected at most k.extent(1) = ", k.extent(1), " (the cache's capacity)");
     if (const std::string why = impl::score_check(mask, e.heads); !why.empty())
       impl::fail(fn, "argument 'mask': ", why);
+    impl::check_sinks(fn, opts.sinks, SinkGradient(), e.heads, false);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits);
 
@@ -219,6 +223,7 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
           Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, g.state_rows()),
           merge);
     }
+    impl::apply_sinks(exec, opts.sinks, o, lse);
   }
 }
 

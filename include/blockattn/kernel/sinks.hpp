@@ -80,7 +80,7 @@ void apply_sinks(const ExecSpace& exec, const SinkLogits& sinks, const OV& o, co
         const T lnew = mx + kmath::log(kmath::exp(old - mx) + kmath::exp(sink - mx));
         const T f = kmath::exp(old - lnew);
         lse(b, h, i) = old != old ? old : lnew;
-        for (int d = 0; d < D; ++d) o(b, i, h, d) = S(T(to_compute(o(b, i, h, d))) * f);
+        for (int d = 0; d < D; ++d) o(b, i, h, d) = S(T(o(b, i, h, d)) * f);
       });
 }
 
@@ -108,8 +108,7 @@ Kokkos::View<double*, typename ExecSpace::memory_space> sink_gradient_part(
               const T l = lse(b, h, i);
               if (l == -infinity<T>()) return;  // no key and no sink: no gradient
               T dot = T(0);
-              for (int d = 0; d < D; ++d)
-                dot += T(to_compute(dout(b, i, h, d))) * T(to_compute(o(b, i, h, d)));
+              for (int d = 0; d < D; ++d) dot += T(dout(b, i, h, d)) * T(o(b, i, h, d));
               acc -= double(kmath::exp(T(sk(h)) - l) * dot);
             },
             sum);

@@ -9,6 +9,8 @@
 #include <blockattn/distributed/options.hpp>
 #include <blockattn/kernel/sinks.hpp>
 
+#include <sstream>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -45,6 +47,20 @@ void distributed_sink_gradient(Comm& comm, const ExecSpace& exec, const Distribu
   Kokkos::deep_copy(exec, part, host);
   store_sink_gradient(exec, part, opts.sink_grad);
   exec.fence();  // `sum` goes out of scope
+}
+
+/// The sink logits as text, for the consensus ("none", or the values).
+template <class ExecSpace>
+std::string sink_text(const SinkLogits& sinks) {
+  if (sinks.data() == nullptr) return "none";
+  const sink_view<typename ExecSpace::memory_space> s(sinks.data(), sinks.extent(0));
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), s);
+  std::ostringstream t;
+  t.precision(9);
+  t << "{";
+  for (std::size_t i = 0; i < h.extent(0); ++i) t << (i ? ", " : "") << h(i);
+  t << "}";
+  return t.str();
 }
 
 /// The options without sinks: for the inner calls of a driver that folds

@@ -10,6 +10,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/policy/partition.hpp>
 
@@ -23,20 +24,6 @@
 
 namespace blockattn {
 namespace impl {
-
-/// The sink logits as text, for the consensus ("none", or the values).
-template <class ExecSpace>
-std::string sink_text(const SinkLogits& sinks) {
-  if (sinks.data() == nullptr) return "none";
-  const sink_view<typename ExecSpace::memory_space> s(sinks.data(), sinks.extent(0));
-  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), s);
-  std::ostringstream t;
-  t.precision(9);
-  t << "{";
-  for (std::size_t i = 0; i < h.extent(0); ++i) t << (i ? ", " : "") << h(i);
-  t << "}";
-  return t.str();
-}
 
 /// `describe(Fingerprint&)` adds the driver's fields after "call" (schedule,
 /// partition, grid); `extra()` runs more per-rank checks (the backward's);
