@@ -70,6 +70,13 @@ else
   log "no $cuda/bench/blockattn_bench_gpu: skipped"
 fi
 
+# Score policies and sinks on the GPU: their cost next to no policy (portable kernel).
+if [ -x "$cuda/bench/blockattn_bench_score" ]; then
+  step bench_score 60 "$cuda/bench/blockattn_bench_score" --n 4096 --heads 16 --reps 3
+else
+  log "no $cuda/bench/blockattn_bench_score: skipped"
+fi
+
 # Decode on the GPU: split-KV against a plain read of the same bytes (HBM).
 if [ -x "$cuda/bench/blockattn_bench_decode" ]; then
   step bench_decode 60 "$cuda/bench/blockattn_bench_decode" --reps 5

@@ -36,6 +36,10 @@ serve_log=$logdir/serve.log
 "$repo/cmake/blockattn.sh" bench-serve --reps 5 2>&1 | grep -v -e '^Kokkos::' -e OMP_PROC_BIND \
   -e 'In general' -e 'For best' -e 'For unit' -e Detected: -e Requested: | tee "$serve_log"
 
+# Score policies and sinks: their cost next to no policy (one run, all cores).
+score_log=$logdir/score.log
+"$repo/cmake/blockattn.sh" bench-score --reps 3 2>&1 | tee "$score_log"
+
 py=python3
 [ -x "$repo/.deps/torch-venv/bin/python" ] && py=$repo/.deps/torch-venv/bin/python
 torch=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo "not installed")
@@ -78,6 +82,17 @@ flags=$(grep -m1 -ow -E 'avx512f|avx512_bf16|avx512_fp16|amx_tile|amx_bf16|avx2|
   echo
   echo '```'
   grep -v '^\[' "$serve_log" | sed '/^$/N;/^\n$/D'
+  echo '```'
+  echo
+  echo "## Score policies and sinks"
+  echo
+  echo "\`cmake/blockattn.sh bench-score\`: forward and backward, causal, B = 1, the"
+  echo "variants interleaved in one run (each its best of 3 rounds); \"x none\" is"
+  echo "the rate as a fraction of the no-policy rate of the same run"
+  echo "([score.md](score.md))."
+  echo
+  echo '```'
+  grep -v '^\[' "$score_log"
   echo '```'
   echo
   echo "GPU numbers: [gpu.md](gpu.md)."

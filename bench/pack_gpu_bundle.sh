@@ -7,7 +7,7 @@
 #
 # Writes .gpu/bundle.tar.gz (git-ignored through .git/info/exclude): the CUDA
 # build's blockattn_test_cuda, blockattn_test_distributed_cuda and
-# blockattn_bench_gpu and blockattn_bench_decode, the host build's
+# blockattn_bench_gpu, blockattn_bench_decode and blockattn_bench_score, the host build's
 # blockattn_bench_plan and blockattn_bench_serve, and Open MPI.
 # Then: run(carry [".gpu"], command "bash bench/gpu_session.sh").
 set -euo pipefail
@@ -19,7 +19,7 @@ grep -qs '^/.gpu/$' "$repo/.git/info/exclude" || echo /.gpu/ >>"$repo/.git/info/
 stage=$(mktemp -d)
 mkdir -p "$stage/build-cuda/tests" "$stage/build-cuda/bench" "$stage/build-host/bench"
 for f in tests/blockattn_test_cuda tests/blockattn_test_distributed_cuda bench/blockattn_bench_gpu \
-  bench/blockattn_bench_decode; do
+  bench/blockattn_bench_decode bench/blockattn_bench_score; do
   if [ -x "$cuda/$f" ]; then strip -o "$stage/build-cuda/$f" "$cuda/$f"; else echo "missing $cuda/$f"; fi
 done
 for f in bench/blockattn_bench_plan bench/blockattn_bench_serve; do

@@ -21,6 +21,8 @@
 #   cmake/blockattn.sh bench-balance       packed documents: every layout run (P = 2, 4)
 #   cmake/blockattn.sh bench-serve [args]  decode: one device vs a plain read, then over
 #                                          P = 1, 2 ranks (tree, ring) next to the planner
+#   cmake/blockattn.sh bench-score [args]  score policies and sinks: their cost next to no
+#                                          policy, forward and backward, in one run
 #   cmake/blockattn.sh plan [plan args]    the planner CLI (tools/plan.cpp)
 #   cmake/blockattn.sh plot [out.png]      per-rank per-step work at P = 8, four schedules
 #                                          (gnuplot; default docs/schedules_p8.png)
@@ -288,6 +290,13 @@ case "$cmd" in
     log "installing torch and numpy from PyPI into $deps/torch-venv (a few minutes, ~5 GB)"
     "$deps/torch-venv/bin/pip" install -q torch numpy
     "$deps/torch-venv/bin/python" -c 'import torch; print("torch", torch.__version__)'
+    ;;
+  bench-score)
+    ensure_deps
+    configure
+    cmake --build "$build" -j "$jobs" --target blockattn_bench_score
+    OMP_PROC_BIND=${OMP_PROC_BIND:-false} "$build/bench/blockattn_bench_score" "$@" 2>&1 |
+      grep -v -e '^Kokkos::' -e OMP_PROC_BIND -e 'In general' -e 'For best' -e 'For unit'
     ;;
   bench-serve)
     ensure_deps

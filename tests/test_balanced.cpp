@@ -99,14 +99,12 @@ TEST_CASE("balanced backward matches the fp64 gradients") {
   std::uint64_t seed = 7000;
   for (const Case& c : cases2) {
     const index_type N = index_type(c.n_local) * comm.size();
-    check_backward<float, BalancedSchedule, ContiguousPartition>(comm, c, CausalMask{},
-                                                                 seed += 10);
+    check_backward<float, BalancedSchedule, ContiguousPartition>(comm, c, CausalMask{}, seed += 10);
     check_backward<double, BalancedSchedule, ContiguousPartition>(comm, c, causal_window(N / 3),
                                                                   seed += 10);
     check_backward<float, BalancedSchedule, ContiguousPartition>(
         comm, c, test::DocumentCausalMask{N / 3 + 1}, seed += 10);
     const Documents<MemSpace> docs(uneven_documents(N));
-    check_backward<double, BalancedSchedule, ContiguousPartition>(comm, c, docs.mask(),
-                                                                  seed += 10);
+    check_backward<double, BalancedSchedule, ContiguousPartition>(comm, c, docs.mask(), seed += 10);
   }
 }

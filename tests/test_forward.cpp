@@ -94,7 +94,8 @@ const Shape shapes[] = {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("forward matches the fp64 reference for every mask and layout", T, BLOCKATTN_TEST_TYPES) {
+TEST_CASE_TEMPLATE("forward matches the fp64 reference for every mask and layout", T,
+                   BLOCKATTN_TEST_TYPES) {
   std::uint64_t seed = 1;
   for (const Shape& s : shapes)
     for (Layout layout : {Layout::right, Layout::strided}) {
@@ -122,7 +123,8 @@ TEST_CASE_TEMPLATE("masks see global positions through the offsets", T, BLOCKATT
   run_case<T>({1, 70, 90, 1, 1, 128}, SlidingWindowMask{16, 16}, Layout::strided, 8, opts);
 }
 
-TEST_CASE_TEMPLATE("fully masked rows give O = 0 and LSE = -inf, never NaN", T, BLOCKATTN_TEST_TYPES) {
+TEST_CASE_TEMPLATE("fully masked rows give O = 0 and LSE = -inf, never NaN", T,
+                   BLOCKATTN_TEST_TYPES) {
   // Keys start at global position 100: causal queries 0..99 see nothing; rows
   // 100.. see some keys. Mixed tiles exercise the per-row guard.
   ForwardOptions opts;
@@ -286,7 +288,8 @@ TEST_CASE_TEMPLATE("query tiles of any height give the same O and LSE", T, BLOCK
   }
 }
 
-TEST_CASE_TEMPLATE("the forward reads position maps only at its own rows", T, BLOCKATTN_TEST_TYPES) {
+TEST_CASE_TEMPLATE("the forward reads position maps only at its own rows", T,
+                   BLOCKATTN_TEST_TYPES) {
   // Row counts that leave partial micro tiles and partial key tiles; a mask
   // with allowed_keys (row ranges) and one without (allowed() per pair). O and
   // LSE must equal those of plain offset maps, and no position outside the
@@ -368,7 +371,8 @@ TEST_CASE("balanced_query_tiles: other query tiles only when they finish sooner"
   }
 }
 
-TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight", T, BLOCKATTN_TEST_TYPES) {
+TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight", T,
+                   BLOCKATTN_TEST_TYPES) {
   // pack_kv reads rows through their stride: a column-major K and V (head-dim
   // stride = batch x seq x heads) give bitwise the results of row-major ones.
   const Shape s{2, 70, 150, 2, 1, 40};
@@ -429,7 +433,8 @@ TEST_CASE("forward K/V panels: micro tile wide on host spaces, the whole tile on
   CHECK(kv.v_panel == HostP::v(128));
 }
 
-TEST_CASE_TEMPLATE("pack_kv writes bitwise the block of the one-key-per-thread pack", T, BLOCKATTN_TEST_TYPES) {
+TEST_CASE_TEMPLATE("pack_kv writes bitwise the block of the one-key-per-thread pack", T,
+                   BLOCKATTN_TEST_TYPES) {
   // On host spaces pack_kv packs groups of 16 or 8 keys of a panel (K^T rows
   // written G keys at a time); pack_kv_rows is the device path (one key per
   // thread). Both buffers start as NaN, so a padding element (keys past the

@@ -77,10 +77,10 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused) {
     }
   const double e32 = tolerance<float>(ref, d, N), u = S::unit_roundoff;
   const double bound = e32 + u * (largest(ref.o) + e32) + 2 * u * largest(v);
-  INFO("rank " << rank << "/" << P << " " << std::string(Schedule::name()) << " + " << std::string(Partition::name())
-               << ": fused pairs " << fp.fused << " (pieces " << fp.fused_pieces << "), portable "
-               << fp.portable << "; O err " << eo << " (portable " << ep << ") bound " << bound
-               << "; LSE err " << el);
+  INFO("rank " << rank << "/" << P << " " << std::string(Schedule::name()) << " + "
+               << std::string(Partition::name()) << ": fused pairs " << fp.fused << " (pieces "
+               << fp.fused_pieces << "), portable " << fp.portable << "; O err " << eo
+               << " (portable " << ep << ") bound " << bound << "; LSE err " << el);
   CHECK(finite);
   CHECK(eo <= bound);
   CHECK(el <= e32);

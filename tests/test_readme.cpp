@@ -17,14 +17,18 @@
 
 #include <readme_snippets.hpp>
 
-static_assert(BLOCKATTN_README_SNIPPETS == 10,
+static_assert(BLOCKATTN_README_SNIPPETS == 14,
               "the ```cpp blocks of README.md or docs/ changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
 // Snippet 8: a user mask, at namespace scope as a user would write it.
-namespace snippet8 {
-#include <readme_snippet_8.inc>
-}  // namespace snippet8
+namespace snippet9 {
+#include <readme_snippet_9.inc>
+}  // namespace snippet9
+
+namespace snippet13 {  // docs/score.md: a score policy of your own
+#include <readme_snippet_13.inc>
+}  // namespace snippet13
 
 namespace {
 
@@ -97,7 +101,28 @@ struct Local {
 
 }  // namespace
 
-TEST_CASE("README snippet 3: gradients, single device and distributed") {
+TEST_CASE("README snippet 3: a score policy and sinks, forward and backward") {
+  Local x;
+  auto &q = x.q, &k = x.k, &v = x.v, &o = x.o, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
+  auto& lse = x.lse;
+  const int H = int(q.extent(2));
+  Kokkos::View<float*> sink_logits("sinks", H), sink_grad("sink_grad", H);
+  Kokkos::deep_copy(sink_logits, 0.5f);
+  Kokkos::deep_copy(dout, 1.0f);
+  blockattn::ForwardOptions opts;
+#include <readme_snippet_3.inc>
+  Kokkos::fence();
+  CHECK(all_finite(o));
+  CHECK(all_finite(dq));
+  // Zero q, k, v: every visible logit is 0 and O = 0, so D = 0 and dL/dsinks = 0;
+  // LSE = log(keys seen + e^0.5) (the sink adds e^0.5 to the denominator).
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  CHECK(lh(0, 0, 3) == doctest::Approx(std::log(4.0 + std::exp(0.5))));
+  auto gh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), sink_grad);
+  CHECK(gh(0) == 0.0f);
+}
+
+TEST_CASE("README snippet 4: gradients, single device and distributed") {
   Local x;
   auto &q = x.q, &k = x.k, &v = x.v, &o = x.o, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
   auto& lse = x.lse;
@@ -106,32 +131,32 @@ TEST_CASE("README snippet 3: gradients, single device and distributed") {
   using Part = blockattn::StripedPartition;
   using Mask = blockattn::CausalMask;
   blockattn::attention_forward(exec, q, k, v, o, lse, Mask{});  // "the forward's o and lse"
-#include <readme_snippet_3.inc>
+#include <readme_snippet_4.inc>
   Kokkos::fence();
   CHECK(all_finite(dq));
   CHECK(all_finite(dk));
   CHECK(all_finite(dv));
 }
 
-TEST_CASE("README snippet 4: the balanced schedule") {
+TEST_CASE("README snippet 5: the balanced schedule") {
   Local x;
   auto &q = x.q, &k = x.k, &v = x.v, &o = x.o, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
   auto& lse = x.lse;
   blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
-#include <readme_snippet_4.inc>
+#include <readme_snippet_5.inc>
   Kokkos::fence();
   CHECK(all_finite(o));
   CHECK(all_finite(dq));
   CHECK(all_finite(dk));
 }
 
-TEST_CASE("README snippet 5: Ulysses") {
+TEST_CASE("README snippet 6: Ulysses") {
   Local x;
   auto &q = x.q, &k = x.k, &v = x.v, &o = x.o, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
   auto& lse = x.lse;
   blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
   if (Local::H % comm.size() == 0) {
-#include <readme_snippet_5.inc>
+#include <readme_snippet_6.inc>
     Kokkos::fence();
     CHECK(all_finite(o));
     CHECK(all_finite(dq));
@@ -139,13 +164,13 @@ TEST_CASE("README snippet 5: Ulysses") {
   }
 }
 
-TEST_CASE("README snippet 6: the 2D hybrid") {
+TEST_CASE("README snippet 7: the 2D hybrid") {
   Local x;
   auto &q = x.q, &k = x.k, &v = x.v, &o = x.o, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
   auto& lse = x.lse;
   blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
   if (comm.size() % 2 == 0) {  // groups of 2 ranks
-#include <readme_snippet_6.inc>
+#include <readme_snippet_7.inc>
     Kokkos::fence();
     CHECK(hybrid.grid().ring == comm.size() / 2);
     CHECK(all_finite(o));
@@ -154,23 +179,23 @@ TEST_CASE("README snippet 6: the 2D hybrid") {
   }
 }
 
-TEST_CASE("README snippet 7: the planner") {
+TEST_CASE("README snippet 8: the planner") {
   const blockattn::index_type N = 262144;
   const int P = 8, batch = 1, heads = 32, kv_heads = 32, dim = 128;
-#include <readme_snippet_7.inc>
+#include <readme_snippet_8.inc>
   CHECK(best.makespan_s > 0);
   CHECK(!best.partition.empty());
   CHECK(!best.schedule.empty());
 }
 
-TEST_CASE("README snippets 8 and 9: a user mask and packed documents") {
+TEST_CASE("README snippets 9 and 10: a user mask and packed documents") {
   const int N = 4096, H = 2, D = 16;
   V4 q("q", 1, N, H, D), k("k", 1, N, H, D), v("v", 1, N, H, D), o("o", 1, N, H, D);
   V3 lse("lse", 1, H, N);
-  blockattn::attention_forward(q, k, v, o, lse, snippet8::PrefixLM{100});
+  blockattn::attention_forward(q, k, v, o, lse, snippet9::PrefixLM{100});
   Kokkos::fence();
   CHECK(all_finite(lse));
-#include <readme_snippet_9.inc>
+#include <readme_snippet_10.inc>
   blockattn::attention_forward(q, k, v, o, lse, mask);
   blockattn::attention_forward(q, k, v, o, lse, local);
   blockattn::attention_forward(q, k, v, o, lse, bidir);
@@ -178,7 +203,7 @@ TEST_CASE("README snippets 8 and 9: a user mask and packed documents") {
   CHECK(all_finite(lse));
 }
 
-TEST_CASE("docs/serving.md snippet 10: prefill, append, decode over a sharded cache") {
+TEST_CASE("docs/serving.md snippet 11: prefill, append, decode over a sharded cache") {
   blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
   const Kokkos::DefaultExecutionSpace exec;
   const blockattn::index_type max_tokens = 100;
@@ -190,7 +215,7 @@ TEST_CASE("docs/serving.md snippet 10: prefill, append, decode over a sharded ca
   B4 k_new("k", 4, 1, 2, 64), v_new("v", 4, 1, 2, 64), q_new("q", 4, 1, 4, 64),
       o_new("o", 4, 1, 4, 64);
   V3 lse_new("lse", 4, 4, 1);
-#include <readme_snippet_10.inc>
+#include <readme_snippet_11.inc>
   Kokkos::fence();
   CHECK(cache.length(0) == C + 1);
   CHECK(cache.length(3) == 1);
@@ -200,4 +225,29 @@ TEST_CASE("docs/serving.md snippet 10: prefill, append, decode over a sharded ca
   CHECK(lh(3, 0, 0) == doctest::Approx(0.0));
   auto lc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse_chunk);
   CHECK(lc(0, 0, C - 1) == doctest::Approx(std::log(double(C))));
+}
+
+TEST_CASE("docs/score.md snippets 12 to 14: policies, your own, sinks") {
+  using Comm = blockattn::MpiCommunicator<>;
+  using Exec = Kokkos::DefaultExecutionSpace;
+  Comm comm(MPI_COMM_WORLD);
+  const Exec exec;
+  const int B = 1, H = 8, D = 16, n = 24;
+  V4 q("q", B, n, H, D), k("k", B, n, H, D), v("v", B, n, H, D), o("o", B, n, H, D),
+      dout("do", B, n, H, D), dq("dq", B, n, H, D), dk("dk", B, n, H, D), dv("dv", B, n, H, D);
+  V3 lse("lse", B, H, n);
+  {
+#include <readme_snippet_12.inc>
+    attn.forward(q, k, v, o, lse);
+    Kokkos::fence();
+    CHECK(all_finite(lse));
+  }
+  blockattn::attention_forward(exec, q, k, v, o, lse, snippet13::mask);
+  Kokkos::fence();
+  CHECK(all_finite(lse));
+  {
+#include <readme_snippet_14.inc>
+    Kokkos::fence();
+    CHECK(all_finite(dq));
+  }
 }

@@ -435,3 +435,25 @@ TEST_CASE("score policies and sinks: bad arguments name what was expected") {
   CHECK(orphan.find("'options.sink_grad' is set but 'options.sinks' is empty") !=
         std::string::npos);
 }
+
+TEST_CASE("the planner plans a scored mask as its mask") {
+  // A policy changes logits, not which pairs exist: every partition x schedule
+  // gets the same prediction (makespan, validity) as under the plain mask.
+  plan::Problem p;
+  p.N = 65536;
+  p.P = 8;
+  p.heads = p.kv_heads = 8;
+  p.dim = 128;
+  for (const auto& hw : {plan::a100_nvlink(), plan::h100_cluster()}) {
+    const auto plain = plan::compare(p, causal_window(4096), hw);
+    const auto scored = plan::compare(p, with_score(causal_window(4096), SoftCap{30.0}), hw);
+    REQUIRE(plain.size() == scored.size());
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+      INFO(plain[i].partition, " ", plain[i].schedule);
+      CHECK(plain[i].partition == scored[i].partition);
+      CHECK(plain[i].schedule == scored[i].schedule);
+      CHECK(plain[i].valid == scored[i].valid);
+      CHECK(plain[i].makespan_s == scored[i].makespan_s);
+    }
+  }
+}

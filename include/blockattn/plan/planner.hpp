@@ -228,7 +228,7 @@ TileCounts whole_sequence_tiles(const Mask& mask, index_type N, int block_q, int
   } else {
     if (count_pairs || N <= 0)
       return count_tiles(mask, N, N, block_q, block_k, {}, {}, count_pairs);
-    const MaskBand band = mask.band(0, N, 0, N);
+    const MaskBand band = impl::unscored(mask).band(0, N, 0, N);
     // Bands wider than the sequence are the same as unbounded ones.
     const std::int64_t reach = 2 * (std::int64_t(N) + block_q + block_k);
     const std::int64_t lo = std::max<std::int64_t>(band.lo, -reach),

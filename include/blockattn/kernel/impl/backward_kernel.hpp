@@ -105,20 +105,56 @@ struct BackwardCommon {
       const T l2 = row_live ? lse2[r] : T(0), d = dr[r];
       if constexpr (has_score_mod_v<Mask>) {
         // A score policy: P = 2^(score(s) log2(e) - LSE2) on the allowed
-        // pairs, dS = P (dP - D) score_grad(s); 0 elsewhere (selects).
+        // pairs, dS = P (dP - D) score_grad(s), 0 elsewhere; the same three
+        // cases as below (every pair, one interval of columns, a select per
+        // pair). Two passes: the policy's (its calls may stay scalar: a
+        // policy's data read through `this` is reloaded after every store),
+        // then P and dS as without a policy (vectorised: fused into one loop
+        // with ALiBi, the backward ran at 0.6x the no-policy rate).
         const index_type qp = qpos(q0 + (r < q_rows ? r : 0));
-        const impl::RowMask<Mask> allow(mask, qp, row_live && kind == TileKind::partial);
         const T sc = scale;
-        for (int c = 0; c < BK; ++c) {
-          if (!(row_live && c < k_rows && allow(kpos(k0 + c)))) {
-            srow[c] = drow_[c] = T(0);
-            continue;
+        T grad[BK];
+        const KPos kp = kpos;  // a local copy: not reloaded after each store
+        auto score_pass = [&](T* __restrict__ sr, T* __restrict__ g, int lo, int hi) {
+          for (int c = lo; c < hi; ++c)
+            sr[c] = score_and_grad(mask, sr[c] * sc, qp, kp(k0 + c), h, g[c]);
+        };
+        auto p_ds_pass = [&](T* __restrict__ sr, T* __restrict__ dr, const T* __restrict__ g,
+                             int lo, int hi) {
+          for (int c = lo; c < hi; ++c) {
+            const T pv = exp2_nonpositive(sr[c] * log2e<T> - l2);
+            sr[c] = pv;
+            dr[c] = pv * (dr[c] - d) * g[c];
           }
-          const index_type kp = kpos(k0 + c);
-          const T s = srow[c] * sc;
-          const T pv = exp2_nonpositive(mask.score(s, qp, kp, h) * log2e<T> - l2);
-          srow[c] = pv;
-          drow_[c] = pv * (drow_[c] - d) * mask.score_grad(s, qp, kp, h);
+        };
+        if (row_live && kind == TileKind::full && k_rows == BK) {
+          score_pass(srow, grad, 0, BK);
+          p_ds_pass(srow, drow_, grad, 0, BK);
+          return;
+        }
+        if constexpr (has_allowed_keys<Mask>::value) {
+          const ColumnRange cols = !row_live ? ColumnRange{0, 0}
+                                   : kind == TileKind::partial
+                                       ? allowed_columns(mask, qp, kpos, k0, k_rows)
+                                       : ColumnRange{0, k_rows};
+          for (int c = 0; c < cols.lo; ++c) srow[c] = drow_[c] = T(0);
+          score_pass(srow, grad, cols.lo, cols.hi);
+          p_ds_pass(srow, drow_, grad, cols.lo, cols.hi);
+          for (int c = cols.hi; c < BK; ++c) srow[c] = drow_[c] = T(0);
+        } else {
+          // Every live column through both passes, then the mask as integer
+          // selects (masked pairs become exactly 0, whatever they computed).
+          using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+          const impl::RowMask<Mask> allow(mask, qp, row_live && kind == TileKind::partial);
+          const int live = row_live ? k_rows : 0;
+          score_pass(srow, grad, 0, live);
+          p_ds_pass(srow, drow_, grad, 0, live);
+          for (int c = 0; c < live; ++c) {
+            const Bits m = Bits(0) - static_cast<Bits>(allow(kpos(k0 + c)));
+            srow[c] = bit_cast<T>(bit_cast<Bits>(srow[c]) & m);
+            drow_[c] = bit_cast<T>(bit_cast<Bits>(drow_[c]) & m);
+          }
+          for (int c = live; c < BK; ++c) srow[c] = drow_[c] = T(0);
         }
         return;
       }
