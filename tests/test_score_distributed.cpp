@@ -110,7 +110,8 @@ void check(Attn& attn, const Mask& mask, const Problem& p, index_type n, const M
     }
     es /= den;
   }
-  INFO("rank ", rank, "/", P, " ", what, " sinks ", with_sinks, " N ", p.N, ": o ", eo, " lse ", el,
+  const std::string name(what);  // (INFO would print a char pointer's address)
+  INFO("rank ", rank, "/", P, " ", name, " sinks ", with_sinks, " N ", p.N, ": o ", eo, " lse ", el,
        " dq ", eq, " dk ", ek, " dv ", ev, " dsink ", es);
   CHECK(finite);
   CHECK(lse_pattern);

@@ -114,10 +114,8 @@ struct BackwardCommon {
         const index_type qp = qpos(q0 + (r < q_rows ? r : 0));
         const T sc = scale;
         T grad[BK];
-        const KPos kp = kpos;  // a local copy: not reloaded after each store
-        auto score_pass = [&](T* __restrict__ sr, T* __restrict__ g, int lo, int hi) {
-          for (int c = lo; c < hi; ++c)
-            sr[c] = score_and_grad(mask, sr[c] * sc, qp, kp(k0 + c), h, g[c]);
+        auto score_pass = [&](int lo, int hi) {
+          score_row(mask, kpos, srow, grad, qp, sc, k0, lo, hi, h);
         };
         auto p_ds_pass = [&](T* __restrict__ sr, T* __restrict__ dr, const T* __restrict__ g,
                              int lo, int hi) {
@@ -128,7 +126,7 @@ struct BackwardCommon {
           }
         };
         if (row_live && kind == TileKind::full && k_rows == BK) {
-          score_pass(srow, grad, 0, BK);
+          score_pass(0, BK);
           p_ds_pass(srow, drow_, grad, 0, BK);
           return;
         }
@@ -138,7 +136,7 @@ struct BackwardCommon {
                                        ? allowed_columns(mask, qp, kpos, k0, k_rows)
                                        : ColumnRange{0, k_rows};
           for (int c = 0; c < cols.lo; ++c) srow[c] = drow_[c] = T(0);
-          score_pass(srow, grad, cols.lo, cols.hi);
+          score_pass(cols.lo, cols.hi);
           p_ds_pass(srow, drow_, grad, cols.lo, cols.hi);
           for (int c = cols.hi; c < BK; ++c) srow[c] = drow_[c] = T(0);
         } else {
@@ -147,7 +145,7 @@ struct BackwardCommon {
           using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
           const impl::RowMask<Mask> allow(mask, qp, row_live && kind == TileKind::partial);
           const int live = row_live ? k_rows : 0;
-          score_pass(srow, grad, 0, live);
+          score_pass(0, live);
           p_ds_pass(srow, drow_, grad, 0, live);
           for (int c = 0; c < live; ++c) {
             const Bits m = Bits(0) - static_cast<Bits>(allow(kpos(k0 + c)));
@@ -202,6 +200,16 @@ struct BackwardCommon {
       }
     });
     team.team_barrier();
+  }
+
+  /// Columns [lo, hi) of a row of S through the score policy: s = score(s
+  /// scale), grad = score_grad. The policy and the positions by value, the
+  /// rows restrict, so that their data stay in registers (see ForwardKernel::
+  /// score_row).
+  KOKKOS_FORCEINLINE_FUNCTION static void score_row(const Mask m, const KPos kp, T* __restrict__ s,
+                                                    T* __restrict__ grad, index_type qp, T sc,
+                                                    int k0, int lo, int hi, int h) {
+    for (int c = lo; c < hi; ++c) s[c] = score_and_grad(m, s[c] * sc, qp, kp(k0 + c), h, grad[c]);
   }
 
   /// True (on every thread of the team) when n values from p hold an inf or NaN.
