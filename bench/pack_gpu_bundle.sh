@@ -7,7 +7,8 @@
 #
 # Writes .gpu/bundle.tar.gz (git-ignored through .git/info/exclude): the CUDA
 # build's blockattn_test_cuda, blockattn_test_distributed_cuda and
-# blockattn_bench_gpu, blockattn_bench_decode and blockattn_bench_score, the host build's
+# blockattn_bench_gpu, blockattn_bench_decode and blockattn_bench_score (not in `all`:
+# make it by name), the host build's
 # blockattn_bench_plan and blockattn_bench_serve, and Open MPI.
 # Then: run(carry [".gpu"], command "bash bench/gpu_session.sh").
 set -euo pipefail
