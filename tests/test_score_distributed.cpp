@@ -183,7 +183,42 @@ void every_pair(Mpi& comm, const Problem& p) {
   hybrid(comm, with_score(causal_window(13), temp), p, "hybrid 2 x P/2, user, window");
 }
 
+#ifdef BLOCKATTN_SCORE_EVERY_SCHEDULE
+/// Every (policy, mask) pair under every schedule: 54 drivers (6 minutes of
+/// compile time on 2 cores), so not in CI's build: target
+/// blockattn_test_score_every_schedule (tests/README.md).
+template <class Mask>
+void every_schedule(Mpi& comm, const Mask& mask, const Problem& p, const std::string& what) {
+  const std::string w[6] = {"KV ring, striped, ", "Q ring, zigzag, ", "balanced, ",
+                            "all-gather, ",       "Ulysses, ",        "hybrid 2 x P/2, "};
+  sequence_parallel<StripedPartition, RingSchedule>(comm, mask, p, (w[0] + what).c_str());
+  sequence_parallel<ZigzagPartition, BurstSchedule>(comm, mask, p, (w[1] + what).c_str());
+  sequence_parallel<ContiguousPartition, BalancedSchedule>(comm, mask, p, (w[2] + what).c_str());
+  sequence_parallel<ContiguousPartition, AllGatherSchedule>(comm, mask, p, (w[3] + what).c_str());
+  ulysses(comm, mask, p, (w[4] + what).c_str());
+  hybrid(comm, mask, p, (w[5] + what).c_str());
+}
+
+template <class Score>
+void every_mask(Mpi& comm, const Score& score, const Problem& p, const std::string& what) {
+  const Documents<MemSpace> docs(uneven_documents(p.N));
+  every_schedule(comm, with_score(CausalMask{}, score), p, what + ", causal");
+  every_schedule(comm, with_score(causal_window(13), score), p, what + ", window");
+  every_schedule(comm, with_score(docs.mask(), score), p, what + ", documents");
+}
+#endif
+
 }  // namespace
+
+#ifdef BLOCKATTN_SCORE_EVERY_SCHEDULE
+TEST_CASE("every score policy and mask under every schedule matches the fp64 reference") {
+  Mpi comm(MPI_COMM_WORLD);
+  const Problem p = problem(20 * comm.size() * (comm.size() % 2 == 0 ? 1 : 2), 2031);
+  every_mask(comm, SoftCap{1.5}, p, "softcap");
+  every_mask(comm, Alibi::geometric(H), p, "ALiBi");
+  every_mask(comm, HeadTemperature{0.25}, p, "user");
+}
+#endif
 
 TEST_CASE("score policies and sinks under every schedule match the fp64 reference") {
   Mpi comm(MPI_COMM_WORLD);
