@@ -4,7 +4,9 @@
 // bound, and bitwise against the fp32 kernels rounded once. Calls a fused
 // provider takes (cuDNN on CUDA; the emulation with BLOCKATTN_EMULATE_FUSED)
 // are held to the fused bound instead (fused_bound below) and compared with
-// the same call on BlockAttn's kernels (portable_only).
+// the same call on BlockAttn's kernels (portable_only). So are bf16 forwards
+// on the host matrix engine (AMX, where the CPU has it: P rounded to bf16),
+// whose call is then repeated on the fp32 kernels (HostMatrix::off).
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -29,11 +31,23 @@ template <class S>
 using V4 = Kokkos::View<S****, Kokkos::LayoutRight, MemSpace>;
 using L3 = Kokkos::View<float***, Kokkos::LayoutRight, MemSpace>;
 
-/// Calls of this file that a fused provider computed, and all calls.
+/// Calls of this file that a fused provider computed, that ran on the host
+/// matrix engine, and all calls.
 struct FusedTally {
-  long fused = 0, calls = 0;
+  long fused = 0, matrix = 0, calls = 0;
 };
 FusedTally fused_tally;
+
+/// Whether bf16 forwards of this backend run on the host matrix engine for
+/// `setting`: a host space whose kernels dispatch to AVX-512, on a CPU and OS
+/// with AMX (automatic) or AVX512-BF16 (avx512_bf16).
+bool matrix_expected(HostMatrix setting = HostMatrix::automatic) {
+  const HostMatrixEngine& e = impl::host_matrix_engine();
+  const bool engine = setting == HostMatrix::automatic
+                          ? e.amx || (e.vector_by_default && e.avx512_bf16)
+                          : setting == HostMatrix::avx512_bf16 && e.avx512_bf16;
+  return impl::is_host_space_v<ExecSpace> && dispatched_host_isa() == HostIsa::avx512 && engine;
+}
 
 /// The largest error of rounding a value to S beyond u16 * |x|: half of the
 /// smallest subnormal (fp16: 2^-25; bf16's subnormals are fp32's: 2^-134).
@@ -162,21 +176,35 @@ ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::ui
     err = compare(ref, oh, lse16);
   }
   const double e32 = tolerance<float>(ref, s.d, s.nk);
-  const bool fused = paths.fused > 0;
+  const bool fused = paths.fused > 0, matrix = paths.matrix > 0;
   CHECK(paths.fused + paths.portable == 1);
+  // The matrix engine takes exactly the bf16 calls of host spaces where it
+  // runs (and where the host kernels are the AVX-512 ones).
+  CHECK(matrix == (std::is_same<S, bf16>::value && matrix_expected(opts.host_matrix)));
   fused_tally.fused += fused ? 1 : 0;
+  fused_tally.matrix += matrix ? 1 : 0;
   ++fused_tally.calls;
   bool finite = true;
-  const double ratio = worst_ratio<S>(o16, ref.o, e32, finite, fused, max_abs(v));
+  // 16-bit P (fused providers, AMX): the fused bound.
+  const double ratio = worst_ratio<S>(o16, ref.o, e32, finite, fused || matrix, max_abs(v));
   INFO(value_type_name<S>(), " ", describe(s), (layout == Layout::right ? " right" : " strided"),
-       (fused ? " fused" : " portable"), " e32=", e32, " O err/bound=", ratio,
-       " lse_err=", err.lse_err);
+       (fused    ? " fused"
+        : matrix ? " matrix"
+                 : " portable"),
+       " e32=", e32, " O err/bound=", ratio, " lse_err=", err.lse_err);
   CHECK(err.finite);
   CHECK(finite);
   CHECK(err.masked_rows_exact);
   CHECK(ratio <= 1.0);
   CHECK(err.lse_err <= e32);
   if (fused) return err;  // the bitwise property below is the portable path's
+  if (matrix) {
+    // The same call on the fp32 kernels, with its own checks (bitwise below).
+    ForwardOptions fp32_products = opts;
+    fp32_products.host_matrix = HostMatrix::off;
+    run_forward<S>(s, mask, layout, seed, fp32_products);
+    return err;
+  }
 
   // Bitwise: the fp32 forward of the same inputs, rounded once.
   V4<float> o32("o32", s.b, s.nq, s.h, s.d);
@@ -349,6 +377,97 @@ TEST_CASE("16-bit: the fused path ran where a provider is built in") {
     CHECK(fused_tally.fused > 0);
   else
     CHECK(fused_tally.fused == 0);
+}
+
+TEST_CASE("16-bit: the host matrix engine ran where the CPU has it") {
+  // After the forward cases above. Where the CPU (or the OS, or
+  // BLOCKATTN_HOST_MATRIX=off) rules AMX out, its cases ran on the fp32
+  // kernels: reported as skipped here, not passed.
+  const HostMatrixEngine& e = impl::host_matrix_engine();
+  MESSAGE("host matrix engine: ", std::string(e.name()), e.reason.empty() ? "" : " (" + e.reason + ")",
+          "; bf16 forward calls on it: ", fused_tally.matrix, " of ", fused_tally.calls);
+  if (matrix_expected())
+    CHECK(fused_tally.matrix > 0);
+  else
+    CHECK(fused_tally.matrix == 0);
+  if (!matrix_expected()) MESSAGE("SKIPPED: the matrix-engine forward cases (", e.reason, ")");
+}
+
+TEST_CASE("bf16 forward on AVX512-BF16 vector products (HostMatrix::avx512_bf16)") {
+  // The vector engine (the default engine of no CPU: opt-in) on the shapes
+  // of the forward cases, where the CPU has AVX512-BF16; the fp32 kernels
+  // (and the count says so) elsewhere.
+  const long before = fused_tally.matrix;
+  ForwardOptions opts;
+  opts.host_matrix = HostMatrix::avx512_bf16;
+  std::uint64_t seed = 900;
+  for (const Shape& s : shapes) {
+    ++seed;
+    const Layout layout = seed % 2 ? Layout::strided : Layout::right;
+    run_forward<bf16>(s, CausalMask{}, layout, seed, opts);
+    const Documents<MemSpace> docs(document_offsets(s.nq > s.nk ? s.nq : s.nk));
+    run_forward<bf16>(s, docs.mask(), layout, seed, opts);
+  }
+  if (matrix_expected(HostMatrix::avx512_bf16))
+    CHECK(fused_tally.matrix > before);
+  else
+    MESSAGE("SKIPPED: the AVX512-BF16 cases (", impl::host_matrix_engine().reason, ")");
+}
+
+TEST_CASE("host matrix engine: BLOCKATTN_HOST_MATRIX is parsed and named") {
+  CHECK_FALSE(impl::detect_host_matrix_engine("off").amx);
+  CHECK(impl::detect_host_matrix_engine("off").reason == "BLOCKATTN_HOST_MATRIX=off");
+  try {
+    (void)impl::detect_host_matrix_engine("tiles");
+    FAIL("BLOCKATTN_HOST_MATRIX=tiles was accepted");
+  } catch (const blockattn::invalid_argument& x) {
+    const std::string what = x.what();
+    CHECK(what.find("BLOCKATTN_HOST_MATRIX") != std::string::npos);
+    CHECK(what.find("\"tiles\"") != std::string::npos);
+  }
+  // Unset, auto and amx agree (the CPU decides); avx512bf16 makes the vector
+  // products automatic's engine and never runs AMX.
+  const HostMatrixEngine unset = impl::detect_host_matrix_engine(nullptr);
+  CHECK(unset.amx == impl::detect_host_matrix_engine("amx").amx);
+  CHECK(unset.amx == impl::detect_host_matrix_engine("auto").amx);
+  CHECK_FALSE(unset.vector_by_default);
+  const HostMatrixEngine vec = impl::detect_host_matrix_engine("avx512bf16");
+  CHECK_FALSE(vec.amx);
+  CHECK(vec.vector_by_default);
+  CHECK(vec.avx512_bf16 == unset.avx512_bf16);
+  CHECK(std::string(vec.name()) == (vec.avx512_bf16 ? "avx512-bf16" : "none"));
+  CHECK_FALSE(impl::detect_host_matrix_engine("off").avx512_bf16);
+}
+
+TEST_CASE("bf16 forward: inf and NaN in V where the mask hides them, and long rows") {
+  // Partial tiles whose masked keys hold inf / NaN in V: P = 0 there must add
+  // nothing (the matrix engine's products would make 0 * inf = NaN; such
+  // tiles take the selecting fp32 path). SlidingWindowMask{40, 0}: key j is
+  // seen by rows j .. j + 40 only.
+  const int n = 300, d = 64;
+  std::mt19937_64 rng(11);
+  HostTensor q = random_tensor(1, n, 2, d, rng), k = random_tensor(1, n, 2, d, rng),
+             v = random_tensor(1, n, 2, d, rng);
+  v(0, 100, 0, 3) = std::numeric_limits<double>::infinity();
+  v(0, 101, 1, 5) = std::numeric_limits<double>::quiet_NaN();
+  V4<bf16> qd("q", 1, n, 2, d), kd("k", 1, n, 2, d), vd("v", 1, n, 2, d), od("o", 1, n, 2, d);
+  L3 ld("lse", 1, 2, n);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  const SlidingWindowMask mask{40, 0};
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask);
+  const HostTensor o = download(od);
+  int wrong = 0;
+  for (int i = 0; i < n; ++i)
+    for (int x = 0; x < d; ++x) {
+      // Head 0 sees inf at (100, 3) in rows 100 .. 140 (O inf or NaN in that
+      // column), head 1 NaN at (101, 5) in rows 101 .. 141.
+      const bool h0 = i >= 100 && i <= 140 && x == 3, h1 = i >= 101 && i <= 141 && x == 5;
+      wrong += std::isfinite(o(0, i, 0, x)) == h0;
+      wrong += std::isfinite(o(0, i, 1, x)) == h1;
+    }
+  CHECK(wrong == 0);
 }
 
 TEST_CASE_TEMPLATE("16-bit NaN inputs give NaN exactly where they are visible", S, bf16, fp16) {

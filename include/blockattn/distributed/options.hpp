@@ -6,6 +6,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/fused.hpp>
+#include <blockattn/kernel/host_matrix.hpp>
 #include <blockattn/kernel/sinks.hpp>
 #include <blockattn/kernel/work.hpp>
 
@@ -88,6 +89,10 @@ struct DistributedOptions {
   /// Compute every block pair on BlockAttn's kernels, never a vendor's fused
   /// attention (cuDNN on CUDA, bf16 / fp16; kernel/fused.hpp).
   bool portable_only = false;
+  /// bf16 on a host space: the forward's block pairs on AMX tile products
+  /// where the CPU has them (automatic; P rounded to bf16), or on the fp32
+  /// kernels (off). See ForwardOptions::host_matrix.
+  HostMatrix host_matrix = HostMatrix::automatic;
   /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
   /// the execution space's memory, the same on every rank (compared in the
   /// consensus). Each row's sink enters once, after the last merge of its

@@ -528,8 +528,10 @@ class UlyssesAttention
       x.live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();
       pack_forward_block(m_exec, kf, vf, kv);
+      ForwardBlockState<C, typename ExecSpace::memory_space> state;
+      state.host_matrix = opts.host_matrix;
       forward_block(m_exec, fe, qf, kv, of, lf, impl::shift_heads(m_mask, x.first_q),
-                    OffsetPositions{}, OffsetPositions{}, scale);
+                    OffsetPositions{}, OffsetPositions{}, scale, state);
       m_exec.fence();  // the packed block is freed here
       busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       x.live.sub(packed);

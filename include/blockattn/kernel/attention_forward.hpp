@@ -76,13 +76,32 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
       impl::apply_sinks(exec, opts.sinks, o, lse);
       return;
     }
-    if (opts.paths) ++opts.paths->portable;
+    const bool matrix = forward_uses_matrix<T, typename QV::non_const_value_type, ExecSpace>(
+        e.dim, opts.host_matrix);
+    if (opts.paths) {
+      ++opts.paths->portable;
+      if (matrix) ++opts.paths->matrix;
+    }
     const BlockLayout layout = forward_layout<T, ExecSpace>(e.dim);
     impl::CallBuffers<ExecSpace> buffers(exec);
     const auto kv =
         allocate_forward_block<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys, &buffers);
-    pack_forward_block(exec, k, v, kv);
     ForwardBlockState<T, typename ExecSpace::memory_space> state;
+    state.host_matrix = opts.host_matrix;
+    // The matrix engine's block straight from k and v (its kernel reads no
+    // other); the fp32 block otherwise.
+    bool packed = false;
+#if BLOCKATTN_HOST_AMX
+    if constexpr (impl::is_host_space_v<ExecSpace> &&
+                  std::is_same<typename KV::non_const_value_type, bf16>::value) {
+      if (matrix && e.keys > 0) {
+        state.matrix_kv = impl::pack_amx_kv_views(
+            exec, k, v, layout.block_k, (layout.dim_padded + 31) / 32 * 32, state.matrix_v_bad);
+        packed = true;
+      }
+    }
+#endif
+    if (!packed) pack_forward_block(exec, k, v, kv);
     if constexpr (impl::is_host_space_v<ExecSpace>) {
       // Rows are work where every query meets every key of the block.
       const bool rows_are_work = mask.classify(qpos(0), qpos(e.queries - 1) + 1, kpos(0),

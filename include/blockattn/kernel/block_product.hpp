@@ -182,6 +182,16 @@ BlockLayout forward_layout(int dim) {
   });
 }
 
+/// Whether the forward block product of compute type T with queries stored as
+/// QS on ExecSpace runs on the host matrix engine (AMX) in this process, for
+/// the head dim and the setting (ForwardBlockState::host_matrix).
+template <class T, class QS, class ExecSpace>
+bool forward_uses_matrix(int dim, HostMatrix setting = HostMatrix::automatic) {
+  return impl::with_shape_for<impl::forward_shape_t<T, ExecSpace>>(dim, [&](auto, auto shape) {
+    return impl::forward_uses_matrix<ExecSpace, T, decltype(shape), QS>(setting);
+  });
+}
+
 /// The backward product's tiles and padded head dim for compute type T on ExecSpace.
 template <class T, class ExecSpace>
 BlockLayout backward_layout(int dim) {

@@ -48,8 +48,11 @@ struct BlockPathCounts {
   std::int64_t portable = 0;
   std::int64_t fused = 0;
   std::int64_t fused_pieces = 0;
+  /// Of `portable`: computed on the host's matrix engine (AMX, bf16 forward).
+  std::int64_t matrix = 0;
   BlockPathCounts& operator+=(const BlockPathCounts& o) {
     portable += o.portable;
+    matrix += o.matrix;
     fused += o.fused;
     fused_pieces += o.fused_pieces;
     return *this;

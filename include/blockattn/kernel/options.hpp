@@ -4,6 +4,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/fused.hpp>
+#include <blockattn/kernel/host_matrix.hpp>
 #include <blockattn/kernel/sinks.hpp>
 
 #include <limits>
@@ -28,6 +29,11 @@ struct ForwardOptions {
   /// (cuDNN, on CUDA with bf16 / fp16) would take the call: for comparison,
   /// and for results that are the same bits on every backend and run.
   bool portable_only = false;
+  /// bf16 inputs on a host space: AMX tile products where the CPU has them
+  /// (automatic; P rounded to bf16 before P V, see README "Numerics"), or the
+  /// fp32 kernels (off: the fp32 forward's result rounded once, on every
+  /// machine). host_matrix_engine() says what this machine runs.
+  HostMatrix host_matrix = HostMatrix::automatic;
   /// When set, the call adds the block pairs each implementation computed
   /// (BlockPathCounts: portable, fused, fused band pieces).
   BlockPathCounts* paths = nullptr;

@@ -127,6 +127,7 @@ class ForwardSteps
       }
     }
     m_portable_only = opts.portable_only;
+    m_state.host_matrix = opts.host_matrix;
   }
 
   /// `last_own`: the last step computing on this rank's queries; `merges`:

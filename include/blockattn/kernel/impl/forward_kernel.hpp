@@ -4,6 +4,8 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/kernel/impl/amx.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/impl/mask_columns.hpp>
 #include <blockattn/kernel/impl/micro_gemm.hpp>
@@ -90,6 +92,18 @@ PackedKV<T, MemorySpace> allocate_forward_kv(int batch, int kv_heads, int keys, 
                                             Panels::kt, Panels::v(dim_padded), buffers);
 }
 
+/// Whether the forward kernel of (ExecSpace, T, Shape) with queries stored as
+/// QS has the AMX path (run_amx): bf16 inputs on a host space whose kernels
+/// are the AVX-512 ones, query and key tiles of whole 32-row blocks.
+template <class ExecSpace, class T, class Shape, class QS>
+inline constexpr bool forward_amx_capable =
+    BLOCKATTN_HOST_AMX&& kernel_isa_v<ExecSpace, Shape> ==
+        HostIsa::avx512&& std::is_same<T, float>::value&& std::is_same<QS, bf16>::value&&
+                Shape::block_q %
+            32 ==
+        0 &&
+    Shape::block_k % 32 == 0;
+
 /// The functor. StaticD > 0 fixes the (padded) head dim at compile time.
 /// T is the compute type (fp32 for bf16/fp16 storage); QS and OS are the
 /// storage types of q and o. The unnormalised O between calls (resume /
@@ -144,6 +158,11 @@ struct ForwardKernel {
 #endif
   static_assert(StaticD % NRO == 0,
                 "BlockAttn: a static head dim must be a multiple of micro_cols");
+  // The AMX forward (run_amx): bf16 inputs on a host space whose kernels are
+  // the AVX-512 ones, tiles of whole 32 x 32 blocks of tile products.
+  static constexpr bool amx_capable = forward_amx_capable<ExecSpace, T, Shape, QS>;
+  // Query rows of the AMX path's scratch: whole 32-row blocks.
+  static constexpr int BQA = (BQ + 31) / 32 * 32;
 
   /// The head dim as stored in scratch and in the packed K/V block.
   static int pad_dim(int dim) {
@@ -182,11 +201,41 @@ struct ForwardKernel {
     return elems * sizeof(T);
   }
 
+  /// The AMX path (amx_kv set): K and V of every key tile in VNNI pairs, from
+  /// the packed block (pack_amx_kv); head dim padded to amx_dim (a multiple of 32).
+  const std::uint16_t* amx_kv = nullptr;
+  const unsigned char* amx_v_bad = nullptr;  // per key tile: V holds an inf or NaN
+  bool matrix_tiles = true;                  // AMX tile products; false: AVX512-BF16 vectors
+  int amx_dim = 0;
+  int amx_tiles = 0;  // key tiles per (batch, kv head) in amx_kv
+  // Key tiles per super-tile of the AMX path, and its keys: 256, so that S of
+  // a 32-row block (32 KB) stays in L1; 512 keys ran 8-11 % slower and 128
+  // keys 7-15 % (Xeon with AMX, 1 thread, D = 128, N = 1024-4096).
+  static constexpr int AG = BK >= 256 ? 1 : 256 / BK;
+  static constexpr int AW = AG * BK;
+
+  /// Scratch of the AMX path: Q (bf16) and O (fp32) of BQA x amx_dim, S (fp32)
+  /// and P (bf16) of 32 x AW, m, l, alpha; 64-byte aligned pieces.
+  static std::size_t amx_scratch_bytes(int amx_dim) {
+    auto up = [](std::size_t b) { return (b + 63) / 64 * 64; };
+    return up(std::size_t(2) * BQA * amx_dim) + up(std::size_t(4) * BQA * amx_dim) +
+           up(std::size_t(4) * 32 * AW) + up(std::size_t(2) * 32 * AW) +
+           3 * up(std::size_t(4) * BQA);
+  }
+
   KOKKOS_INLINE_FUNCTION int padded_dim() const {
     return StaticD > 0 ? StaticD : dim_padded;
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+#if BLOCKATTN_HOST_AMX
+    if constexpr (amx_capable) {
+      if (amx_kv != nullptr) {
+        AmxEntry::run([&] { run_amx(team); });
+        return;
+      }
+    }
+#endif
 #if BLOCKATTN_HOST_DISPATCH
     if constexpr (host_isa_targeted(isa)) {
       HostIsaEntry<isa>::run([&] { run(team); });
@@ -274,10 +323,17 @@ struct ForwardKernel {
       team.team_barrier();
     }
 
+    store_rows(team, b, h, q0, q_rows, os, dp, m, l);
+  }
+
+  /// The end of a team: O (rows `ld` apart in os) and the state of its rows,
+  /// normalised (finish) or kept for the next block.
+  KOKKOS_INLINE_FUNCTION void store_rows(const member_type& team, int b, int h, int q0, int q_rows,
+                                         const T* os, int ld, const T* m, const T* l) const {
     if (!finish) {
       // More blocks follow: keep the unnormalised O in `o` and (m, l) in the state.
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
-        store_row(&o_acc(b, q0 + r, h, 0), o_acc.stride(3), os + r * dp, ext.dim, T(1));
+        store_row(&o_acc(b, q0 + r, h, 0), o_acc.stride(3), os + r * ld, ext.dim, T(1));
         m_state(b, h, q0 + r) = m[r];
         l_state(b, h, q0 + r) = l[r];
       });
@@ -287,10 +343,296 @@ struct ForwardKernel {
     // rows whose allowed logits held a NaN (l = NaN): O and LSE NaN.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
       const T inv_l = SoftmaxRow<T>::inverse_sum(l[r]);
-      store_row(&o(b, q0 + r, h, 0), o.stride(3), os + r * dp, ext.dim, inv_l);
+      store_row(&o(b, q0 + r, h, 0), o.stride(3), os + r * ld, ext.dim, inv_l);
       lse(b, h, q0 + r) = SoftmaxRow<T>::lse(m[r], l[r]);
     });
   }
+
+#if BLOCKATTN_HOST_AMX
+  /// One team's work on AMX tiles (host spaces: one thread per team). Per
+  /// super-tile of AG key tiles (AW = AG * BK keys: 256 for BK = 128) and per
+  /// block of 32 query rows: S = Q K^T as 32 x 32 blocks of tile products
+  /// (amx.hpp) over the key tiles the mask leaves to the block; the fp32
+  /// online softmax over the whole super-tile row (one rescale of O per AW
+  /// keys); O += P V with P in bf16, one C tile load and store per AW keys.
+  void run_amx(const member_type& team) const {
+    const int da = amx_dim;  // amx_kv's and the scratch's head dim: a multiple of 32
+    const int league = team.league_rank() + league_begin;
+    const int q_tiles = q_split.tiles;
+    const int qt = q_tiles - 1 - league % q_tiles;
+    const int h = (league / q_tiles) % ext.heads;
+    const int b = league / (q_tiles * ext.heads);
+    const int hk = h / group;
+    const int q0 = q_split.begin(qt, MR);
+    const int q_rows = q_split.end(qt, MR, ext.queries) - q0;
+    const int q_live = (q_rows + 31) / 32 * 32;
+
+    const int level = scratch_level;
+    auto take = [&](std::size_t bytes) {
+      return team.team_scratch(level).get_shmem((bytes + 63) / 64 * 64);
+    };
+    auto* const qb = static_cast<std::uint16_t*>(take(std::size_t(2) * BQA * da));
+    T* const os = static_cast<T*>(take(std::size_t(4) * BQA * da));
+    T* const ss = static_cast<T*>(take(std::size_t(4) * 32 * AW));
+    auto* const pb = static_cast<std::uint16_t*>(take(std::size_t(2) * 32 * AW));
+    T* const m = static_cast<T*>(take(std::size_t(4) * BQA));
+    T* const l = static_cast<T*>(take(std::size_t(4) * BQA));
+    T* const alpha = static_cast<T*>(take(std::size_t(4) * BQA));
+
+    // Q rows as stored (bf16 bits: exact; the scale goes to S), zero padded
+    // to da columns and q_live rows; O and (m, l) fresh or resumed.
+    const std::size_t qs_d = q.stride(3);
+    for (int r = 0; r < q_live; ++r) {
+      const bool row_in = r < q_rows;
+      const int n = row_in ? ext.dim : 0;
+      std::uint16_t* const qd = qb + std::size_t(r) * da;
+      if (n > 0) {
+        const QS* const src = &q(b, q0 + r, h, 0);
+        if (qs_d == 1)
+          std::memcpy(qd, src, sizeof(std::uint16_t) * std::size_t(n));
+        else
+          for (int d = 0; d < n; ++d) qd[d] = bf16_storage_bits(src[std::size_t(d) * qs_d]);
+      }
+      for (int d = n; d < da; ++d) qd[d] = 0;
+      const bool load = resume && row_in;
+      T* const od = os + std::size_t(r) * da;
+      const int n_o = load ? n : 0;
+      if (n_o > 0) copy_row(od, &o_acc(b, q0 + r, h, 0), o_acc.stride(3), n_o, T(1));
+      for (int d = n_o; d < da; ++d) od[d] = T(0);
+      m[r] = load ? m_state(b, h, q0 + r) : -infinity<T>();
+      l[r] = load ? l_state(b, h, q0 + r) : T(0);
+    }
+
+    const std::size_t kp = std::size_t(amx_tiles) * BK;  // keys of amx_kv per (batch, kv head)
+    const std::size_t head = std::size_t(b) * ext.kv_heads + hk;
+    const std::uint16_t* const kbase = amx_kv + head * 2 * kp * da;
+    const std::uint16_t* const vbase = kbase + kp * da;
+    const unsigned char* const v_bad = amx_v_bad + head * amx_tiles;
+    // Whether the box (query rows r0 .. r0 + 31, keys c0 .. c0 + 31 of the
+    // tile at k0) holds no allowed pair (or no key).
+    auto box_empty = [&](int r0, int k0, int k_rows, int c0) {
+      if (c0 >= k_rows) return true;
+      const int r1 = (r0 + 32 < q_rows ? r0 + 32 : q_rows) - 1;
+      const int c1 = (c0 + 32 < k_rows ? c0 + 32 : k_rows) - 1;
+      return mask.classify(qpos(q0 + r0), qpos(q0 + r1) + 1, kpos(k0 + c0), kpos(k0 + c1) + 1) ==
+             TileKind::empty;
+    };
+    if (matrix_tiles) amx_configure();
+    // C (32 x 32) [+]= A B: tile products, or AVX512-BF16 vectors.
+    auto block = [&](int chunks, const std::uint16_t* a, int lda, const std::uint16_t* b0,
+                     const std::uint16_t* b1, T* c, int ldc, bool load_c) {
+      if (matrix_tiles)
+        amx_block(chunks, a, lda, b0, b1, c, ldc, load_c);
+      else
+        bf16_vector_block(chunks, a, lda, b0, b1, c, ldc, load_c);
+    };
+    for (int st = 0; st < k_tiles; st += AG) {
+      const int tiles = k_tiles - st < AG ? k_tiles - st : AG;
+      for (int r0 = 0; r0 < q_live; r0 += 32) {
+        const int r1 = (r0 + 32 < q_rows ? r0 + 32 : q_rows) - 1;
+        const index_type qb0 = qpos(q0 + r0), qb1 = qpos(q0 + r1) + 1;
+        // The key tiles of the super-tile this row block meets: [g_lo, g_hi).
+        TileKind kinds[AG];
+        int g_lo = -1, g_hi = -1;
+        bool select_pv = false;
+        for (int g = 0; g < tiles; ++g) {
+          const int k0 = (st + g) * BK;
+          const int k_rows = ext.keys - k0 < BK ? ext.keys - k0 : BK;
+          kinds[g] = mask.classify(qb0, qb1, kpos(k0), kpos(k0 + k_rows - 1) + 1);
+          if (kinds[g] == TileKind::empty) continue;
+          if (g_lo < 0) g_lo = g;
+          g_hi = g + 1;
+        }
+        if (g_lo < 0) continue;
+        const int w = (g_hi - g_lo) * BK;  // columns of S: keys from kbeg
+        const int kbeg = (st + g_lo) * BK;
+        // S = Q K^T (unscaled) tile by tile; boxes the mask rules out
+        // entirely are left to the mask pass, tiles it rules out to -inf.
+        for (int g = g_lo; g < g_hi; ++g) {
+          const int k0 = (st + g) * BK;
+          const int k_rows = ext.keys - k0 < BK ? ext.keys - k0 : BK;
+          T* const seg = ss + (g - g_lo) * BK;
+          // A V row with an inf or NaN where P may be 0 (not a full tile):
+          // P V selects instead of multiplying (rare).
+          select_pv = select_pv || (kinds[g] != TileKind::full && v_bad[st + g] != 0);
+          if (kinds[g] == TileKind::empty) {
+            for (int r = 0; r < 32; ++r)
+              for (int c = 0; c < BK; ++c) seg[r * AW + c] = -infinity<T>();
+            continue;
+          }
+          const bool partial = kinds[g] == TileKind::partial;
+          for (int c0 = 0; c0 < BK; c0 += 32) {
+            if (partial && box_empty(r0, k0, k_rows, c0)) continue;
+            const std::uint16_t* const kc = kbase + std::size_t(k0 + c0) * da;
+            block(da / 32, qb + std::size_t(r0) * da, da, kc, kc + 16 * da, seg + c0, AW, false);
+          }
+        }
+        // Per row: scale (base-2 logits), policy, mask, online softmax: S
+        // becomes P.
+        for (int r = r0; r < r0 + 32; ++r) {
+          const int rq = r < q_rows ? r : q_rows - 1;
+          const index_type qp = qpos(q0 + rq);
+          T* const srow = ss + (r - r0) * AW;
+          // A policy sees scaled logits; otherwise the exponent pass scales.
+          if constexpr (has_score_mod_v<Mask>) amx_scale_row(srow, w, q_scale);
+          for (int g = g_lo; g < g_hi; ++g) {
+            if (kinds[g] == TileKind::empty) continue;
+            const int k0 = (st + g) * BK;
+            const int k_rows = ext.keys - k0 < BK ? ext.keys - k0 : BK;
+            T* const seg = srow + (g - g_lo) * BK;
+            if constexpr (has_score_mod_v<Mask>) score_row(mask, kpos, seg, qp, k0, k_rows, h);
+            mask_segment(seg, qp, kinds[g] == TileKind::partial, k0, k_rows);
+          }
+        }
+        // P in bf16 straight from the exponent pass (in fp32 for the select path).
+        const T pass_scale = has_score_mod_v<Mask> ? T(1) : q_scale;
+        for (int r = r0; r < r0 + 32; r += 4)
+          softmax_wide_rows(ss + (r - r0) * AW, w, pass_scale, m + r, l + r, alpha + r,
+                            select_pv ? nullptr : pb + (r - r0) * AW);
+        if (select_pv) {
+          // O = diag(alpha) O + sum of p v over p != 0, in fp32 from the
+          // VNNI V: V(key, d) at (d / 16) kp 16 + (key / 2) 32 + (d % 16) 2 + key % 2.
+          for (int r = r0; r < r0 + 32; ++r) {
+            T* const orow = os + std::size_t(r) * da;
+            const T* const prow = ss + (r - r0) * AW;
+            for (int d = 0; d < da; ++d) orow[d] *= alpha[r];
+            for (int c = 0; c < w; ++c) {
+              if (prow[c] == T(0)) continue;
+              const int key = kbeg + c;
+              const std::uint16_t* const vk = vbase + std::size_t(key / 2) * 32 + key % 2;
+              for (int d = 0; d < da; ++d)
+                orow[d] +=
+                    prow[c] *
+                    bits_float(std::uint32_t(vk[std::size_t(d / 16) * kp * 16 + (d % 16) * 2])
+                               << 16);
+            }
+          }
+          continue;
+        }
+        // O rows times alpha; then O += P V over the 32-key chunks some row of
+        // the block may see.
+        for (int r = r0; r < r0 + 32; ++r) amx_scale_o(os + std::size_t(r) * da, da, alpha[r]);
+        auto chunk_empty = [&](int c) {
+          const int g = g_lo + c * 32 / BK;
+          const int k0 = (st + g) * BK;
+          const int k_rows = ext.keys - k0 < BK ? ext.keys - k0 : BK;
+          const int c0 = (c * 32) % BK;
+          return kinds[g] == TileKind::empty ||
+                 (kinds[g] == TileKind::partial ? box_empty(r0, k0, k_rows, c0) : c0 >= k_rows);
+        };
+        int lo = 0, hi = w / 32;
+        while (lo < hi && chunk_empty(lo)) ++lo;
+        while (hi > lo && chunk_empty(hi - 1)) --hi;
+        if (lo == hi) continue;
+        const std::size_t kv0 = std::size_t(kbeg + 32 * lo) * 16;
+        for (int nb = 0; nb < da / 32; ++nb)
+          block(hi - lo, pb + 32 * lo, AW, vbase + std::size_t(2 * nb) * kp * 16 + kv0,
+                vbase + std::size_t(2 * nb + 1) * kp * 16 + kv0,
+                os + std::size_t(r0) * da + nb * 32, da, true);
+      }
+    }
+    if (matrix_tiles) amx_release();
+    if constexpr (std::is_same<OS, bf16>::value) {
+      if (finish && o.stride(3) == 1) {
+        // Normalised bf16 rows, rounded as bf16(float) rounds, 16 at a time.
+        for (int r = 0; r < q_rows; ++r) {
+          const T inv_l = SoftmaxRow<T>::inverse_sum(l[r]);
+          amx_store_bf16_row(&o(b, q0 + r, h, 0).bits, os + std::size_t(r) * da, ext.dim, inv_l);
+          lse(b, h, q0 + r) = SoftmaxRow<T>::lse(m[r], l[r]);
+        }
+        return;
+      }
+    }
+    store_rows(team, b, h, q0, q_rows, os, da, m, l);
+  }
+
+  /// The online-softmax update of four rows of w unscaled logits (rows AW
+  /// apart; x = fl(s * scale) the base-2 logit), as softmax_row over BK
+  /// columns: m' = max(m, max x); p = 2^(x - m'); alpha = 2^(m - m');
+  /// l' = alpha l + sum p. (max x = fl(scale * max s): scale > 0 and rounding
+  /// is monotonic.)
+  /// With p16: P goes there in bf16 (rows AW apart) instead of into s.
+  static void softmax_wide_rows(T* __restrict__ s, int w, T scale, T* m, T* l, T* alpha,
+                                std::uint16_t* __restrict__ p16) {
+    if constexpr (simd_exp2_rows<isa, T, Shape::dim_granule>()) {
+      using V = simd_for_t<isa>;
+      constexpr int R = 4;
+      const T none[R] = {-infinity<T>(), -infinity<T>(), -infinity<T>(), -infinity<T>()};
+      T raw[R], m_new[R];
+      simd_row_max_group<V, Shape::dim_granule, R>(s, AW, w, none, raw);
+      for (int r = 0; r < R; ++r) {
+        const T x = raw[r] * scale;
+        m_new[r] = x > m[r] ? x : m[r];
+      }
+      typename V::type mv[R], acc[R], sv;
+      V::broadcast_to(sv, &scale);
+      for (int r = 0; r < R; ++r) {
+        V::broadcast_to(mv[r], m_new + r);
+        V::set_zero(acc[r]);
+      }
+      bool finite = true;
+      for (int r = 0; r < R; ++r) finite = finite && m_new[r] != -infinity<T>();
+      if (finite) {
+        for (int c = 0; c < w; c += V::width)
+          for (int r = 0; r < R; ++r) {
+            T* const sr = s + r * AW + c;
+            typename V::type x = V::load(sr);
+            x = V::sub(V::mul(x, sv), mv[r]);
+            const typename V::type p = V::exp2_nonpositive(x);
+            if (p16 != nullptr)
+              amx_store_p16(p16 + r * AW + c, p);
+            else
+              V::store(sr, p);
+            V::add_to(acc[r], p);
+          }
+      }
+      for (int r = 0; r < R; ++r) {
+        T* const row = s + r * AW;
+        if (m_new[r] == -infinity<T>()) {
+          // No finite allowed logit: masked (-inf) or NaN (the max skips NaN).
+          bool nan_seen = false;
+          for (int c = 0; c < w; ++c) {
+            nan_seen = nan_seen || row[c] != row[c];
+            row[c] = T(0);
+          }
+          if (p16 != nullptr) std::memset(p16 + r * AW, 0, sizeof(std::uint16_t) * std::size_t(w));
+          if (nan_seen) l[r] = quiet_nan<T>();
+          alpha[r] = T(1);
+          continue;
+        }
+        T sum = T(0);
+        if (finite) {
+          V::reduce_add_to(sum, acc[r]);
+        } else {
+          typename V::type a1;
+          V::set_zero(a1);
+          for (int c = 0; c < w; c += V::width) {
+            const typename V::type p =
+                V::exp2_nonpositive(V::sub(V::mul(V::load(row + c), sv), mv[r]));
+            if (p16 != nullptr)
+              amx_store_p16(p16 + r * AW + c, p);
+            else
+              V::store(row + c, p);
+            V::add_to(a1, p);
+          }
+          V::reduce_add_to(sum, a1);
+        }
+        alpha[r] = exp2_nonpositive(m[r] - m_new[r]);
+        l[r] = alpha[r] * l[r] + sum;
+        m[r] = m_new[r];
+      }
+    }
+  }
+
+  /// The bits of a bf16 value as stored.
+  KOKKOS_FORCEINLINE_FUNCTION static std::uint16_t bf16_storage_bits(const QS& x) {
+    if constexpr (std::is_same<QS, bf16>::value) {
+      return x.bits;
+    } else {
+      return bf16_upper_bits(float(x));
+    }
+  }
+#endif
 
   /// dst[d] = scale * src[d * stride] for d < n (src in a user view's type).
   template <class S>
@@ -380,24 +722,30 @@ struct ForwardKernel {
   /// Row r of S: -inf where the mask (partial tiles) or the block's end rules
   /// a key out.
   KOKKOS_FORCEINLINE_FUNCTION void mask_tile_row(const Tile& t, int r) const {
-    T* const srow = t.ss + r * BK;
     // Rows past the last query (the rest of its micro tile; their results are
     // never stored) take the last query's position: the position map is only
     // read inside the sequence (a table ends there).
     const int rq = r < t.q_rows ? r : t.q_rows - 1;
+    mask_segment(t.ss + r * BK, qpos(t.q0 + rq), t.kind == TileKind::partial, t.k0, t.k_rows);
+  }
+
+  /// BK columns of a row at query position qp against the key tile at k0
+  /// (k_rows keys): -inf where the mask (partial tiles) or the tile's end
+  /// rules a key out.
+  KOKKOS_FORCEINLINE_FUNCTION void mask_segment(T* srow, index_type qp, bool partial, int k0,
+                                                int k_rows) const {
     if constexpr (has_allowed_keys<Mask>::value) {
       // The row's keys are one interval: -inf outside its columns.
-      if (t.kind == TileKind::partial || t.k_rows < BK) {
-        const ColumnRange cols = t.kind == TileKind::partial
-                                     ? allowed_columns(mask, qpos(t.q0 + rq), kpos, t.k0, t.k_rows)
-                                     : ColumnRange{0, t.k_rows};
+      if (partial || k_rows < BK) {
+        const ColumnRange cols =
+            partial ? allowed_columns(mask, qp, kpos, k0, k_rows) : ColumnRange{0, k_rows};
         for (int c = 0; c < cols.lo; ++c) srow[c] = -infinity<T>();
         for (int c = cols.hi; c < BK; ++c) srow[c] = -infinity<T>();
       }
-    } else if (t.kind == TileKind::partial || t.k_rows < BK) {
-      const impl::RowMask<Mask> allow(mask, qpos(t.q0 + rq), t.kind == TileKind::partial);
+    } else if (partial || k_rows < BK) {
+      const impl::RowMask<Mask> allow(mask, qp, partial);
       for (int c = 0; c < BK; ++c) {
-        const bool keep = c < t.k_rows && allow(kpos(t.k0 + c));
+        const bool keep = c < k_rows && allow(kpos(k0 + c));
         srow[c] = keep_or_neg_inf(keep, srow[c]);
       }
     }

@@ -44,7 +44,142 @@ struct BlockStep {
   // Where the unnormalised O lives between calls (resume / !finish): empty
   // means the caller's o, which then must have value type T.
   Kokkos::View<T****, Kokkos::LayoutStride, MemorySpace> o_acc;
+  // bf16 inputs on a host space: AMX tile products where the CPU has them
+  // (automatic), or the fp32 kernels (off). See kernel/impl/amx.hpp.
+  HostMatrix host_matrix = HostMatrix::automatic;
+  // The block in the AMX forward's layout, packed by the caller straight from
+  // its bf16 K and V (pack_amx_kv_views; the fp32 block is then not read), or
+  // empty: packed from the fp32 block at the launch.
+  Kokkos::View<std::uint16_t*, Kokkos::HostSpace> matrix_kv;
+  Kokkos::View<unsigned char*, Kokkos::HostSpace> matrix_v_bad;
 };
+
+/// Whether the forward kernel of (ExecSpace, T, Shape) with queries stored as
+/// QS runs on the host matrix engine for `setting` in this process.
+template <class ExecSpace, class T, class Shape, class QS>
+bool forward_uses_matrix(HostMatrix setting) {
+  if constexpr (forward_amx_capable<ExecSpace, T, Shape, QS>) {
+    return matrix_path(setting) != MatrixPath::none;
+  } else {
+    (void)setting;
+    return false;
+  }
+}
+
+#if BLOCKATTN_HOST_AMX
+/// K and V of a packed block (fp32 widenings of bf16 values) as the AMX
+/// forward reads them, per (batch, kv head) with kp = tiles * BK keys:
+///   K (kp x da): for each 16-key chunk j, da / 2 VNNI rows p of the 16 keys'
+///      (d = 2p, 2p + 1) pairs: element (j, p, i, t) = K(key 16 j + i, dim 2 p + t);
+///   V (kp x da, after K): for each 16-column chunk n, kp / 2 VNNI rows p of the
+///      16 columns' (key 2p, 2p + 1) pairs: element (n, p, i, t) = V(key 2 p + t,
+///      dim 16 n + i);
+/// zero past the packed head dim (da: a multiple of 32). `bad`: one flag per
+/// (batch, kv head, key tile), set where the tile's V holds an inf or NaN.
+template <class ExecSpace, int BK, int KP, class T>
+Kokkos::View<std::uint16_t*, Kokkos::HostSpace> pack_amx_kv(
+    const ExecSpace& exec, const PackedKV<T, Kokkos::HostSpace>& kv, int da, int vp,
+    Kokkos::View<unsigned char*, Kokkos::HostSpace>& bad) {
+  const int batch = static_cast<int>(kv.kt.extent(0)), heads = static_cast<int>(kv.kt.extent(1));
+  const int tiles = static_cast<int>(kv.kt.extent(2)), dp = static_cast<int>(kv.kt.extent(3));
+  const std::size_t kp = std::size_t(tiles) * BK;
+  Kokkos::View<std::uint16_t*, Kokkos::HostSpace> out(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::amx_kv"),
+      std::size_t(batch) * heads * 2 * kp * da);
+  bad = Kokkos::View<unsigned char*, Kokkos::HostSpace>(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::amx_v_bad"),
+      std::size_t(batch) * heads * tiles);
+  auto kt = kv.kt;
+  auto v = kv.v;
+  std::uint16_t* const dst = out.data();
+  unsigned char* const flags = bad.data();
+  Kokkos::parallel_for(
+      "blockattn::pack_amx_kv", Kokkos::RangePolicy<ExecSpace>(exec, 0, batch * heads * tiles),
+      [=](const int u) {
+        const int kb = u % tiles, hk = (u / tiles) % heads, b = u / (tiles * heads);
+        std::uint16_t* const kd = dst + (std::size_t(b) * heads + hk) * 2 * kp * da;
+        std::uint16_t* const vd = kd + kp * da;
+        flags[u] =
+            amx_pack_tile(&kt(b, hk, kb, 0, 0), &v(b, hk, kb * BK, 0), BK, KP, vp, dp, da,
+                          kd + std::size_t(kb) * BK * da, vd + std::size_t(kb) * BK * 16, kp * 16)
+                ? 1
+                : 0;
+      });
+  return out;
+}
+
+/// pack_amx_kv straight from bf16 k, v (batch, keys, kv_heads, dim; any
+/// layout) for key tiles of bk keys and head dim da (a multiple of 32, at
+/// least dim).
+template <class ExecSpace, class KView, class VView>
+Kokkos::View<std::uint16_t*, Kokkos::HostSpace> pack_amx_kv_views(
+    const ExecSpace& exec, const KView& k, const VView& v, int bk, int da,
+    Kokkos::View<unsigned char*, Kokkos::HostSpace>& bad) {
+  const int batch = static_cast<int>(k.extent(0)), keys = static_cast<int>(k.extent(1));
+  const int heads = static_cast<int>(k.extent(2)), dim = static_cast<int>(k.extent(3));
+  const int tiles = (keys + bk - 1) / bk;
+  const std::size_t kp = std::size_t(tiles) * bk;
+  Kokkos::View<std::uint16_t*, Kokkos::HostSpace> out(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::amx_kv"),
+      std::size_t(batch) * heads * 2 * kp * da);
+  bad = Kokkos::View<unsigned char*, Kokkos::HostSpace>(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::amx_v_bad"),
+      std::size_t(batch) * heads * tiles);
+  std::uint16_t* const dst = out.data();
+  unsigned char* const flags = bad.data();
+  const std::ptrdiff_t ks = k.stride(3), vs = v.stride(3), k_key = k.stride(1);
+  // Whole 32-bit pairs of contiguous rows: one gather per K row, 16 columns at a time for V.
+  const bool fast_k = ks == 1 && dim % 32 == 0 && dim == da && k_key % 2 == 0 &&
+                      reinterpret_cast<std::uintptr_t>(k.data()) % 4 == 0;
+  const bool fast_v = vs == 1 && dim % 16 == 0;
+  Kokkos::parallel_for(
+      "blockattn::pack_amx_kv", Kokkos::RangePolicy<ExecSpace>(exec, 0, batch * heads * tiles),
+      [=](const int u) {
+        const int kb = u % tiles, hk = (u / tiles) % heads, b = u / (tiles * heads);
+        std::uint16_t* const kd = dst + (std::size_t(b) * heads + hk) * 2 * kp * da;
+        std::uint16_t* const vd = kd + kp * da;
+        for (int j = kb * bk / 16; j < (kb + 1) * bk / 16; ++j) {
+          std::uint16_t* const kj = kd + std::size_t(j) * 16 * da;
+          if (fast_k && 16 * j + 15 < keys) {
+            amx_gather_k16(&k(b, 16 * j, hk, 0).bits, k_key, da / 2, kj);
+            continue;
+          }
+          for (int i = 0; i < 16; ++i) {
+            const int key = 16 * j + i;
+            const auto* const kr = key < keys ? &k(b, key, hk, 0) : nullptr;
+            for (int p = 0; p < da / 2; ++p)
+              for (int t = 0; t < 2; ++t) {
+                const int d = 2 * p + t;
+                kj[p * 32 + 2 * i + t] =
+                    kr != nullptr && d < dim ? kr[d * ks].bits : std::uint16_t(0);
+              }
+          }
+        }
+        bool any_bad = false;
+        for (int p = kb * bk / 2; p < (kb + 1) * bk / 2; ++p) {
+          const auto* const r0 = 2 * p < keys ? &v(b, 2 * p, hk, 0) : nullptr;
+          const auto* const r1 = 2 * p + 1 < keys ? &v(b, 2 * p + 1, hk, 0) : nullptr;
+          for (int n = 0; n < da / 16; ++n) {
+            std::uint16_t* const row = vd + std::size_t(n) * kp * 16 + std::size_t(p) * 32;
+            if (fast_v && r0 != nullptr && r1 != nullptr && 16 * n < dim) {
+              any_bad = amx_pair_bf16x16(&r0[16 * n].bits, &r1[16 * n].bits, row) || any_bad;
+              continue;
+            }
+            for (int i = 0; i < 16; ++i) {
+              const int d = 16 * n + i;
+              const std::uint16_t x = r0 != nullptr && d < dim ? r0[d * vs].bits : 0;
+              const std::uint16_t y = r1 != nullptr && d < dim ? r1[d * vs].bits : 0;
+              any_bad = any_bad || (x & 0x7f80) == 0x7f80 || (y & 0x7f80) == 0x7f80;
+              row[2 * i] = x;
+              row[2 * i + 1] = y;
+            }
+          }
+        }
+        flags[u] = any_bad ? 1 : 0;
+      });
+  return out;
+}
+#endif
 
 /// The query split for `threads` threads taking teams one at a time
 /// (heaviest-first, dynamic): tiles of block_q rows, unless another split
@@ -141,6 +276,10 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
     f.o_acc = typename Kernel::acc_view(step.o_acc);
   }
   f.lse = typename Kernel::lse_view(lse);
+#if BLOCKATTN_HOST_AMX
+  Kokkos::View<std::uint16_t*, Kokkos::HostSpace> amx_kv;  // alive through the launch
+  Kokkos::View<unsigned char*, Kokkos::HostSpace> amx_v_bad;
+#endif
   f.mask = mask;
   f.qpos = qpos;
   f.kpos = kpos;
@@ -166,7 +305,32 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   if (league <= 0) return;
   // Chunk size 1: with dynamic scheduling, a thread takes one query tile at a
   // time, so the uneven tiles of causal masks spread evenly over threads.
-  const std::size_t bytes = Kernel::scratch_bytes(f.dim_padded);
+  std::size_t bytes = Kernel::scratch_bytes(f.dim_padded);
+#if BLOCKATTN_HOST_AMX
+  if constexpr (Kernel::amx_capable) {
+    if (f.k_tiles > 0 && forward_uses_matrix<ExecSpace, T, Shape, value_of<QV>>(step.host_matrix)) {
+      f.amx_dim = (f.dim_padded + 31) / 32 * 32;
+      f.amx_tiles = static_cast<int>(kv.kt.extent(2));
+      const std::size_t size = std::size_t(kv.kt.extent(0)) * kv.kt.extent(1) * 2 *
+                               std::size_t(f.amx_tiles) * Shape::block_k * f.amx_dim;
+      if (step.matrix_kv.size() > 0) {
+        if (step.matrix_kv.size() != size ||
+            step.matrix_v_bad.size() !=
+                std::size_t(kv.kt.extent(0)) * kv.kt.extent(1) * f.amx_tiles)
+          throw std::logic_error("BlockAttn: the AMX block's size differs from the packed block's");
+        amx_kv = step.matrix_kv;
+        amx_v_bad = step.matrix_v_bad;
+      } else {
+        amx_kv = pack_amx_kv<ExecSpace, Shape::block_k, Kernel::KP>(
+            exec, kv, f.amx_dim, Kernel::Panels::v(f.dim_padded), amx_v_bad);
+      }
+      f.amx_kv = amx_kv.data();
+      f.matrix_tiles = matrix_path(step.host_matrix) == MatrixPath::tiles;
+      f.amx_v_bad = amx_v_bad.data();
+      bytes = Kernel::amx_scratch_bytes(f.amx_dim);
+    }
+  }
+#endif
   typename Kernel::policy_type policy =
       is_host_space_v<ExecSpace> ? typename Kernel::policy_type(exec, league, 1)
                                  : typename Kernel::policy_type(exec, league, Kokkos::AUTO);
