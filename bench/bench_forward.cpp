@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -43,6 +44,9 @@ using Exec = Kokkos::DefaultExecutionSpace;
 constexpr bool host = std::is_same<Exec::memory_space, Kokkos::HostSpace>::value;
 
 enum MaskId { full = 0, causal = 1 };
+
+/// Query heads (= K/V heads) of every attention case (--heads); B = 1.
+int g_heads = 1;
 
 /// Uniform [-1, 1) values, rounded to the View's value type.
 template <class View>
@@ -96,9 +100,10 @@ template <class Shape, class V>
 void bm_attention(benchmark::State& state) {
   const int n = int(state.range(0)), d = int(state.range(1));
   const MaskId mask = MaskId(state.range(2));
-  Kokkos::View<V****> q("q", 1, n, 1, d), k("k", 1, n, 1, d), v("v", 1, n, 1, d),
-      o("o", 1, n, 1, d);
-  Kokkos::View<blockattn::compute_t<V>***> lse("lse", 1, 1, n);
+  const int h = g_heads;
+  Kokkos::View<V****> q("q", 1, n, h, d), k("k", 1, n, h, d), v("v", 1, n, h, d),
+      o("o", 1, n, h, d);
+  Kokkos::View<blockattn::compute_t<V>***> lse("lse", 1, h, n);
   fill(q, 1);
   fill(k, 2);
   fill(v, 3);
@@ -123,7 +128,7 @@ void bm_attention(benchmark::State& state) {
   const blockattn::TileCounts tiles =
       mask == causal ? blockattn::count_tiles(blockattn::CausalMask{}, n, n, ts.block_q, ts.block_k)
                      : blockattn::count_tiles(blockattn::FullMask{}, n, n, ts.block_q, ts.block_k);
-  set_rates(state, blockattn::forward_flops(tiles.allowed_pairs, d) * 1e-9, best);
+  set_rates(state, double(h) * blockattn::forward_flops(tiles.allowed_pairs, d) * 1e-9, best);
   state.counters["threads"] = Exec().concurrency();
   state.SetLabel(std::string(mask == causal ? "causal " : "full ") +
                  blockattn::value_type_name<V>() + " " + Shape::tile_gemm::name());
@@ -136,10 +141,11 @@ template <class V>
 void bm_backward(benchmark::State& state) {
   const int n = int(state.range(0)), d = int(state.range(1));
   const MaskId mask = MaskId(state.range(2));
-  Kokkos::View<V****> q("q", 1, n, 1, d), k("k", 1, n, 1, d), v("v", 1, n, 1, d),
-      o("o", 1, n, 1, d), dout("do", 1, n, 1, d), dq("dq", 1, n, 1, d), dk("dk", 1, n, 1, d),
-      dv("dv", 1, n, 1, d);
-  Kokkos::View<blockattn::compute_t<V>***> lse("lse", 1, 1, n);
+  const int h = g_heads;
+  Kokkos::View<V****> q("q", 1, n, h, d), k("k", 1, n, h, d), v("v", 1, n, h, d),
+      o("o", 1, n, h, d), dout("do", 1, n, h, d), dq("dq", 1, n, h, d), dk("dk", 1, n, h, d),
+      dv("dv", 1, n, h, d);
+  Kokkos::View<blockattn::compute_t<V>***> lse("lse", 1, h, n);
   fill(q, 1);
   fill(k, 2);
   fill(v, 3);
@@ -163,7 +169,7 @@ void bm_backward(benchmark::State& state) {
   run(true);
   const double best = time_iterations(state, [&] { run(true); });
   const std::int64_t pairs = mask == causal ? std::int64_t(n) * (n + 1) / 2 : std::int64_t(n) * n;
-  set_rates(state, 2.5 * blockattn::forward_flops(pairs, d) * 1e-9, best);
+  set_rates(state, 2.5 * double(h) * blockattn::forward_flops(pairs, d) * 1e-9, best);
   state.counters["threads"] = Exec().concurrency();
   state.SetLabel(std::string(mask == causal ? "causal backward " : "full backward ") +
                  blockattn::value_type_name<V>());
@@ -301,6 +307,7 @@ Forward and backward GFLOP/s of the tile kernels next to an sgemm of the same
 size, a 4096^3 sgemm and (with --torch) PyTorch's CPU SDPA, in one run.
   --quick             fewer shapes and repetitions
   --dtype=T,..        fp32, bf16, fp16 [fp32,bf16]
+  --heads=H           query (= K/V) heads of every attention case, B = 1 [1]
   --torch=FILE        PyTorch's rates (bench/torch_sdpa.py, same threads, just before)
   --help, -h          this text
 Google Benchmark's flags (--benchmark_filter=REGEX, --benchmark_repetitions=N,
@@ -328,7 +335,14 @@ int main(int argc, char** argv) {
         torch = read_torch(a.substr(8));
       else if (a.rfind("--dtype=", 0) == 0)
         dtypes = blockattn_cli::split(a.substr(8));
-      else
+      else if (a.rfind("--heads=", 0) == 0) {
+        g_heads = std::atoi(a.c_str() + 8);
+        if (g_heads < 1 || g_heads > 1024) {
+          std::fprintf(stderr, "blockattn_bench_forward: --heads: '%s' is not 1 to 1024\n",
+                       a.c_str() + 8);
+          return 2;
+        }
+      } else
         args.push_back(argv[i]);
     }
     for (const std::string& dt : dtypes)
@@ -366,12 +380,16 @@ int main(int argc, char** argv) {
       return it == torch.end() ? 0.0 : it->second;
     };
     std::printf(
-        "\nRatios measured in this run (%s, %d thread%s; host ISA %s, fp32 kernels run %s; "
-        "sgemm 4096^3 = %s; PyTorch: %s; every rate from the case's fastest iteration, "
-        "PyTorch's from its fastest repetition; 16-bit types are stored in 16 bits and computed "
-        "in fp32, \"/ fp32\" is our rate over our fp32 rate on the same case)\n",
-        Exec::name(), threads, threads == 1 ? "" : "s", blockattn::host_isa_name(),
-        blockattn::host_isa_name(blockattn::dispatched_host_isa()), peak_text.c_str(),
+        "\nRatios measured in this run (%s, %d thread%s; B = 1, H = %d; host ISA %s, fp32 "
+        "kernels run %s; host matrix engine %s%s%s; sgemm 4096^3 = %s; PyTorch: %s; every rate "
+        "from the case's fastest iteration, PyTorch's from its fastest repetition; 16-bit types "
+        "are stored in 16 bits and computed in fp32, the bf16 forward on the matrix engine where "
+        "it runs; \"/ fp32\" is our rate over our fp32 rate on the same case)\n",
+        Exec::name(), threads, threads == 1 ? "" : "s", g_heads, blockattn::host_isa_name(),
+        blockattn::host_isa_name(blockattn::dispatched_host_isa()),
+        blockattn::host_matrix_engine().name(),
+        blockattn::host_matrix_engine().reason.empty() ? "" : ": ",
+        blockattn::host_matrix_engine().reason.c_str(), peak_text.c_str(),
         torch.empty() ? "not run" : "same run, same threads, same dtype");
     std::printf("%-15s %5s %5s %5s %7s %9s %8s %9s %8s %7s %9s %8s\n", "variant", "dtype", "N", "D",
                 "mask", "GFLOP/s", "/sgemm", "/sgemm4k", "c/f", "/ fp32", "torch", "/ torch");

@@ -9,7 +9,10 @@
 # Environment: BLOCKATTN_PYTHON  a python with torch (default: .deps/torch-venv's
 #              python if present, else python3); THREADS  thread counts (default "1 nproc");
 #              LENGTHS  sequence lengths, comma-separated, a subset of the bench's
-#              512,1024,2048,4096,16384 (default: all of them; --quick: up to 4096).
+#              512,1024,2048,4096,16384 (default: all of them; --quick: up to 4096);
+#              DIMS  head dims, a subset of 64,128 (default: both);
+#              HEADS  head counts, one run each (default "1"; e.g. "1 4 16": B = 1, H
+#              query = K/V heads, ours and PyTorch's).
 # A case moves by 5-10 % between runs on a shared machine: keep the logs of a
 # few runs and summarise them per case with bench/summarize_runs.py LOG...
 set -euo pipefail
@@ -45,21 +48,36 @@ done
 lengths=512,1024,2048,4096,16384
 [ $quick = 1 ] && lengths=512,1024,2048,4096
 filter=()
-if [ -n "${LENGTHS:-}" ]; then
-  lengths=$LENGTHS
-  # Ours at those lengths (attention, backward, same-size sgemm) and sgemm 4096^3.
-  alt=${LENGTHS//,/|}
-  filter=("--benchmark_filter=(/N:($alt)/|/M:($alt)/|4096\\^3)")
+dims=64,128
+[ -n "${DIMS:-}" ] && dims=$DIMS
+if [ -n "${LENGTHS:-}" ] || [ -n "${DIMS:-}" ]; then
+  [ -n "${LENGTHS:-}" ] && lengths=$LENGTHS
+  # Ours at those lengths and head dims (attention, backward, same-size
+  # sgemm) and sgemm 4096^3.
+  alt=${lengths//,/|}
+  dalt=${dims//,/|}
+  filter=("--benchmark_filter=(/N:($alt)/D:($dalt)/|/M:($alt)/N:[0-9]+/K:($dalt)/|4096\\^3)")
 fi
 
+if [ $have_torch = 1 ]; then
+  # Which PyTorch CPU path runs: its vector ISA, and whether it sees AMX tiles
+  # (its bf16 flash attention packs blocks for oneDNN's AMX brgemm there).
+  "$py" -c 'import torch
+amx = getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: "unknown")()
+print("PyTorch", torch.__version__, "CPU capability", torch.backends.cpu.get_cpu_capability(),
+      "AMX tiles", amx, "oneDNN", torch.backends.mkldnn.is_available())'
+fi
+
+for h in ${HEADS:-1}; do
 for t in ${THREADS:-1 $(nproc)}; do
-  echo "=== ${t} thread(s) ==="
+  echo "=== ${t} thread(s), H = ${h} ==="
   torch_arg=()
   if [ $have_torch = 1 ]; then
     out=$(mktemp)
     OMP_NUM_THREADS=$t "$py" "$here/torch_sdpa.py" --threads "$t" --lengths "$lengths" \
-      --dtypes "$dtypes" --out "$out"
+      --dtypes "$dtypes" --dims "$dims" --heads "$h" --out "$out"
     torch_arg=(--torch="$out")
   fi
-  OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "${filter[@]}" "$@" "${torch_arg[@]}"
+  OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "${filter[@]}" --heads="$h" "$@" "${torch_arg[@]}"
+done
 done

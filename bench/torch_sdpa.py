@@ -10,8 +10,10 @@ next to ours in the same run. Writes one line per case to --out:
     <fwd|bwd> <N> <D> <full|causal> <dtype> <GFLOP/s>
 
 with the FLOP conventions of bench_forward.cpp: 4*D per allowed query-key pair
-forward, 2.5x that backward. B = H = 1, layout (B, H, N, D). PyTorch picks its
-backend itself (on CPU: its flash-attention kernel for these shapes). Never a
+forward, 2.5x that backward, times H. B = 1, H = --heads (default 1), layout
+(B, H, N, D). PyTorch picks its backend itself (on CPU: its flash-attention
+kernel for these shapes; in bf16 on AMX CPUs, blocks packed for oneDNN's AMX
+brgemm). Never a
 build or test dependency: bench/run_forward.sh skips it when torch does not import.
 
 With --device cuda (the GPU peer of bench_gpu.cpp): layout (B, H, N, D) with
@@ -90,11 +92,11 @@ def main():
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
     with open(a.out, "w") as out:
-        for name, d, n, causal, mask, pairs, (q, k, v, do) in cases(a, "cpu", 1):
+        for name, d, n, causal, mask, pairs, (q, k, v, do) in cases(a, "cpu", a.heads):
             with torch.no_grad():
                 t = best_time(lambda: F.scaled_dot_product_attention(
                     q, k, v, is_causal=causal), a.min_time)
-            out.write(f"fwd {n} {d} {mask} {name} {4 * d * pairs / t * 1e-9:.3f}\n")
+            out.write(f"fwd {n} {d} {mask} {name} {4 * d * pairs * a.heads / t * 1e-9:.3f}\n")
             if a.no_backward:
                 continue
             qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
@@ -107,7 +109,7 @@ def main():
 
             t = fastest(bwd, a.min_time)
             out.write(f"bwd {n} {d} {mask} {name} "
-                      f"{2.5 * 4 * d * pairs / t * 1e-9:.3f}\n")
+                      f"{2.5 * 4 * d * pairs * a.heads / t * 1e-9:.3f}\n")
             out.flush()
 
 
