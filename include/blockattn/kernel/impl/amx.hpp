@@ -138,6 +138,13 @@ inline HostMatrixEngine detect_host_matrix_engine(const char* env) {
     return e;
   }
 #if BLOCKATTN_HOST_AMX
+  // The engine lives in the AVX-512 kernels: none where the host kernels run
+  // another ISA (the CPU's, or a cap by BLOCKATTN_HOST_ISA).
+  if (const HostIsa isa = dispatched_host_isa(); isa != HostIsa::avx512) {
+    e.reason = std::string("the host kernels run ") + host_isa_name(isa) +
+               " (the matrix engine needs the AVX-512 ones)";
+    return e;
+  }
   const std::string vec_why = avx512_bf16_cpu_reason();
   e.avx512_bf16 = vec_why.empty();
   e.vector_by_default = setting == "avx512bf16";

@@ -552,8 +552,10 @@ struct ForwardKernel {
   /// l' = alpha l + sum p. (max x = fl(scale * max s): scale > 0 and rounding
   /// is monotonic.)
   /// With p16: P goes there in bf16 (rows AW apart) instead of into s.
-  static void softmax_wide_rows(T* __restrict__ s, int w, T scale, T* m, T* l, T* alpha,
-                                std::uint16_t* __restrict__ p16) {
+  /// (Compiled for the AMX target: its AVX-512 values never cross a call of
+  /// another target, which a build below AVX-512 rejects: -Wpsabi.)
+  BLOCKATTN_TARGET_AMX static void softmax_wide_rows(T* __restrict__ s, int w, T scale, T* m, T* l,
+                                                     T* alpha, std::uint16_t* __restrict__ p16) {
     if constexpr (simd_exp2_rows<isa, T, Shape::dim_granule>()) {
       using V = simd_for_t<isa>;
       constexpr int R = 4;
