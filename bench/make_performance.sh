@@ -11,7 +11,8 @@
 #
 # Environment: RUNS (default 1), LENGTHS (default 1024,4096; the bench's
 # lengths are 512,1024,2048,4096,16384), ISAS (default "native x86-64-v3"),
-# DTYPES (default fp32,bf16). PyTorch comes from .deps/torch-venv
+# DTYPES (default fp32,bf16), REUSE_LOGS=1 (write the page from the logs of
+# the last run in build/perf-logs/ without running anything). PyTorch comes from .deps/torch-venv
 # (cmake/blockattn.sh torch installs it); without it the PyTorch columns are
 # empty. The raw logs are kept next to the page's build dir (build/perf-logs/).
 set -euo pipefail
@@ -24,21 +25,24 @@ isas=${ISAS:-native x86-64-v3}
 logdir=$repo/build/perf-logs
 mkdir -p "$logdir"
 logs=()
+reuse=${REUSE_LOGS:-0}
 for i in $(seq "$runs"); do
   log=$logdir/run$i.log
-  LENGTHS=$lengths ISAS=$isas "$repo/cmake/blockattn.sh" bench-isa --dtype="$dtypes" 2>&1 | tee "$log"
+  if [ "$reuse" != 1 ]; then
+    LENGTHS=$lengths ISAS=$isas "$repo/cmake/blockattn.sh" bench-isa --dtype="$dtypes" 2>&1 | tee "$log"
+  fi
   logs+=("$log")
 done
 
 # Serving: decode on one device against a plain read of the same bytes, and
 # the distributed decode step at P = 1, 2 next to the planner (one run).
 serve_log=$logdir/serve.log
-"$repo/cmake/blockattn.sh" bench-serve --reps 5 2>&1 | grep -v -e '^Kokkos::' -e OMP_PROC_BIND \
+[ "$reuse" = 1 ] || "$repo/cmake/blockattn.sh" bench-serve --reps 5 2>&1 | grep -v -e '^Kokkos::' -e OMP_PROC_BIND \
   -e 'In general' -e 'For best' -e 'For unit' -e Detected: -e Requested: | tee "$serve_log"
 
 # Score policies and sinks: their cost next to no policy (one run, all cores).
 score_log=$logdir/score.log
-"$repo/cmake/blockattn.sh" bench-score --reps 3 2>&1 | tee "$score_log"
+[ "$reuse" = 1 ] || "$repo/cmake/blockattn.sh" bench-score --reps 3 2>&1 | tee "$score_log"
 
 py=python3
 [ -x "$repo/.deps/torch-venv/bin/python" ] && py=$repo/.deps/torch-venv/bin/python

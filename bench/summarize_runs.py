@@ -24,7 +24,8 @@ import re
 import statistics
 import sys
 
-HEADER = re.compile(r"Ratios measured in this run \(\S+, (\d+) threads?; host ISA (\S+), ")
+HEADER = re.compile(
+    r"Ratios measured in this run \(\S+, (\d+) threads?; (?:B = \d+, H = \d+; )?host ISA (\S+), ")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
