@@ -49,6 +49,8 @@ py=python3
 torch=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo "not installed")
 flags=$(grep -m1 -ow -E 'avx512f|avx512_bf16|avx512_fp16|amx_tile|amx_bf16|avx2|fma' /proc/cpuinfo |
         sort -u | tr '\n' ' ')
+# The library's commit, before the page is truncated (which would mark it dirty).
+library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
 {
   echo "# Performance"
   echo
@@ -67,7 +69,7 @@ flags=$(grep -m1 -ow -E 'avx512f|avx512_bf16|avx512_fp16|amx_tile|amx_bf16|avx2|
        "$(nproc) cores; flags: ${flags}"
   echo "- Compiler: $(c++ --version | head -n1); PyTorch $torch;" \
        "runs: $runs; lengths: $lengths; builds: $isas"
-  echo "- Library: $(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)"
+  echo "- Library: $library"
   for dt in ${dtypes//,/ }; do
     echo
     echo "## $dt"
