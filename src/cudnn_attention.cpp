@@ -16,7 +16,10 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -289,12 +292,53 @@ void execute(const char* fn, const Entry& e, std::unordered_map<std::int64_t, vo
   if (status.is_bad()) fail(fn, "execute: " + status.get_message());
 }
 
+/// cuDNN reads every tensor at a 16-byte aligned address (its error at
+/// execute otherwise: "device pointer is not aligned"); a graph is cached by
+/// strides, so each call's pointers are checked here.
+std::string misaligned(std::initializer_list<const FusedTensor*> ts) {
+  for (const FusedTensor* t : ts)
+    if (reinterpret_cast<std::uintptr_t>(t->data) % 16 != 0)
+      return "a tensor's address is not 16-byte aligned";
+  return {};
+}
+
+/// BLOCKATTN_CUDNN_VERBOSE=1: every problem cuDNN declines, once, on stderr
+/// (why a call took BlockAttn's kernels).
+bool verbose() {
+  static const bool v = [] {
+    const char* e = std::getenv("BLOCKATTN_CUDNN_VERBOSE");
+    return e && *e && std::string(e) != "0";
+  }();
+  return v;
+}
+
+bool answer(const char* fn, const FusedProblem& p, const Entry& e, const std::string& call_why,
+            std::string* why) {
+  const std::string& w = e.graph ? call_why : e.why;
+  if (why) *why = w;
+  if (!w.empty() && verbose()) {
+    static std::mutex m;
+    static std::map<std::string, bool> seen;
+    std::ostringstream s;
+    s << "blockattn: cuDNN " << fn << " declined b=" << p.batch << " h=" << p.heads << "/"
+      << p.kv_heads << " " << p.queries << "x" << p.keys << " d=" << p.dim
+      << " band(right=" << (p.band.has_right ? std::to_string(p.band.right_bound) : "-")
+      << ", left=" << (p.band.has_left ? std::to_string(p.band.left_bound) : "-") << "): " << w;
+    std::lock_guard<std::mutex> lock(m);
+    if (!seen[s.str()]) {
+      seen[s.str()] = true;
+      std::fprintf(stderr, "%s\n", s.str().c_str());
+    }
+  }
+  return w.empty();
+}
+
 }  // namespace
 
 bool supports_forward(const FusedForwardCall& call, std::string* why) {
   const Entry& e = forward_entry(call);
-  if (why) *why = e.why;
-  return bool(e.graph);
+  return answer("forward", call.p, e, misaligned({&call.q, &call.k, &call.v, &call.o, &call.lse}),
+                why);
 }
 
 std::size_t forward_workspace(const FusedForwardCall& call) {
@@ -312,8 +356,10 @@ void forward(const FusedForwardCall& c) {
 
 bool supports_backward(const FusedBackwardCall& call, std::string* why) {
   const Entry& e = backward_entry(call);
-  if (why) *why = e.why;
-  return bool(e.graph);
+  return answer("backward", call.p, e,
+                misaligned({&call.q, &call.k, &call.v, &call.o, &call.dout, &call.lse, &call.dq,
+                            &call.dk, &call.dv}),
+                why);
 }
 
 std::size_t backward_workspace(const FusedBackwardCall& call) {

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fused path under the distributed schedules, on the host emulation of
-// the fused provider (-DBLOCKATTN_EMULATE_FUSED): K/V travel in rows, own
-// block pairs whose mask is band pieces run fused and merge into the softmax
-// state, the rest run on the kernels (after a relayout into their panels).
-// Forward against the fp64 reference with the fused bound, against the same
-// call with portable_only, and the steps' paths counted.
+// the fused provider (-DBLOCKATTN_EMULATE_FUSED; CI) or on cuDNN (a CUDA build
+// with BLOCKATTN_ENABLE_CUDNN, binary blockattn_test_fused_distributed_cuda): K/V travel in rows,
+// own block pairs whose mask is band pieces run fused and merge into the softmax state, the rest
+// run on the kernels (after a relayout into their panels). Forward against the fp64 reference with
+// the fused bound, against the same call with portable_only, and the steps' paths counted.
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -16,8 +16,12 @@
 #include "distributed_check.hpp"
 #include "forward_check.hpp"
 
-#if !defined(BLOCKATTN_EMULATE_FUSED)
-#error "compile with -DBLOCKATTN_EMULATE_FUSED"
+#if defined(BLOCKATTN_EMULATE_FUSED)
+#define BLOCKATTN_TEST_PROVIDER "emulated provider"
+#elif defined(BLOCKATTN_ENABLE_CUDNN)
+#define BLOCKATTN_TEST_PROVIDER "cuDNN"
+#else
+#error "compile with -DBLOCKATTN_EMULATE_FUSED, or for CUDA with BLOCKATTN_ENABLE_CUDNN"
 #endif
 
 using namespace blockattn;
@@ -41,9 +45,19 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused) {
   const double scale = 1.0 / std::sqrt(double(d));
   const ReferenceResult ref = reference_attention(q, k, v, mask, scale);
   const int n = int(local_length<Partition>(N, P, rank));
-  const V4<S> ql = local_rows<S, Partition>(q, P, rank), kl = local_rows<S, Partition>(k, P, rank),
-              vl = local_rows<S, Partition>(v, P, rank);
-  V4<S> o("o", b, n, h, d), o_portable("o_portable", b, n, h, d);
+  // [batch, seq, heads, dim] with the head dim contiguous (LayoutRight), as
+  // cuDNN needs (Kokkos' default on GPUs is LayoutLeft: those calls take
+  // BlockAttn's kernels).
+  using R4 = Kokkos::View<S****, Kokkos::LayoutRight, MemSpace>;
+  const auto right = [](const V4<S>& x) {
+    R4 r("r", x.extent(0), x.extent(1), x.extent(2), x.extent(3));
+    Kokkos::deep_copy(r, x);
+    return r;
+  };
+  const R4 ql = right(local_rows<S, Partition>(q, P, rank)),
+           kl = right(local_rows<S, Partition>(k, P, rank)),
+           vl = right(local_rows<S, Partition>(v, P, rank));
+  R4 o("o", b, n, h, d), o_portable("o_portable", b, n, h, d);
   V3<float> lse("lse", b, h, n), lse_portable("lse_portable", b, h, n);
   DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
   const RunStats fused = attn.forward(ql, kl, vl, o, lse);
@@ -88,7 +102,7 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused) {
 
 }  // namespace
 
-TEST_CASE("fused path under the distributed schedules (emulated provider)") {
+TEST_CASE("fused path under the distributed schedules (" BLOCKATTN_TEST_PROVIDER ")") {
   Mpi comm(MPI_COMM_WORLD);
   const int P = comm.size();
   const int N = 24 * 2 * P;  // a multiple of 2P: every partition

@@ -49,6 +49,14 @@ bool matrix_expected(HostMatrix setting = HostMatrix::automatic) {
   return impl::is_host_space_v<ExecSpace> && dispatched_host_isa() == HostIsa::avx512 && engine;
 }
 
+/// Whether BlockAttn's tensor-core forward (CUDA, 16-bit) takes a call that
+/// cuDNN did not: head dims 64 and 128, no score policy, tensor_cores on.
+template <class S, class Mask>
+bool tensor_core_expected(const Shape& s, bool fused, const ForwardOptions& opts) {
+  return impl::flash_enabled<ExecSpace, S, Mask>() && !fused && opts.tensor_cores &&
+         !opts.portable_only && (s.d == 64 || s.d == 128) && s.b > 0 && s.nq > 0 && s.nk > 0;
+}
+
 /// The largest error of rounding a value to S beyond u16 * |x|: half of the
 /// smallest subnormal (fp16: 2^-25; bf16's subnormals are fp32's: 2^-134).
 template <class S>
@@ -180,7 +188,15 @@ ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::ui
   CHECK(paths.fused + paths.portable == 1);
   // The matrix engine takes exactly the bf16 calls of host spaces where it
   // runs (and where the host kernels are the AVX-512 ones).
-  CHECK(matrix == (std::is_same<S, bf16>::value && matrix_expected(opts.host_matrix)));
+  if (impl::is_host_space_v<ExecSpace>) {
+    CHECK(matrix == (std::is_same<S, bf16>::value && matrix_expected(opts.host_matrix)));
+  } else {
+    // CUDA: the tensor-core forward takes what cuDNN does not, where its
+    // conditions hold; contiguous Views of head dim 64 / 128 always meet them.
+    const bool tc = tensor_core_expected<S, Mask>(s, fused, opts);
+    CHECK((!matrix || tc));
+    if (layout == Layout::right) CHECK(matrix == tc);
+  }
   fused_tally.fused += fused ? 1 : 0;
   fused_tally.matrix += matrix ? 1 : 0;
   ++fused_tally.calls;
@@ -202,6 +218,7 @@ ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::ui
     // The same call on the fp32 kernels, with its own checks (bitwise below).
     ForwardOptions fp32_products = opts;
     fp32_products.host_matrix = HostMatrix::off;
+    fp32_products.tensor_cores = false;
     run_forward<S>(s, mask, layout, seed, fp32_products);
     return err;
   }
@@ -384,8 +401,14 @@ TEST_CASE("16-bit: the host matrix engine ran where the CPU has it") {
   // BLOCKATTN_HOST_MATRIX=off) rules AMX out, its cases ran on the fp32
   // kernels: reported as skipped here, not passed.
   const HostMatrixEngine& e = impl::host_matrix_engine();
-  MESSAGE("host matrix engine: ", std::string(e.name()), e.reason.empty() ? "" : " (" + e.reason + ")",
+  MESSAGE("host matrix engine: ", std::string(e.name()),
+          e.reason.empty() ? "" : " (" + e.reason + ")",
           "; bf16 forward calls on it: ", fused_tally.matrix, " of ", fused_tally.calls);
+  if (impl::flash_enabled<ExecSpace, bf16, FullMask>()) {  // CUDA: the tensor-core forward
+    MESSAGE("16-bit forward calls on the tensor cores: ", fused_tally.matrix);
+    CHECK(fused_tally.matrix > 0);
+    return;
+  }
   if (matrix_expected())
     CHECK(fused_tally.matrix > 0);
   else
@@ -433,7 +456,9 @@ TEST_CASE("host matrix engine: BLOCKATTN_HOST_MATRIX is parsed and named") {
   CHECK_FALSE(unset.vector_by_default);
   const HostMatrixEngine vec = impl::detect_host_matrix_engine("avx512bf16");
   CHECK_FALSE(vec.amx);
+#if BLOCKATTN_HOST_AMX  // builds without the host engines' code (nvcc passes) report none
   CHECK(vec.vector_by_default);
+#endif
   CHECK(vec.avx512_bf16 == unset.avx512_bf16);
   CHECK(std::string(vec.name()) == (vec.avx512_bf16 ? "avx512-bf16" : "none"));
   CHECK_FALSE(impl::detect_host_matrix_engine("off").avx512_bf16);

@@ -111,7 +111,10 @@ Run forward_backward(const Shape4& s, const Mask& mask, std::uint64_t seed, Forw
   r.dk = download(dkd);
   r.dv = download(dvd);
   auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ld);
-  r.lse.assign(lh.data(), lh.data() + lh.span());
+  // (batch, head, row) order whatever the View's layout (LayoutLeft on GPUs).
+  for (int b = 0; b < s.b; ++b)
+    for (int h = 0; h < s.h; ++h)
+      for (int i = 0; i < s.nq; ++i) r.lse.push_back(lh(b, h, i));
   if (sinks) r.dsink = sinks->gradient();
   return r;
 }

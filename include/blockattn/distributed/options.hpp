@@ -41,6 +41,9 @@ struct RunStats {
   std::vector<StepStats> steps;
   int block_q = 0, block_k = 0;      // tile sizes used
   std::int64_t workspace_bytes = 0;  // memory the schedule allocated on this rank
+  /// Besides workspace_bytes: the fused path's buffers (a pair's normalised O
+  /// and LSE), where a fused provider is built in (cuDNN; 16-bit storage).
+  std::int64_t fused_workspace_bytes = 0;
   /// HybridAttention: bytes this rank sent in the all-to-alls inside its group
   /// (the steps hold the ring's across groups), and their wall time.
   std::int64_t alltoall_bytes = 0;
@@ -59,7 +62,8 @@ struct RunStats {
   BlockPathCounts paths() const {
     BlockPathCounts c;
     for (const auto& s : steps) {
-      c.portable += s.path == BlockPath::portable ? 1 : 0;
+      c.portable += s.path == BlockPath::portable || s.path == BlockPath::matrix ? 1 : 0;
+      c.matrix += s.path == BlockPath::matrix ? 1 : 0;
       c.fused += s.path == BlockPath::fused ? 1 : 0;
       c.fused_pieces += s.fused_pieces;
     }
@@ -93,6 +97,13 @@ struct DistributedOptions {
   /// where the CPU has them (automatic; P rounded to bf16), or on the fp32
   /// kernels (off). See ForwardOptions::host_matrix.
   HostMatrix host_matrix = HostMatrix::automatic;
+  /// 16-bit storage on CUDA (builds with cuDNN, whose K/V row layout it
+  /// reads): own block pairs that cuDNN does not take run on the tensor-core
+  /// forward (see ForwardOptions::tensor_cores); false: the fp32 kernels.
+  bool tensor_cores = true;
+  /// Block pairs that cuDNN takes, when the mask hides keys: check the K/V
+  /// block's V for inf / NaN first (see ForwardOptions::guard_masked_nonfinite).
+  bool guard_masked_nonfinite = true;
   /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
   /// the execution space's memory, the same on every rank (compared in the
   /// consensus). Each row's sink enters once, after the last merge of its

@@ -6,6 +6,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/kernel/block_product.hpp>
+#include <blockattn/kernel/impl/flash_path.hpp>
 #include <blockattn/kernel/impl/forward_launch.hpp>
 #include <blockattn/kernel/impl/fused_path.hpp>
 #include <blockattn/kernel/options.hpp>
@@ -73,6 +74,16 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
     // A vendor's fused attention where it is built in and takes the call
     // (kernel/impl/fused_path.hpp); BlockAttn's kernels otherwise.
     if (impl::fused_forward(exec, e, q, k, v, o, lse, mask, scale, opts)) {
+      impl::apply_sinks(exec, opts.sinks, o, lse);
+      return;
+    }
+    // BlockAttn's tensor-core forward (CUDA, 16-bit) where it takes the call.
+    if (opts.tensor_cores && !opts.portable_only &&
+        impl::flash_forward(exec, e, q, k, v, o, lse, mask, qpos, kpos, float(scale))) {
+      if (opts.paths) {
+        ++opts.paths->portable;
+        ++opts.paths->matrix;
+      }
       impl::apply_sinks(exec, opts.sinks, o, lse);
       return;
     }

@@ -48,7 +48,8 @@ struct BlockPathCounts {
   std::int64_t portable = 0;
   std::int64_t fused = 0;
   std::int64_t fused_pieces = 0;
-  /// Of `portable`: computed on the host's matrix engine (AMX, bf16 forward).
+  /// Of `portable`: computed on a matrix engine with 16-bit P: the host's
+  /// (AMX, bf16 forward) or the GPU's tensor cores (CUDA, 16-bit forward).
   std::int64_t matrix = 0;
   BlockPathCounts& operator+=(const BlockPathCounts& o) {
     portable += o.portable;
@@ -59,8 +60,10 @@ struct BlockPathCounts {
   }
 };
 
-/// Which implementation computed a block pair.
-enum class BlockPath : int { none = 0, portable = 1, fused = 2 };
+/// Which implementation computed a block pair: BlockAttn's kernels (in fp32,
+/// or on a matrix engine with 16-bit P: the tensor-core forward on CUDA) or a
+/// vendor's fused attention.
+enum class BlockPath : int { none = 0, portable = 1, fused = 2, matrix = 3 };
 
 /// The storage type of a fused call's Q, K, V, O, dO, dQ, dK, dV.
 enum class FusedType : int { bf16 = 0, fp16 = 1 };

@@ -18,6 +18,7 @@
 #include <blockattn/kernel/band.hpp>
 #include <blockattn/kernel/block_product.hpp>
 #include <blockattn/kernel/fused.hpp>
+#include <blockattn/kernel/impl/flash_path.hpp>
 #include <blockattn/kernel/impl/fused_path.hpp>
 
 namespace blockattn {
@@ -98,6 +99,47 @@ FusedPair fused_pair(const Mask& mask, const QP& qpos, const KP& kpos, const Blo
         (void)part_o, (void)part_lse, (void)scale;
   }
   return f;
+}
+
+/// Whether the mask allows every (query, key) pair of a block pair.
+template <class Mask, class QP, class KP>
+bool pair_covers_all(const Mask& mask, const QP& qpos, index_type queries, const KP& kpos,
+                     index_type keys) {
+  return queries <= 0 || keys <= 0 ||
+         mask.classify(qpos(0), qpos(queries - 1) + 1, kpos(0), kpos(keys - 1) + 1) ==
+             TileKind::full;
+}
+
+/// Whether a packed block's V holds inf or NaN (the host waits for the
+/// answer): a fused provider would leak it into rows the mask hides it from
+/// (kernel/impl/fused_path.hpp has_nonfinite).
+template <class ExecSpace, class V>
+bool packed_v_has_nonfinite(const ExecSpace& exec,
+                            const PackedKV<V, typename ExecSpace::memory_space>& kv) {
+  return impl::has_nonfinite(exec, kv.v);
+}
+
+/// The whole pair on BlockAttn's tensor-core forward (CUDA, 16-bit;
+/// kernel/impl/flash_path.hpp), reading the packed block kv in its rows
+/// layout: normalised O and LSE of every row into part_o and part_lse
+/// (enqueued on exec). False: the forward does not take the pair (nothing done).
+template <class ExecSpace, class QV, class V, class PO, class PL, class Mask, class QP, class KP>
+bool tensor_core_forward_pair(const ExecSpace& exec, const BlockExtents& e, const QV& q,
+                              const PackedKV<V, typename ExecSpace::memory_space>& kv,
+                              const PO& part_o, const PL& part_lse, const Mask& mask,
+                              const QP& qpos, const KP& kpos, float scale) {
+  if (kv.panel != 1) return false;
+  impl::FlashOperand k, v;
+  k.data = kv.kt.data();
+  k.stride[0] = std::int64_t(kv.kt.stride(0));
+  k.stride[1] = std::int64_t(kv.kt.extent(3));  // panel 1: key rows of dim_padded
+  k.stride[2] = std::int64_t(kv.kt.stride(1));
+  v.data = kv.v.data();
+  v.stride[0] = std::int64_t(kv.v.stride(0));
+  v.stride[1] = std::int64_t(kv.v.stride(2));
+  v.stride[2] = std::int64_t(kv.v.stride(1));
+  return impl::flash_forward(exec, e, impl::flash_operand(q), k, v, part_o, part_lse, mask, qpos,
+                             kpos, scale);
 }
 
 /// Runs one piece (see fused_forward_call); part_lse rows outside every

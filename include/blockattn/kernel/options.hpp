@@ -34,6 +34,18 @@ struct ForwardOptions {
   /// fp32 kernels (off: the fp32 forward's result rounded once, on every
   /// machine). host_matrix_engine() says what this machine runs.
   HostMatrix host_matrix = HostMatrix::automatic;
+  /// 16-bit storage on CUDA: a call that cuDNN does not take (a mask that is
+  /// not a band, a position map it cannot express, no cuDNN in the build)
+  /// runs on BlockAttn's tensor-core forward (kernel/impl/cuda_flash.hpp;
+  /// head dims 64 and 128, no score policy; P rounded to 16 bits before P V,
+  /// like cuDNN), or, when false, on the kernels that compute in fp32.
+  bool tensor_cores = true;
+  /// 16-bit calls that cuDNN takes, when the mask hides keys: first check V
+  /// for inf / NaN (one pass over V that the host waits for) and take
+  /// BlockAttn's kernels where it holds one, since cuDNN multiplies the P = 0
+  /// of masked keys into V (0 * inf = NaN in rows that cannot see it). false:
+  /// skip the check (cuDNN's own behaviour for such inputs; no host wait).
+  bool guard_masked_nonfinite = true;
   /// When set, the call adds the block pairs each implementation computed
   /// (BlockPathCounts: portable, fused, fused band pieces).
   BlockPathCounts* paths = nullptr;

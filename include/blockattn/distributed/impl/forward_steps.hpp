@@ -123,10 +123,12 @@ class ForwardSteps
       if (!opts.portable_only) {  // the fused pieces' normalised partial results
         m_part_o = buffer_like<V, ExecSpace>(o, "blockattn::fused_o");
         m_part_lse = lse_buffer("blockattn::fused_lse");
-        stats.workspace_bytes += bytes_of(m_part_o) + bytes_of(m_part_lse);
+        stats.fused_workspace_bytes = bytes_of(m_part_o) + bytes_of(m_part_lse);
       }
     }
     m_portable_only = opts.portable_only;
+    m_tensor_cores = opts.tensor_cores;
+    m_guard_nonfinite = opts.guard_masked_nonfinite;
     m_state.host_matrix = opts.host_matrix;
   }
 
@@ -168,8 +170,9 @@ class ForwardSteps
     const BlockTask task = f.task;
     const bool computed = this->has_work(task);
     const int kv_slot = m_comm ? f.kv_slot : 0;
-    if (computed && task.q_rank == m_rank && fused(s, task, kv_slot, st.fused_pieces)) {
-      st.path = BlockPath::fused;
+    BlockPath own_path = BlockPath::fused;
+    if (computed && task.q_rank == m_rank && fused(s, task, kv_slot, st.fused_pieces, own_path)) {
+      st.path = own_path;
       m_exec.fence();
       return true;
     }
@@ -248,16 +251,34 @@ class ForwardSteps
   /// The step's pair on the fused path (own queries only; a helper's task
   /// takes the kernels): every band piece's normalised result merged into
   /// the state, which the next kernel call resumes; finished here when this
-  /// is the last own step. False: the pair takes the kernels.
-  bool fused(int s, const BlockTask& task, int kv_slot, int& pieces) {
+  /// is the last own step. A pair that cuDNN does not take runs on the
+  /// tensor-core forward where it can (path: BlockPath::matrix), merged the
+  /// same way. False: the pair takes the kernels.
+  bool fused(int s, const BlockTask& task, int kv_slot, int& pieces, BlockPath& path) {
     if constexpr (fused_available_v<ExecSpace, V>) {
       if (m_portable_only) return false;
       const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
       const PackedKV<V, mem>& kv = m_kv[std::size_t(kv_slot)];
-      const FusedPair pair = fused_pair<ExecSpace, V>(m_mask, this->positions(task.q_rank),
-                                                      this->positions(task.k_rank), te, false, m_q,
-                                                      kv, m_part_o, m_part_lse, float(m_scale));
-      if (!pair.fused) return false;
+      const auto qp = this->positions(task.q_rank);
+      const auto kp = this->positions(task.k_rank);
+      FusedPair pair = fused_pair<ExecSpace, V>(m_mask, qp, kp, te, false, m_q, kv, m_part_o,
+                                                m_part_lse, float(m_scale));
+      // inf / NaN in V where the mask hides keys: not cuDNN (it would leak).
+      if (pair.fused && m_guard_nonfinite &&
+          !pair_covers_all(m_mask, qp, te.queries, kp, te.keys) &&
+          packed_v_has_nonfinite(m_exec, kv))
+        pair.fused = false;
+      if (!pair.fused) {
+        if (!m_tensor_cores || !tensor_core_forward_pair(m_exec, te, m_q, kv, m_part_o, m_part_lse,
+                                                         m_mask, qp, kp, float(m_scale)))
+          return false;
+        path = BlockPath::matrix;
+        open_state();
+        m_state.state.merge_partial(m_exec, o_sum(), m_part_o, m_part_lse, m_c.e.dim);
+        if (s == m_last_own && !m_merges)
+          m_state.state.finalize(m_exec, o_sum(), m_o, m_lse, m_c.e.dim);
+        return true;
+      }
       pieces = pair.split.count;
       open_state();
       for (const BandPiece& piece : pair.split) {
@@ -269,7 +290,7 @@ class ForwardSteps
         m_state.state.finalize(m_exec, o_sum(), m_o, m_lse, m_c.e.dim);
       return true;
     } else {
-      (void)s, (void)task, (void)kv_slot, (void)pieces;
+      (void)s, (void)task, (void)kv_slot, (void)pieces, (void)path;
       return false;
     }
   }
@@ -320,7 +341,8 @@ class ForwardSteps
   std::vector<std::vector<int>> m_merge_at;  // result-in slots, by the step they complete
   std::int64_t m_kv_bytes = 0, m_q_bytes = 0, m_res_bytes = 0;
   int m_last_own = -1;
-  bool m_merges = false, m_opened = false, m_portable_only = false;
+  bool m_merges = false, m_opened = false, m_portable_only = false, m_tensor_cores = true,
+       m_guard_nonfinite = true;
   Buffer4<V, ExecSpace> m_part_o;      // fused path: a piece's normalised O (storage type)
   LseBuffer<T, ExecSpace> m_part_lse;  // and its LSE (-inf: rows outside the piece)
 };

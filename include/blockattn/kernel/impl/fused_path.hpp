@@ -22,7 +22,10 @@
 #endif
 
 #include <cstddef>
+#include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -73,6 +76,34 @@ FusedTensor fused_lse(const View& x, index_type row0) {
   return t;
 }
 
+/// The fused calls' workspace, kept per stream between calls: calls on one
+/// stream run in order, so the next call may reuse it without a fence (it
+/// grows to the largest need; freed at Kokkos::finalize). A fresh
+/// allocation per call (and the fence its release needed) cost a cuDNN
+/// backward of 1 ms about a fifth of its time.
+template <class MemorySpace>
+Kokkos::View<char*, MemorySpace> fused_workspace(const void* stream, std::size_t bytes) {
+  using view = Kokkos::View<char*, MemorySpace>;
+  struct Cache {
+    std::mutex mu;
+    std::map<const void*, view> by_stream;
+    bool hook = false;
+  };
+  static Cache c;
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (!c.hook) {
+    Kokkos::push_finalize_hook([] {
+      std::lock_guard<std::mutex> l(c.mu);
+      c.by_stream.clear();
+    });
+    c.hook = true;
+  }
+  view& w = c.by_stream[stream];
+  if (w.extent(0) < bytes)
+    w = view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::fused_workspace"), bytes);
+  return w;
+}
+
 /// The provider of ExecSpace: cuDNN on Kokkos::Cuda, the emulation on host spaces.
 template <class ExecSpace, class V>
 struct FusedProvider {
@@ -106,25 +137,20 @@ struct FusedProvider {
   }
   template <class Call>
   static void run(const ExecSpace& exec, Call c) {
-    using memory_space = typename ExecSpace::memory_space;
     const std::size_t bytes = workspace(c);
-    Kokkos::View<char*, memory_space> ws;
-    if (bytes > 0) {
-      ws = Kokkos::View<char*, memory_space>(
-          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::fused_workspace"), bytes);
-      c.workspace = ws.data();
-    }
 #if defined(BLOCKATTN_FUSED_CUDNN)
     if constexpr (std::is_same<ExecSpace, Kokkos::Cuda>::value) {
       c.stream = static_cast<void*>(exec.cuda_stream());
+      if (bytes > 0)
+        c.workspace = fused_workspace<typename ExecSpace::memory_space>(c.stream, bytes).data();
       if constexpr (std::is_same<Call, FusedForwardCall>::value)
         cudnn::forward(c);
       else
         cudnn::backward(c);
-      if (bytes > 0) exec.fence();  // the workspace outlives the call
       return;
     }
 #endif
+    (void)bytes;
 #if defined(BLOCKATTN_EMULATE_FUSED)
     if constexpr (is_host_space_v<ExecSpace>) {
       exec.fence();  // the fills and packs before it
@@ -156,6 +182,55 @@ void fill_unseen_rows(const ExecSpace& exec, const OV& o, const LV& lse, index_t
         for (int d = 0; d < dim; ++d) o(b, i, h, d) = V(0.0f);
         lse(b, h, i) = -infinity<L>();
       });
+}
+
+/// Whether any of n 32-bit words (two 16-bit values each) has a value whose
+/// exponent field (mask e) is all ones: inf or NaN. (Its own function: nvcc
+/// takes no extended lambda that first captures inside `if constexpr`.)
+template <class ExecSpace>
+bool nonfinite_words(const ExecSpace& exec, const std::uint32_t* w, std::size_t n,
+                     std::uint32_t e) {
+  int bad = 0;
+  Kokkos::parallel_reduce(
+      "blockattn::fused_nonfinite_words", Kokkos::RangePolicy<ExecSpace>(exec, 0, n),
+      KOKKOS_LAMBDA(std::size_t i, int& acc) {
+        const std::uint32_t x = w[i];
+        if ((x & e) == e || ((x >> 16) & e) == e) acc = 1;
+      },
+      Kokkos::Max<int>(bad));
+  return bad > 0;  // Max's identity (nothing found) is INT_MIN
+}
+
+/// Whether a 4-D View of 16-bit values holds inf or NaN (a reduction whose
+/// result the host waits for). A fused provider multiplies the P = 0 of
+/// masked keys into V, so an inf or NaN there would reach rows that cannot
+/// see it: calls whose mask hides keys check V first and, where it holds
+/// one, take BlockAttn's kernels (NaN exactly where visible).
+template <class ExecSpace, class View>
+bool has_nonfinite(const ExecSpace& exec, const View& v) {
+  using V = typename View::non_const_value_type;
+  if constexpr (is_half_storage_v<V> && sizeof(V) == 2) {
+    if (v.span_is_contiguous() && v.span() % 2 == 0 &&
+        reinterpret_cast<std::uintptr_t>(v.data()) % 4 == 0) {
+      // One pass over 32-bit words, coalesced: the exponent field all ones.
+      return nonfinite_words(exec, reinterpret_cast<const std::uint32_t*>(v.data()), v.span() / 2,
+                             std::is_same<V, bf16>::value ? 0x7f80u : 0x7c00u);
+    }
+  }
+  const int n0 = int(v.extent(0)), n1 = int(v.extent(1)), n2 = int(v.extent(2)),
+            n3 = int(v.extent(3));
+  int bad = 0;
+  Kokkos::parallel_reduce(
+      "blockattn::fused_nonfinite",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {n0, n1, n2}),
+      KOKKOS_LAMBDA(int a, int b, int c, int& acc) {
+        for (int d = 0; d < n3; ++d) {
+          const float x = float(v(a, b, c, d));
+          if (!(x - x == 0.0f)) acc = 1;
+        }
+      },
+      Kokkos::Max<int>(bad));
+  return bad > 0;  // Max's identity (nothing found) is INT_MIN
 }
 
 /// Zero gradients for the rows of g outside [r0, r1).
@@ -203,6 +278,14 @@ bool fused_single_piece(const Mask& mask, const BlockExtents& e, const ForwardOp
   }
 }
 
+/// Whether the mask allows every (query, key) pair of a single-device call.
+template <class Mask>
+bool covers_all(const Mask& mask, const BlockExtents& e, const ForwardOptions& opts) {
+  return e.queries <= 0 || e.keys <= 0 ||
+         mask.classify(opts.q_offset, opts.q_offset + e.queries, opts.k_offset,
+                       opts.k_offset + e.keys) == TileKind::full;
+}
+
 inline FusedProblem fused_problem(const BlockExtents& e, const BandPiece& piece, FusedType type,
                                   float scale) {
   FusedProblem p;
@@ -228,6 +311,9 @@ bool fused_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, co
   BandSplit s;
   if (!fused_single_piece<ExecSpace, V>(mask, e, opts, s)) return false;
   if (!unit_head_stride(q, k, v, o)) return false;
+  if (s.count == 1 && opts.guard_masked_nonfinite && !covers_all(mask, e, opts) &&
+      has_nonfinite(exec, v))
+    return false;
   FusedForwardCall c;
   BandPiece piece;
   if (s.count == 1) {
@@ -260,6 +346,9 @@ bool fused_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, c
   BandSplit s;
   if (!fused_single_piece<ExecSpace, V>(mask, e, opts, s)) return false;
   if (!unit_head_stride(q, k, v, o, dout, dq, dk, dv)) return false;
+  if (s.count == 1 && opts.guard_masked_nonfinite && !covers_all(mask, e, opts) &&
+      has_nonfinite(exec, v))
+    return false;
   FusedBackwardCall c;
   BandPiece piece;
   if (s.count == 1) {

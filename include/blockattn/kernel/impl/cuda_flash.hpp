@@ -1,0 +1,552 @@
+// SPDX-License-Identifier: Apache-2.0
+// A tensor-core forward for 16-bit inputs on CUDA (sm_80 and later), in the
+// FlashAttention-2 recipe, for every mask on global positions:
+//
+//   one CTA = 4 warps = 64 query rows (16 per warp) of one (batch, head);
+//   Q (64 x D), K and V tiles (64 keys x D) staged in shared memory by 16-byte
+//   cp.async, XOR-swizzled by 16-byte chunk (chunk ^ (row & 7)) so that
+//   ldmatrix reads 8 rows without bank conflicts; Q kept in registers as
+//   mma A fragments; S = Q K^T by mma.sync.m16n8k16 (fp32 accumulation); the
+//   online softmax in exp2 on the fragments; P rounded to the storage type
+//   as the A fragment of O += P V (V through ldmatrix.trans); V's load
+//   overlaps Q K^T and the next K tile's load overlaps P V.
+//
+// Key tiles are classified with the mask's classify() on the position box of
+// the tile: empty tiles are never loaded, full tiles take no mask work,
+// partial tiles apply the mask per element (through allowed_keys() where the
+// mask has it: kernel/impl RowMask). Positions come from the two maps
+// (any increasing map: offsets, partitions' affine maps, tables).
+//
+// Output: normalised O (storage type) and LSE (fp32, natural log) of every
+// row; rows that see no key get O = 0 and LSE = -inf.
+//
+// Compiled only in nvcc's passes with Kokkos' CUDA backend.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/policy/mask.hpp>
+
+#include <cstdint>
+
+#if defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+
+namespace blockattn::impl::flash {
+
+constexpr int block_m = 64;  // query rows of one CTA
+constexpr int block_n = 64;  // keys of one tile
+constexpr int warps = 4;     // 16 query rows each
+constexpr int threads = warps * 32;
+
+/// One call's operands: element strides (batch, sequence, head) of Q, K, V,
+/// O (head dim contiguous) and (batch, head, row) of LSE.
+struct Args {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+  std::int64_t q_stride[3] = {0, 0, 0}, k_stride[3] = {0, 0, 0}, v_stride[3] = {0, 0, 0},
+               o_stride[3] = {0, 0, 0}, lse_stride[3] = {0, 0, 0};
+  int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0;
+  float scale = 1.0f;
+  bool q_in_registers = true;  // the kernel variant (see forward_kernel)
+};
+
+/// Shared-memory bytes of one CTA for head dim D: Q, K and V tiles.
+constexpr int smem_bytes(int D) {
+  return (block_m + 2 * block_n) * D * 2;
+}
+
+/// Element offset of (row, 16-byte chunk) in a swizzled tile of D columns.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/// 16 bytes global -> shared; src_bytes 0 fills zeros (rows past the end).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+/// c += a * b, m16n8k16, fp32 accumulation; bf16 (IsBf16) or fp16 operands.
+template <bool IsBf16>
+__device__ __forceinline__ void mma16816(float c[4], const std::uint32_t a[4], std::uint32_t b0,
+                                         std::uint32_t b1) {
+  if constexpr (IsBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+/// Two floats as a packed pair of the storage type (lo in the low half).
+template <bool IsBf16>
+__device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
+  if constexpr (IsBf16) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// Loads rows [row0, row0 + 64) of a (rows x D) operand into a swizzled tile;
+/// rows at or past `rows` are zero-filled.
+template <int D>
+__device__ __forceinline__ void load_tile(std::uint16_t* tile, const std::uint16_t* base,
+                                          std::int64_t row_stride, int row0, int rows) {
+  constexpr int chunks = D / 8;  // 16-byte chunks per row
+  for (int i = threadIdx.x; i < block_n * chunks; i += threads) {
+    const int r = i / chunks, c = i % chunks;
+    const int row = row0 + r;
+    const bool in = row < rows;
+    const std::uint16_t* src = base + (in ? std::int64_t(row) * row_stride : 0) + c * 8;
+    cp_async16(tile + swz<D>(r, c), src, in ? 16 : 0);
+  }
+}
+
+template <class Mask, class QPos, class KPos>
+__device__ __forceinline__ TileKind tile_kind(const Mask& mask, const QPos& qpos, const KPos& kpos,
+                                              int q0, int q1, int k0, int k1) {
+  return mask.classify(qpos(q0), qpos(q1 - 1) + 1, kpos(k0), kpos(k1 - 1) + 1);
+}
+
+/// The first key tile at or after j that is not empty (`tiles` if none).
+template <class Mask, class QPos, class KPos>
+__device__ __forceinline__ int next_tile(const Mask& mask, const QPos& qpos, const KPos& kpos,
+                                         int q0, int q1, int keys, int j, int tiles) {
+  for (; j < tiles; ++j) {
+    const int k0 = j * block_n, k1 = k0 + block_n < keys ? k0 + block_n : keys;
+    if (tile_kind(mask, qpos, kpos, q0, q1, k0, k1) != TileKind::empty) return j;
+  }
+  return tiles;
+}
+
+/// Whether this thread's share of a V tile holds inf or NaN.
+template <int D, bool IsBf16>
+__device__ __forceinline__ bool tile_not_finite(const std::uint16_t* tile) {
+  constexpr std::uint32_t exp = IsBf16 ? 0x7f80u : 0x7c00u;  // exponent all ones
+  bool bad = false;
+  for (int i = threadIdx.x; i < block_n * D / 8; i += threads) {
+    const uint4 x = reinterpret_cast<const uint4*>(tile)[i];
+    for (std::uint32_t w : {x.x, x.y, x.z, x.w})
+      bad = bad || (w & exp) == exp || ((w >> 16) & exp) == exp;
+  }
+  return bad;
+}
+
+template <bool IsBf16>
+__device__ __forceinline__ float round_to_storage(float x) {
+  if constexpr (IsBf16)
+    return __bfloat162float(__float2bfloat16_rn(x));
+  else
+    return __half2float(__float2half_rn(x));
+}
+
+template <bool IsBf16>
+__device__ __forceinline__ float storage_to_float(std::uint16_t u) {
+  if constexpr (IsBf16) {
+    __nv_bfloat16_raw r;
+    r.x = u;
+    return __bfloat162float(__nv_bfloat16(r));
+  } else {
+    __half_raw r;
+    r.x = u;
+    return __half2float(__half(r));
+  }
+}
+
+/// O += P V for one tile, skipping the masked keys (bits of `masked`, see
+/// the kernel): each thread gathers its group's P by shuffles and reads V
+/// from shared memory; P rounded as in the tensor-core product.
+template <int D, bool IsBf16>
+__device__ __forceinline__ void masked_pv(float (&o)[D / 8][4], const float (&s)[8][4],
+                                          std::uint32_t masked, const std::uint16_t* sv, int lane) {
+  const int t = lane % 4;
+  for (int src = 0; src < 4; ++src) {
+    const int from = (lane & ~3) | src;
+    const std::uint32_t mk = __shfl_sync(0xffffffffu, masked, from);
+#pragma unroll
+    for (int nn = 0; nn < 8; ++nn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = 8 * nn + 2 * src + e;
+        const float p_lo = round_to_storage<IsBf16>(__shfl_sync(0xffffffffu, s[nn][e], from));
+        const float p_hi = round_to_storage<IsBf16>(__shfl_sync(0xffffffffu, s[nn][2 + e], from));
+        const bool lo = ((mk >> (2 * nn + e)) & 1u) == 0,
+                   hi = ((mk >> (16 + 2 * nn + e)) & 1u) == 0;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * n + 2 * t + c;
+            const float x = storage_to_float<IsBf16>(sv[swz<D>(key, col >> 3) + (col & 7)]);
+            if (lo) o[n][c] += p_lo * x;
+            if (hi) o[n][2 + c] += p_hi * x;
+          }
+      }
+  }
+}
+
+/// The first key index in [0, keys) whose position is >= p (keys if none):
+/// positions increase with the index.
+template <class KPos>
+__device__ __forceinline__ int first_key_at(const KPos& kpos, int keys, index_type p) {
+  int lo = 0, hi = keys;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (kpos(mid) < p)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/// For masks with allowed_keys(): the key tiles [j_begin, j_end) that can
+/// hold an allowed key of rows [q0, q1) (the union of the rows' intervals),
+/// so that a CTA of a short document never classifies the tiles of others.
+template <class Mask, class QPos, class KPos>
+__device__ void key_tile_range(const Mask& mask, const QPos& qpos, const KPos& kpos, int q0, int q1,
+                               int keys, int& j_begin, int& j_end) {
+  __shared__ long long lo_w[warps], hi_w[warps];
+  long long lo = LLONG_MAX, hi = LLONG_MIN;
+  const int r = q0 + int(threadIdx.x);
+  if (r < q1) {
+    const KeyInterval iv = mask.allowed_keys(qpos(r));
+    if (iv.begin < iv.end) {
+      lo = iv.begin;
+      hi = iv.end;
+    }
+  }
+  for (int d = 16; d >= 1; d >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, d));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, d));
+  }
+  if (threadIdx.x % 32 == 0) {
+    lo_w[threadIdx.x / 32] = lo;
+    hi_w[threadIdx.x / 32] = hi;
+  }
+  __syncthreads();
+  lo = lo_w[0];
+  hi = hi_w[0];
+  for (int w = 1; w < warps; ++w) {
+    lo = min(lo, lo_w[w]);
+    hi = max(hi, hi_w[w]);
+  }
+  if (lo >= hi) {  // no row sees a key
+    j_begin = j_end = 0;
+    return;
+  }
+  const int k_lo = first_key_at(kpos, keys, lo), k_hi = first_key_at(kpos, keys, hi);
+  j_begin = k_lo / block_n;
+  j_end = (k_hi + block_n - 1) / block_n;
+}
+
+/// QInRegs: Q's fragments loaded once and kept in registers (1 CTA per SM
+/// guaranteed by the bounds, the compiler takes what it needs); false: read
+/// from shared memory at every key tile (fewer registers: bounded for 3 CTAs
+/// per SM). Both are timed by tests/cuda_flash_check.cpp --bench.
+template <int D, bool IsBf16, bool QInRegs, class Mask, class QPos, class KPos>
+__global__ void __launch_bounds__(threads, QInRegs ? 1 : 3)
+    forward_kernel(const Args a, const Mask mask, const QPos qpos, const KPos kpos) {
+  static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
+  extern __shared__ __align__(128) std::uint16_t smem[];
+  std::uint16_t* sq = smem;
+  std::uint16_t* sk = smem + block_m * D;
+  std::uint16_t* sv = sk + block_n * D;
+
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first (causal)
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (a.heads / a.kv_heads);
+  const int q0 = m_block * block_m;
+  const int q1 = q0 + block_m < a.queries ? q0 + block_m : a.queries;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  const auto* qg = static_cast<const std::uint16_t*>(a.q) + b * a.q_stride[0] + h * a.q_stride[2];
+  const auto* kg = static_cast<const std::uint16_t*>(a.k) + b * a.k_stride[0] + kvh * a.k_stride[2];
+  const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
+
+  int tiles = (a.keys + block_n - 1) / block_n, j_first = 0;
+  if constexpr (has_allowed_keys<Mask>::value)
+    key_tile_range(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
+  int j = next_tile(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
+
+  // Q and the first K tile.
+  load_tile<D>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
+  if (j < tiles) load_tile<D>(sk, kg, a.k_stride[1], j * block_n, a.keys);
+  cp_async_commit();
+
+  // This thread's two rows (g and g + 8 of its warp's 16) and their positions.
+  const int row_lo = q0 + warp * 16 + g;
+  const int row_hi = row_lo + 8;
+  const index_type pos_lo = qpos(row_lo < q1 ? row_lo : q1 - 1);
+  const index_type pos_hi = qpos(row_hi < q1 ? row_hi : q1 - 1);
+  const float scale_log2 = a.scale * 1.4426950408889634f;
+
+  constexpr int kd = D / 16;  // k-steps of Q K^T, and 16-column pairs of O
+  std::uint32_t qf[QInRegs ? kd : 1][4];
+  float o[2 * kd][4];
+#pragma unroll
+  for (int n = 0; n < 2 * kd; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+  bool have_q = false;
+
+  while (j < tiles) {
+    const int k0 = j * block_n;
+    const int k1 = k0 + block_n < a.keys ? k0 + block_n : a.keys;
+    const TileKind kind = tile_kind(mask, qpos, kpos, q0, q1, k0, k1);
+    cp_async_wait_all();  // K_j (and Q)
+    __syncthreads();      // ... visible to every warp; V's buffer free
+    load_tile<D>(sv, vg, a.v_stride[1], k0, a.keys);
+    cp_async_commit();
+    if (QInRegs && !have_q) {
+#pragma unroll
+      for (int kk = 0; kk < kd; ++kk)
+        ldmatrix_x4(qf[QInRegs ? kk : 0],
+                    sq + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      have_q = true;
+    }
+
+    // S = Q K^T: 16 rows x 64 keys per warp, 8 n-tiles of 8 keys.
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kd; ++kk) {
+      if constexpr (!QInRegs)
+        ldmatrix_x4(qf[0], sq + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      const std::uint32_t(&qa)[4] = qf[QInRegs ? kk : 0];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        std::uint32_t r[4];
+        ldmatrix_x4(
+            r, sk + swz<D>(16 * p + (lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1)));
+        mma16816<IsBf16>(s[2 * p], qa, r[0], r[1]);
+        mma16816<IsBf16>(s[2 * p + 1], qa, r[2], r[3]);
+      }
+    }
+
+    // Mask: keys past the end, and the mask itself in partial tiles.
+    // `masked`: bit 2n + e (row g) and 16 + 2n + e (row g + 8) for the keys
+    // masked out, which P V must skip when V holds inf or NaN.
+    std::uint32_t masked = 0;
+    if (kind == TileKind::partial || k1 - k0 < block_n) {
+      const bool check = kind == TileKind::partial;
+      const RowMask<Mask> rm_lo(mask, pos_lo, check), rm_hi(mask, pos_hi, check);
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = k0 + 8 * n + 2 * t + e;
+          const bool in = key < k1;
+          const index_type kp = kpos(in ? key : k1 - 1);
+          if (!in || !rm_lo(kp)) {
+            s[n][e] = -INFINITY;
+            masked |= 1u << (2 * n + e);
+          }
+          if (!in || !rm_hi(kp)) {
+            s[n][2 + e] = -INFINITY;
+            masked |= 1u << (16 + 2 * n + e);
+          }
+        }
+    }
+
+    // Online softmax of the two rows (the 4 threads of a group share a row).
+    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
+    }
+#pragma unroll
+    for (int d = 1; d <= 2; d <<= 1) {
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, d));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, d));
+    }
+    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+    // A row that has seen nothing yet keeps max -inf: subtract 0 instead.
+    const float mu_lo = mn_lo == -INFINITY ? 0.0f : mn_lo * scale_log2;
+    const float mu_hi = mn_hi == -INFINITY ? 0.0f : mn_hi * scale_log2;
+    const float alpha_lo = fast_exp2(m_lo * scale_log2 - mu_lo);
+    const float alpha_hi = fast_exp2(m_hi * scale_log2 - mu_hi);
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      s[n][0] = fast_exp2(fmaf(s[n][0], scale_log2, -mu_lo));
+      s[n][1] = fast_exp2(fmaf(s[n][1], scale_log2, -mu_lo));
+      s[n][2] = fast_exp2(fmaf(s[n][2], scale_log2, -mu_hi));
+      s[n][3] = fast_exp2(fmaf(s[n][3], scale_log2, -mu_hi));
+      sum_lo += s[n][0] + s[n][1];
+      sum_hi += s[n][2] + s[n][3];
+    }
+    l_lo = l_lo * alpha_lo + sum_lo;
+    l_hi = l_hi * alpha_hi + sum_hi;
+#pragma unroll
+    for (int n = 0; n < 2 * kd; ++n) {
+      o[n][0] *= alpha_lo;
+      o[n][1] *= alpha_lo;
+      o[n][2] *= alpha_hi;
+      o[n][3] *= alpha_hi;
+    }
+
+    // V_j ready; every warp is done with K_j: load the next live K tile.
+    cp_async_wait_all();
+    // A partial tile whose V holds inf or NaN: masked keys (P = 0) must not
+    // turn 0 * inf into NaN, so P V skips them (rare: a slower exact loop).
+    bool v_bad = false;
+    if (kind == TileKind::partial) {
+      __syncthreads();
+      v_bad = __syncthreads_or(tile_not_finite<D, IsBf16>(sv));
+    } else {
+      __syncthreads();
+    }
+    const int next = next_tile(mask, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
+    if (next < tiles) load_tile<D>(sk, kg, a.k_stride[1], next * block_n, a.keys);
+    cp_async_commit();
+    if (v_bad) {
+      masked_pv<D, IsBf16>(o, s, masked, sv, lane);
+      j = next;
+      continue;
+    }
+
+    // O += P V: P's C fragments are the A fragments of 16-key steps.
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      std::uint32_t pa[4];
+      pa[0] = pack2<IsBf16>(s[2 * ks][0], s[2 * ks][1]);
+      pa[1] = pack2<IsBf16>(s[2 * ks][2], s[2 * ks][3]);
+      pa[2] = pack2<IsBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+      pa[3] = pack2<IsBf16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kd; ++dp) {
+        std::uint32_t r[4];
+        ldmatrix_x4_trans(
+            r, sv + swz<D>(16 * ks + (lane & 7) + (((lane >> 3) & 1) << 3), 2 * dp + (lane >> 4)));
+        mma16816<IsBf16>(o[2 * dp], pa, r[0], r[1]);
+        mma16816<IsBf16>(o[2 * dp + 1], pa, r[2], r[3]);
+      }
+    }
+    j = next;
+  }
+  cp_async_wait_all();
+
+  // Normalise and write O and LSE.
+#pragma unroll
+  for (int d = 1; d <= 2; d <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, d);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, d);
+  }
+  // l == 0: the row saw nothing (O = 0, LSE = -inf); a NaN l stays NaN.
+  const float inv_lo = l_lo == 0.0f ? 0.0f : 1.0f / l_lo;
+  const float inv_hi = l_hi == 0.0f ? 0.0f : 1.0f / l_hi;
+  auto* og = static_cast<std::uint16_t*>(a.o) + b * a.o_stride[0] + h * a.o_stride[2];
+#pragma unroll
+  for (int n = 0; n < 2 * kd; ++n) {
+    const int col = 8 * n + 2 * t;
+    if (row_lo < q1)
+      *reinterpret_cast<std::uint32_t*>(og + std::int64_t(row_lo) * a.o_stride[1] + col) =
+          pack2<IsBf16>(o[n][0] * inv_lo, o[n][1] * inv_lo);
+    if (row_hi < q1)
+      *reinterpret_cast<std::uint32_t*>(og + std::int64_t(row_hi) * a.o_stride[1] + col) =
+          pack2<IsBf16>(o[n][2] * inv_hi, o[n][3] * inv_hi);
+  }
+  if (t == 0) {
+    float* lg = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1];
+    if (row_lo < q1)
+      lg[std::int64_t(row_lo) * a.lse_stride[2]] =
+          l_lo == 0.0f ? -INFINITY : m_lo * a.scale + logf(l_lo);
+    if (row_hi < q1)
+      lg[std::int64_t(row_hi) * a.lse_stride[2]] =
+          l_hi == 0.0f ? -INFINITY : m_hi * a.scale + logf(l_hi);
+  }
+}
+
+/// Whether this kernel takes a problem: head dim 64 or 128, contiguous head
+/// dims, rows 16-byte aligned, heads a multiple of kv_heads.
+inline bool supports(const Args& a, int dim) {
+  if (dim != 64 && dim != 128) return false;
+  if (a.kv_heads <= 0 || a.heads % a.kv_heads != 0) return false;
+  for (const void* p : {a.q, a.k, a.v, static_cast<const void*>(a.o)})
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  for (const std::int64_t* s : {a.q_stride, a.k_stride, a.v_stride, a.o_stride})
+    for (int i = 0; i < 3; ++i)
+      if (s[i] % 8 != 0) return false;
+  return true;
+}
+
+/// Enqueues the forward on `stream`; returns CUDA's error of the launch.
+template <bool IsBf16, class Mask, class QPos, class KPos>
+cudaError_t forward(const Args& a, int dim, const Mask& mask, const QPos& qpos, const KPos& kpos,
+                    cudaStream_t stream) {
+  if (a.queries <= 0 || a.batch <= 0 || a.heads <= 0) return cudaSuccess;
+  const dim3 grid((a.queries + block_m - 1) / block_m, a.heads, a.batch);
+  auto launch = [&](auto kernel, int bytes) {
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+    kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
+    return cudaGetLastError();
+  };
+  if (a.q_in_registers) {
+    if (dim == 64)
+      return launch(forward_kernel<64, IsBf16, true, Mask, QPos, KPos>, smem_bytes(64));
+    return launch(forward_kernel<128, IsBf16, true, Mask, QPos, KPos>, smem_bytes(128));
+  }
+  if (dim == 64) return launch(forward_kernel<64, IsBf16, false, Mask, QPos, KPos>, smem_bytes(64));
+  return launch(forward_kernel<128, IsBf16, false, Mask, QPos, KPos>, smem_bytes(128));
+}
+
+}  // namespace blockattn::impl::flash
+
+#endif

@@ -1,0 +1,443 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tensor-core forward (kernel/impl/cuda_flash.hpp) on a GPU: checks
+// against an fp64 reference and, with --bench, its speed next to PyTorch's.
+//
+//   blockattn_flash_check                 every check case; exit 0 / 1, 77 without a GPU
+//   blockattn_flash_check --bench [--torch FILE] [--reps R]
+//
+// Checks: bf16 and fp16, head dims 64 and 128, GQA, lengths that are not
+// multiples of the tiles, position maps with offsets and two pieces (a
+// zigzag rank's), the full, causal, sliding-window, prefix-LM and document
+// masks, rows that see no key (O = 0, LSE = -inf exactly), a NaN in Q (NaN
+// in its row only). O and LSE are poisoned (NaN) before each call, so an
+// element the kernel does not write fails. Tolerance: P is rounded to the
+// storage type before P V and O once at the end, each a relative error of at
+// most u (2^-8 bf16, 2^-11 fp16): |O - O_ref| <= 2 u max|V| + 1e-6; the
+// scores are exact products summed in fp32: |LSE - LSE_ref| <= 1e-3.
+#include <blockattn/kernel/impl/cuda_flash.hpp>
+#include <blockattn/plan/balance.hpp>
+#include <blockattn/policy/document_mask.hpp>
+#include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/positions.hpp>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using blockattn::index_type;
+namespace flash = blockattn::impl::flash;
+
+bool q_in_registers = true;  // the kernel variant under check
+
+#define CUDA_OK(x)                                                                             \
+  do {                                                                                         \
+    const cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+std::uint16_t to_bits(float x, bool bf16) {
+  if (bf16) return __nv_bfloat16_raw(__float2bfloat16_rn(x)).x;
+  return __half_raw(__float2half_rn(x)).x;
+}
+float from_bits(std::uint16_t u, bool bf16) {
+  if (bf16) {
+    __nv_bfloat16_raw r;
+    r.x = u;
+    return __bfloat162float(__nv_bfloat16(r));
+  }
+  __half_raw r;
+  r.x = u;
+  return __half2float(__half(r));
+}
+
+template <class T>
+struct DeviceBuffer {
+  T* p = nullptr;
+  explicit DeviceBuffer(std::size_t n) {
+    CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  ~DeviceBuffer() { cudaFree(p); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+struct Shape {
+  int batch, heads, kv_heads, queries, keys, dim;
+};
+
+/// One problem on the GPU and its fp64 reference; returns whether it passed.
+/// What a check plants in its inputs.
+enum class Plant { none, nan_q, bad_v };
+
+template <bool IsBf16, class Mask, class QPos, class KPos>
+bool check(const char* name, const Shape& s, const Mask& mask, const QPos& qpos, const KPos& kpos,
+           std::uint64_t seed, Plant plant = Plant::none) {
+  const bool nan_in_q = plant == Plant::nan_q;
+  const bool bf = IsBf16;
+  const std::size_t nq = std::size_t(s.batch) * s.queries * s.heads * s.dim;
+  const std::size_t nk = std::size_t(s.batch) * s.keys * s.kv_heads * s.dim;
+  std::vector<std::uint16_t> q(nq), k(nk), v(nk);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto& x : q) x = to_bits(2.0f * u(rng), bf);  // scores of a few units
+  for (auto& x : k) x = to_bits(2.0f * u(rng), bf);
+  double vmax = 0.0;
+  for (auto& x : v) {
+    x = to_bits(u(rng), bf);
+    vmax = std::max(vmax, std::abs(double(from_bits(x, bf))));
+  }  // (before the planted inf / NaN: the bound is over finite values)
+  // A NaN in Q at (batch 0, row nan_row, head 0, dim 3).
+  const int nan_row = s.queries / 2;
+  if (nan_in_q) q[(std::size_t(0) * s.queries + nan_row) * s.heads * s.dim + 3] = to_bits(NAN, bf);
+  // inf and NaN in V (batch 0, kv head 0) at keys 70 and 71 (dims 5 and 9):
+  // NaN / inf exactly in the rows that see them, hidden from the others.
+  if (plant == Plant::bad_v) {
+    v[(std::size_t(70) * s.kv_heads) * s.dim + 5] = to_bits(INFINITY, bf);
+    v[(std::size_t(71) * s.kv_heads) * s.dim + 9] = to_bits(NAN, bf);
+  }
+
+  DeviceBuffer<std::uint16_t> dq(nq), dk(nk), dv(nk), dout(nq);
+  DeviceBuffer<float> dlse(std::size_t(s.batch) * s.heads * s.queries);
+  CUDA_OK(cudaMemcpy(dq.p, q.data(), nq * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dk.p, k.data(), nk * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dv.p, v.data(), nk * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(dout.p, 0xff, nq * 2));  // NaN in both types
+  CUDA_OK(cudaMemset(dlse.p, 0xff, std::size_t(s.batch) * s.heads * s.queries * 4));
+
+  flash::Args a;
+  a.q = dq.p;
+  a.k = dk.p;
+  a.v = dv.p;
+  a.o = dout.p;
+  a.lse = dlse.p;
+  const std::int64_t qs[3] = {std::int64_t(s.queries) * s.heads * s.dim,
+                              std::int64_t(s.heads) * s.dim, s.dim};
+  const std::int64_t ks[3] = {std::int64_t(s.keys) * s.kv_heads * s.dim,
+                              std::int64_t(s.kv_heads) * s.dim, s.dim};
+  for (int i = 0; i < 3; ++i) {
+    a.q_stride[i] = a.o_stride[i] = qs[i];
+    a.k_stride[i] = a.v_stride[i] = ks[i];
+  }
+  a.lse_stride[0] = std::int64_t(s.heads) * s.queries;
+  a.lse_stride[1] = s.queries;
+  a.lse_stride[2] = 1;
+  a.batch = s.batch;
+  a.heads = s.heads;
+  a.kv_heads = s.kv_heads;
+  a.queries = s.queries;
+  a.keys = s.keys;
+  a.scale = float(1.0 / std::sqrt(double(s.dim)));
+  a.q_in_registers = q_in_registers;
+  if (!flash::supports(a, s.dim)) {
+    std::printf("FAIL %-28s not supported\n", name);
+    return false;
+  }
+  CUDA_OK(flash::forward<IsBf16>(a, s.dim, mask, qpos, kpos, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<std::uint16_t> o(nq);
+  std::vector<float> lse(std::size_t(s.batch) * s.heads * s.queries);
+  CUDA_OK(cudaMemcpy(o.data(), dout.p, nq * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(lse.data(), dlse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
+
+  const double unit = bf ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  const double tol_o = 2.0 * unit * vmax + 1e-6, tol_lse = 1e-3;
+  double err_o = 0.0, err_lse = 0.0, num = 0.0, den = 0.0;
+  long bad = 0, empty_rows = 0, nan_rows = 0;
+  std::vector<double> p(std::size_t(s.keys)), acc(std::size_t(s.dim));
+  const int group = s.heads / s.kv_heads;
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads; ++h)
+      for (int i = 0; i < s.queries; ++i) {
+        const index_type qp = qpos(i);
+        const std::uint16_t* qr = &q[((std::size_t(b) * s.queries + i) * s.heads + h) * s.dim];
+        double m = -INFINITY;
+        bool row_nan = false;
+        for (int j = 0; j < s.keys; ++j) {
+          if (!mask.allowed(qp, kpos(j))) {
+            p[std::size_t(j)] = -INFINITY;
+            continue;
+          }
+          const std::uint16_t* kr =
+              &k[((std::size_t(b) * s.keys + j) * s.kv_heads + h / group) * s.dim];
+          double dot = 0.0;
+          for (int d = 0; d < s.dim; ++d)
+            dot += double(from_bits(qr[d], bf)) * from_bits(kr[d], bf);
+          dot *= a.scale;
+          if (std::isnan(dot)) row_nan = true;
+          p[std::size_t(j)] = dot;
+          m = std::max(m, dot);
+        }
+        double l = 0.0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        if (m > -INFINITY)
+          for (int j = 0; j < s.keys; ++j) {
+            if (p[std::size_t(j)] == -INFINITY) continue;
+            const double e = std::exp(p[std::size_t(j)] - m);
+            l += e;
+            const std::uint16_t* vr =
+                &v[((std::size_t(b) * s.keys + j) * s.kv_heads + h / group) * s.dim];
+            for (int d = 0; d < s.dim; ++d) acc[std::size_t(d)] += e * from_bits(vr[d], bf);
+          }
+        const std::uint16_t* orow = &o[((std::size_t(b) * s.queries + i) * s.heads + h) * s.dim];
+        const float got_lse = lse[(std::size_t(b) * s.heads + h) * s.queries + i];
+        if (row_nan) {  // NaN visible in this row: NaN in O and LSE
+          ++nan_rows;
+          bool all = std::isnan(got_lse);
+          for (int d = 0; d < s.dim; ++d) all = all && std::isnan(from_bits(orow[d], bf));
+          if (!all) ++bad;
+          continue;
+        }
+        if (l == 0.0) {  // sees nothing: exactly 0 and -inf
+          ++empty_rows;
+          bool ok = got_lse == -INFINITY;
+          for (int d = 0; d < s.dim; ++d) ok = ok && from_bits(orow[d], bf) == 0.0f;
+          if (!ok) ++bad;
+          continue;
+        }
+        const double ref_lse = m + std::log(l);
+        const double dl = std::abs(double(got_lse) - ref_lse);
+        err_lse = std::max(err_lse, std::isnan(dl) ? INFINITY : dl);
+        if (!(dl <= tol_lse)) ++bad;
+        for (int d = 0; d < s.dim; ++d) {
+          const double ref = acc[std::size_t(d)] / l;
+          const double got = from_bits(orow[d], bf);
+          if (!std::isfinite(ref)) {  // inf or NaN from V: the same, exactly
+            ++nan_rows;
+            if (!(std::isnan(ref) ? std::isnan(got) : got == ref)) ++bad;
+            continue;
+          }
+          const double diff = std::abs(got - ref);
+          err_o = std::max(err_o, std::isnan(diff) ? INFINITY : diff);
+          if (!(diff <= tol_o)) ++bad;
+          num += diff * diff;
+          den += ref * ref;
+        }
+      }
+  const bool ok = bad == 0 && (plant == Plant::none || nan_rows > 0);
+  std::printf(
+      "%s %-30s %s D=%3d B=%d H=%d/%d %4dx%-4d max|dO| %.2e (tol %.2e) rel %.1e "
+      "max|dLSE| %.1e, %ld empty rows, %ld non-finite%s\n",
+      ok ? "ok  " : "FAIL", name, bf ? "bf16" : "fp16", s.dim, s.batch, s.heads, s.kv_heads,
+      s.queries, s.keys, err_o, tol_o, den > 0 ? std::sqrt(num / den) : 0.0, err_lse, empty_rows,
+      nan_rows, bad ? (" — " + std::to_string(bad) + " bad values").c_str() : "");
+  return ok;
+}
+
+template <bool IsBf16>
+int check_all(int dim) {
+  using namespace blockattn;
+  int failed = 0;
+  const Shape s{2, 4, 2, 200, 333, dim};
+  const Shape sq{1, 2, 2, 130, 130, dim};
+  const OffsetPositions at0{0};
+  failed += !check<IsBf16>("full", s, FullMask{}, at0, at0, 1);
+  failed += !check<IsBf16>("causal", s, CausalMask{}, at0, at0, 2);
+  failed += !check<IsBf16>("causal, queries at 133", s, CausalMask{}, OffsetPositions{133}, at0, 3);
+  failed += !check<IsBf16>("causal, keys after queries", s, CausalMask{}, at0, OffsetPositions{150},
+                           4);  // rows < 150 see nothing
+  failed +=
+      !check<IsBf16>("causal, all rows empty", sq, CausalMask{}, at0, OffsetPositions{1000}, 5);
+  failed += !check<IsBf16>("sliding window 50/0", s, SlidingWindowMask{50, 0}, at0, at0, 6);
+  failed += !check<IsBf16>("sliding window 7/20", s, SlidingWindowMask{7, 20}, OffsetPositions{40},
+                           at0, 7);
+  failed += !check<IsBf16>("prefix-LM 90", s, PrefixLMMask{90}, at0, at0, 8);
+  // A zigzag rank's map: two pieces of 100 (queries) against a striped key map.
+  failed += !check<IsBf16>("causal, zigzag x strided", s, CausalMask{},
+                           AffinePositions{100, 100, 700, 1}, StridedPositions{1, 3}, 9);
+  failed += !check<IsBf16>("full, NaN in Q", s, FullMask{}, at0, at0, 10, Plant::nan_q);
+  failed += !check<IsBf16>("causal, NaN in Q", s, CausalMask{}, at0, at0, 11, Plant::nan_q);
+  failed += !check<IsBf16>("causal, inf/NaN in V", s, CausalMask{}, at0, at0, 14, Plant::bad_v);
+  failed += !check<IsBf16>("window 20/0, inf/NaN in V", s, SlidingWindowMask{20, 0}, at0, at0, 15,
+                           Plant::bad_v);
+  failed += !check<IsBf16>("full, inf/NaN in V", s, FullMask{}, at0, at0, 16, Plant::bad_v);
+  {
+    // Documents [0, 50), [50, 51), [51, 200), [200, 260), [260, 333): causal inside each.
+    const std::vector<index_type> off{0, 50, 51, 200, 260, 333};
+    index_type* d = nullptr;
+    CUDA_OK(cudaMalloc(&d, off.size() * sizeof(index_type)));
+    CUDA_OK(cudaMemcpy(d, off.data(), off.size() * sizeof(index_type), cudaMemcpyHostToDevice));
+    DocumentMask m;
+    m.host_offsets = off.data();
+    m.device_offsets = d;
+    m.documents = int(off.size()) - 1;
+    failed += !check<IsBf16>("documents, causal", s, m, at0, at0, 12);
+    m.causal = false;
+    failed += !check<IsBf16>("documents", s, m, OffsetPositions{20}, at0, 13);
+    cudaFree(d);
+  }
+  return failed;
+}
+
+std::map<std::string, std::pair<double, std::string>> read_torch(const std::string& path) {
+  std::map<std::string, std::pair<double, std::string>> r;
+  std::ifstream in(path);
+  std::string op, mask, dtype, backend;
+  int n = 0, d = 0;
+  double t = 0;
+  while (in >> op >> n >> d >> mask >> dtype >> t >> backend)
+    r[op + "/" + std::to_string(n) + "/" + std::to_string(d) + "/" + mask + "/" + dtype] = {
+        t, backend};
+  return r;
+}
+
+/// Median milliseconds of `reps` launches (CUDA events), after two warm-ups.
+template <class F>
+double median_ms(int reps, F&& f) {
+  cudaEvent_t e0, e1;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  f();
+  f();
+  std::vector<float> t;
+  for (int r = 0; r < reps; ++r) {
+    CUDA_OK(cudaEventRecord(e0));
+    f();
+    CUDA_OK(cudaEventRecord(e1));
+    CUDA_OK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void bench(const std::string& torch_file, int reps) {
+  using namespace blockattn;
+  const auto torch = torch_file.empty() ? decltype(read_torch("")){} : read_torch(torch_file);
+  const int H = 16, D = 128;
+  std::printf("tensor-core forward (cuda_flash.hpp), bf16, B = 1, H = %d, D = %d, median of %d\n",
+              H, D, reps);
+  std::printf("%-9s %-4s %6s %10s %12s %12s %10s\n", "mask", "Q", "N", "ms", "TFLOP/s", "torch",
+              "ours/pt");
+  for (int n : {4096, 8192, 16384}) {
+    const std::size_t count = std::size_t(n) * H * D;
+    std::vector<std::uint16_t> host(count);
+    std::mt19937_64 rng(n);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    DeviceBuffer<std::uint16_t> q(count), k(count), v(count), o(count);
+    DeviceBuffer<float> lse(std::size_t(H) * n);
+    for (auto* buf : {&q, &k, &v}) {
+      for (auto& x : host) x = to_bits(u(rng), true);
+      CUDA_OK(cudaMemcpy(buf->p, host.data(), count * 2, cudaMemcpyHostToDevice));
+    }
+    flash::Args a;
+    a.q = q.p;
+    a.k = k.p;
+    a.v = v.p;
+    a.o = o.p;
+    a.lse = lse.p;
+    for (auto* st : {a.q_stride, a.k_stride, a.v_stride, a.o_stride}) {
+      st[0] = std::int64_t(n) * H * D;
+      st[1] = std::int64_t(H) * D;
+      st[2] = D;
+    }
+    a.lse_stride[0] = std::int64_t(H) * n;
+    a.lse_stride[1] = n;
+    a.lse_stride[2] = 1;
+    a.batch = 1;
+    a.heads = a.kv_heads = H;
+    a.queries = a.keys = n;
+    a.scale = float(1.0 / std::sqrt(double(D)));
+    const OffsetPositions at0{0};
+    const auto docs = plan::long_tailed_documents(n, 1);
+    DeviceBuffer<index_type> doff(docs.size());
+    CUDA_OK(
+        cudaMemcpy(doff.p, docs.data(), docs.size() * sizeof(index_type), cudaMemcpyHostToDevice));
+    DocumentMask dm;
+    dm.host_offsets = docs.data();
+    dm.device_offsets = doff.p;
+    dm.documents = int(docs.size()) - 1;
+    double doc_pairs = 0;
+    for (std::size_t i = 0; i + 1 < docs.size(); ++i) {
+      const double len = double(docs[i + 1] - docs[i]);
+      doc_pairs += len * (len + 1) / 2;
+    }
+    for (int variant = 0; variant < 2; ++variant)
+      for (int mk = 0; mk < 3; ++mk) {
+        a.q_in_registers = variant == 0;
+        const char* qv = variant == 0 ? "regs" : "smem";
+        const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
+        const double pairs = mk == 0   ? double(n) * n
+                             : mk == 1 ? double(n) * (n + 1) / 2
+                                       : doc_pairs;
+        const double ms = median_ms(reps, [&] {
+          if (mk == 0)
+            CUDA_OK(flash::forward<true>(a, D, FullMask{}, at0, at0, nullptr));
+          else if (mk == 1)
+            CUDA_OK(flash::forward<true>(a, D, CausalMask{}, at0, at0, nullptr));
+          else
+            CUDA_OK(flash::forward<true>(a, D, dm, at0, at0, nullptr));
+        });
+        CUDA_OK(cudaDeviceSynchronize());
+        const double tf = 4.0 * D * pairs * H / (ms * 1e-3) * 1e-12;
+        const auto it = torch.find("fwd/" + std::to_string(n) + "/" + std::to_string(D) + "/" +
+                                   (mk == 1 ? "causal" : "full") + "/bf16");
+        if (it != torch.end() && mk < 2)
+          std::printf("%-9s %-4s %6d %10.3f %12.1f %8.1f %-4s %6.2f\n", name, qv, n, ms, tf,
+                      it->second.first, it->second.second.c_str(), tf / it->second.first);
+        else
+          std::printf("%-9s %-4s %6d %10.3f %12.1f %12s %10s%s\n", name, qv, n, ms, tf, "-", "-",
+                      mk == 2 ? "  (TFLOP/s of the allowed pairs: long-tailed documents)" : "");
+      }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool do_bench = false;
+  std::string torch_file;
+  int reps = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--bench")
+      do_bench = true;
+    else if (f == "--torch" && i + 1 < argc)
+      torch_file = argv[++i];
+    else if (f == "--reps" && i + 1 < argc)
+      reps = std::max(1, std::atoi(argv[++i]));
+    else {
+      std::fprintf(stderr, "blockattn_flash_check: unknown argument %s\n", f.c_str());
+      return 2;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: skipped\n");
+    return 77;
+  }
+  if (do_bench) {
+    bench(torch_file, reps);
+    return 0;
+  }
+  int failed = 0;
+  for (bool regs : {true, false}) {
+    q_in_registers = regs;
+    std::printf("-- Q fragments in %s\n", regs ? "registers" : "shared memory");
+    for (int dim : {64, 128}) {
+      failed += check_all<true>(dim);
+      failed += check_all<false>(dim);
+    }
+  }
+  std::printf("%s: %d failed\n", failed ? "FAILED" : "passed", failed);
+  return failed ? 1 : 0;
+}
