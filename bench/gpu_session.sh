@@ -12,14 +12,23 @@
 #   build-host/   optional: a host (OpenMP) build with bench/blockattn_bench_plan
 # and PyTorch on the GPU machine (its wheels bring libcudnn, libnvrtc, libcudart).
 # Each step has its own timeout so that one hang leaves the others' logs; the
-# whole job stays under 8 minutes. Steps whose binaries are missing say so.
+# whole job stays under DEADLINE seconds (default 420): logs in $OUT/logs.tar.gz. Steps whose binaries are missing say so.
 # bench/pack_gpu_bundle.sh makes all of it one file, .gpu/bundle.tar.gz
 # (carry [".gpu"]); this script unpacks it first.
 set -u
 out=${OUT:-${1:-gpu-out}}
 mkdir -p "$out"
-if [ -f .gpu/bundle.tar.gz ]; then
-  mkdir -p /tmp/gpu-bundle && tar -C /tmp/gpu-bundle -xzf .gpu/bundle.tar.gz
+# The device tool returns at most 8 files from $OUT: every step's log goes to
+# $logs and is packed into $out/logs.tar.gz after each step (so a job cut
+# off at its limit still returns what ran); session.log is the summary.
+logs=/tmp/gpu-logs
+mkdir -p "$logs"
+# The whole job's budget in seconds (DEADLINE): a step gets at most what is
+# left of it, and steps are ordered by what the GPU issues need most.
+deadline=$((SECONDS + ${DEADLINE:-420}))
+bundle=$(ls .gpu/bundle.tar.xz .gpu/bundle.tar.gz 2>/dev/null | head -1)
+if [ -n "$bundle" ]; then
+  mkdir -p /tmp/gpu-bundle && tar -C /tmp/gpu-bundle -xf "$bundle"
   cd_bundle=/tmp/gpu-bundle
   BUILD_CUDA=${BUILD_CUDA:-$cd_bundle/build-cuda}
   BUILD_HOST=${BUILD_HOST:-$cd_bundle/build-host}
@@ -28,32 +37,48 @@ fi
 cuda=${BUILD_CUDA:-build-cuda}
 host=${BUILD_HOST:-build-host}
 log() { printf '[gpu_session] %s\n' "$*" | tee -a "$out/session.log"; }
-step() {  # step <name> <timeout s> <command...>: output to $out/<name>.log
+pack() { tar -C "$logs" -czf "$out/logs.tar.gz" . 2>/dev/null; }
+# STEPS="name ...": only those steps (a rerun of what failed); DTYPES: the
+# value types of the bf16/fp32 benchmarks (default bf16,fp32).
+dtypes=${DTYPES:-bf16,fp32}
+step() {  # step <name> <timeout s> <command...>: output to $logs/<name>.log
   local name=$1 limit=$2
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    log "$name: skipped (the job's deadline is near)"
+    return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  timeout "$limit" "$@" >"$logs/$name.log" 2>&1
   local rc=$?
-  log "$name: exit $rc after $((SECONDS - t0)) s"
+  log "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)"
+  pack
   return $rc
 }
 
-# The CUDA libraries from PyTorch's wheels (cuDNN 9, NVRTC, the runtime).
+# The CUDA libraries from PyTorch's wheels (cuDNN 9, NVRTC, the runtime), then
+# the toolkit's.
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
 for d in "$site"/nvidia/*/lib "$site"/nvidia/cu13/lib; do
   [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
+[ -d /usr/local/cuda/lib64 ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64"
+[ -d "$host/lib" ] && LD_LIBRARY_PATH="$host/lib:${LD_LIBRARY_PATH:-}"
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
 { nvidia-smi; lscpu | grep -E 'Model name|^CPU\(s\)'; python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())'; } \
-  >"$out/machine.log" 2>&1
+  >"$logs/machine.log" 2>&1
+head -20 "$logs/machine.log" | grep -E 'H100|H200|Driver|torch|Model name' | tee -a "$out/session.log"
 log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 ldd "$cuda/tests/blockattn_test_cuda" 2>&1 | grep -E 'cudnn|nvrtc|cudart|not found' | tee -a "$out/session.log"
 
 # 1. Correctness on the GPU, cuDNN on: every single-device test case (the
 #    16-bit ones against the fused bound where cuDNN ran, bitwise otherwise).
 if [ -x "$cuda/tests/blockattn_test_cuda" ]; then
-  step test_cuda 150 "$cuda/tests/blockattn_test_cuda" -s -d
-  grep -E 'test cases|assertions|Status' "$out/test_cuda.log" | tee -a "$out/session.log"
+  step test_cuda 150 "$cuda/tests/blockattn_test_cuda" -d
+  grep -sE 'test cases|assertions|Status|ERROR|FAILED' "$logs/test_cuda.log" | head -30 | tee -a "$out/session.log"
 else
   log "no $cuda/tests/blockattn_test_cuda: skipped"
 fi
@@ -61,55 +86,99 @@ fi
 # 2. Speed: PyTorch's SDPA and ours in the same job (bf16 fused, then our kernels).
 if [ -x "$cuda/bench/blockattn_bench_gpu" ]; then
   step torch_sdpa 120 python3 bench/torch_sdpa.py --device cuda --heads 16 --dims 128 \
-    --lengths 4096,8192,16384 --dtypes fp32,bf16 --out "$out/torch.txt"
-  step bench_gpu 120 "$cuda/bench/blockattn_bench_gpu" --dtypes bf16,fp32 --torch "$out/torch.txt"
-  step bench_gpu_portable 60 "$cuda/bench/blockattn_bench_gpu" --dtypes bf16 --lengths 4096 \
-    --portable 1 --torch "$out/torch.txt"
-  cat "$out/bench_gpu.log" "$out/bench_gpu_portable.log" >>"$out/session.log"
+    --lengths 4096,8192,16384 --dtypes "$dtypes" --out "$logs/torch.txt"
+  step bench_gpu 120 "$cuda/bench/blockattn_bench_gpu" --dtypes "$dtypes" --torch "$logs/torch.txt"
+  [ -f "$logs/bench_gpu.log" ] && cat "$logs/bench_gpu.log" >>"$out/session.log"
 else
   log "no $cuda/bench/blockattn_bench_gpu: skipped"
 fi
 
-# Score policies and sinks on the GPU: their cost next to no policy (portable kernel).
-if [ -x "$cuda/bench/blockattn_bench_score" ]; then
-  step bench_score 60 "$cuda/bench/blockattn_bench_score" --n 4096 --heads 16 --reps 3
-else
-  log "no $cuda/bench/blockattn_bench_score: skipped"
+# 2b. The tensor-core forward (kernel/impl/cuda_flash.hpp): its checks, then
+#     its speed next to PyTorch's (the same torch.txt).
+if [ -x "$cuda/tests/blockattn_flash_check" ]; then
+  step flash_check 60 "$cuda/tests/blockattn_flash_check"
+  grep -sE 'FAIL|passed|failed' "$logs/flash_check.log" | head -20 | tee -a "$out/session.log"
+  step flash_bench 60 "$cuda/tests/blockattn_flash_check" --bench --torch "$logs/torch.txt"
+  cat 2>/dev/null "$logs/flash_bench.log" >>"$out/session.log"
 fi
 
-# Decode on the GPU: split-KV against a plain read of the same bytes (HBM).
-if [ -x "$cuda/bench/blockattn_bench_decode" ]; then
-  step bench_decode 60 "$cuda/bench/blockattn_bench_decode" --reps 5
-else
-  log "no $cuda/bench/blockattn_bench_decode: skipped"
-fi
-
-# 3. Ranks sharing the GPU (the distributed suite), and the planner at P = 4, 8 on the CPUs.
+# 3. Ranks sharing the GPU (the distributed suite, a ring's steps), and the
+#    planner at P = 4, 8 on the CPUs.
 if [ -d .mpi ]; then
   export OPAL_PREFIX=$PWD/.mpi/usr PATH=$PWD/.mpi/usr/bin:$PATH
   export LD_LIBRARY_PATH=$PWD/.mpi/usr/lib/x86_64-linux-gnu:$PWD/.mpi/usr/lib/x86_64-linux-gnu/openmpi/lib:$LD_LIBRARY_PATH
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  export OMPI_MCA_btl_vader_single_copy_mechanism=none
+  export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader
+  export PMIX_INSTALL_PREFIX=$PWD/.mpi/usr/lib/x86_64-linux-gnu/pmix2 PMIX_MCA_pcompress_base_silence_warning=1
+  if [ -x "$cuda/bench/blockattn_bench_steps" ]; then
+    step steps_np2 60 mpiexec -n 2 --oversubscribe --bind-to none "$cuda/bench/blockattn_bench_steps" \
+      --n 16384 --heads 16 --dim 128 --reps 5 --dtype bf16
+    cat 2>/dev/null "$logs/steps_np2.log" >>"$out/session.log"
+  fi
+  if [ -x "$cuda/tests/blockattn_test_fused_distributed_cuda" ]; then
+    for np in 1 2 3 4; do
+      step "fused_distributed_np$np" 60 mpiexec -n $np --oversubscribe --bind-to none \
+        "$cuda/tests/blockattn_test_fused_distributed_cuda"
+      grep -sE 'test cases|Status|ERROR|FAILED' "$logs/fused_distributed_np$np.log" | head -10 | tee -a "$out/session.log"
+    done
+  fi
   if [ -x "$cuda/tests/blockattn_test_distributed_cuda" ]; then
     for np in 2 4; do
-      step "distributed_cuda_np$np" 90 mpiexec -n $np --oversubscribe \
+      step "distributed_cuda_np$np" 90 mpiexec -n $np --oversubscribe --bind-to none \
         "$cuda/tests/blockattn_test_distributed_cuda"
+      grep -sE 'test cases|Status|ERROR|FAILED' "$logs/distributed_cuda_np$np.log" | head -10 | tee -a "$out/session.log"
     done
   fi
   if [ -x "$host/bench/blockattn_bench_plan" ]; then
     for np in 4 8; do
       step "bench_plan_np$np" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
-        mpiexec -n $np --oversubscribe "$host/bench/blockattn_bench_plan"
-    done
-  fi
-  # The distributed decode step on the CPUs at P = 1, 2, 4, 8 (tree, ring, planner).
-  if [ -x "$host/bench/blockattn_bench_serve" ]; then
-    for np in 1 2 4 8; do
-      step "bench_serve_np$np" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
-        mpiexec -n $np --oversubscribe --bind-to none "$host/bench/blockattn_bench_serve" --reps 3
+        mpiexec -n $np --oversubscribe --bind-to none "$host/bench/blockattn_bench_plan"
+      tail -15 2>/dev/null "$logs/bench_plan_np$np.log" >>"$out/session.log"
     done
   fi
 else
   log "no .mpi (Open MPI unpacked with dpkg -x): the multi-rank steps skipped"
 fi
+
+# 4. compute-sanitizer on the tensor-core kernel's checks (small problems).
+if [ -x "$cuda/tests/blockattn_flash_check" ] && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    step "flash_$tool" 90 compute-sanitizer --tool $tool --error-exitcode 9 \
+      "$cuda/tests/blockattn_flash_check"
+    grep -sE 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$logs/flash_$tool.log" | tee -a "$out/session.log"
+  done
+fi
+# 5. Our kernels alone at one length (the fused path's gain), score policies
+#    and sinks, decode, the distributed decode step on the CPUs.
+if [ -x "$cuda/bench/blockattn_bench_gpu" ]; then
+  step bench_gpu_portable 60 "$cuda/bench/blockattn_bench_gpu" --dtypes bf16 --lengths 4096 \
+    --portable 1 --torch "$logs/torch.txt"
+  cat 2>/dev/null "$logs/bench_gpu_portable.log" >>"$out/session.log"
+fi
+if [ -x "$cuda/bench/blockattn_bench_score" ]; then
+  step bench_score 60 "$cuda/bench/blockattn_bench_score" --n 4096 --heads 16 --reps 3
+fi
+if [ -x "$cuda/bench/blockattn_bench_decode" ]; then
+  step bench_decode 60 "$cuda/bench/blockattn_bench_decode" --reps 5
+fi
+if [ -d .mpi ]; then
+  for np in 1 3; do
+    [ -x "$cuda/tests/blockattn_test_distributed_cuda" ] &&
+      step "distributed_cuda_np$np" 90 mpiexec -n $np --oversubscribe --bind-to none \
+        "$cuda/tests/blockattn_test_distributed_cuda"
+  done
+  for np in 1 2; do
+    [ -x "$cuda/tests/blockattn_test_random_cuda" ] &&
+      step "random_cuda_np$np" 90 mpiexec -n $np --oversubscribe --bind-to none \
+        "$cuda/tests/blockattn_test_random_cuda"
+  done
+  grep -shE 'test cases|Status' "$logs"/distributed_cuda_np[13].log "$logs"/random_cuda_np*.log 2>/dev/null | tee -a "$out/session.log"
+fi
+if [ -d .mpi ] && [ -x "$host/bench/blockattn_bench_serve" ]; then
+  for np in 1 2 4 8; do
+    step "bench_serve_np$np" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
+      mpiexec -n $np --oversubscribe --bind-to none "$host/bench/blockattn_bench_serve" --reps 3
+  done
+fi
+pack
 log "done"

@@ -5,9 +5,11 @@
 #
 #   bench/pack_gpu_bundle.sh <cuda build dir> [<host build dir>] [<Open MPI dpkg -x dir>]
 #
-# Writes .gpu/bundle.tar.gz (git-ignored through .git/info/exclude): the CUDA
-# build's blockattn_test_cuda, blockattn_test_distributed_cuda and
-# blockattn_bench_gpu, blockattn_bench_decode and blockattn_bench_score (not in `all`:
+# Writes .gpu/bundle.tar.xz (git-ignored through .git/info/exclude): the CUDA
+# build's blockattn_test_cuda, blockattn_test_distributed_cuda, blockattn_flash_check,
+# blockattn_test_fused_distributed_cuda (cuDNN builds), blockattn_test_random_cuda and
+# blockattn_bench_gpu, blockattn_bench_decode, blockattn_bench_score and
+# blockattn_bench_steps (the last two not in `all`:
 # make it by name), the host build's
 # blockattn_bench_plan and blockattn_bench_serve, and Open MPI.
 # Then: run(carry [".gpu"], command "bash bench/gpu_session.sh").
@@ -19,15 +21,25 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 grep -qs '^/.gpu/$' "$repo/.git/info/exclude" || echo /.gpu/ >>"$repo/.git/info/exclude"
 stage=$(mktemp -d)
 mkdir -p "$stage/build-cuda/tests" "$stage/build-cuda/bench" "$stage/build-host/bench"
-for f in tests/blockattn_test_cuda tests/blockattn_test_distributed_cuda bench/blockattn_bench_gpu \
-  bench/blockattn_bench_decode bench/blockattn_bench_score; do
+for f in tests/blockattn_test_cuda tests/blockattn_test_distributed_cuda tests/blockattn_flash_check \
+  tests/blockattn_test_fused_distributed_cuda tests/blockattn_test_random_cuda \
+  bench/blockattn_bench_gpu \
+  bench/blockattn_bench_decode bench/blockattn_bench_score bench/blockattn_bench_steps; do
   if [ -x "$cuda/$f" ]; then strip -o "$stage/build-cuda/$f" "$cuda/$f"; else echo "missing $cuda/$f"; fi
 done
 for f in bench/blockattn_bench_plan bench/blockattn_bench_serve; do
   if [ -n "$host" ] && [ -x "$host/$f" ]; then strip -o "$stage/build-host/$f" "$host/$f"; fi
 done
+# The host build's shared Kokkos (Debian's Kokkos 3.4 build is shared).
+if [ -n "$host" ] && [ -x "$host/bench/blockattn_bench_plan" ]; then
+  mkdir -p "$stage/build-host/lib"
+  ldd "$host/bench/blockattn_bench_plan" | awk '/libkokkos/ {print $3}' |
+    while read -r lib; do cp -L "$lib" "$stage/build-host/lib/"; done
+fi
 if [ -n "$mpi" ]; then cp -a "$mpi" "$stage/.mpi"; fi
 mkdir -p "$repo/.gpu"
-tar -C "$stage" -czf "$repo/.gpu/bundle.tar.gz" .
+# xz: device code compresses to about two thirds of gzip's size.
+rm -f "$repo/.gpu/bundle.tar.gz" "$repo/.gpu/bundle.tar.xz"
+XZ_OPT="-6 -T0" tar -C "$stage" -cJf "$repo/.gpu/bundle.tar.xz" .
 rm -rf "$stage"
-ls -la "$repo/.gpu/bundle.tar.gz"
+ls -la "$repo/.gpu/bundle.tar.xz"
