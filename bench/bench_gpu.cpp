@@ -25,11 +25,11 @@
 #include <Kokkos_Random.hpp>
 
 #include "../tools/cli_args.hpp"
+#include "../tools/torch_rates.hpp"
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -39,19 +39,6 @@ namespace {
 using Exec = Kokkos::DefaultExecutionSpace;
 using V4f = Kokkos::View<float****, Kokkos::LayoutRight, Exec::memory_space>;
 using V3 = Kokkos::View<float***, Kokkos::LayoutRight, Exec::memory_space>;
-
-/// PyTorch's rates: "<fwd|bwd> N D mask dtype TFLOP/s backend" per line.
-std::map<std::string, std::pair<double, std::string>> read_torch(const std::string& path) {
-  std::map<std::string, std::pair<double, std::string>> r;
-  std::ifstream in(path);
-  std::string op, mask, dtype, backend;
-  int n = 0, d = 0;
-  double t = 0;
-  while (in >> op >> n >> d >> mask >> dtype >> t >> backend)
-    r[op + "/" + std::to_string(n) + "/" + std::to_string(d) + "/" + mask + "/" + dtype] = {
-        t, backend};
-  return r;
-}
 
 template <class F>
 double best_seconds(const Exec& exec, int reps, F&& f) {
@@ -208,8 +195,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int rc = blockattn_cli::run_guarded("blockattn_bench_gpu", true, [&] {
-    const auto torch =
-        args.torch_file.empty() ? decltype(read_torch("")){} : read_torch(args.torch_file);
+    const auto torch = blockattn_cli::read_torch_rates(args.torch_file);
     const Exec exec;
     std::printf("BlockAttn %s on %s, B = 1, H = %d, D = %d\n", "bench_gpu", Exec::name(),
                 args.heads, args.dim);

@@ -20,6 +20,8 @@
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
 
+#include "../tools/torch_rates.hpp"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -29,7 +31,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <random>
 #include <string>
@@ -82,6 +83,36 @@ struct Shape {
 };
 
 /// One problem on the GPU and its fp64 reference; returns whether it passed.
+/// The kernel's arguments for contiguous [batch, seq, heads, dim] operands
+/// and a (batch, heads, rows) LSE; scale 1/sqrt(dim).
+flash::Args contiguous_args(const Shape& s, const void* q, const void* k, const void* v, void* o,
+                            float* lse) {
+  flash::Args a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.o = o;
+  a.lse = lse;
+  const std::int64_t qs[3] = {std::int64_t(s.queries) * s.heads * s.dim,
+                              std::int64_t(s.heads) * s.dim, s.dim};
+  const std::int64_t ks[3] = {std::int64_t(s.keys) * s.kv_heads * s.dim,
+                              std::int64_t(s.kv_heads) * s.dim, s.dim};
+  for (int i = 0; i < 3; ++i) {
+    a.q_stride[i] = a.o_stride[i] = qs[i];
+    a.k_stride[i] = a.v_stride[i] = ks[i];
+  }
+  a.lse_stride[0] = std::int64_t(s.heads) * s.queries;
+  a.lse_stride[1] = s.queries;
+  a.lse_stride[2] = 1;
+  a.batch = s.batch;
+  a.heads = s.heads;
+  a.kv_heads = s.kv_heads;
+  a.queries = s.queries;
+  a.keys = s.keys;
+  a.scale = float(1.0 / std::sqrt(double(s.dim)));
+  return a;
+}
+
 /// What a check plants in its inputs.
 enum class Plant { none, nan_q, bad_v };
 
@@ -120,29 +151,7 @@ bool check(const char* name, const Shape& s, const Mask& mask, const QPos& qpos,
   CUDA_OK(cudaMemset(dout.p, 0xff, nq * 2));  // NaN in both types
   CUDA_OK(cudaMemset(dlse.p, 0xff, std::size_t(s.batch) * s.heads * s.queries * 4));
 
-  flash::Args a;
-  a.q = dq.p;
-  a.k = dk.p;
-  a.v = dv.p;
-  a.o = dout.p;
-  a.lse = dlse.p;
-  const std::int64_t qs[3] = {std::int64_t(s.queries) * s.heads * s.dim,
-                              std::int64_t(s.heads) * s.dim, s.dim};
-  const std::int64_t ks[3] = {std::int64_t(s.keys) * s.kv_heads * s.dim,
-                              std::int64_t(s.kv_heads) * s.dim, s.dim};
-  for (int i = 0; i < 3; ++i) {
-    a.q_stride[i] = a.o_stride[i] = qs[i];
-    a.k_stride[i] = a.v_stride[i] = ks[i];
-  }
-  a.lse_stride[0] = std::int64_t(s.heads) * s.queries;
-  a.lse_stride[1] = s.queries;
-  a.lse_stride[2] = 1;
-  a.batch = s.batch;
-  a.heads = s.heads;
-  a.kv_heads = s.kv_heads;
-  a.queries = s.queries;
-  a.keys = s.keys;
-  a.scale = float(1.0 / std::sqrt(double(s.dim)));
+  flash::Args a = contiguous_args(s, dq.p, dk.p, dv.p, dout.p, dlse.p);
   a.q_in_registers = q_in_registers;
   if (!flash::supports(a, s.dim)) {
     std::printf("FAIL %-28s not supported\n", name);
@@ -284,18 +293,6 @@ int check_all(int dim) {
   return failed;
 }
 
-std::map<std::string, std::pair<double, std::string>> read_torch(const std::string& path) {
-  std::map<std::string, std::pair<double, std::string>> r;
-  std::ifstream in(path);
-  std::string op, mask, dtype, backend;
-  int n = 0, d = 0;
-  double t = 0;
-  while (in >> op >> n >> d >> mask >> dtype >> t >> backend)
-    r[op + "/" + std::to_string(n) + "/" + std::to_string(d) + "/" + mask + "/" + dtype] = {
-        t, backend};
-  return r;
-}
-
 /// Median milliseconds of `reps` launches (CUDA events), after two warm-ups.
 template <class F>
 double median_ms(int reps, F&& f) {
@@ -322,7 +319,7 @@ double median_ms(int reps, F&& f) {
 
 void bench(const std::string& torch_file, int reps) {
   using namespace blockattn;
-  const auto torch = torch_file.empty() ? decltype(read_torch("")){} : read_torch(torch_file);
+  const auto torch = blockattn_cli::read_torch_rates(torch_file);
   const int H = 16, D = 128;
   std::printf("tensor-core forward (cuda_flash.hpp), bf16, B = 1, H = %d, D = %d, median of %d\n",
               H, D, reps);
@@ -339,24 +336,7 @@ void bench(const std::string& torch_file, int reps) {
       for (auto& x : host) x = to_bits(u(rng), true);
       CUDA_OK(cudaMemcpy(buf->p, host.data(), count * 2, cudaMemcpyHostToDevice));
     }
-    flash::Args a;
-    a.q = q.p;
-    a.k = k.p;
-    a.v = v.p;
-    a.o = o.p;
-    a.lse = lse.p;
-    for (auto* st : {a.q_stride, a.k_stride, a.v_stride, a.o_stride}) {
-      st[0] = std::int64_t(n) * H * D;
-      st[1] = std::int64_t(H) * D;
-      st[2] = D;
-    }
-    a.lse_stride[0] = std::int64_t(H) * n;
-    a.lse_stride[1] = n;
-    a.lse_stride[2] = 1;
-    a.batch = 1;
-    a.heads = a.kv_heads = H;
-    a.queries = a.keys = n;
-    a.scale = float(1.0 / std::sqrt(double(D)));
+    flash::Args a = contiguous_args({1, H, H, n, n, D}, q.p, k.p, v.p, o.p, lse.p);
     const OffsetPositions at0{0};
     const auto docs = plan::long_tailed_documents(n, 1);
     DeviceBuffer<index_type> doff(docs.size());
