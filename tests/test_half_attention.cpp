@@ -37,6 +37,7 @@ struct FusedTally {
   long fused = 0, matrix = 0, calls = 0;
 };
 FusedTally fused_tally;
+FusedTally backward_tally;  // the backward calls (matrix: on the host matrix engine)
 
 /// Whether bf16 forwards of this backend run on the host matrix engine for
 /// `setting`: a host space whose kernels dispatch to AVX-512, on a CPU and OS
@@ -316,9 +317,15 @@ void run_backward(const Shape& s, const Mask& mask, std::uint64_t seed, ForwardO
             v32 = make_view<float>(v, "v32"), o32 = make_view<float>(o16, "o32"),
             do32 = make_view<float>(dout, "do32"), dq32("dq32", s.b, s.nq, s.h, s.d),
             dk32("dk32", s.b, s.nk, s.hkv, s.d), dv32("dv32", s.b, s.nk, s.hkv, s.d);
-  const bool fused = paths.fused > 0;
+  const bool fused = paths.fused > 0, matrix = paths.matrix > 0;
   CHECK(paths.fused + paths.portable == 1);
+  // The backward's matrix engine: AMX tiles (P and dS in bf16) for bf16 on
+  // host spaces where it runs; no other backend has one.
+  CHECK(matrix == (impl::is_host_space_v<ExecSpace> && std::is_same<S, bf16>::value &&
+                   matrix_expected(opts.host_matrix)));
   fused_tally.fused += fused ? 1 : 0;
+  backward_tally.matrix += matrix ? 1 : 0;
+  ++backward_tally.calls;
   ++fused_tally.calls;
   attention_backward(ExecSpace{}, q32, k32, v32, o32, ld, do32, dq32, dk32, dv32, mask, opts);
   const HostTensor g32[3] = {download(dq32), download(dk32), download(dv32)};
@@ -328,15 +335,24 @@ void run_backward(const Shape& s, const Mask& mask, std::uint64_t seed, ForwardO
     for (double x : want[w]->data) largest = std::max(largest, std::abs(x));
     const double e32 = 1e-4 * largest;  // the fp32 gradient bound (test_backward.cpp)
     bool finite = true;
-    const double ratio = worst_ratio<S>(g16[w], *want[w], e32, finite, fused, largest);
+    const double ratio = worst_ratio<S>(g16[w], *want[w], e32, finite, fused || matrix, largest);
     std::size_t diff = 0;
     for (std::size_t i = 0; i < g32[w].data.size(); ++i)
       diff += static_cast<double>(S(float(g32[w].data[i]))) != g16[w].data[i];
-    INFO(value_type_name<S>(), " ", describe(s), " ", names[w], (fused ? " fused" : " portable"),
+    INFO(value_type_name<S>(), " ", describe(s), " ", names[w],
+         (fused    ? " fused"
+          : matrix ? " matrix"
+                   : " portable"),
          " err/bound=", ratio, " differing from rounded fp32: ", diff);
     CHECK(finite);
     CHECK(ratio <= 1.0);
-    if (!fused) CHECK(diff == 0);  // bitwise: the portable path's property
+    if (!fused && !matrix) CHECK(diff == 0);  // bitwise: the fp32 kernels' property
+  }
+  if (matrix) {
+    // The same call on the fp32 kernels, with its own checks (bitwise above).
+    opts.host_matrix = HostMatrix::off;
+    opts.paths = nullptr;
+    run_backward<S>(s, mask, seed, opts, layout);
   }
 }
 
@@ -409,11 +425,15 @@ TEST_CASE("16-bit: the host matrix engine ran where the CPU has it") {
     CHECK(fused_tally.matrix > 0);
     return;
   }
-  if (matrix_expected())
+  MESSAGE("bf16 backward calls on it: ", backward_tally.matrix, " of ", backward_tally.calls);
+  if (matrix_expected()) {
     CHECK(fused_tally.matrix > 0);
-  else
+    CHECK(backward_tally.matrix > 0);
+  } else {
     CHECK(fused_tally.matrix == 0);
-  if (!matrix_expected()) MESSAGE("SKIPPED: the matrix-engine forward cases (", e.reason, ")");
+    CHECK(backward_tally.matrix == 0);
+    MESSAGE("SKIPPED: the matrix-engine forward and backward cases (", e.reason, ")");
+  }
 }
 
 TEST_CASE("bf16 forward on AVX512-BF16 vector products (HostMatrix::avx512_bf16)") {
@@ -493,6 +513,61 @@ TEST_CASE("bf16 forward: inf and NaN in V where the mask hides them, and long ro
       wrong += std::isfinite(o(0, i, 1, x)) == h1;
     }
   CHECK(wrong == 0);
+}
+
+TEST_CASE("bf16 backward: inf and NaN reach the same gradients on the matrix engine as on fp32") {
+  // One inf or NaN per head, in K, Q, dO and V, under a sliding window
+  // (partial tiles along the band): the matrix engine's products would make
+  // 0 * inf = NaN where the mask hides a pair, so those tile pairs select.
+  // Its gradients must be non-finite exactly where the fp32 kernels' are.
+  const int n = 200, d = 64, heads = 4;
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::mt19937_64 rng(12);
+  HostTensor q = random_tensor(1, n, heads, d, rng), k = random_tensor(1, n, heads, d, rng),
+             v = random_tensor(1, n, heads, d, rng), dout = random_tensor(1, n, heads, d, rng);
+  k(0, 100, 0, 3) = inf;
+  q(0, 120, 1, 5) = nan;
+  dout(0, 90, 2, 7) = inf;
+  v(0, 60, 3, 9) = nan;
+  V4<bf16> qd("q", 1, n, heads, d), kd("k", 1, n, heads, d), vd("v", 1, n, heads, d),
+      od("o", 1, n, heads, d), dod("do", 1, n, heads, d);
+  L3 ld("lse", 1, heads, n);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  upload(dout, dod);
+  const SlidingWindowMask mask{40, 0};
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask);
+  HostTensor grads[2][3];
+  long on_matrix[2] = {0, 0};
+  for (int run = 0; run < 2; ++run) {
+    ForwardOptions opts;
+    BlockPathCounts paths;
+    opts.paths = &paths;
+    opts.host_matrix = run == 0 ? HostMatrix::automatic : HostMatrix::off;
+    V4<bf16> dqd("dq", 1, n, heads, d), dkd("dk", 1, n, heads, d), dvd("dv", 1, n, heads, d);
+    attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dqd, dkd, dvd, mask, opts);
+    grads[run][0] = download(dqd);
+    grads[run][1] = download(dkd);
+    grads[run][2] = download(dvd);
+    on_matrix[run] = paths.matrix;
+  }
+  CHECK(on_matrix[0] == (matrix_expected() ? 1 : 0));
+  CHECK(on_matrix[1] == 0);
+  long differ = 0, nonfinite = 0, finite = 0;
+  for (int w = 0; w < 3; ++w)
+    for (std::size_t i = 0; i < grads[0][w].data.size(); ++i) {
+      const bool a = std::isfinite(grads[0][w].data[i]), b = std::isfinite(grads[1][w].data[i]);
+      differ += a != b;
+      (b ? finite : nonfinite) += 1;
+    }
+  INFO("non-finite gradient entries (fp32 kernels): ", nonfinite, " finite: ", finite);
+  CHECK(differ == 0);
+  CHECK(nonfinite > 0);
+  CHECK(finite > nonfinite);
+  if (!matrix_expected())
+    MESSAGE("SKIPPED: the matrix-engine side (", impl::host_matrix_engine().reason, ")");
 }
 
 TEST_CASE_TEMPLATE("16-bit NaN inputs give NaN exactly where they are visible", S, bf16, fp16) {

@@ -576,9 +576,16 @@ class UlyssesAttention
       x.live.add(packed);
       const auto c0 = std::chrono::steady_clock::now();
       pack_backward_keys(m_exec, kf, vf, keys);
-      pack_backward_queries(m_exec, qf, dof, of, lf, rows);
-      backward_block(m_exec, fe, rows, keys, dqf, dkf, dvf, impl::shift_heads(m_mask, x.first_q),
-                     OffsetPositions{}, OffsetPositions{}, scale);
+      BackwardBlockOptions blk;
+      blk.operands_bf16 = std::is_same<V, bf16>::value;
+      blk.host_matrix = opts.host_matrix;
+      const auto head_mask = impl::shift_heads(m_mask, x.first_q);
+      pack_backward_queries(
+          m_exec, qf, dof, of, lf, rows,
+          backward_uses_matrix<C, ExecSpace, std::decay_t<decltype(head_mask)>>(e.dim, blk),
+          opts.host_matrix);
+      backward_block(m_exec, fe, rows, keys, dqf, dkf, dvf, head_mask, OffsetPositions{},
+                     OffsetPositions{}, scale, blk);
       m_exec.fence();  // the packed buffers are freed here
       busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       x.live.sub(packed);

@@ -48,7 +48,18 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
                                 opts.sink_grad);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     if (impl::fused_backward(exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask, scale, opts)) return;
-    if (opts.paths) ++opts.paths->portable;
+    // bf16 inputs: the pairs may run on the host matrix engine (AMX).
+    BackwardBlockOptions blk;
+    blk.operands_bf16 = std::is_same<typename QV::non_const_value_type, bf16>::value &&
+                        std::is_same<typename KV::non_const_value_type, bf16>::value &&
+                        std::is_same<typename VV::non_const_value_type, bf16>::value &&
+                        std::is_same<typename DOV::non_const_value_type, bf16>::value;
+    blk.host_matrix = opts.host_matrix;
+    const bool matrix = backward_uses_matrix<T, ExecSpace, Mask>(e.dim, blk);
+    if (opts.paths) {
+      ++opts.paths->portable;
+      if (matrix) ++opts.paths->matrix;
+    }
     const BlockLayout layout = backward_layout<T, ExecSpace>(e.dim);
     impl::CallBuffers<ExecSpace> buffers(exec);
     const auto keys =
@@ -56,9 +67,9 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
     pack_backward_keys(exec, k, v, keys);
     const auto rows =
         allocate_backward_queries<T, ExecSpace>(layout, e.batch, e.heads, e.queries, &buffers);
-    pack_backward_queries(exec, q, dout, o, lse, rows);
+    pack_backward_queries(exec, q, dout, o, lse, rows, matrix, opts.host_matrix);
     backward_block(exec, e, rows, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
-                   OffsetPositions{opts.k_offset}, scale, BackwardBlockOptions{}, &buffers);
+                   OffsetPositions{opts.k_offset}, scale, blk, &buffers);
   }
 }
 

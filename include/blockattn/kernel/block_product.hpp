@@ -192,6 +192,16 @@ bool forward_uses_matrix(int dim, HostMatrix setting = HostMatrix::automatic) {
   });
 }
 
+/// Whether the backward block product of compute type T on ExecSpace under
+/// Mask runs on the host matrix engine (AMX) in this process for the head dim
+/// and the options (operands_bf16, host_matrix).
+template <class T, class ExecSpace, class Mask = FullMask>
+bool backward_uses_matrix(int dim, const BackwardBlockOptions& options) {
+  return impl::with_shape_for<impl::backward_shape_t<T, ExecSpace>>(dim, [&](auto, auto shape) {
+    return impl::backward_uses_matrix<ExecSpace, T, decltype(shape), Mask>(options, dim);
+  });
+}
+
 /// The backward product's tiles and padded head dim for compute type T on ExecSpace.
 template <class T, class ExecSpace>
 BlockLayout backward_layout(int dim) {
@@ -284,14 +294,30 @@ void pack_backward_keys(const ExecSpace& exec, const KV& k, const VV& v,
 }
 
 /// Packs Q and dO rows, LSE * log2(e) and D = rowsum(dO o O) of the first
-/// rows.queries rows (any layout of q, dout, o, lse).
+/// rows.queries rows (any layout of q, dout, o, lse). `matrix`: the rows'
+/// backward_block runs on the host matrix engine (backward_uses_matrix with
+/// host_matrix = `setting`), whose D is summed as its dP (bf16 dout and o;
+/// see impl::amx_row_dots).
 template <class ExecSpace, class QV, class DOV, class OV, class LV, class T, class S>
 void pack_backward_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV& o,
                            const LV& lse,
-                           const PackedQueries<T, typename ExecSpace::memory_space, S>& rows) {
+                           const PackedQueries<T, typename ExecSpace::memory_space, S>& rows,
+                           bool matrix = false, HostMatrix setting = HostMatrix::automatic) {
   impl::with_dispatched_shape<impl::backward_shape_t<T, ExecSpace>>([&](auto shape) {
     impl::pack_queries<impl::kernel_isa_v<ExecSpace, decltype(shape)>>(exec, q, dout, o, lse, rows);
   });
+#if BLOCKATTN_AMX_BACKWARD
+  if constexpr (std::is_same<T, float>::value &&
+                std::is_same<typename DOV::non_const_value_type, bf16>::value &&
+                std::is_same<typename OV::non_const_value_type, bf16>::value &&
+                impl::is_host_space_v<ExecSpace>) {
+    if (matrix && rows.queries > 0)
+      impl::amx_rowsum_d(exec, dout, o, impl::matrix_path(setting) == impl::MatrixPath::tiles,
+                         rows);
+  }
+#endif
+  (void)matrix;
+  (void)setting;
 }
 
 /// The kernels' packed queries (compute type) from a travelling copy in storage type S.

@@ -57,7 +57,8 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
       : Base(exec, x, part, mask, c, layout, P, rank, opts),
         m_k(k),
         m_v(v),
-        m_kv_copy(slots.kv_copy) {
+        m_kv_copy(slots.kv_copy),
+        m_host_matrix(opts.host_matrix) {
     const BlockExtents& e = c.e;
     const int most = c.most;
     // K/V slots (slot 0 a copy of k, v when it travels), packed query slots
@@ -74,7 +75,12 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     for (auto& b : m_qs)
       b = allocate_backward_queries<T, ExecSpace, V>(layout, e.batch, e.heads, most);
     m_qs[0].queries = e.queries;  // ours: the rest of the slot is zero padding
-    pack_backward_queries(exec, q, dout, o, lse, m_qs[0]);
+    BackwardBlockOptions bf16_blk;
+    bf16_blk.operands_bf16 = std::is_same<V, bf16>::value;
+    bf16_blk.host_matrix = opts.host_matrix;
+    pack_backward_queries(exec, q, dout, o, lse, m_qs[0],
+                          blockattn::backward_uses_matrix<T, ExecSpace, Mask>(c.e.dim, bf16_blk),
+                          opts.host_matrix);
     if constexpr (half) {  // the kernels read the query slot in use widened to T
       m_wide = allocate_backward_queries<T, ExecSpace>(layout, e.batch, e.heads, most);
       m_wide.lse2 = {};
@@ -180,6 +186,8 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
       BackwardBlockOptions blk;
       blk.accumulate_dq = f.dq_slot < 0 && m_dq_written;
       blk.accumulate_dkv = f.dkv_slot < 0 && m_dkv_written;
+      blk.operands_bf16 = std::is_same<V, bf16>::value;
+      blk.host_matrix = m_host_matrix;
       const PackedQueries<T, mem>* rows = nullptr;
       if constexpr (half) {
         if (m_widened != f.q_slot)
@@ -275,6 +283,7 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
   const KV& m_k;
   const VV& m_v;
   bool m_kv_copy;
+  HostMatrix m_host_matrix;  // bf16: the pairs on the host matrix engine (BackwardBlock)
   std::vector<std::array<Buffer4<V, ExecSpace>, 2>> m_kv;  // K/V slots, storage type
   std::vector<PackedQueries<T, mem, V>> m_qs;              // query slots (0: ours)
   PackedQueries<T, mem> m_wide;  // 16-bit storage: the slot in use, widened

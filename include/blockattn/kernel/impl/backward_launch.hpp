@@ -6,11 +6,14 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
+#include <blockattn/kernel/host_matrix.hpp>
+#include <blockattn/kernel/impl/amx_backward.hpp>
 #include <blockattn/kernel/impl/backward_kernel.hpp>
 #include <blockattn/kernel/impl/forward_launch.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
+#include <blockattn/policy/score.hpp>
 
 #include <cmath>
 #include <numeric>
@@ -29,7 +32,99 @@ struct BackwardBlock {
   /// The fused kernel's teams per (batch, kv head) (FusedKernel::slices); 0:
   /// chosen with the kernels.
   int key_slices = 0;
+  /// The packed operands hold bf16 values (bf16 inputs): on host spaces with
+  /// a matrix engine (per host_matrix, as the forward's), the pair runs on
+  /// AMX tile products with P and dS rounded to bf16 (amx_backward.hpp).
+  bool operands_bf16 = false;
+  HostMatrix host_matrix = HostMatrix::automatic;
 };
+
+/// Whether a backward of compute type T on ExecSpace has the AMX path in
+/// this build (host spaces whose kernels are the AVX-512 ones, fp32 compute).
+template <class ExecSpace, class T, class Shape>
+inline constexpr bool backward_amx_capable =
+    BLOCKATTN_AMX_BACKWARD&& is_host_space_v<ExecSpace>&& std::is_same<T, float>::value&&
+        kernel_isa_v<ExecSpace, Shape> == HostIsa::avx512;
+
+/// Whether the backward block pair runs on the host matrix engine in this
+/// process (the path launch_backward takes). Not with a score policy: its
+/// pass (scalar in the key-major tiles) made the AMX backward slower than
+/// the fp32 kernels (softcap, measured); those keep the fp32 backward.
+template <class ExecSpace, class T, class Shape, class Mask>
+bool backward_uses_matrix(const BackwardBlock& blk, int dim) {
+#if BLOCKATTN_AMX_BACKWARD
+  if constexpr (backward_amx_capable<ExecSpace, T, Shape> && !has_score_mod_v<Mask>)
+    return blk.operands_bf16 && blk.run_dq && blk.run_dkv && dim <= amx_bwd_max_dim &&
+           matrix_path(blk.host_matrix) != MatrixPath::none;
+#endif
+  (void)blk;
+  (void)dim;
+  return false;
+}
+
+#if BLOCKATTN_AMX_BACKWARD
+/// The backward block pair on AMX tiles (amx_backward.hpp).
+template <class ExecSpace, class Mask, class QPos, class KPos, class DQV, class DKV, class DVV>
+void launch_backward_amx(const ExecSpace& exec, const ForwardExtents& e,
+                         const PackedQueries<float, typename ExecSpace::memory_space>& queries,
+                         const PackedKeys<float, typename ExecSpace::memory_space>& keys,
+                         const DQV& dq, const DKV& dk, const DVV& dv, const Mask& mask,
+                         const QPos& qpos, const KPos& kpos, float scale,
+                         const BackwardBlock& blk) {
+  using mem = typename ExecSpace::memory_space;
+  using K = AmxBackwardKernel<ExecSpace, Mask, QPos, KPos, value_of<DKV>>;
+  AmxBackwardOperands<mem> ops;
+  pack_amx_backward(exec, e, queries, keys, ops);
+  // A team per (batch, kv head), or per (batch, kv head, slice of its key
+  // tiles) with its own dQ accumulator when there are fewer pairs than threads.
+  const int pairs = e.batch * e.kv_heads, threads = exec.concurrency();
+  const bool busy = pairs >= threads && (pairs % threads == 0 || pairs >= 4 * threads);
+  const int k_tiles = ops.nk / K::BK;
+  int slices = blk.key_slices > 0 ? blk.key_slices : busy ? 1 : threads / std::gcd(threads, pairs);
+  slices = slices < k_tiles ? slices : k_tiles;
+  slices = slices > 16 ? 16 : slices;
+  Kokkos::View<float*, Kokkos::LayoutRight, mem> dqt(
+      "blockattn::amx_dq_accumulator",
+      std::size_t(slices) * e.batch * e.heads * std::size_t(ops.da) * ops.nq);
+  K f;
+  f.queries = ops.queries.data();
+  f.keys = ops.keys.data();
+  f.q_bad = ops.q_bad.data();
+  f.do_bad = ops.do_bad.data();
+  f.k_bad = ops.k_bad.data();
+  f.lse2 = ops.lse2.data();
+  f.drow = ops.drow.data();
+  f.dqt = dqt.data();
+  f.dk = typename K::out4(dk);
+  f.dv = typename K::out4(dv);
+  f.mask = mask;
+  f.qpos = qpos;
+  f.kpos = kpos;
+  f.batch = e.batch;
+  f.heads = e.heads;
+  f.kv_heads = e.kv_heads;
+  f.queries_n = e.queries;
+  f.keys_n = e.keys;
+  f.dim = e.dim;
+  f.da = ops.da;
+  f.nq = ops.nq;
+  f.nk = ops.nk;
+  f.group = e.heads / e.kv_heads;
+  f.slices = slices;
+  f.accumulate = blk.accumulate_dkv;
+  f.matrix_tiles = matrix_path(blk.host_matrix) == MatrixPath::tiles;
+  f.scale = scale;
+  using Policy = typename K::policy_type;
+  Policy policy(exec, pairs * slices, 1);
+  policy.set_chunk_size(1);
+  const std::size_t bytes = K::scratch_bytes(ops.da);
+  f.scratch_level = bytes <= std::size_t(policy.scratch_size_max(0)) ? 0 : 1;
+  policy.set_scratch_size(f.scratch_level, Kokkos::PerTeam(bytes));
+  Kokkos::parallel_for("blockattn::backward_amx", policy, f);
+  finish_dq_transposed(exec, dqt.data(), dq, ops.nq, ops.da, scale, blk.accumulate_dq, slices);
+  exec.fence();  // the operands and the accumulator are freed here
+}
+#endif
 
 /// dQ (queries side) and dK, dV (keys side) contributions of one block pair.
 /// The query and key sides are packed; dq, dk, dv are
@@ -47,6 +142,15 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
   using KK = KeyKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos, value_of<DKV>>;
   static_assert(std::is_same<value_of<DKV>, value_of<DVV>>::value,
                 "BlockAttn: dk and dv must have the same value type");
+#if BLOCKATTN_AMX_BACKWARD
+  if constexpr (backward_amx_capable<ExecSpace, T, Shape> && !has_score_mod_v<Mask>) {
+    if (e.queries > 0 && e.keys > 0 &&
+        backward_uses_matrix<ExecSpace, T, Shape, Mask>(blk, e.dim)) {
+      launch_backward_amx(exec, e, queries, keys, dq, dk, dv, mask, qpos, kpos, scale, blk);
+      return;
+    }
+  }
+#endif
   auto setup = [&](auto& f) {
     f.qrows = queries.q;
     f.dorows = queries.dout;

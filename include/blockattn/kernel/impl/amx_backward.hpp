@@ -1,0 +1,565 @@
+// SPDX-License-Identifier: Apache-2.0
+// The backward on AMX tiles (bf16 inputs on host spaces; kernel/impl/amx.hpp
+// has the engine and its detection). One team per (batch, kv head, slice)
+// walks its key tiles (BK = 64 keys) and, per key tile, every query tile
+// (BQ = 64 rows) of every head of its GQA group, in the key-major orientation
+// of the tile pair (the key tile's rows are the products' rows):
+//   S^T  = K Q^T            A: K rows       B: Q^T  (VNNI pairs over d)
+//   dP^T = V dO^T           A: V rows       B: dO^T (VNNI pairs over d)
+//   P^T  = 2^(S^T scale log2(e) - LSE2),  dS^T = P^T o (dP^T - D)    (fp32)
+//   dV  += P^T dO           A: P^T (bf16)   B: dO (VNNI pairs over rows)
+//   dK  += dS^T Q           A: dS^T (bf16)  B: Q  (VNNI pairs over rows)
+//   dQ^T += K^T dS^T        A: K^T rows     B: dS^T (VNNI pairs over keys)
+// Five tile products per pair with fp32 accumulation; LSE2 and D are per
+// column, so the exponent pass runs along the query rows of 16 columns at a
+// time. dK and dV accumulate in fp32 scratch over the key tile's query tiles;
+// dQ^T in an fp32 accumulator per slice, summed and transposed into dq by
+// finish_dq_transposed. What rounds differently from the fp32 kernels: P and
+// dS to bf16 before the three gradient products (FlashAttention's rule on
+// GPUs), and the products' accumulation order. The bound is in
+// docs/numerics.md.
+//
+// The operands come from the fp32 packed blocks (PackedQueries, PackedKeys:
+// exact widenings of bf16 inputs) through pack_amx_backward, so every caller
+// of the block product (one device, every schedule's step loop) takes this
+// path by setting BackwardBlock::operands_bf16.
+//
+// Masked pairs are selected out (P = dS = 0 exactly, whatever S was). A
+// partial tile pair whose Q, dO or K tile holds an inf or NaN adds its
+// gradient products by scalar selects instead (0 * inf would be NaN where the
+// pair is masked): NaN reaches exactly the gradients the fp32 kernels reach.
+#pragma once
+
+#include <blockattn/core/config.hpp>
+#include <blockattn/core/half.hpp>
+#include <blockattn/kernel/impl/amx.hpp>
+#include <blockattn/kernel/impl/backward_pack.hpp>
+#include <blockattn/kernel/impl/mask_columns.hpp>
+#include <blockattn/kernel/impl/simd_vec.hpp>
+#include <blockattn/kernel/validate.hpp>
+#include <blockattn/policy/mask.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+// Where simd_vec.hpp defines SimdVec512 (its exp2 is the exponent pass's);
+// -DBLOCKATTN_AMX_BACKWARD=0 leaves it out.
+#if !defined(BLOCKATTN_AMX_BACKWARD)
+#if BLOCKATTN_HOST_AMX && (defined(__AVX512F__) || BLOCKATTN_HOST_DISPATCH)
+#define BLOCKATTN_AMX_BACKWARD 1
+#else
+#define BLOCKATTN_AMX_BACKWARD 0
+#endif
+#endif
+
+namespace blockattn::impl {
+
+#if BLOCKATTN_AMX_BACKWARD
+/// Tile sizes of the AMX backward: key rows and query columns of a tile pair;
+/// the largest head dim it takes (larger ones keep the fp32 kernels).
+inline constexpr int amx_bwd_bk = 64, amx_bwd_bq = 64, amx_bwd_max_dim = 256;
+
+/// The bf16 operands of one AMX backward block pair (da = head dim padded to
+/// 32, nq and nk = queries and keys padded to 64). Per (batch, head), nq x da
+/// elements each:
+///   qb, dob  Q^T, dO^T as B operands: per 16 rows i, da / 2 VNNI rows of
+///            (X(i, 2p), X(i, 2p + 1)): element (i, d) at
+///            (i / 16) 16 da + (d / 2) 32 + (i % 16) 2 + d % 2
+///   qv, dov  Q, dO as B operands over rows: per 16 columns, rows of pairs of
+///            rows: element (i, d) at (d / 16) 16 nq + (i / 2) 32 + (d % 16) 2 + i % 2
+/// Per (batch, kv head), nk x da elements each:
+///   ka, va   K, V rows (A operands): element (n, d) at n da + d
+///   kt       K^T rows (A operand of dQ^T): element (n, d) at d nk + n
+/// bad flags per 16 rows / keys: the group holds an inf or NaN. lse2 and drow
+/// (batch, head, nq): LSE log2(e) (-inf past the queries) and D.
+template <class MemorySpace>
+struct AmxBackwardOperands {
+  using u16 = Kokkos::View<std::uint16_t*, Kokkos::LayoutRight, MemorySpace>;
+  using u8 = Kokkos::View<unsigned char*, Kokkos::LayoutRight, MemorySpace>;
+  using f32 = Kokkos::View<float*, Kokkos::LayoutRight, MemorySpace>;
+  u16 queries, keys;  // qb, dob, qv, dov per (batch, head); ka, va, kt per (batch, kv head)
+  u8 q_bad, do_bad, k_bad;
+  f32 lse2, drow;
+  int da = 0, nq = 0, nk = 0;
+  std::size_t q_size() const { return std::size_t(nq) * da; }
+  std::size_t k_size() const { return std::size_t(nk) * da; }
+};
+
+/// The 16 bf16 bits of a packed fp32 value that is a bf16 value.
+inline std::uint16_t amx_bits(float x) {
+  return bf16_upper_bits(x);
+}
+
+/// Fills `ops` from the fp32 packed query and key sides (values that are bf16
+/// values: exact).
+template <class ExecSpace, class MemorySpace>
+void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
+                       const PackedQueries<float, MemorySpace>& rows,
+                       const PackedKeys<float, MemorySpace>& keys,
+                       AmxBackwardOperands<MemorySpace>& ops) {
+  using Ops = AmxBackwardOperands<MemorySpace>;
+  const int da = (e.dim + 31) / 32 * 32;
+  const int nq = (e.queries + amx_bwd_bq - 1) / amx_bwd_bq * amx_bwd_bq;
+  const int nk = (e.keys + amx_bwd_bk - 1) / amx_bwd_bk * amx_bwd_bk;
+  ops.da = da;
+  ops.nq = nq;
+  ops.nk = nk;
+  const std::size_t bh = std::size_t(e.batch) * e.heads, bk = std::size_t(e.batch) * e.kv_heads;
+  ops.queries = typename Ops::u16(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("blockattn::amx_queries")),
+      4 * bh * nq * da);
+  ops.keys = typename Ops::u16(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("blockattn::amx_keys")),
+      3 * bk * nk * da);
+  ops.q_bad = typename Ops::u8("blockattn::amx_q_bad", bh * (nq / 16));
+  ops.do_bad = typename Ops::u8("blockattn::amx_do_bad", bh * (nq / 16));
+  ops.k_bad = typename Ops::u8("blockattn::amx_k_bad", bk * (nk / 16));
+  ops.lse2 = typename Ops::f32(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("blockattn::amx_lse2")), bh * nq);
+  ops.drow = typename Ops::f32(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("blockattn::amx_drow")), bh * nq);
+  std::uint16_t* const qbase = ops.queries.data();
+  std::uint16_t* const kbase = ops.keys.data();
+  const int queries = e.queries, nkeys = e.keys, heads = e.heads, kv_heads = e.kv_heads;
+  const int dp = int(rows.q.extent(3));
+  const int vbk = int(keys.vt.extent(4));
+  const std::size_t qs = ops.q_size(), ks = ops.k_size();
+  auto q = rows.q;
+  auto dout = rows.dout;
+  auto lse2 = rows.lse2;
+  auto drow = rows.drow;
+  auto lse2p = ops.lse2;
+  auto drowp = ops.drow;
+  auto q_bad = ops.q_bad;
+  auto do_bad = ops.do_bad;
+  auto k_bad = ops.k_bad;
+  // The query side: one group of 16 rows of one (batch, head) per iteration.
+  Kokkos::parallel_for(
+      "blockattn::pack_amx_queries",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
+                                                                      std::int64_t(bh) * (nq / 16)),
+      [=](const std::int64_t it) {
+        const int g = int(it % (nq / 16));
+        const std::size_t pair = std::size_t(it / (nq / 16));
+        const int h = int(pair % std::size_t(heads)), b = int(pair / std::size_t(heads));
+        std::uint16_t* const qb = qbase + 4 * pair * qs;
+        std::uint16_t* const dob = qb + qs;
+        std::uint16_t* const qv = dob + qs;
+        std::uint16_t* const dov = qv + qs;
+        bool bad_q = false, bad_do = false;
+        for (int i = 16 * g; i < 16 * g + 16; ++i) {
+          const bool in = i < queries;
+          const float* const qr = in ? &q(b, h, i, 0) : nullptr;
+          const float* const dr = in ? &dout(b, h, i, 0) : nullptr;
+          for (int d = 0; d < da; ++d) {
+            const std::uint16_t xq = in && d < dp ? amx_bits(qr[d]) : 0;
+            const std::uint16_t xd = in && d < dp ? amx_bits(dr[d]) : 0;
+            bad_q = bad_q || (xq & 0x7f80u) == 0x7f80u;
+            bad_do = bad_do || (xd & 0x7f80u) == 0x7f80u;
+            const std::size_t ob =
+                std::size_t(i / 16) * 16 * da + (d / 2) * 32 + (i % 16) * 2 + d % 2;
+            const std::size_t ov =
+                std::size_t(d / 16) * 16 * nq + std::size_t(i / 2) * 32 + (d % 16) * 2 + i % 2;
+            qb[ob] = xq;
+            dob[ob] = xd;
+            qv[ov] = xq;
+            dov[ov] = xd;
+          }
+          lse2p(pair * nq + i) = in ? lse2(b, h, i) : -infinity<float>();
+          drowp(pair * nq + i) = in ? drow(b, h, i) : 0.0f;
+        }
+        q_bad(pair * (nq / 16) + g) = bad_q;
+        do_bad(pair * (nq / 16) + g) = bad_do;
+      });
+  auto kr = keys.k;
+  auto vt = keys.vt;
+  // The key side: one group of 16 keys of one (batch, kv head) per iteration.
+  Kokkos::parallel_for(
+      "blockattn::pack_amx_keys",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
+                                                                      std::int64_t(bk) * (nk / 16)),
+      [=](const std::int64_t it) {
+        const int g = int(it % (nk / 16));
+        const std::size_t pair = std::size_t(it / (nk / 16));
+        const int hk = int(pair % std::size_t(kv_heads)), b = int(pair / std::size_t(kv_heads));
+        std::uint16_t* const ka = kbase + 3 * pair * ks;
+        std::uint16_t* const va = ka + ks;
+        std::uint16_t* const kt = va + ks;
+        // 16 keys of K and V gathered here (K rows, V from its d-major
+        // panels), then written as rows (K, V) and as 16-key runs of K^T.
+        std::uint16_t kloc[16 * amx_bwd_max_dim], vloc[16 * amx_bwd_max_dim];
+        bool bad = false;
+        for (int i = 0; i < 16; ++i) {
+          const int n = 16 * g + i;
+          const int live = n < nkeys ? (dp < da ? dp : da) : 0;
+          const float* const krow = live > 0 ? &kr(b, hk, n, 0) : nullptr;
+          for (int d = 0; d < live; ++d) {
+            const std::uint16_t x = amx_bits(krow[d]);
+            bad = bad || (x & 0x7f80u) == 0x7f80u;
+            kloc[i * da + d] = x;
+          }
+          for (int d = live; d < da; ++d) kloc[i * da + d] = 0;
+        }
+        const int n0 = 16 * g;
+        const int vlive = n0 < nkeys ? (dp < da ? dp : da) : 0;
+        for (int d = 0; d < vlive; ++d) {
+          if (vbk % 16 == 0) {  // keys n0 .. n0 + 15 of column d: in one panel
+            const float* const col = &vt(b, hk, n0 / vbk, d, n0 % vbk);
+            for (int i = 0; i < 16; ++i) vloc[i * da + d] = n0 + i < nkeys ? amx_bits(col[i]) : 0;
+          } else {
+            for (int i = 0; i < 16; ++i) {
+              const int n = n0 + i;
+              vloc[i * da + d] = n < nkeys ? amx_bits(vt(b, hk, n / vbk, d, n % vbk)) : 0;
+            }
+          }
+        }
+        for (int i = 0; i < 16; ++i)
+          for (int d = vlive; d < da; ++d) vloc[i * da + d] = 0;
+        std::memcpy(ka + std::size_t(n0) * da, kloc, sizeof(std::uint16_t) * 16 * da);
+        std::memcpy(va + std::size_t(n0) * da, vloc, sizeof(std::uint16_t) * 16 * da);
+        for (int d = 0; d < da; ++d)
+          for (int i = 0; i < 16; ++i) kt[std::size_t(d) * nk + n0 + i] = kloc[i * da + d];
+        k_bad(pair * (nk / 16) + g) = bad;
+      });
+}
+
+/// P^T and dS^T of a tile pair (BK key rows x BQ query columns, rows BQ
+/// apart) from S^T and dP^T in fp32: p = 2^(s s2 - lse2[c]) (one rounding for
+/// the product and difference, as the fp32 kernels), ds = p (dp - drow[c]),
+/// both 0 where the pair is not kept: row r of column c is kept when
+/// lo[c] <= r < hi[c] and, with `keep`, keep[r BQ + c] != 0. Out: P^T and dS^T
+/// in bf16 (rows BQ apart), dS^T in VNNI pairs of rows for the B operand of
+/// dQ^T (per 16 columns, BK / 2 rows of 32).
+BLOCKATTN_TARGET_AMX __attribute__((noinline)) inline void amx_bwd_p_ds(
+    const float* __restrict__ st, const float* __restrict__ dpt, const float* lse2,
+    const float* drow, float s2, const int* lo, const int* hi, const unsigned char* keep,
+    std::uint16_t* __restrict__ pt16, std::uint16_t* __restrict__ dst16,
+    std::uint16_t* __restrict__ dsv) {
+  using V = SimdVec512;
+  constexpr int BK = amx_bwd_bk, BQ = amx_bwd_bq;
+  const __m512 s2v = _mm512_set1_ps(s2);
+  for (int c = 0; c < BQ; c += 16) {
+    const __m512 l2 = _mm512_loadu_ps(lse2 + c), d = _mm512_loadu_ps(drow + c);
+    // A column whose LSE is -inf saw no key: all zero (as row_live in the
+    // fp32 kernels; a NaN LSE stays live and makes its column NaN).
+    const __mmask16 live = _mm512_cmp_ps_mask(l2, _mm512_set1_ps(-infinity<float>()), _CMP_NEQ_UQ);
+    const __m512i lov = _mm512_loadu_si512(static_cast<const void*>(lo + c));
+    const __m512i hiv = _mm512_loadu_si512(static_cast<const void*>(hi + c));
+    std::uint16_t* const vrow = dsv + std::size_t(c / 16) * BK * 16;
+    for (int r = 0; r < BK; r += 2) {
+      __m512i pair[2];
+      for (int t = 0; t < 2; ++t) {
+        const int row = r + t;
+        const __m512i rv = _mm512_set1_epi32(row);
+        __mmask16 k = live & _mm512_cmple_epi32_mask(lov, rv) & _mm512_cmplt_epi32_mask(rv, hiv);
+        if (keep != nullptr)
+          k &= _mm_cmpneq_epi8_mask(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(keep + row * BQ + c)),
+              _mm_setzero_si128());
+        const std::size_t at = std::size_t(row) * BQ + c;
+        const __m512 p = _mm512_maskz_mov_ps(
+            k, V::exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(st + at), s2v, l2)));
+        __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dpt + at), d));
+        ds = _mm512_maskz_mov_ps(k, ds);
+        amx_store_p16(pt16 + at, p);
+        const __m256bh dsb = _mm512_cvtneps_pbh(ds);
+        const __m256i dsi = reinterpret_cast<const __m256i&>(dsb);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst16 + at), dsi);
+        pair[t] = _mm512_maskz_cvtepu16_epi32(0xFFFF, dsi);
+      }
+      _mm512_storeu_si512(static_cast<void*>(vrow + std::size_t(r / 2) * 32),
+                          _mm512_or_si512(pair[0], _mm512_maskz_slli_epi32(0xFFFF, pair[1], 16)));
+    }
+  }
+}
+
+/// d[i] = sum over the head dim of O(i, :) dO(i, :) for 32 rows (bf16 bits,
+/// rows da apart), summed as the kernel sums dP^T: the same block product
+/// (amx_block or bf16_vector_block) over the same chunks, with O's rows where
+/// the kernel has V's and dO's B operand laid out as it is there. So a row
+/// that sees one key (O = V bitwise) gets dP - D = 0 exactly, and dS = 0, as
+/// on the fp32 kernels (whose D is summed as their dP).
+BLOCKATTN_TARGET_AMX inline void amx_row_dots(const std::uint16_t* o, const std::uint16_t* dout,
+                                              int da, bool tiles, float* d) {
+  std::uint16_t bp[32 * amx_bwd_max_dim];
+  float c[32 * 32];
+  for (int r = 0; r < 32; ++r)
+    for (int x = 0; x < da; ++x)
+      bp[(r / 16) * 16 * da + (x / 2) * 32 + (r % 16) * 2 + x % 2] = dout[r * da + x];
+  if (tiles) {
+    amx_configure();
+    amx_block(da / 32, o, da, bp, bp + 16 * da, c, 32, false);
+    amx_release();
+  } else {
+    bf16_vector_block(da / 32, o, da, bp, bp + 16 * da, c, 32, false);
+  }
+  for (int i = 0; i < 32; ++i) d[i] = c[i * 32 + i];
+}
+
+/// D = rowsum(dO o O) of packed query rows `p` (pack_queries), summed as the
+/// AMX backward sums dP (amx_row_dots), from the bf16 views dout and o
+/// (batch, queries, heads, dim). For head dims up to amx_bwd_max_dim.
+template <class ExecSpace, class MemorySpace, class S, class DOV, class OV>
+void amx_rowsum_d(const ExecSpace& exec, const DOV& dout, const OV& o, bool tiles,
+                  const PackedQueries<float, MemorySpace, S>& p) {
+  const int heads = int(p.q.extent(1)), queries = p.queries, dim = int(dout.extent(3));
+  const int da = (dim + 31) / 32 * 32, groups = (queries + 31) / 32;
+  auto drow = p.drow;
+  const std::ptrdiff_t ds = std::ptrdiff_t(dout.stride(3)), os = std::ptrdiff_t(o.stride(3));
+  Kokkos::parallel_for("blockattn::amx_rowsum_d",
+                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, std::int64_t(p.q.extent(0)) * heads * groups),
+                       [=](const std::int64_t it) {
+                         const int g = int(it % groups), h = int((it / groups) % heads),
+                                   b = int(it / (std::int64_t(groups) * heads));
+                         std::uint16_t ob[32 * amx_bwd_max_dim], db[32 * amx_bwd_max_dim];
+                         for (int r = 0; r < 32; ++r) {
+                           const int i = 32 * g + r;
+                           const int live = i < queries ? dim : 0;
+                           if (live > 0) {
+                             const auto* const orow = &o(b, i, h, 0);
+                             const auto* const drow_ = &dout(b, i, h, 0);
+                             for (int x = 0; x < live; ++x) {
+                               ob[r * da + x] = orow[x * os].bits;
+                               db[r * da + x] = drow_[x * ds].bits;
+                             }
+                           }
+                           for (int x = live; x < da; ++x) ob[r * da + x] = db[r * da + x] = 0;
+                         }
+                         float d[32];
+                         amx_row_dots(ob, db, da, tiles, d);
+                         for (int r = 0; r < 32 && 32 * g + r < queries; ++r)
+                           drow(b, h, 32 * g + r) = d[r];
+                       });
+}
+
+/// The fp32 value of bf16 bits.
+inline float amx_float(std::uint16_t x) {
+  return bits_float(std::uint32_t(x) << 16);
+}
+
+/// The AMX backward functor (see the top of this file). GS: the storage type
+/// of dk and dv.
+template <class ExecSpace, class Mask, class QPos, class KPos, class GS>
+struct AmxBackwardKernel {
+  using memory_space = typename ExecSpace::memory_space;
+  using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+  using member_type = typename policy_type::member_type;
+  using out4 = Kokkos::View<GS****, Kokkos::LayoutStride, memory_space,
+                            Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  static constexpr int BK = amx_bwd_bk, BQ = amx_bwd_bq;
+
+  const std::uint16_t* queries = nullptr;  // AmxBackwardOperands.queries, .keys
+  const std::uint16_t* keys = nullptr;
+  const unsigned char *q_bad = nullptr, *do_bad = nullptr, *k_bad = nullptr;
+  const float *lse2 = nullptr, *drow = nullptr;
+  float* dqt = nullptr;  // (slices, batch, head, da, nq): dQ^T, unscaled, zero on entry
+  out4 dk, dv;
+  Mask mask;
+  QPos qpos;
+  KPos kpos;
+  int batch = 0, heads = 0, kv_heads = 0, queries_n = 0, keys_n = 0, dim = 0;
+  int da = 0, nq = 0, nk = 0, group = 1, slices = 1, scratch_level = 0;
+  bool accumulate = false, matrix_tiles = true;
+  float scale = 1.0f;
+
+  /// Scratch: S^T and dP^T (fp32 BK x BQ); P^T, dS^T and dS^T's VNNI pairs
+  /// (bf16 BK x BQ); dK, dV (fp32 BK x da); the column ranges and the keep
+  /// bytes. 64-byte aligned pieces.
+  static std::size_t scratch_bytes(int da) {
+    auto up = [](std::size_t b) { return (b + 63) / 64 * 64; };
+    return 2 * up(std::size_t(4) * BK * BQ) + 3 * up(std::size_t(2) * BK * BQ) +
+           2 * up(std::size_t(4) * BK * da) + 2 * up(std::size_t(4) * BQ) +
+           up(std::size_t(BK) * BQ);
+  }
+
+  // run() calls the engine's functions (compiled for the AMX target) rather
+  // than being flattened into one (AmxEntry): one copy of the exponent pass
+  // per translation unit instead of one per mask (same speed, measured).
+  void operator()(const member_type& team) const { run(team); }
+
+  void run(const member_type& team) const {
+    const int slice = team.league_rank() % slices, pair = team.league_rank() / slices;
+    const int hk = pair % kv_heads, b = pair / kv_heads;
+    auto take = [&](std::size_t bytes) {
+      return team.team_scratch(scratch_level).get_shmem((bytes + 63) / 64 * 64);
+    };
+    float* const st = static_cast<float*>(take(std::size_t(4) * BK * BQ));
+    float* const dpt = static_cast<float*>(take(std::size_t(4) * BK * BQ));
+    auto* const pt16 = static_cast<std::uint16_t*>(take(std::size_t(2) * BK * BQ));
+    auto* const dst16 = static_cast<std::uint16_t*>(take(std::size_t(2) * BK * BQ));
+    auto* const dsv = static_cast<std::uint16_t*>(take(std::size_t(2) * BK * BQ));
+    float* const dka = static_cast<float*>(take(std::size_t(4) * BK * da));
+    float* const dva = static_cast<float*>(take(std::size_t(4) * BK * da));
+    int* const lo = static_cast<int*>(take(std::size_t(4) * BQ));
+    int* const hi = static_cast<int*>(take(std::size_t(4) * BQ));
+    auto* const keep = static_cast<unsigned char*>(take(std::size_t(BK) * BQ));
+
+    const std::size_t qs = std::size_t(nq) * da, ks = std::size_t(nk) * da;
+    const std::size_t kpair = std::size_t(b) * kv_heads + hk;
+    const std::uint16_t* const ka = keys + 3 * kpair * ks;
+    const std::uint16_t* const va = ka + ks;
+    const std::uint16_t* const kt = va + ks;
+    if (matrix_tiles) amx_configure();
+    auto block = [&](int chunks, const std::uint16_t* a, int lda, const std::uint16_t* b0,
+                     const std::uint16_t* b1, float* c, int ldc, bool load_c) {
+      if (matrix_tiles)
+        amx_block(chunks, a, lda, b0, b1, c, ldc, load_c);
+      else
+        bf16_vector_block(chunks, a, lda, b0, b1, c, ldc, load_c);
+    };
+    const int k_tiles = nk / BK, q_tiles = nq / BQ;
+    for (int kb = slice; kb < k_tiles; kb += slices) {
+      const int k0 = kb * BK;
+      const int k_rows = keys_n - k0 < BK ? keys_n - k0 : BK;
+      if (k_rows <= 0) break;
+      std::memset(dka, 0, sizeof(float) * BK * da);
+      std::memset(dva, 0, sizeof(float) * BK * da);
+      const unsigned char* const kbad = k_bad + kpair * (nk / 16) + k0 / 16;
+      const bool k_poisoned = (kbad[0] | kbad[1] | kbad[2] | kbad[3]) != 0;
+      for (int g = 0; g < group; ++g) {
+        const int h = hk * group + g;
+        const std::size_t qpair = std::size_t(b) * heads + h;
+        const std::uint16_t* const qb = queries + 4 * qpair * qs;
+        const std::uint16_t* const dob = qb + qs;
+        const std::uint16_t* const qv = dob + qs;
+        const std::uint16_t* const dov = qv + qs;
+        float* const dq_head = dqt + ((std::size_t(slice) * batch + b) * heads + h) * qs;
+        for (int qt = 0; qt < q_tiles; ++qt) {
+          const int q0 = qt * BQ;
+          const int q_rows = queries_n - q0 < BQ ? queries_n - q0 : BQ;
+          if (q_rows <= 0) break;
+          const TileKind kind = mask.classify(qpos(q0), qpos(q0 + q_rows - 1) + 1, kpos(k0),
+                                              kpos(k0 + k_rows - 1) + 1);
+          if (kind == TileKind::empty) continue;
+          const bool partial = kind == TileKind::partial;
+          // S^T and dP^T, 32 x 32 blocks.
+          for (int rk = 0; rk < BK; rk += 32)
+            for (int cq = 0; cq < BQ; cq += 32) {
+              const std::size_t qo = std::size_t(q0 + cq) * da;
+              block(da / 32, ka + std::size_t(k0 + rk) * da, da, qb + qo, qb + qo + 16 * da,
+                    st + rk * BQ + cq, BQ, false);
+              block(da / 32, va + std::size_t(k0 + rk) * da, da, dob + qo, dob + qo + 16 * da,
+                    dpt + rk * BQ + cq, BQ, false);
+            }
+          // The kept rows of every column: the mask (partial tiles), the
+          // tile's keys, the live queries.
+          const bool bytes = partial && !has_allowed_keys<Mask>::value;
+          for (int c = 0; c < BQ; ++c) {
+            lo[c] = 0;
+            hi[c] = c < q_rows ? k_rows : 0;
+          }
+          if (partial) column_ranges(q0, q_rows, k0, k_rows, lo, hi, keep);
+          amx_bwd_p_ds(st, dpt, lse2 + qpair * nq + q0, drow + qpair * nq + q0,
+                       scale * log2e<float>, lo, hi, bytes ? keep : nullptr, pt16, dst16, dsv);
+          // The gradient products; partial tile pairs with an inf or NaN in
+          // the operand select (see the top of this file).
+          const unsigned char* const qbad = q_bad + qpair * (nq / 16) + q0 / 16;
+          const unsigned char* const dbad = do_bad + qpair * (nq / 16) + q0 / 16;
+          const bool q_poisoned = partial && (qbad[0] | qbad[1] | qbad[2] | qbad[3]) != 0;
+          const bool do_poisoned = partial && (dbad[0] | dbad[1] | dbad[2] | dbad[3]) != 0;
+          for (int rk = 0; rk < BK; rk += 32)
+            for (int nb = 0; nb < da / 32; ++nb) {
+              const std::size_t o0 = std::size_t(2 * nb) * 16 * nq + std::size_t(q0) * 16;
+              const std::size_t o1 = o0 + std::size_t(16) * nq;
+              if (!do_poisoned)
+                block(BQ / 32, pt16 + rk * BQ, BQ, dov + o0, dov + o1, dva + rk * da + nb * 32, da,
+                      true);
+              if (!q_poisoned)
+                block(BQ / 32, dst16 + rk * BQ, BQ, qv + o0, qv + o1, dka + rk * da + nb * 32, da,
+                      true);
+            }
+          if (do_poisoned) select_at(pt16, dob, q0, dva);
+          if (q_poisoned) select_at(dst16, qb, q0, dka);
+          if (partial && k_poisoned) {
+            // dQ^T(d, c) += sum over the kept rows r of dS^T(r, c) K(k0 + r, d).
+            for (int c = 0; c < q_rows; ++c)
+              for (int r = 0; r < BK; ++r) {
+                const float x = amx_float(dst16[r * BQ + c]);
+                if (x == 0.0f) continue;
+                for (int d = 0; d < da; ++d)
+                  dq_head[std::size_t(d) * nq + q0 + c] +=
+                      x * amx_float(ka[std::size_t(k0 + r) * da + d]);
+              }
+          } else {
+            for (int d0 = 0; d0 < da; d0 += 32)
+              for (int cq = 0; cq < BQ; cq += 32)
+                block(BK / 32, kt + std::size_t(d0) * nk + k0, nk, dsv + std::size_t(cq) * BK,
+                      dsv + std::size_t(cq + 16) * BK, dq_head + std::size_t(d0) * nq + q0 + cq, nq,
+                      true);
+          }
+        }
+      }
+      for (int r = 0; r < k_rows; ++r)
+        for (int d = 0; d < dim; ++d) {
+          const float kval = scale * dka[r * da + d], vval = dva[r * da + d];
+          dk(b, k0 + r, hk, d) = GS(accumulate ? float(dk(b, k0 + r, hk, d)) + kval : kval);
+          dv(b, k0 + r, hk, d) = GS(accumulate ? float(dv(b, k0 + r, hk, d)) + vval : vval);
+        }
+    }
+    if (matrix_tiles) amx_release();
+  }
+
+  /// acc (BK x da) += A X over the kept pairs: A (BK x BQ bf16: P^T or dS^T),
+  /// X the B operand over d (qb / dob layout) from row q0; zeros skipped.
+  void select_at(const std::uint16_t* a, const std::uint16_t* xb, int q0, float* acc) const {
+    for (int r = 0; r < BK; ++r)
+      for (int c = 0; c < BQ; ++c) {
+        const float x = amx_float(a[r * BQ + c]);
+        if (x == 0.0f) continue;
+        const int i = q0 + c;
+        const std::uint16_t* const row = xb + std::size_t(i / 16) * 16 * da + (i % 16) * 2;
+        for (int d = 0; d < da; ++d) acc[r * da + d] += x * amx_float(row[(d / 2) * 32 + d % 2]);
+      }
+  }
+
+  /// The kept key rows of each query column of a partial tile pair: an
+  /// interval (masks with allowed_keys), else keep bytes (rows BQ apart).
+  void column_ranges(int q0, int q_rows, int k0, int k_rows, int* lo, int* hi,
+                     unsigned char* keep) const {
+    for (int c = 0; c < q_rows; ++c) {
+      const index_type qp = qpos(q0 + c);
+      if constexpr (has_allowed_keys<Mask>::value) {
+        const ColumnRange cols = allowed_columns(mask, qp, kpos, k0, k_rows);
+        lo[c] = cols.lo;
+        hi[c] = cols.hi;
+      } else {
+        const RowMask<Mask> allow(mask, qp, true);
+        for (int r = 0; r < BK; ++r) keep[r * BQ + c] = r < k_rows && allow(kpos(k0 + r));
+      }
+    }
+    if constexpr (!has_allowed_keys<Mask>::value)
+      for (int c = q_rows; c < BQ; ++c)
+        for (int r = 0; r < BK; ++r) keep[r * BQ + c] = 0;
+  }
+};
+
+/// dq = [dq +] scale * (sum over the slices of dQ^T), transposed: dqt
+/// (slices, batch, head, da, nq) as AmxBackwardKernel leaves it.
+template <class ExecSpace, class DQV>
+void finish_dq_transposed(const ExecSpace& exec, const float* dqt, const DQV& dq, int nq, int da,
+                          float scale, bool accumulate, int slices) {
+  using GS = typename DQV::non_const_value_type;
+  const int batch = int(dq.extent(0)), queries = int(dq.extent(1)), heads = int(dq.extent(2)),
+            dim = int(dq.extent(3));
+  const std::size_t per_slice = std::size_t(batch) * heads * da * nq;
+  Kokkos::parallel_for("blockattn::backward_finish_dq_amx",
+                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, std::int64_t(batch) * heads * queries),
+                       [=](const std::int64_t row) {
+                         const int i = int(row % queries), h = int((row / queries) % heads),
+                                   b = int(row / (std::int64_t(queries) * heads));
+                         const float* const base = dqt + (std::size_t(b) * heads + h) * da * nq + i;
+                         for (int d = 0; d < dim; ++d) {
+                           float sum = base[std::size_t(d) * nq];
+                           for (int s = 1; s < slices; ++s)
+                             sum += base[s * per_slice + std::size_t(d) * nq];
+                           const float val = scale * sum;
+                           dq(b, i, h, d) = GS(accumulate ? float(dq(b, i, h, d)) + val : val);
+                         }
+                       });
+}
+#endif  // BLOCKATTN_AMX_BACKWARD
+
+}  // namespace blockattn::impl
