@@ -232,7 +232,7 @@ struct CountingPositions {
   index_type rows = 0;
   int* outside = nullptr;  // one counter in the execution space's memory
   KOKKOS_INLINE_FUNCTION index_type operator()(index_type i) const {
-    if (i < 0 || i >= rows) Kokkos::atomic_increment(outside);
+    if (i < 0 || i >= rows) Kokkos::atomic_fetch_add(outside, 1);
     return offset + i;
   }
 };

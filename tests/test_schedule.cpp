@@ -318,9 +318,12 @@ void check_description(const ScheduleContext& c, const std::set<std::pair<int, i
       }
   }
   CHECK(flying.empty());  // inputs all arrive within the steps
-  for (const auto& [pair, times] : computed) {
+  for (const auto& entry : computed) {
+    // Not a structured binding: INFO captures it in a lambda (C++17 forbids
+    // capturing bindings; clang before 16 says so).
+    const auto& pair = entry.first;
     INFO("pair (", pair.first, ", ", pair.second, ")");
-    CHECK(times == 1);
+    CHECK(entry.second == 1);
     CHECK(expected.count(pair) == 1);
   }
   CHECK(computed.size() == expected.size());
