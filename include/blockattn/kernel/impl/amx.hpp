@@ -138,6 +138,7 @@ inline HostMatrixEngine detect_host_matrix_engine(const char* env) {
     return e;
   }
 #if BLOCKATTN_HOST_AMX
+  e.vector_by_default = setting == "avx512bf16";  // the setting, whatever the CPU runs
   // The engine lives in the AVX-512 kernels: none where the host kernels run
   // another ISA (the CPU's, or a cap by BLOCKATTN_HOST_ISA).
   if (const HostIsa isa = dispatched_host_isa(); isa != HostIsa::avx512) {
@@ -147,7 +148,6 @@ inline HostMatrixEngine detect_host_matrix_engine(const char* env) {
   }
   const std::string vec_why = avx512_bf16_cpu_reason();
   e.avx512_bf16 = vec_why.empty();
-  e.vector_by_default = setting == "avx512bf16";
   if (e.vector_by_default) {
     e.reason = e.avx512_bf16 ? "" : vec_why;
   } else {

@@ -10,6 +10,7 @@
 #include <blockattn/kernel/isa.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -142,7 +143,10 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
   const std::int64_t rows = std::int64_t(p.q.extent(0)) * heads * padded;
   // One query row per iteration through pointers (no view index per
   // element): the source rows through their stride (any layout), the packed
-  // rows contiguous. D sums d = 0, 1, ... in order, one product at a time.
+  // rows contiguous. D sums d = 0, 1, ... in order, one product at a time,
+  // fused on the FMA ISAs as their kernels' dP is: left to the compiler,
+  // GCC's Zen tuning (-march=znver3: "avoid FMA chains") splits this chain
+  // into multiply and add, and a row with one allowed key got dS != 0.
   const std::ptrdiff_t qs = static_cast<std::ptrdiff_t>(q.stride(3));
   const std::ptrdiff_t ds = static_cast<std::ptrdiff_t>(dout.stride(3));
   const std::ptrdiff_t os = static_cast<std::ptrdiff_t>(o.stride(3));
@@ -162,7 +166,10 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
         const T dov = T(dorow[d * ds]);
         q_row[d] = S(qrow[d * qs]);
         do_row[d] = S(dov);
-        acc += dov * T(orow[d * os]);
+        if constexpr (Isa == HostIsa::avx2 || Isa == HostIsa::avx512)
+          acc = std::fma(dov, T(orow[d * os]), acc);  // fused, as the kernels' dP
+        else
+          acc += dov * T(orow[d * os]);
       }
     }
     for (int d = live; d < dim_padded; ++d) {
