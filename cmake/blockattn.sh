@@ -186,11 +186,12 @@ configure() {
     extra=-DBLOCKATTN_CONSUMER_EXTRA_KOKKOS_DIR=/usr/lib/x86_64-linux-gnu/cmake/Kokkos
   # Tests, examples and tools ON whatever the tree's cache says (a tree
   # configured by hand without them, e.g. for an install, still runs the
-  # demo); the caller's -D... come last and win.
+  # demo); examples, tools and benchmarks at -O3 (BLOCKATTN_APPS_OPT empty:
+  # `test` asks for -O1); the caller's -D... come last and win.
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
     -DKokkosKernels_ROOT="$kokkos" -DBLOCKATTN_BUILD_TESTS=ON -DBLOCKATTN_BUILD_EXAMPLES=ON \
     -DBLOCKATTN_BUILD_TOOLS=ON -DBLOCKATTN_BUILD_KERNELS=ON \
-    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" $extra "$@" >/dev/null
+    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= $extra "$@" >/dev/null
 }
 
 # Open MPI: allow running as root (CI containers) and avoid the single-copy
@@ -236,7 +237,9 @@ case "$cmd" in
     ;;
   test)
     ensure_deps
-    configure
+    # The examples, tools and benchmarks at -O1: ctest runs their command
+    # lines and small examples, not their speed (CMakeLists.txt, BLOCKATTN_APPS_OPT).
+    configure -DBLOCKATTN_APPS_OPT=-O1
     cmake --build "$build" -j "$jobs"
     (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
     "${BASH_SOURCE[0]}" test-sanitize
