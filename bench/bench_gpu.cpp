@@ -9,10 +9,14 @@
 //
 //   blockattn_bench_gpu [--lengths 4096,8192,16384] [--heads 16] [--dim 128]
 //                       [--reps 5] [--dtypes fp32,bf16] [--torch FILE] [--portable 0|1]
+//                       [--guard 0|1]
 //
 // The `path` column says which implementation ran (kernel/fused.hpp): `fused`
 // (cuDNN, in a build with BLOCKATTN_ENABLE_CUDNN, bf16 band masks) or `ours`
-// (BlockAttn's kernels; every call with --portable 1).
+// (BlockAttn's kernels; every call with --portable 1), `tc` (BlockAttn's
+// tensor-core forward, kernel/impl/cuda_flash.hpp). --guard 0 skips the
+// check of V for inf / NaN that masked cuDNN calls make first
+// (ForwardOptions::guard_masked_nonfinite): its cost is the difference.
 //
 // FLOP conventions (as bench_forward.cpp and FlashAttention's): 4 * D per
 // allowed query-key pair forward, 2.5x that backward, counted on the pairs the
@@ -63,11 +67,12 @@ namespace bench_gpu {
 /// bf16; bf16 is stored in 16 bits and computed in fp32, LSE in fp32).
 template <class T>
 void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengths, int heads,
-              int dim, int reps, bool portable,
+              int dim, int reps, bool portable, bool guard,
               const std::map<std::string, std::pair<double, std::string>>& torch) {
   blockattn::BlockPathCounts paths;
   blockattn::ForwardOptions opts;
   opts.portable_only = portable;
+  opts.guard_masked_nonfinite = guard;
   opts.paths = &paths;
   using V4 = Kokkos::View<T****, Kokkos::LayoutRight, Exec::memory_space>;
   Kokkos::Random_XorShift64_Pool<Exec> pool(7);
@@ -111,7 +116,9 @@ void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengt
       for (int op = 0; op < 2; ++op) {
         paths = {};
         const double s = op == 0 ? best_seconds(exec, reps, fwd) : best_seconds(exec, reps, bwd);
-        const char* path = paths.fused > 0 ? (paths.portable > 0 ? "mixed" : "fused") : "ours";
+        const char* path = paths.fused > 0    ? (paths.portable > 0 ? "mixed" : "fused")
+                           : paths.matrix > 0 ? "tc"
+                                              : "ours";
         const double tf = (op == 0 ? 1.0 : 2.5) * fwd_flops / s * 1e-12;
         const std::string key = std::string(op == 0 ? "fwd" : "bwd") + "/" + std::to_string(n) +
                                 "/" + std::to_string(dim) + "/" + mask + "/" + dtype;
@@ -135,7 +142,7 @@ void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengt
 struct Args {
   std::vector<int> lengths{4096, 8192, 16384};
   std::vector<std::string> dtypes{"fp32", "bf16"};
-  int heads = 16, dim = 128, reps = 5, portable = 0;
+  int heads = 16, dim = 128, reps = 5, portable = 0, guard = 1;
   std::string torch_file;
 };
 
@@ -149,6 +156,7 @@ CUDA/HIP build), B = 1, full and causal masks, next to PyTorch's SDPA rates.
   --dtypes T,..    fp32 and/or bf16 [fp32,bf16]
   --torch FILE     PyTorch's rates (bench/torch_sdpa.py --device cuda ...) to print next to ours
   --portable 0|1   1: our kernels only, never the fused (cuDNN) path [0]
+  --guard 0|1      0: masked cuDNN calls skip their check of V for inf / NaN [1]
   --help, -h       this text
 Kokkos' flags (--kokkos-device-id=N, ...) pass through. Exit status 2: a bad
 command line or an error the library reports.
@@ -159,7 +167,7 @@ std::string parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
     if (a != "--lengths" && a != "--heads" && a != "--dim" && a != "--reps" && a != "--dtypes" &&
-        a != "--torch" && a != "--portable")
+        a != "--torch" && a != "--portable" && a != "--guard")
       return "unknown argument " + a + " (blockattn_bench_gpu --help lists the flags)";
     if (i + 1 == argc) return a + " needs a value";
     const std::string val = argv[i + 1];
@@ -169,6 +177,7 @@ std::string parse_args(int argc, char** argv, Args& args) {
     if (a == "--dim") error = blockattn_cli::read_int(a, val, args.dim);
     if (a == "--reps") error = blockattn_cli::read_int(a, val, args.reps);
     if (a == "--portable") error = blockattn_cli::read_int(a, val, args.portable, 0, 1);
+    if (a == "--guard") error = blockattn_cli::read_int(a, val, args.guard, 0, 1);
     if (!error.empty()) return error;
     if (a == "--dtypes") {
       args.dtypes = blockattn_cli::split(val);
@@ -204,10 +213,10 @@ int main(int argc, char** argv) {
     for (const auto& d : args.dtypes) {
       if (d == "fp32")
         bench_gpu::run_type<float>(exec, "fp32", args.lengths, args.heads, args.dim, args.reps,
-                                   args.portable != 0, torch);
+                                   args.portable != 0, args.guard != 0, torch);
       else
         bench_gpu::run_type<blockattn::bf16>(exec, "bf16", args.lengths, args.heads, args.dim,
-                                             args.reps, args.portable != 0, torch);
+                                             args.reps, args.portable != 0, args.guard != 0, torch);
     }
     return 0;
   });

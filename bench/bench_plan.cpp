@@ -8,7 +8,10 @@
 // 2. Runs the distributed forward for every partition x schedule (causal mask
 //    by default): best of R of the slowest rank's time.
 // 3. Prints measured and predicted time and their ratio, and the measured and
-//    predicted speedups over the contiguous ring, all from this one run.
+//    predicted speedups over the contiguous ring, all from this one run; and
+//    the busiest rank's compute time (StepStats::compute_seconds summed; the
+//    planner's RankPlan::busy_s), which separates the kernel model's error
+//    from the waits'.
 //
 //   blockattn_bench_plan [--n-local n] [--heads H] [--dim D] [--reps R] [--mask causal|window:W]
 #include <blockattn/blockattn.hpp>
@@ -97,6 +100,8 @@ struct Runner {
   std::string partition, schedule;
   std::shared_ptr<int> steps = std::make_shared<int>(0);
   std::shared_ptr<std::int64_t> max_sent = std::make_shared<std::int64_t>(0);
+  /// The busiest rank's compute seconds, least over the runs.
+  std::shared_ptr<double> busy = std::make_shared<double>(1e300);
 };
 
 /// A Runner of any driver with DistributedAttention's forward().
@@ -116,6 +121,7 @@ Runner runner_for(Comm& comm, const Args& a, std::shared_ptr<Attn> attn, Predict
   r.predict = predict;
   auto steps = r.steps;
   auto max_sent = r.max_sent;
+  auto busy = r.busy;
   r.once = [=]() {
     c->barrier();
     const double t0 = now();
@@ -124,6 +130,9 @@ Runner runner_for(Comm& comm, const Args& a, std::shared_ptr<Attn> attn, Predict
     const double t = c->allreduce(now() - t0, ReduceOp::max);
     *steps = int(s.steps.size());
     *max_sent = c->allreduce(s.bytes_sent(), ReduceOp::max);
+    double compute = 0;
+    for (const auto& st : s.steps) compute += st.compute_seconds;
+    *busy = std::min(*busy, c->allreduce(compute, ReduceOp::max));
     return t;
   };
   return r;
@@ -257,15 +266,18 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
 
   struct Row {
     std::string partition, schedule;
-    double measured, predicted;
+    double measured, predicted, busy, predicted_busy;
     int steps, predicted_steps;
     std::int64_t sent, predicted_sent;
   };
   std::vector<Row> rows;
   for (std::size_t i = 0; i < runners.size(); ++i) {
     const plan::Prediction pr = runners[i].predict(pb, hw);
+    double pbusy = 0;
+    for (const auto& rk : pr.ranks) pbusy = std::max(pbusy, rk.busy_s());
     rows.push_back({runners[i].partition, runners[i].schedule, best[i], pr.makespan_s,
-                    *runners[i].steps, pr.steps(), *runners[i].max_sent, pr.max_bytes_sent()});
+                    *runners[i].busy, pbusy, *runners[i].steps, pr.steps(), *runners[i].max_sent,
+                    pr.max_bytes_sent()});
   }
 
   if (comm.rank() != 0) return;
@@ -278,23 +290,26 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
       "calibrated: F = %.1f GFLOP/s on full tiles, partial tile = %.2f full tiles, "
       "B = %.2f GB/s (ring exchange of one K/V block), latency %.1f us\n",
       F / 1e9, kappa, B / 1e9, lat * 1e6);
-  std::printf("%-11s %-16s %12s %12s %10s %13s %13s %11s %21s\n", "partition", "schedule",
+  std::printf("%-11s %-16s %12s %12s %10s %13s %13s %11s %21s %19s\n", "partition", "schedule",
               "measured", "predicted", "pred/meas", "meas vs ring", "pred vs ring", "steps m/p",
-              "max sent/rank m/p MB");
+              "max sent/rank m/p MB", "busy m/p ms");
   for (const Row& r : rows)
-    std::printf("%-11s %-16s %9.2f ms %9.2f ms %10.3f %12.2fx %12.2fx %5d/%-5d %10.2f/%-10.2f\n",
-                r.partition.c_str(), r.schedule.c_str(), r.measured * 1e3, r.predicted * 1e3,
-                r.predicted / r.measured, rows[0].measured / r.measured,
-                rows[0].predicted / r.predicted, r.steps, r.predicted_steps, double(r.sent) / 1e6,
-                double(r.predicted_sent) / 1e6);
+    std::printf(
+        "%-11s %-16s %9.2f ms %9.2f ms %10.3f %12.2fx %12.2fx %5d/%-5d %10.2f/%-10.2f "
+        "%9.2f/%-9.2f\n",
+        r.partition.c_str(), r.schedule.c_str(), r.measured * 1e3, r.predicted * 1e3,
+        r.predicted / r.measured, rows[0].measured / r.measured, rows[0].predicted / r.predicted,
+        r.steps, r.predicted_steps, double(r.sent) / 1e6, double(r.predicted_sent) / 1e6,
+        r.busy * 1e3, r.predicted_busy * 1e3);
   for (const Row& r : rows)
     std::printf(
         "{\"bench\":\"plan\",\"P\":%d,\"n_local\":%d,\"partition\":\"%s\",\"schedule\":"
         "\"%s\",\"measured_s\":%.6g,\"predicted_s\":%.6g,\"ratio\":%.4f,\"steps\":%d,"
-        "\"predicted_steps\":%d,\"max_sent\":%lld,\"predicted_max_sent\":%lld}\n",
+        "\"predicted_steps\":%d,\"max_sent\":%lld,\"predicted_max_sent\":%lld,\"busy_s\":%.6g,"
+        "\"predicted_busy_s\":%.6g}\n",
         P, a.n_local, r.partition.c_str(), r.schedule.c_str(), r.measured, r.predicted,
         r.predicted / r.measured, r.steps, r.predicted_steps, (long long)r.sent,
-        (long long)r.predicted_sent);
+        (long long)r.predicted_sent, r.busy, r.predicted_busy);
 }
 
 }  // namespace

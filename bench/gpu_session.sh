@@ -79,6 +79,11 @@ ldd "$cuda/tests/blockattn_test_cuda" 2>&1 | grep -E 'cudnn|nvrtc|cudart|not fou
 if [ -x "$cuda/tests/blockattn_test_cuda" ]; then
   step test_cuda 150 "$cuda/tests/blockattn_test_cuda" -d
   grep -sE 'test cases|assertions|Status|ERROR|FAILED' "$logs/test_cuda.log" | head -30 | tee -a "$out/session.log"
+  # The library's 16-bit cases again on the tensor-core forward's wide
+  # variant (BLOCKATTN_FLASH_VARIANT, kernel/impl/flash_path.hpp).
+  step test_cuda_wide 60 env BLOCKATTN_FLASH_VARIANT=wide "$cuda/tests/blockattn_test_cuda" \
+    -tc='16-bit*,bf16*'
+  grep -sE 'test cases|assertions|Status' "$logs/test_cuda_wide.log" | tee -a "$out/session.log"
 else
   log "no $cuda/tests/blockattn_test_cuda: skipped"
 fi
@@ -89,6 +94,10 @@ if [ -x "$cuda/bench/blockattn_bench_gpu" ]; then
     --lengths 4096,8192,16384 --dtypes "$dtypes" --out "$logs/torch.txt"
   step bench_gpu 120 "$cuda/bench/blockattn_bench_gpu" --dtypes "$dtypes" --torch "$logs/torch.txt"
   [ -f "$logs/bench_gpu.log" ] && cat "$logs/bench_gpu.log" >>"$out/session.log"
+  # The cost of the check of V for inf / NaN that masked cuDNN calls make.
+  step bench_gpu_noguard 60 "$cuda/bench/blockattn_bench_gpu" --dtypes bf16 --guard 0 \
+    --torch "$logs/torch.txt"
+  grep -s causal "$logs/bench_gpu_noguard.log" >>"$out/session.log"
 else
   log "no $cuda/bench/blockattn_bench_gpu: skipped"
 fi
@@ -134,6 +143,9 @@ if [ -d .mpi ]; then
       step "bench_plan_np$np" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
         mpiexec -n $np --oversubscribe --bind-to none "$host/bench/blockattn_bench_plan"
       tail -15 2>/dev/null "$logs/bench_plan_np$np.log" >>"$out/session.log"
+      # Four heads (the query tiles spread over more teams than threads).
+      step "bench_plan_np${np}_h4" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
+        mpiexec -n $np --oversubscribe --bind-to none "$host/bench/blockattn_bench_plan" --heads 4
     done
   fi
 else
@@ -144,8 +156,25 @@ fi
 if [ -x "$cuda/tests/blockattn_flash_check" ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     step "flash_$tool" 90 compute-sanitizer --tool $tool --error-exitcode 9 \
-      "$cuda/tests/blockattn_flash_check"
+      "$cuda/tests/blockattn_flash_check" --variant "${FLASH_SANITIZE_VARIANT:-wide}"
     grep -sE 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$logs/flash_$tool.log" | tee -a "$out/session.log"
+  done
+fi
+# 4b. compute-sanitizer memcheck on the score-policy cases (their LSE).
+if [ -x "$cuda/tests/blockattn_test_cuda" ] && command -v compute-sanitizer >/dev/null; then
+  step score_memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$cuda/tests/blockattn_test_cuda" -tc='score policies and sinks match*'
+  grep -sE 'ERROR SUMMARY|test cases' "$logs/score_memcheck.log" | tee -a "$out/session.log"
+fi
+# 4c. Nsight Compute on one launch of the tensor-core forward (N = 4096, full):
+#     speed of light, occupancy, the pipes (where the runtime lets ncu read
+#     the counters; --clock-control none leaves the clocks alone).
+if [ -x "$cuda/tests/blockattn_flash_check" ] && command -v ncu >/dev/null; then
+  for v in ${NCU_VARIANTS:-regs wide}; do
+    step "ncu_$v" 60 ncu --clock-control none --kernel-name regex:forward_kernel --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section WarpStateStats \
+      "$cuda/tests/blockattn_flash_check" --bench --reps 1 --variant "$v"
   done
 fi
 # 5. Our kernels alone at one length (the fused path's gain), score policies

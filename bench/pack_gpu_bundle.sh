@@ -13,6 +13,8 @@
 # make it by name), the host build's
 # blockattn_bench_plan and blockattn_bench_serve, and Open MPI.
 # Then: run(carry [".gpu"], command "bash bench/gpu_session.sh").
+# SKIP="name ...": leave those binaries out (e.g. SKIP="blockattn_test_random_cuda
+# blockattn_bench_score" when the bundle would pass the carry limit: it says so).
 set -euo pipefail
 cuda=${1:?usage: pack_gpu_bundle.sh <cuda build dir> [<host build dir>] [<mpi dir>]}
 host=${2:-}
@@ -25,6 +27,7 @@ for f in tests/blockattn_test_cuda tests/blockattn_test_distributed_cuda tests/b
   tests/blockattn_test_fused_distributed_cuda tests/blockattn_test_random_cuda \
   bench/blockattn_bench_gpu \
   bench/blockattn_bench_decode bench/blockattn_bench_score bench/blockattn_bench_steps; do
+  if [[ " ${SKIP:-} " == *" $(basename "$f") "* ]]; then echo "left out $f (SKIP)"; continue; fi
   if [ -x "$cuda/$f" ]; then strip -o "$stage/build-cuda/$f" "$cuda/$f"; else echo "missing $cuda/$f"; fi
 done
 for f in bench/blockattn_bench_plan bench/blockattn_bench_serve; do
@@ -36,10 +39,20 @@ if [ -n "$host" ] && [ -x "$host/bench/blockattn_bench_plan" ]; then
   ldd "$host/bench/blockattn_bench_plan" | awk '/libkokkos/ {print $3}' |
     while read -r lib; do cp -L "$lib" "$stage/build-host/lib/"; done
 fi
-if [ -n "$mpi" ]; then cp -a "$mpi" "$stage/.mpi"; fi
+if [ -n "$mpi" ]; then
+  cp -a "$mpi" "$stage/.mpi"
+  rm -rf "$stage/.mpi/usr/share/doc" "$stage/.mpi/usr/share/man"  # not needed to run
+fi
 mkdir -p "$repo/.gpu"
 # xz: device code compresses to about two thirds of gzip's size.
 rm -f "$repo/.gpu/bundle.tar.gz" "$repo/.gpu/bundle.tar.xz"
 XZ_OPT="-6 -T0" tar -C "$stage" -cJf "$repo/.gpu/bundle.tar.xz" .
 rm -rf "$stage"
 ls -la "$repo/.gpu/bundle.tar.xz"
+# The device tool carries at most 64 MiB: the bundle and the working tree.
+size=$(stat -c %s "$repo/.gpu/bundle.tar.xz")
+tree=$(cd "$repo" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+if [ $((size + tree)) -gt $((64 * 1024 * 1024)) ]; then
+  echo "the bundle ($size bytes) and the working tree ($tree bytes) pass the 64 MiB carry limit: SKIP some binaries" >&2
+  exit 1
+fi

@@ -1,10 +1,12 @@
 #!/bin/sh
 # Checks, without a GPU, that the tensor-core forward is on the tensor cores:
 # the embedded sm_90 machine code of every kernel of kernel/impl/cuda_flash.hpp
-# (the library's variant, Q in registers)
-# in a binary holds HMMA (mma.sync) and LDSM (ldmatrix) instructions and no
+# (every variant) in a binary holds HMMA (mma.sync) and LDSM (ldmatrix)
+# instructions, and the 64-row variants (regs, smem: one m-tile per warp) no
 # local-memory traffic (LDL/STL: a register array spilled or indexed at run
-# time). A refactor that loses either fails here, not only in a timing.
+# time); the wide variant (two m-tiles per warp, 255 registers) spills a few
+# bytes at D = 128 by design: its LDL/STL counts are printed, not failed.
+# A refactor that loses the tensor cores fails here, not only in a timing.
 #   check_flash_sass.sh <cuobjdump> <binary>
 # Exit 77 (skipped) without cuobjdump.
 set -eu
@@ -19,7 +21,11 @@ trap 'rm -rf "$tmp"' EXIT
 "$cuobjdump" -sass "$exe" >"$tmp/sass"
 # One block per function: "Function : <mangled name>" then its instructions.
 awk -v dir="$tmp" '
-  /Function :/ { f = ($0 ~ /flash14forward_kernelILi[0-9]+ELb[01]ELb1E/); n++; next }
+  /Function :/ {
+    f = ($0 ~ /flash14forward_kernelILi[0-9]+ELb[01]ELi[0-9]+ELb[01]E/); n++
+    if (f) { wide = ($0 ~ /forward_kernelILi[0-9]+ELb[01]ELi2E/); print wide > (dir "/w" n) }
+    next
+  }
   f { print > (dir "/k" n) }' "$tmp/sass"
 kernels=$(ls "$tmp" | grep -c '^k' || true)
 if [ "$kernels" -eq 0 ]; then
@@ -31,10 +37,13 @@ for k in "$tmp"/k*; do
   hmma=$(grep -c 'HMMA' "$k" || true)
   ldsm=$(grep -c 'LDSM' "$k" || true)
   local_mem=$(grep -cE '\b(LDL|STL)\b' "$k" || true)
-  if [ "$hmma" -eq 0 ] || [ "$ldsm" -eq 0 ] || [ "$local_mem" -ne 0 ]; then
+  wide=$(cat "$tmp/w${k##*/k}" 2>/dev/null || echo 0)
+  if [ "$hmma" -eq 0 ] || [ "$ldsm" -eq 0 ] || { [ "$wide" -eq 0 ] && [ "$local_mem" -ne 0 ]; }; then
     echo "FAILED: $(basename "$k"): HMMA $hmma, LDSM $ldsm, LDL/STL $local_mem"
     status=1
+  elif [ "$wide" -eq 1 ] && [ "$local_mem" -ne 0 ]; then
+    echo "wide variant $(basename "$k"): LDL/STL $local_mem (spills, allowed)"
   fi
 done
-echo "$kernels tensor-core forward kernels: HMMA and LDSM in each, no local memory"
+echo "$kernels tensor-core forward kernels: HMMA and LDSM in each, no local memory in the 64-row variants"
 exit $status

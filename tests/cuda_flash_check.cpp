@@ -4,6 +4,7 @@
 //
 //   blockattn_flash_check                 every check case; exit 0 / 1, 77 without a GPU
 //   blockattn_flash_check --bench [--torch FILE] [--reps R]
+//   --variant regs|smem|wide   only that kernel variant (default: all three)
 //
 // Checks: bf16 and fp16, head dims 64 and 128, GQA, lengths that are not
 // multiples of the tiles, position maps with offsets and two pieces (a
@@ -41,7 +42,9 @@ namespace {
 using blockattn::index_type;
 namespace flash = blockattn::impl::flash;
 
-bool q_in_registers = true;  // the kernel variant under check
+flash::Variant variant = flash::Variant::regs;  // the kernel variant under check
+std::vector<flash::Variant> variants{flash::Variant::regs, flash::Variant::smem,
+                                     flash::Variant::wide};  // --variant
 
 #define CUDA_OK(x)                                                                             \
   do {                                                                                         \
@@ -51,6 +54,10 @@ bool q_in_registers = true;  // the kernel variant under check
       std::exit(1);                                                                            \
     }                                                                                          \
   } while (0)
+
+const char* variant_name(flash::Variant v) {
+  return v == flash::Variant::regs ? "regs" : v == flash::Variant::smem ? "smem" : "wide";
+}
 
 std::uint16_t to_bits(float x, bool bf16) {
   if (bf16) return __nv_bfloat16_raw(__float2bfloat16_rn(x)).x;
@@ -152,7 +159,7 @@ bool check(const char* name, const Shape& s, const Mask& mask, const QPos& qpos,
   CUDA_OK(cudaMemset(dlse.p, 0xff, std::size_t(s.batch) * s.heads * s.queries * 4));
 
   flash::Args a = contiguous_args(s, dq.p, dk.p, dv.p, dout.p, dlse.p);
-  a.q_in_registers = q_in_registers;
+  a.variant = variant;
   if (!flash::supports(a, s.dim)) {
     std::printf("FAIL %-28s not supported\n", name);
     return false;
@@ -351,10 +358,10 @@ void bench(const std::string& torch_file, int reps) {
       const double len = double(docs[i + 1] - docs[i]);
       doc_pairs += len * (len + 1) / 2;
     }
-    for (int variant = 0; variant < 2; ++variant)
+    for (const flash::Variant fv : variants)
       for (int mk = 0; mk < 3; ++mk) {
-        a.q_in_registers = variant == 0;
-        const char* qv = variant == 0 ? "regs" : "smem";
+        a.variant = fv;
+        const char* qv = variant_name(fv);
         const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
         const double pairs = mk == 0   ? double(n) * n
                              : mk == 1 ? double(n) * (n + 1) / 2
@@ -395,7 +402,18 @@ int main(int argc, char** argv) {
       torch_file = argv[++i];
     else if (f == "--reps" && i + 1 < argc)
       reps = std::max(1, std::atoi(argv[++i]));
-    else {
+    else if (f == "--variant" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v != "regs" && v != "smem" && v != "wide") {
+        std::fprintf(stderr,
+                     "blockattn_flash_check: --variant: expected regs, smem or wide, got %s\n",
+                     v.c_str());
+        return 2;
+      }
+      variants = {v == "regs"   ? flash::Variant::regs
+                  : v == "smem" ? flash::Variant::smem
+                                : flash::Variant::wide};
+    } else {
       std::fprintf(stderr, "blockattn_flash_check: unknown argument %s\n", f.c_str());
       return 2;
     }
@@ -410,9 +428,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   int failed = 0;
-  for (bool regs : {true, false}) {
-    q_in_registers = regs;
-    std::printf("-- Q fragments in %s\n", regs ? "registers" : "shared memory");
+  for (const flash::Variant fv : variants) {
+    variant = fv;
+    std::printf("-- variant %s\n", variant_name(fv));
     for (int dim : {64, 128}) {
       failed += check_all<true>(dim);
       failed += check_all<false>(dim);

@@ -164,12 +164,15 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
       const auto* const orow = &o(b, i, h, 0);
       for (int d = 0; d < live; ++d) {
         const T dov = T(dorow[d * ds]);
+        // Read before the constexpr-if: nvcc rejects an extended lambda's
+        // first capture of a variable (os) inside one.
+        const T ov = T(orow[d * os]);
         q_row[d] = S(qrow[d * qs]);
         do_row[d] = S(dov);
         if constexpr (Isa == HostIsa::avx2 || Isa == HostIsa::avx512)
-          acc = std::fma(dov, T(orow[d * os]), acc);  // fused, as the kernels' dP
+          acc = std::fma(dov, ov, acc);  // fused, as the kernels' dP
         else
-          acc += dov * T(orow[d * os]);
+          acc += dov * ov;
       }
     }
     for (int d = live; d < dim_padded; ++d) {

@@ -2,11 +2,15 @@
 // A tensor-core forward for 16-bit inputs on CUDA (sm_80 and later), in the
 // FlashAttention-2 recipe, for every mask on global positions:
 //
-//   one CTA = 4 warps = 64 query rows (16 per warp) of one (batch, head);
-//   Q (64 x D), K and V tiles (64 keys x D) staged in shared memory by 16-byte
-//   cp.async, XOR-swizzled by 16-byte chunk (chunk ^ (row & 7)) so that
-//   ldmatrix reads 8 rows without bank conflicts; Q kept in registers as
-//   mma A fragments; S = Q K^T by mma.sync.m16n8k16 (fp32 accumulation); the
+//   one CTA = 4 warps of one (batch, head); the default variant ("wide")
+//   takes 128 query rows, two 16-row m-tiles per warp, so that each K / V
+//   fragment read from shared memory feeds four products; "regs" and "smem"
+//   take 64 rows, one m-tile per warp (Variant);
+//   Q (128 or 64 x D), K and V tiles (64 keys x D) staged in shared memory by
+//   16-byte cp.async, XOR-swizzled by 16-byte chunk (chunk ^ (row & 7)) so
+//   that ldmatrix reads 8 rows without bank conflicts; Q's mma A fragments
+//   read from shared memory at every key tile (kept in registers by "regs");
+//   S = Q K^T by mma.sync.m16n8k16 (fp32 accumulation); the
 //   online softmax in exp2 on the fragments; P rounded to the storage type
 //   as the A fragment of O += P V (V through ldmatrix.trans); V's load
 //   overlaps Q K^T and the next K tile's load overlaps P V.
@@ -38,10 +42,30 @@
 
 namespace blockattn::impl::flash {
 
-constexpr int block_m = 64;  // query rows of one CTA
 constexpr int block_n = 64;  // keys of one tile
-constexpr int warps = 4;     // 16 query rows each
+constexpr int warps = 4;     // 16 query rows (one m-tile) each, or 32 (wide)
 constexpr int threads = warps * 32;
+
+/// The kernel's variants (all checked and timed by tests/cuda_flash_check.cpp;
+/// the library takes wide unless BLOCKATTN_FLASH_VARIANT names another, see
+/// flash_path.hpp):
+///   regs   64 rows per CTA, Q's fragments kept in registers (2 CTAs per SM);
+///   smem   64 rows per CTA, Q's fragments re-read from shared memory at every
+///          key tile (fewer registers: 3 CTAs per SM);
+///   wide   128 rows per CTA (two m-tiles per warp, Q from shared memory):
+///          each K and V fragment read by ldmatrix feeds four products instead
+///          of two (shared-memory reads per product halved); 255 registers,
+///          2 CTAs per SM, and at D = 128 a few spilled (ptxas: 8 bytes with
+///          the full mask, 92 causal, 160 documents).
+enum class Variant { regs, smem, wide };
+
+/// m-tiles (16 rows) per warp, and query rows per CTA, of a variant.
+constexpr int m_tiles(Variant v) {
+  return v == Variant::wide ? 2 : 1;
+}
+constexpr int block_m(Variant v) {
+  return warps * 16 * m_tiles(v);
+}
 
 /// One call's operands: element strides (batch, sequence, head) of Q, K, V,
 /// O (head dim contiguous) and (batch, head, row) of LSE.
@@ -55,12 +79,12 @@ struct Args {
                o_stride[3] = {0, 0, 0}, lse_stride[3] = {0, 0, 0};
   int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0;
   float scale = 1.0f;
-  bool q_in_registers = true;  // the kernel variant (see forward_kernel)
+  Variant variant = Variant::wide;  // the kernel variant (see Variant)
 };
 
 /// Shared-memory bytes of one CTA for head dim D: Q, K and V tiles.
-constexpr int smem_bytes(int D) {
-  return (block_m + 2 * block_n) * D * 2;
+constexpr int smem_bytes(int D, Variant v) {
+  return (block_m(v) + 2 * block_n) * D * 2;
 }
 
 /// Element offset of (row, 16-byte chunk) in a swizzled tile of D columns.
@@ -133,13 +157,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-/// Loads rows [row0, row0 + 64) of a (rows x D) operand into a swizzled tile;
-/// rows at or past `rows` are zero-filled.
-template <int D>
+/// Loads rows [row0, row0 + TileRows) of a (rows x D) operand into a
+/// swizzled tile; rows at or past `rows` are zero-filled.
+template <int D, int TileRows = block_n>
 __device__ __forceinline__ void load_tile(std::uint16_t* tile, const std::uint16_t* base,
                                           std::int64_t row_stride, int row0, int rows) {
   constexpr int chunks = D / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < block_n * chunks; i += threads) {
+  for (int i = threadIdx.x; i < TileRows * chunks; i += threads) {
     const int r = i / chunks, c = i % chunks;
     const int row = row0 + r;
     const bool in = row < rows;
@@ -286,24 +310,27 @@ __device__ void key_tile_range(const Mask& mask, const QPos& qpos, const KPos& k
   j_end = (k_hi + block_n - 1) / block_n;
 }
 
-/// QInRegs: Q's fragments loaded once and kept in registers (1 CTA per SM
-/// guaranteed by the bounds, the compiler takes what it needs); false: read
-/// from shared memory at every key tile (fewer registers: bounded for 3 CTAs
-/// per SM). Both are timed by tests/cuda_flash_check.cpp --bench.
-template <int D, bool IsBf16, bool QInRegs, class Mask, class QPos, class KPos>
-__global__ void __launch_bounds__(threads, QInRegs ? 1 : 3)
+/// One CTA: MT m-tiles of 16 query rows per warp (Variant). QInRegs (regs):
+/// Q's fragments loaded once and kept in registers (1 CTA per SM guaranteed
+/// by the bounds, the compiler takes what it needs); otherwise read from
+/// shared memory at every key tile (smem: bounded for 3 CTAs per SM; wide: 2).
+template <int D, bool IsBf16, int MT, bool QInRegs, class Mask, class QPos, class KPos>
+__global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
     forward_kernel(const Args a, const Mask mask, const QPos qpos, const KPos kpos) {
   static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
+  static_assert(!QInRegs || MT == 1, "Q in registers: one m-tile per warp");
+  constexpr int BM = warps * 16 * MT;  // query rows of the CTA
+  static_assert(BM <= threads, "key_tile_range: one thread per row");
   extern __shared__ __align__(128) std::uint16_t smem[];
   std::uint16_t* sq = smem;
-  std::uint16_t* sk = smem + block_m * D;
+  std::uint16_t* sk = smem + BM * D;
   std::uint16_t* sv = sk + block_n * D;
 
   const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first (causal)
   const int h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / (a.heads / a.kv_heads);
-  const int q0 = m_block * block_m;
-  const int q1 = q0 + block_m < a.queries ? q0 + block_m : a.queries;
+  const int q0 = m_block * BM;
+  const int q1 = q0 + BM < a.queries ? q0 + BM : a.queries;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
@@ -317,25 +344,31 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : 3)
   int j = next_tile(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
 
   // Q and the first K tile.
-  load_tile<D>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
+  load_tile<D, BM>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
   if (j < tiles) load_tile<D>(sk, kg, a.k_stride[1], j * block_n, a.keys);
   cp_async_commit();
 
-  // This thread's two rows (g and g + 8 of its warp's 16) and their positions.
-  const int row_lo = q0 + warp * 16 + g;
-  const int row_hi = row_lo + 8;
-  const index_type pos_lo = qpos(row_lo < q1 ? row_lo : q1 - 1);
-  const index_type pos_hi = qpos(row_hi < q1 ? row_hi : q1 - 1);
+  // This thread's rows: g and g + 8 of each of its warp's m-tiles (warp w
+  // holds rows [16 MT w, 16 MT (w + 1)) of the CTA); their positions are
+  // read where a partial tile needs them (registers are scarce at MT = 2).
+  const int row0 = q0 + warp * MT * 16 + g;  // row g of m-tile 0
   const float scale_log2 = a.scale * 1.4426950408889634f;
 
   constexpr int kd = D / 16;  // k-steps of Q K^T, and 16-column pairs of O
-  std::uint32_t qf[QInRegs ? kd : 1][4];
-  float o[2 * kd][4];
+  std::uint32_t qf[QInRegs ? kd : MT][4];
+  float o[MT][2 * kd][4];
 #pragma unroll
-  for (int n = 0; n < 2 * kd; ++n)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+    for (int n = 0; n < 2 * kd; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.0f;
+  float m_lo[MT], m_hi[MT], l_lo[MT], l_hi[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m_lo[mt] = m_hi[mt] = -INFINITY;
+    l_lo[mt] = l_hi[mt] = 0.0f;
+  }
   bool have_q = false;
 
   while (j < tiles) {
@@ -354,90 +387,110 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : 3)
       have_q = true;
     }
 
-    // S = Q K^T: 16 rows x 64 keys per warp, 8 n-tiles of 8 keys.
-    float s[8][4];
+    // S = Q K^T: 16 MT rows x 64 keys per warp, 8 n-tiles of 8 keys; each K
+    // fragment feeds the products of every m-tile.
+    float s[MT][8][4];
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < kd; ++kk) {
-      if constexpr (!QInRegs)
-        ldmatrix_x4(qf[0], sq + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
-      const std::uint32_t(&qa)[4] = qf[QInRegs ? kk : 0];
+      if constexpr (!QInRegs) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldmatrix_x4(qf[mt],
+                      sq + swz<D>((warp * MT + mt) * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      }
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         std::uint32_t r[4];
         ldmatrix_x4(
             r, sk + swz<D>(16 * p + (lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1)));
-        mma16816<IsBf16>(s[2 * p], qa, r[0], r[1]);
-        mma16816<IsBf16>(s[2 * p + 1], qa, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const std::uint32_t(&qa)[4] = qf[QInRegs ? kk : mt];
+          mma16816<IsBf16>(s[mt][2 * p], qa, r[0], r[1]);
+          mma16816<IsBf16>(s[mt][2 * p + 1], qa, r[2], r[3]);
+        }
       }
     }
 
     // Mask: keys past the end, and the mask itself in partial tiles.
     // `masked`: bit 2n + e (row g) and 16 + 2n + e (row g + 8) for the keys
     // masked out, which P V must skip when V holds inf or NaN.
-    std::uint32_t masked = 0;
+    std::uint32_t masked[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) masked[mt] = 0;
     if (kind == TileKind::partial || k1 - k0 < block_n) {
       const bool check = kind == TileKind::partial;
-      const RowMask<Mask> rm_lo(mask, pos_lo, check), rm_hi(mask, pos_hi, check);
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r_lo = row0 + 16 * mt, r_hi = r_lo + 8;
+        const RowMask<Mask> rm_lo(mask, qpos(r_lo < q1 ? r_lo : q1 - 1), check),
+            rm_hi(mask, qpos(r_hi < q1 ? r_hi : q1 - 1), check);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = k0 + 8 * n + 2 * t + e;
-          const bool in = key < k1;
-          const index_type kp = kpos(in ? key : k1 - 1);
-          if (!in || !rm_lo(kp)) {
-            s[n][e] = -INFINITY;
-            masked |= 1u << (2 * n + e);
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = k0 + 8 * n + 2 * t + e;
+            const bool in = key < k1;
+            const index_type kp = kpos(in ? key : k1 - 1);
+            if (!in || !rm_lo(kp)) {
+              s[mt][n][e] = -INFINITY;
+              masked[mt] |= 1u << (2 * n + e);
+            }
+            if (!in || !rm_hi(kp)) {
+              s[mt][n][2 + e] = -INFINITY;
+              masked[mt] |= 1u << (16 + 2 * n + e);
+            }
           }
-          if (!in || !rm_hi(kp)) {
-            s[n][2 + e] = -INFINITY;
-            masked |= 1u << (16 + 2 * n + e);
-          }
-        }
+      }
     }
 
-    // Online softmax of the two rows (the 4 threads of a group share a row).
-    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+    // Online softmax of the rows (the 4 threads of a group share a row).
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
-    }
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
-    for (int d = 1; d <= 2; d <<= 1) {
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, d));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, d));
-    }
-    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-    // A row that has seen nothing yet keeps max -inf: subtract 0 instead.
-    const float mu_lo = mn_lo == -INFINITY ? 0.0f : mn_lo * scale_log2;
-    const float mu_hi = mn_hi == -INFINITY ? 0.0f : mn_hi * scale_log2;
-    const float alpha_lo = fast_exp2(m_lo * scale_log2 - mu_lo);
-    const float alpha_hi = fast_exp2(m_hi * scale_log2 - mu_hi);
-    m_lo = mn_lo;
-    m_hi = mn_hi;
-    float sum_lo = 0.0f, sum_hi = 0.0f;
+      for (int n = 0; n < 8; ++n) {
+        mx_lo = fmaxf(mx_lo, fmaxf(s[mt][n][0], s[mt][n][1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[mt][n][2], s[mt][n][3]));
+      }
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      s[n][0] = fast_exp2(fmaf(s[n][0], scale_log2, -mu_lo));
-      s[n][1] = fast_exp2(fmaf(s[n][1], scale_log2, -mu_lo));
-      s[n][2] = fast_exp2(fmaf(s[n][2], scale_log2, -mu_hi));
-      s[n][3] = fast_exp2(fmaf(s[n][3], scale_log2, -mu_hi));
-      sum_lo += s[n][0] + s[n][1];
-      sum_hi += s[n][2] + s[n][3];
-    }
-    l_lo = l_lo * alpha_lo + sum_lo;
-    l_hi = l_hi * alpha_hi + sum_hi;
+      for (int d = 1; d <= 2; d <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, d));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, d));
+      }
+      const float mn_lo = fmaxf(m_lo[mt], mx_lo), mn_hi = fmaxf(m_hi[mt], mx_hi);
+      // A row that has seen nothing yet keeps max -inf: subtract 0 instead.
+      const float mu_lo = mn_lo == -INFINITY ? 0.0f : mn_lo * scale_log2;
+      const float mu_hi = mn_hi == -INFINITY ? 0.0f : mn_hi * scale_log2;
+      const float alpha_lo = fast_exp2(m_lo[mt] * scale_log2 - mu_lo);
+      const float alpha_hi = fast_exp2(m_hi[mt] * scale_log2 - mu_hi);
+      m_lo[mt] = mn_lo;
+      m_hi[mt] = mn_hi;
+      float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
-    for (int n = 0; n < 2 * kd; ++n) {
-      o[n][0] *= alpha_lo;
-      o[n][1] *= alpha_lo;
-      o[n][2] *= alpha_hi;
-      o[n][3] *= alpha_hi;
+      for (int n = 0; n < 8; ++n) {
+        s[mt][n][0] = fast_exp2(fmaf(s[mt][n][0], scale_log2, -mu_lo));
+        s[mt][n][1] = fast_exp2(fmaf(s[mt][n][1], scale_log2, -mu_lo));
+        s[mt][n][2] = fast_exp2(fmaf(s[mt][n][2], scale_log2, -mu_hi));
+        s[mt][n][3] = fast_exp2(fmaf(s[mt][n][3], scale_log2, -mu_hi));
+        sum_lo += s[mt][n][0] + s[mt][n][1];
+        sum_hi += s[mt][n][2] + s[mt][n][3];
+      }
+      l_lo[mt] = l_lo[mt] * alpha_lo + sum_lo;
+      l_hi[mt] = l_hi[mt] * alpha_hi + sum_hi;
+#pragma unroll
+      for (int n = 0; n < 2 * kd; ++n) {
+        o[mt][n][0] *= alpha_lo;
+        o[mt][n][1] *= alpha_lo;
+        o[mt][n][2] *= alpha_hi;
+        o[mt][n][3] *= alpha_hi;
+      }
     }
 
     // V_j ready; every warp is done with K_j: load the next live K tile.
@@ -455,26 +508,34 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : 3)
     if (next < tiles) load_tile<D>(sk, kg, a.k_stride[1], next * block_n, a.keys);
     cp_async_commit();
     if (v_bad) {
-      masked_pv<D, IsBf16>(o, s, masked, sv, lane);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) masked_pv<D, IsBf16>(o[mt], s[mt], masked[mt], sv, lane);
       j = next;
       continue;
     }
 
-    // O += P V: P's C fragments are the A fragments of 16-key steps.
+    // O += P V: P's C fragments are the A fragments of 16-key steps; each V
+    // fragment feeds the products of every m-tile.
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      std::uint32_t pa[4];
-      pa[0] = pack2<IsBf16>(s[2 * ks][0], s[2 * ks][1]);
-      pa[1] = pack2<IsBf16>(s[2 * ks][2], s[2 * ks][3]);
-      pa[2] = pack2<IsBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-      pa[3] = pack2<IsBf16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+      std::uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = pack2<IsBf16>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+        pa[mt][1] = pack2<IsBf16>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+        pa[mt][2] = pack2<IsBf16>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+        pa[mt][3] = pack2<IsBf16>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < kd; ++dp) {
         std::uint32_t r[4];
         ldmatrix_x4_trans(
             r, sv + swz<D>(16 * ks + (lane & 7) + (((lane >> 3) & 1) << 3), 2 * dp + (lane >> 4)));
-        mma16816<IsBf16>(o[2 * dp], pa, r[0], r[1]);
-        mma16816<IsBf16>(o[2 * dp + 1], pa, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<IsBf16>(o[mt][2 * dp], pa[mt], r[0], r[1]);
+          mma16816<IsBf16>(o[mt][2 * dp + 1], pa[mt], r[2], r[3]);
+        }
       }
     }
     j = next;
@@ -482,33 +543,38 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : 3)
   cp_async_wait_all();
 
   // Normalise and write O and LSE.
-#pragma unroll
-  for (int d = 1; d <= 2; d <<= 1) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, d);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, d);
-  }
-  // l == 0: the row saw nothing (O = 0, LSE = -inf); a NaN l stays NaN.
-  const float inv_lo = l_lo == 0.0f ? 0.0f : 1.0f / l_lo;
-  const float inv_hi = l_hi == 0.0f ? 0.0f : 1.0f / l_hi;
   auto* og = static_cast<std::uint16_t*>(a.o) + b * a.o_stride[0] + h * a.o_stride[2];
+  float* lg = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1];
 #pragma unroll
-  for (int n = 0; n < 2 * kd; ++n) {
-    const int col = 8 * n + 2 * t;
-    if (row_lo < q1)
-      *reinterpret_cast<std::uint32_t*>(og + std::int64_t(row_lo) * a.o_stride[1] + col) =
-          pack2<IsBf16>(o[n][0] * inv_lo, o[n][1] * inv_lo);
-    if (row_hi < q1)
-      *reinterpret_cast<std::uint32_t*>(og + std::int64_t(row_hi) * a.o_stride[1] + col) =
-          pack2<IsBf16>(o[n][2] * inv_hi, o[n][3] * inv_hi);
-  }
-  if (t == 0) {
-    float* lg = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1];
-    if (row_lo < q1)
-      lg[std::int64_t(row_lo) * a.lse_stride[2]] =
-          l_lo == 0.0f ? -INFINITY : m_lo * a.scale + logf(l_lo);
-    if (row_hi < q1)
-      lg[std::int64_t(row_hi) * a.lse_stride[2]] =
-          l_hi == 0.0f ? -INFINITY : m_hi * a.scale + logf(l_hi);
+  for (int mt = 0; mt < MT; ++mt) {
+    const int row_lo = row0 + 16 * mt, row_hi = row_lo + 8;
+    float ll = l_lo[mt], lh = l_hi[mt];
+#pragma unroll
+    for (int d = 1; d <= 2; d <<= 1) {
+      ll += __shfl_xor_sync(0xffffffffu, ll, d);
+      lh += __shfl_xor_sync(0xffffffffu, lh, d);
+    }
+    // l == 0: the row saw nothing (O = 0, LSE = -inf); a NaN l stays NaN.
+    const float inv_lo = ll == 0.0f ? 0.0f : 1.0f / ll;
+    const float inv_hi = lh == 0.0f ? 0.0f : 1.0f / lh;
+#pragma unroll
+    for (int n = 0; n < 2 * kd; ++n) {
+      const int col = 8 * n + 2 * t;
+      if (row_lo < q1)
+        *reinterpret_cast<std::uint32_t*>(og + std::int64_t(row_lo) * a.o_stride[1] + col) =
+            pack2<IsBf16>(o[mt][n][0] * inv_lo, o[mt][n][1] * inv_lo);
+      if (row_hi < q1)
+        *reinterpret_cast<std::uint32_t*>(og + std::int64_t(row_hi) * a.o_stride[1] + col) =
+            pack2<IsBf16>(o[mt][n][2] * inv_hi, o[mt][n][3] * inv_hi);
+    }
+    if (t == 0) {
+      if (row_lo < q1)
+        lg[std::int64_t(row_lo) * a.lse_stride[2]] =
+            ll == 0.0f ? -INFINITY : m_lo[mt] * a.scale + logf(ll);
+      if (row_hi < q1)
+        lg[std::int64_t(row_hi) * a.lse_stride[2]] =
+            lh == 0.0f ? -INFINITY : m_hi[mt] * a.scale + logf(lh);
+    }
   }
 }
 
@@ -530,21 +596,30 @@ template <bool IsBf16, class Mask, class QPos, class KPos>
 cudaError_t forward(const Args& a, int dim, const Mask& mask, const QPos& qpos, const KPos& kpos,
                     cudaStream_t stream) {
   if (a.queries <= 0 || a.batch <= 0 || a.heads <= 0) return cudaSuccess;
-  const dim3 grid((a.queries + block_m - 1) / block_m, a.heads, a.batch);
-  auto launch = [&](auto kernel, int bytes) {
+  auto launch = [&](auto kernel, Variant v) {
+    const int bytes = smem_bytes(dim, v);
+    const dim3 grid((a.queries + block_m(v) - 1) / block_m(v), a.heads, a.batch);
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
     kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
     return cudaGetLastError();
   };
-  if (a.q_in_registers) {
-    if (dim == 64)
-      return launch(forward_kernel<64, IsBf16, true, Mask, QPos, KPos>, smem_bytes(64));
-    return launch(forward_kernel<128, IsBf16, true, Mask, QPos, KPos>, smem_bytes(128));
+  switch (a.variant) {
+    case Variant::regs:
+      if (dim == 64)
+        return launch(forward_kernel<64, IsBf16, 1, true, Mask, QPos, KPos>, Variant::regs);
+      return launch(forward_kernel<128, IsBf16, 1, true, Mask, QPos, KPos>, Variant::regs);
+    case Variant::smem:
+      if (dim == 64)
+        return launch(forward_kernel<64, IsBf16, 1, false, Mask, QPos, KPos>, Variant::smem);
+      return launch(forward_kernel<128, IsBf16, 1, false, Mask, QPos, KPos>, Variant::smem);
+    case Variant::wide:
+      break;
   }
-  if (dim == 64) return launch(forward_kernel<64, IsBf16, false, Mask, QPos, KPos>, smem_bytes(64));
-  return launch(forward_kernel<128, IsBf16, false, Mask, QPos, KPos>, smem_bytes(128));
+  if (dim == 64)
+    return launch(forward_kernel<64, IsBf16, 2, false, Mask, QPos, KPos>, Variant::wide);
+  return launch(forward_kernel<128, IsBf16, 2, false, Mask, QPos, KPos>, Variant::wide);
 }
 
 }  // namespace blockattn::impl::flash
