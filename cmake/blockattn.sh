@@ -191,7 +191,7 @@ configure() {
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
     -DKokkosKernels_ROOT="$kokkos" -DBLOCKATTN_BUILD_TESTS=ON -DBLOCKATTN_BUILD_EXAMPLES=ON \
     -DBLOCKATTN_BUILD_TOOLS=ON -DBLOCKATTN_BUILD_KERNELS=ON \
-    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= $extra "$@" >/dev/null
+    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= -DBLOCKATTN_BENCH_OPT= $extra "$@" >/dev/null
 }
 
 # Open MPI: allow running as root (CI containers) and avoid the single-copy
@@ -237,9 +237,11 @@ case "$cmd" in
     ;;
   test)
     ensure_deps
-    # The examples, tools and benchmarks at -O1: ctest runs their command
-    # lines and small examples, not their speed (CMakeLists.txt, BLOCKATTN_APPS_OPT).
-    configure -DBLOCKATTN_APPS_OPT=-O1
+    # The examples and tools at -O1, the benchmarks at -O0: ctest runs their
+    # command lines and small examples, not their speed (CMakeLists.txt,
+    # BLOCKATTN_APPS_OPT, BLOCKATTN_BENCH_OPT); the test files at -O0, the
+    # precompiled kernels at -O2 (tests/CMakeLists.txt, BLOCKATTN_TEST_OPT).
+    configure -DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_BENCH_OPT=-O0 -DBLOCKATTN_TEST_OPT=-O0
     cmake --build "$build" -j "$jobs"
     (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
     "${BASH_SOURCE[0]}" test-sanitize

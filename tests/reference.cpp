@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+// The fp64 reference's loops (reference_core.hpp), compiled at -O2 whatever
+// the tests' optimisation level (tests/CMakeLists.txt).
+#include "reference_core.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace blockattn::test {
+
+ReferenceResult reference_attention_table(const HostTensor& q, const HostTensor& k,
+                                          const HostTensor& v, const ReferenceMask& mask,
+                                          double scale, const std::vector<double>* sinks) {
+  ReferenceResult r;
+  r.o = HostTensor(q.b, q.n, q.h, q.d);
+  r.lse.assign(std::size_t(q.b) * q.h * q.n, -std::numeric_limits<double>::infinity());
+  const int group = q.h / k.h;
+  std::vector<double> s(k.n);
+  for (int b = 0; b < q.b; ++b)
+    for (int h = 0; h < q.h; ++h)
+      for (int i = 0; i < q.n; ++i) {
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int j = 0; j < k.n; ++j) {
+          if (!mask.allowed[std::size_t(i) * k.n + j]) {
+            s[j] = -std::numeric_limits<double>::infinity();
+            continue;
+          }
+          double acc = 0.0, cond = 0.0;
+          for (int x = 0; x < q.d; ++x) {
+            acc += q(b, i, h, x) * k(b, j, h / group, x);
+            cond += std::abs(q(b, i, h, x) * k(b, j, h / group, x));
+          }
+          s[j] = scale * acc;
+          if (mask.score) s[j] = mask.score(s[j], i, j, h);
+          r.max_abs_logit = std::max(r.max_abs_logit, std::abs(s[j]));
+          r.max_dot_condition = std::max(r.max_dot_condition, std::abs(scale) * cond);
+          mx = std::max(mx, s[j]);
+        }
+        const double sink = sinks ? (*sinks)[std::size_t(h)] : -HUGE_VAL;
+        if (sinks && mx == -HUGE_VAL) r.lse[(std::size_t(b) * q.h + h) * q.n + i] = sink;
+        if (mx == -std::numeric_limits<double>::infinity()) continue;  // O row stays 0
+        mx = std::max(mx, sink);
+        double sum = sinks ? std::exp(sink - mx) : 0.0;
+        for (int j = 0; j < k.n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        for (int x = 0; x < q.d; ++x) {
+          double acc = 0.0;
+          for (int j = 0; j < k.n; ++j) acc += s[j] * v(b, j, h / group, x);
+          r.o(b, i, h, x) = acc / sum;
+        }
+        r.lse[(std::size_t(b) * q.h + h) * q.n + i] = mx + std::log(sum);
+      }
+  return r;
+}
+
+ReferenceGrads reference_backward_table(const HostTensor& q, const HostTensor& k,
+                                        const HostTensor& v, const HostTensor& dout,
+                                        const ReferenceMask& mask, double scale,
+                                        const HostTensor* o_used,
+                                        const std::vector<double>* sinks) {
+  ReferenceGrads g;
+  g.dq = HostTensor(q.b, q.n, q.h, q.d);
+  g.dk = HostTensor(k.b, k.n, k.h, k.d);
+  g.dv = HostTensor(v.b, v.n, v.h, v.d);
+  const int group = q.h / k.h;
+  std::vector<double> p(k.n), dp(k.n), raw(k.n);
+  g.dsink.assign(std::size_t(q.h), 0.0);
+  for (int b = 0; b < q.b; ++b)
+    for (int h = 0; h < q.h; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < q.n; ++i) {
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int j = 0; j < k.n; ++j) {
+          if (!mask.allowed[std::size_t(i) * k.n + j]) {
+            p[j] = -std::numeric_limits<double>::infinity();
+            continue;
+          }
+          double acc = 0.0, cond = 0.0;
+          for (int x = 0; x < q.d; ++x) {
+            acc += q(b, i, h, x) * k(b, j, hk, x);
+            cond += std::abs(q(b, i, h, x) * k(b, j, hk, x));
+          }
+          p[j] = raw[j] = scale * acc;
+          if (mask.score) p[j] = mask.score(raw[j], i, j, h);
+          g.max_dot_condition = std::max(g.max_dot_condition, std::abs(scale) * cond);
+          mx = std::max(mx, p[j]);
+        }
+        if (mx == -std::numeric_limits<double>::infinity()) continue;  // no gradient
+        const double sink = sinks ? (*sinks)[std::size_t(h)] : -HUGE_VAL;
+        mx = std::max(mx, sink);
+        double sum = sinks ? std::exp(sink - mx) : 0.0;
+        const double sink_term = sum;
+        for (int j = 0; j < k.n; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        double drow = 0.0;
+        for (int j = 0; j < k.n; ++j) {
+          p[j] /= sum;
+          double acc = 0.0;
+          for (int x = 0; x < q.d; ++x) acc += dout(b, i, h, x) * v(b, j, hk, x);
+          dp[j] = acc;
+          drow += p[j] * acc;
+        }
+        if (o_used != nullptr) {
+          drow = 0.0;
+          for (int x = 0; x < q.d; ++x) drow += dout(b, i, h, x) * (*o_used)(b, i, h, x);
+        }
+        g.dsink[std::size_t(h)] -= sink_term / sum * drow;
+        for (int j = 0; j < k.n; ++j) {
+          if (p[j] == 0.0) continue;
+          double ds = p[j] * (dp[j] - drow);
+          if (mask.score_grad) ds *= mask.score_grad(raw[j], i, j, h);
+          for (int x = 0; x < q.d; ++x) {
+            g.dv(b, j, hk, x) += p[j] * dout(b, i, h, x);
+            g.dq(b, i, h, x) += scale * ds * k(b, j, hk, x);
+            g.dk(b, j, hk, x) += scale * ds * q(b, i, h, x);
+          }
+        }
+      }
+    }
+  return g;
+}
+
+}  // namespace blockattn::test
