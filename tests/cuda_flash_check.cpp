@@ -55,10 +55,6 @@ std::vector<flash::Variant> variants{flash::Variant::regs, flash::Variant::smem,
     }                                                                                          \
   } while (0)
 
-const char* variant_name(flash::Variant v) {
-  return v == flash::Variant::regs ? "regs" : v == flash::Variant::smem ? "smem" : "wide";
-}
-
 std::uint16_t to_bits(float x, bool bf16) {
   if (bf16) return __nv_bfloat16_raw(__float2bfloat16_rn(x)).x;
   return __half_raw(__float2half_rn(x)).x;
@@ -361,7 +357,7 @@ void bench(const std::string& torch_file, int reps) {
     for (const flash::Variant fv : variants)
       for (int mk = 0; mk < 3; ++mk) {
         a.variant = fv;
-        const char* qv = variant_name(fv);
+        const char* qv = flash::variant_name(fv);
         const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
         const double pairs = mk == 0   ? double(n) * n
                              : mk == 1 ? double(n) * (n + 1) / 2
@@ -403,16 +399,14 @@ int main(int argc, char** argv) {
     else if (f == "--reps" && i + 1 < argc)
       reps = std::max(1, std::atoi(argv[++i]));
     else if (f == "--variant" && i + 1 < argc) {
-      const std::string v = argv[++i];
-      if (v != "regs" && v != "smem" && v != "wide") {
+      flash::Variant fv;
+      if (!flash::parse_variant(argv[++i], fv)) {
         std::fprintf(stderr,
                      "blockattn_flash_check: --variant: expected regs, smem or wide, got %s\n",
-                     v.c_str());
+                     argv[i]);
         return 2;
       }
-      variants = {v == "regs"   ? flash::Variant::regs
-                  : v == "smem" ? flash::Variant::smem
-                                : flash::Variant::wide};
+      variants = {fv};
     } else {
       std::fprintf(stderr, "blockattn_flash_check: unknown argument %s\n", f.c_str());
       return 2;
@@ -430,7 +424,7 @@ int main(int argc, char** argv) {
   int failed = 0;
   for (const flash::Variant fv : variants) {
     variant = fv;
-    std::printf("-- variant %s\n", variant_name(fv));
+    std::printf("-- variant %s\n", flash::variant_name(fv));
     for (int dim : {64, 128}) {
       failed += check_all<true>(dim);
       failed += check_all<false>(dim);

@@ -47,8 +47,9 @@ constexpr int warps = 4;     // 16 query rows (one m-tile) each, or 32 (wide)
 constexpr int threads = warps * 32;
 
 /// The kernel's variants (all checked and timed by tests/cuda_flash_check.cpp;
-/// the library takes wide unless BLOCKATTN_FLASH_VARIANT names another, see
-/// flash_path.hpp):
+/// the library takes wide, and compiles only wide unless
+/// BLOCKATTN_FLASH_ALL_VARIANTS is 1, in which case BLOCKATTN_FLASH_VARIANT
+/// may name another, see flash_path.hpp):
 ///   regs   64 rows per CTA, Q's fragments kept in registers (2 CTAs per SM);
 ///   smem   64 rows per CTA, Q's fragments re-read from shared memory at every
 ///          key tile (fewer registers: 3 CTAs per SM);
@@ -59,12 +60,41 @@ constexpr int threads = warps * 32;
 ///          the full mask, 92 causal, 160 documents).
 enum class Variant { regs, smem, wide };
 
+/// Whether this translation unit compiles the kernels of every variant (for
+/// comparisons: tests/cuda_flash_check.cpp) or wide alone (a third of the
+/// kernels' compile time; the default).
+#if defined(BLOCKATTN_FLASH_ALL_VARIANTS) && BLOCKATTN_FLASH_ALL_VARIANTS
+constexpr bool all_variants = true;
+#else
+constexpr bool all_variants = false;
+#endif
+
+/// A variant's name, and the variant a name means (false: no variant has it).
+constexpr const char* variant_name(Variant v) {
+  return v == Variant::regs ? "regs" : v == Variant::smem ? "smem" : "wide";
+}
+inline bool parse_variant(const char* name, Variant& v) {
+  for (Variant c : {Variant::regs, Variant::smem, Variant::wide}) {
+    const char* n = variant_name(c);
+    int i = 0;
+    while (n[i] != '\0' && n[i] == name[i]) ++i;
+    if (n[i] == '\0' && name[i] == '\0') {
+      v = c;
+      return true;
+    }
+  }
+  return false;
+}
+
 /// m-tiles (16 rows) per warp, and query rows per CTA, of a variant.
 constexpr int m_tiles(Variant v) {
   return v == Variant::wide ? 2 : 1;
 }
+__host__ __device__ constexpr int block_m_of(int m_tiles_per_warp) {
+  return warps * 16 * m_tiles_per_warp;
+}
 constexpr int block_m(Variant v) {
-  return warps * 16 * m_tiles(v);
+  return block_m_of(m_tiles(v));
 }
 
 /// One call's operands: element strides (batch, sequence, head) of Q, K, V,
@@ -319,7 +349,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
     forward_kernel(const Args a, const Mask mask, const QPos qpos, const KPos kpos) {
   static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
   static_assert(!QInRegs || MT == 1, "Q in registers: one m-tile per warp");
-  constexpr int BM = warps * 16 * MT;  // query rows of the CTA
+  constexpr int BM = block_m_of(MT);  // query rows of the CTA
   static_assert(BM <= threads, "key_tile_range: one thread per row");
   extern __shared__ __align__(128) std::uint16_t smem[];
   std::uint16_t* sq = smem;
@@ -605,17 +635,21 @@ cudaError_t forward(const Args& a, int dim, const Mask& mask, const QPos& qpos, 
     kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
     return cudaGetLastError();
   };
-  switch (a.variant) {
-    case Variant::regs:
-      if (dim == 64)
-        return launch(forward_kernel<64, IsBf16, 1, true, Mask, QPos, KPos>, Variant::regs);
-      return launch(forward_kernel<128, IsBf16, 1, true, Mask, QPos, KPos>, Variant::regs);
-    case Variant::smem:
-      if (dim == 64)
-        return launch(forward_kernel<64, IsBf16, 1, false, Mask, QPos, KPos>, Variant::smem);
-      return launch(forward_kernel<128, IsBf16, 1, false, Mask, QPos, KPos>, Variant::smem);
-    case Variant::wide:
-      break;
+  if constexpr (all_variants) {
+    switch (a.variant) {
+      case Variant::regs:
+        if (dim == 64)
+          return launch(forward_kernel<64, IsBf16, 1, true, Mask, QPos, KPos>, Variant::regs);
+        return launch(forward_kernel<128, IsBf16, 1, true, Mask, QPos, KPos>, Variant::regs);
+      case Variant::smem:
+        if (dim == 64)
+          return launch(forward_kernel<64, IsBf16, 1, false, Mask, QPos, KPos>, Variant::smem);
+        return launch(forward_kernel<128, IsBf16, 1, false, Mask, QPos, KPos>, Variant::smem);
+      case Variant::wide:
+        break;
+    }
+  } else if (a.variant != Variant::wide) {
+    return cudaErrorNotSupported;  // flash_variant() accepts only wide here
   }
   if (dim == 64)
     return launch(forward_kernel<64, IsBf16, 2, false, Mask, QPos, KPos>, Variant::wide);

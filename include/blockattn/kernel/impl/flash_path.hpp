@@ -41,14 +41,20 @@ constexpr bool flash_enabled() {
 /// The tensor-core forward's kernel variant (cuda_flash.hpp's Variant):
 /// BLOCKATTN_FLASH_VARIANT=regs|smem|wide in the environment, read once;
 /// wide when unset (on an H200: 1.25x regs on full masks, 1.0-1.17x causal).
+/// regs and smem only where BLOCKATTN_FLASH_ALL_VARIANTS=1 compiled them.
 inline flash::Variant flash_variant() {
   static const flash::Variant v = [] {
     const char* e = std::getenv("BLOCKATTN_FLASH_VARIANT");
     const std::string s = e ? e : "";
-    if (s.empty() || s == "wide") return flash::Variant::wide;
-    if (s == "regs") return flash::Variant::regs;
-    if (s == "smem") return flash::Variant::smem;
-    throw invalid_argument("BLOCKATTN_FLASH_VARIANT: expected regs, smem or wide, got '" + s + "'");
+    flash::Variant r = flash::Variant::wide;
+    if (!s.empty() && !flash::parse_variant(s.c_str(), r))
+      throw invalid_argument("BLOCKATTN_FLASH_VARIANT: expected regs, smem or wide, got '" + s +
+                             "'");
+    if (r != flash::Variant::wide && !flash::all_variants)
+      throw invalid_argument("BLOCKATTN_FLASH_VARIANT: '" + s +
+                             "' is not compiled in (wide is; define "
+                             "BLOCKATTN_FLASH_ALL_VARIANTS=1 for regs and smem)");
+    return r;
   }();
   return v;
 }
