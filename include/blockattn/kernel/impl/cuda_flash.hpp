@@ -39,6 +39,7 @@
 
 #include <climits>
 #include <cmath>
+#include <cstring>
 
 namespace blockattn::impl::flash {
 
@@ -74,15 +75,11 @@ constexpr const char* variant_name(Variant v) {
   return v == Variant::regs ? "regs" : v == Variant::smem ? "smem" : "wide";
 }
 inline bool parse_variant(const char* name, Variant& v) {
-  for (Variant c : {Variant::regs, Variant::smem, Variant::wide}) {
-    const char* n = variant_name(c);
-    int i = 0;
-    while (n[i] != '\0' && n[i] == name[i]) ++i;
-    if (n[i] == '\0' && name[i] == '\0') {
+  for (Variant c : {Variant::regs, Variant::smem, Variant::wide})
+    if (std::strcmp(name, variant_name(c)) == 0) {
       v = c;
       return true;
     }
-  }
   return false;
 }
 
