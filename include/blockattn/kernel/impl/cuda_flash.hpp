@@ -28,6 +28,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/kernel/impl/flash_frag.hpp>
 #include <blockattn/policy/mask.hpp>
 
 #include <cstdint>
@@ -112,12 +113,6 @@ struct Args {
 /// Shared-memory bytes of one CTA for head dim D: Q, K and V tiles.
 constexpr int smem_bytes(int D, Variant v) {
   return (block_m(v) + 2 * block_n) * D * 2;
-}
-
-/// Element offset of (row, 16-byte chunk) in a swizzled tile of D columns.
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
@@ -409,8 +404,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
     if (QInRegs && !have_q) {
 #pragma unroll
       for (int kk = 0; kk < kd; ++kk)
-        ldmatrix_x4(qf[QInRegs ? kk : 0],
-                    sq + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+        ldmatrix_x4(qf[QInRegs ? kk : 0], sq + frag_offset<D>(ldsm_a(lane), warp * 16, 2 * kk));
       have_q = true;
     }
 
@@ -428,14 +422,12 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
       if constexpr (!QInRegs) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-          ldmatrix_x4(qf[mt],
-                      sq + swz<D>((warp * MT + mt) * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+          ldmatrix_x4(qf[mt], sq + frag_offset<D>(ldsm_a(lane), (warp * MT + mt) * 16, 2 * kk));
       }
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         std::uint32_t r[4];
-        ldmatrix_x4(
-            r, sk + swz<D>(16 * p + (lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1)));
+        ldmatrix_x4(r, sk + frag_offset<D>(ldsm_b(lane), 16 * p, 2 * kk));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const std::uint32_t(&qa)[4] = qf[QInRegs ? kk : mt];
@@ -548,16 +540,16 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
       std::uint32_t pa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = pack2<IsBf16>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-        pa[mt][1] = pack2<IsBf16>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-        pa[mt][2] = pack2<IsBf16>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-        pa[mt][3] = pack2<IsBf16>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float(&c)[4] = s[mt][2 * ks + c2a_ntile(i)];
+          pa[mt][i] = pack2<IsBf16>(c[c2a_elem(i)], c[c2a_elem(i) + 1]);
+        }
       }
 #pragma unroll
       for (int dp = 0; dp < kd; ++dp) {
         std::uint32_t r[4];
-        ldmatrix_x4_trans(
-            r, sv + swz<D>(16 * ks + (lane & 7) + (((lane >> 3) & 1) << 3), 2 * dp + (lane >> 4)));
+        ldmatrix_x4_trans(r, sv + frag_offset<D>(ldsm_bt(lane), 16 * ks, 2 * dp));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816<IsBf16>(o[mt][2 * dp], pa[mt], r[0], r[1]);

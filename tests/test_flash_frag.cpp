@@ -1,0 +1,241 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-only: the index maths of the tensor-core kernels
+// (kernel/impl/flash_frag.hpp) against a lane-by-lane model of a warp's
+// ldmatrix.x4 (plain and .trans) and mma.sync.m16n8k16, written from the
+// PTX ISA's fragment tables independently of the helpers. Every product the
+// forward and backward kernels make is one of two warp products:
+//   X Y^T: X rows (A, ldsm_a) against the rows of a tile Y (B, ldsm_b);
+//   P Y:   P from C fragments (c2a_*) against a tile Y read k-major (ldsm_bt);
+// both checked here for head dims 64 and 128 against plain loops, exactly
+// (small integers: every sum is exact in fp32). No GPU needed.
+#include <doctest/doctest.h>
+
+#include <blockattn/kernel/impl/flash_frag.hpp>
+
+#include <array>
+#include <set>
+#include <vector>
+
+namespace {
+
+namespace flash = blockattn::impl::flash;
+
+using Reg = std::array<float, 2>;  // one 32-bit register: two 16-bit values
+using Regs4 = std::array<Reg, 4>;
+
+/// A (rows x D) matrix stored as the kernels store tiles in shared memory.
+template <int D>
+struct Tile {
+  int rows;
+  std::vector<float> mem;
+  explicit Tile(int r) : rows(r), mem(std::size_t(r) * D, 0.0f) {}
+  void set(int r, int c, float x) { mem[std::size_t(flash::swz<D>(r, c / 8) + c % 8)] = x; }
+};
+
+/// ldmatrix.x4 of a warp: lane L hands the element offset off[L] of one row
+/// of 8 values; lanes 8i .. 8i + 7 give rows 0-7 of matrix i.
+template <int D>
+std::array<Regs4, 32> ldmatrix_x4(const Tile<D>& tile, const std::array<int, 32>& off, bool trans) {
+  std::array<Regs4, 32> out{};
+  for (int i = 0; i < 4; ++i)
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, t = lane % 4;
+      for (int j = 0; j < 2; ++j) {
+        // M_i(r, c) = mem[off[8 i + r] + c]
+        const int r = trans ? 2 * t + j : g, c = trans ? g : 2 * t + j;
+        out[std::size_t(lane)][std::size_t(i)][std::size_t(j)] =
+            tile.mem[std::size_t(off[std::size_t(8 * i + r)] + c)];
+      }
+    }
+  return out;
+}
+
+/// mma.sync.m16n8k16 of a warp: c += a b, from the PTX fragment tables.
+void mma(std::array<std::array<float, 4>, 32>& c, const std::array<Regs4, 32>& a,
+         const std::array<std::array<Reg, 2>, 32>& b) {
+  float A[16][16] = {}, B[16][8] = {};
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int j = 0; j < 2; ++j) {
+      const auto& al = a[std::size_t(lane)];
+      A[g][2 * t + j] = al[0][std::size_t(j)];
+      A[g + 8][2 * t + j] = al[1][std::size_t(j)];
+      A[g][2 * t + 8 + j] = al[2][std::size_t(j)];
+      A[g + 8][2 * t + 8 + j] = al[3][std::size_t(j)];
+      B[2 * t + j][g] = b[std::size_t(lane)][0][std::size_t(j)];
+      B[2 * t + 8 + j][g] = b[std::size_t(lane)][1][std::size_t(j)];
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+    for (int e = 0; e < 4; ++e) {
+      float sum = 0.0f;
+      for (int k = 0; k < 16; ++k) sum += A[rows[e]][k] * B[k][cols[e]];
+      c[std::size_t(lane)][std::size_t(e)] += sum;
+    }
+  }
+}
+
+/// B fragments of n-tile `half` (0 or 1) from an ldmatrix.x4 result.
+std::array<std::array<Reg, 2>, 32> b_of(const std::array<Regs4, 32>& r, int half) {
+  std::array<std::array<Reg, 2>, 32> b{};
+  for (std::size_t lane = 0; lane < 32; ++lane) {
+    b[lane][0] = r[lane][std::size_t(2 * half)];
+    b[lane][1] = r[lane][std::size_t(2 * half + 1)];
+  }
+  return b;
+}
+
+template <class F>
+std::array<int, 32> offsets(F&& f) {
+  std::array<int, 32> off{};
+  for (int lane = 0; lane < 32; ++lane) off[std::size_t(lane)] = f(lane);
+  return off;
+}
+
+float value(int r, int c, int salt) {  // small integers: exact sums
+  return float((r * 7 + c * 3 + salt) % 9 - 4);
+}
+
+/// S (16 x 64) = X (rows row0 .. row0 + 15 of tx) times the 64 rows of ty,
+/// transposed: as the kernels compute Q K^T (and K Q^T, V dO^T, dO V^T).
+template <int D>
+void check_x_yt(int row0) {
+  Tile<D> tx(64), ty(64);
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < D; ++c) {
+      tx.set(r, c, value(r, c, 1));
+      ty.set(r, c, value(r, c, 5));
+    }
+  std::array<std::array<std::array<float, 4>, 32>, 8> s{};
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const auto a = ldmatrix_x4(
+        tx, offsets([&](int l) { return flash::frag_offset<D>(flash::ldsm_a(l), row0, 2 * kk); }),
+        false);
+    for (int p = 0; p < 4; ++p) {
+      const auto r = ldmatrix_x4(ty, offsets([&](int l) {
+                                   return flash::frag_offset<D>(flash::ldsm_b(l), 16 * p, 2 * kk);
+                                 }),
+                                 false);
+      mma(s[std::size_t(2 * p)], a, b_of(r, 0));
+      mma(s[std::size_t(2 * p + 1)], a, b_of(r, 1));
+    }
+  }
+  int wrong = 0;
+  for (int n = 0; n < 8; ++n)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int e = 0; e < 4; ++e) {
+        const int row = flash::c_row(lane, e), col = 8 * n + flash::c_col(lane, e);
+        float want = 0.0f;
+        for (int d = 0; d < D; ++d) want += value(row0 + row, d, 1) * value(col, d, 5);
+        wrong += s[std::size_t(n)][std::size_t(lane)][std::size_t(e)] != want;
+      }
+  CHECK(wrong == 0);
+}
+
+/// O (16 x D) = P (16 x 64, C fragments) times the 64 rows of ty: as the
+/// kernels compute P V (and P^T dO, dS^T Q, dS K).
+template <int D>
+void check_p_y() {
+  Tile<D> ty(64);
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < D; ++c) ty.set(r, c, value(r, c, 2));
+  // P's C fragments, placed by c_row / c_col.
+  std::array<std::array<std::array<float, 4>, 32>, 8> p{};
+  for (int n = 0; n < 8; ++n)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int e = 0; e < 4; ++e)
+        p[std::size_t(n)][std::size_t(lane)][std::size_t(e)] =
+            value(flash::c_row(lane, e), 8 * n + flash::c_col(lane, e), 3);
+  std::vector<std::array<std::array<float, 4>, 32>> o(std::size_t(D / 8));
+  for (int ks = 0; ks < 4; ++ks) {
+    std::array<Regs4, 32> pa{};
+    for (std::size_t lane = 0; lane < 32; ++lane)
+      for (int i = 0; i < 4; ++i) {
+        const auto& c = p[std::size_t(2 * ks + flash::c2a_ntile(i))][lane];
+        pa[lane][std::size_t(i)] = {c[std::size_t(flash::c2a_elem(i))],
+                                    c[std::size_t(flash::c2a_elem(i) + 1)]};
+      }
+    for (int dp = 0; dp < D / 16; ++dp) {
+      const auto r = ldmatrix_x4(ty, offsets([&](int l) {
+                                   return flash::frag_offset<D>(flash::ldsm_bt(l), 16 * ks, 2 * dp);
+                                 }),
+                                 true);
+      mma(o[std::size_t(2 * dp)], pa, b_of(r, 0));
+      mma(o[std::size_t(2 * dp + 1)], pa, b_of(r, 1));
+    }
+  }
+  int wrong = 0;
+  for (int n = 0; n < D / 8; ++n)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int e = 0; e < 4; ++e) {
+        const int row = flash::c_row(lane, e), col = 8 * n + flash::c_col(lane, e);
+        float want = 0.0f;
+        for (int k = 0; k < 64; ++k) want += value(row, k, 3) * value(k, col, 2);
+        wrong += o[std::size_t(n)][std::size_t(lane)][std::size_t(e)] != want;
+      }
+  CHECK(wrong == 0);
+}
+
+/// The 8 rows of each ldmatrix matrix fall in 8 different 16-byte bank
+/// groups (no bank conflict), for every 16 x 16 block a kernel reads.
+template <int D, class F>
+int conflicts(F&& rc_of) {
+  int bad = 0;
+  for (int row0 = 0; row0 < 64; row0 += 16)
+    for (int chunk0 = 0; chunk0 < D / 8; chunk0 += 2)
+      for (int i = 0; i < 4; ++i) {
+        std::set<int> groups;
+        for (int r = 0; r < 8; ++r) {
+          const int off = flash::frag_offset<D>(rc_of(8 * i + r), row0, chunk0);
+          groups.insert((off * 2 / 16) % 8);
+        }
+        bad += groups.size() != 8;
+      }
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("tensor-core fragments: swizzled rows hold every chunk once") {
+  for (int r = 0; r < 64; ++r) {
+    std::set<int> seen64, seen128;
+    for (int c = 0; c < 8; ++c) seen64.insert(flash::swz<64>(r, c) - r * 64);
+    for (int c = 0; c < 16; ++c) seen128.insert(flash::swz<128>(r, c) - r * 128);
+    CHECK(seen64.size() == 8);
+    CHECK(seen128.size() == 16);
+    CHECK(*seen64.rbegin() == 56);
+    CHECK(*seen128.rbegin() == 120);
+  }
+}
+
+TEST_CASE("tensor-core fragments: C layout as the PTX table gives it") {
+  for (int lane = 0; lane < 32; ++lane) {
+    CHECK(flash::c_row(lane, 0) == lane / 4);
+    CHECK(flash::c_row(lane, 3) == lane / 4 + 8);
+    CHECK(flash::c_col(lane, 1) == 2 * (lane % 4) + 1);
+    CHECK(flash::c_col(lane, 2) == 2 * (lane % 4));
+  }
+}
+
+TEST_CASE("tensor-core fragments: X Y^T through ldsm_a and ldsm_b, exact") {
+  for (int row0 : {0, 16, 48}) {
+    check_x_yt<64>(row0);
+    check_x_yt<128>(row0);
+  }
+}
+
+TEST_CASE("tensor-core fragments: P Y through c2a and ldsm_bt (.trans), exact") {
+  check_p_y<64>();
+  check_p_y<128>();
+}
+
+TEST_CASE("tensor-core fragments: ldmatrix reads are free of bank conflicts") {
+  CHECK(conflicts<64>(flash::ldsm_a) == 0);
+  CHECK(conflicts<64>(flash::ldsm_b) == 0);
+  CHECK(conflicts<64>(flash::ldsm_bt) == 0);
+  CHECK(conflicts<128>(flash::ldsm_a) == 0);
+  CHECK(conflicts<128>(flash::ldsm_b) == 0);
+  CHECK(conflicts<128>(flash::ldsm_bt) == 0);
+}
