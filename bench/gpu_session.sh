@@ -102,8 +102,9 @@ else
   log "no $cuda/bench/blockattn_bench_gpu: skipped"
 fi
 
-# 2b. The tensor-core forward (kernel/impl/cuda_flash.hpp): its checks, then
-#     its speed next to PyTorch's (the same torch.txt).
+# 2b. The tensor-core forward (kernel/impl/cuda_flash.hpp) and backward
+#     (cuda_flash_backward.hpp): their checks, then their speed next to
+#     PyTorch's (the same torch.txt; "bwd" rows for the backward).
 if [ -x "$cuda/tests/blockattn_flash_check" ]; then
   step flash_check 60 "$cuda/tests/blockattn_flash_check"
   grep -sE 'FAIL|passed|failed' "$logs/flash_check.log" | head -20 | tee -a "$out/session.log"
@@ -176,6 +177,12 @@ if [ -x "$cuda/tests/blockattn_flash_check" ] && command -v ncu >/dev/null; then
       --section MemoryWorkloadAnalysis --section WarpStateStats \
       "$cuda/tests/blockattn_flash_check" --bench --reps 1 --variant "$v"
   done
+fi
+# 4d. The same on one launch of each tensor-core backward kernel (dK/dV, dQ).
+if [ -x "$cuda/tests/blockattn_flash_check" ] && command -v ncu >/dev/null; then
+  step ncu_backward 60 ncu --clock-control none --kernel-name regex:'dkdv_kernel|dq_kernel' \
+    --launch-count 2 --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \
+    --section WarpStateStats "$cuda/tests/blockattn_flash_check" --bench --reps 1 --variant wide
 fi
 # 5. Our kernels alone at one length (the fused path's gain), score policies
 #    and sinks, decode, the distributed decode step on the CPUs.

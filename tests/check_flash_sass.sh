@@ -1,11 +1,13 @@
 #!/bin/sh
-# Checks, without a GPU, that the tensor-core forward is on the tensor cores:
-# the embedded sm_90 machine code of every kernel of kernel/impl/cuda_flash.hpp
-# (every variant) in a binary holds HMMA (mma.sync) and LDSM (ldmatrix)
-# instructions, and the 64-row variants (regs, smem: one m-tile per warp) no
-# local-memory traffic (LDL/STL: a register array spilled or indexed at run
-# time); the wide variant (two m-tiles per warp, 255 registers) spills a few
-# bytes at D = 128 by design: its LDL/STL counts are printed, not failed.
+# Checks, without a GPU, that the tensor-core forward and backward are on the
+# tensor cores: the embedded sm_90 machine code of every kernel of
+# kernel/impl/cuda_flash.hpp (every variant) and of the dK/dV and dQ kernels
+# of cuda_flash_backward.hpp in a binary holds HMMA (mma.sync) and LDSM
+# (ldmatrix) instructions, and the forward's 64-row variants (regs, smem: one
+# m-tile per warp) no local-memory traffic (LDL/STL: a register array spilled
+# or indexed at run time); the wide variant (two m-tiles per warp, 255
+# registers) and the backward kernels at D = 128 (255 registers) spill a few
+# bytes: their LDL/STL counts are printed, not failed.
 # A refactor that loses the tensor cores fails here, not only in a timing.
 #   check_flash_sass.sh <cuobjdump> <binary>
 # Exit 77 (skipped) without cuobjdump.
@@ -23,13 +25,18 @@ trap 'rm -rf "$tmp"' EXIT
 awk -v dir="$tmp" '
   /Function :/ {
     f = ($0 ~ /flash14forward_kernelILi[0-9]+ELb[01]ELi[0-9]+ELb[01]E/); n++
+    b = ($0 ~ /flash(11dkdv|9dq)_kernelILi[0-9]+ELb[01]E/)
     if (f) { wide = ($0 ~ /forward_kernelILi[0-9]+ELb[01]ELi2E/); print wide > (dir "/w" n) }
+    if (b) { f = 1; print ($0 ~ /11dkdv/ ? "dkdv" : "dq") > (dir "/b" n); print 1 > (dir "/w" n) }
     next
   }
   f { print > (dir "/k" n) }' "$tmp/sass"
 kernels=$(ls "$tmp" | grep -c '^k' || true)
-if [ "$kernels" -eq 0 ]; then
-  echo "FAILED: no tensor-core forward kernel (flash::forward_kernel) in $exe"
+backward=$(ls "$tmp" | grep -c '^b' || true)
+dkdv=$(cat "$tmp"/b* 2>/dev/null | grep -c dkdv || true)
+if [ "$kernels" -eq 0 ] || [ "$dkdv" -eq 0 ] || [ "$dkdv" -eq "$backward" ]; then
+  echo "FAILED: $exe lacks a tensor-core kernel: $((kernels - backward)) forward" \
+       "(flash::forward_kernel), $dkdv dK/dV, $((backward - dkdv)) dQ"
   exit 1
 fi
 status=0
@@ -42,8 +49,10 @@ for k in "$tmp"/k*; do
     echo "FAILED: $(basename "$k"): HMMA $hmma, LDSM $ldsm, LDL/STL $local_mem"
     status=1
   elif [ "$wide" -eq 1 ] && [ "$local_mem" -ne 0 ]; then
-    echo "wide variant $(basename "$k"): LDL/STL $local_mem (spills, allowed)"
+    kind=$(cat "$tmp/b${k##*/k}" 2>/dev/null || echo "wide forward")
+    echo "$kind kernel $(basename "$k"): LDL/STL $local_mem (spills, allowed)"
   fi
 done
-echo "$kernels tensor-core forward kernels: HMMA and LDSM in each, no local memory in the 64-row variants"
+echo "$((kernels - backward)) tensor-core forward and $backward backward kernels: HMMA and LDSM" \
+     "in each, no local memory in the forward's 64-row variants"
 exit $status

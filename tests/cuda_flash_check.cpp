@@ -3,7 +3,7 @@
 // against an fp64 reference and, with --bench, its speed next to PyTorch's.
 //
 //   blockattn_flash_check                 every check case; exit 0 / 1, 77 without a GPU
-//   blockattn_flash_check --bench [--torch FILE] [--reps R]
+//   blockattn_flash_check --bench [--torch FILE] [--reps R]   (forward, then "bwd" rows)
 //   --variant regs|smem|wide   only that kernel variant (default: all three)
 //
 // Checks: bf16 and fp16, head dims 64 and 128, GQA, lengths that are not
@@ -15,7 +15,20 @@
 // storage type before P V and O once at the end, each a relative error of at
 // most u (2^-8 bf16, 2^-11 fp16): |O - O_ref| <= 2 u max|V| + 1e-6; the
 // scores are exact products summed in fp32: |LSE - LSE_ref| <= 1e-3.
+//
+// The tensor-core backward (cuda_flash_backward.hpp) on the same cases
+// (finite inputs: the library sends others to the fp32 kernels), from the
+// forward's own O and LSE, against fp64 gradients of the same 16-bit inputs,
+// per element: P carries a relative error rp = u + 2e-3 (its rounding before
+// P^T dO, the forward's LSE within 1e-3, exp2.approx), dS = P (dP - Δ) then
+// eS = P (rp |dP - Δ| + 1e-5 (Σ|dO||V| + Σ|dO||O|)) + u |dS| (dP and Δ are
+// fp32 sums of exact products; dS rounded before its products), and
+//   |dV - ref| <= 2 Σ_i rp P |dO| + 1e-5,
+//   |dK - ref| <= 2 scale Σ_i eS |Q| + 1e-5,  |dQ - ref| <= 2 scale Σ_j eS |K| + 1e-5;
+// rows that see no key get dQ = 0 and keys no row sees dK = dV = 0, exactly.
+// dQ, dK, dV are poisoned (NaN) before the call.
 #include <blockattn/kernel/impl/cuda_flash.hpp>
+#include <blockattn/kernel/impl/cuda_flash_backward.hpp>
 #include <blockattn/plan/balance.hpp>
 #include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -251,6 +264,218 @@ bool check(const char* name, const Shape& s, const Mask& mask, const QPos& qpos,
   return ok;
 }
 
+/// The backward of one problem against fp64 gradients (see the top).
+template <bool IsBf16, class Mask, class QPos, class KPos>
+bool check_backward(const char* name, const Shape& s, const Mask& mask, const QPos& qpos,
+                    const KPos& kpos, std::uint64_t seed) {
+  const bool bf = IsBf16;
+  const std::size_t nq = std::size_t(s.batch) * s.queries * s.heads * s.dim;
+  const std::size_t nk = std::size_t(s.batch) * s.keys * s.kv_heads * s.dim;
+  const std::size_t nl = std::size_t(s.batch) * s.heads * s.queries;
+  std::vector<std::uint16_t> q(nq), k(nk), v(nk), g(nq);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto& x : q) x = to_bits(2.0f * u(rng), bf);
+  for (auto& x : k) x = to_bits(2.0f * u(rng), bf);
+  for (auto& x : v) x = to_bits(u(rng), bf);
+  for (auto& x : g) x = to_bits(u(rng), bf);
+  DeviceBuffer<std::uint16_t> dq_in(nq), dk_in(nk), dv_in(nk), dg(nq), dout(nq), gq(nq), gk(nk),
+      gv(nk);
+  DeviceBuffer<float> dlse(nl), delta(nl);
+  CUDA_OK(cudaMemcpy(dq_in.p, q.data(), nq * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dk_in.p, k.data(), nk * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dv_in.p, v.data(), nk * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dg.p, g.data(), nq * 2, cudaMemcpyHostToDevice));
+  flash::Args fa = contiguous_args(s, dq_in.p, dk_in.p, dv_in.p, dout.p, dlse.p);
+  CUDA_OK(flash::forward<IsBf16>(fa, s.dim, mask, qpos, kpos, nullptr));
+  CUDA_OK(cudaMemset(gq.p, 0xff, nq * 2));
+  CUDA_OK(cudaMemset(gk.p, 0xff, nk * 2));
+  CUDA_OK(cudaMemset(gv.p, 0xff, nk * 2));
+  flash::BackwardArgs a;
+  a.q = dq_in.p;
+  a.k = dk_in.p;
+  a.v = dv_in.p;
+  a.o = dout.p;
+  a.dout = dg.p;
+  a.lse = dlse.p;
+  a.dq = gq.p;
+  a.dk = gk.p;
+  a.dv = gv.p;
+  a.delta = delta.p;
+  for (int i = 0; i < 3; ++i) {
+    a.q_stride[i] = a.o_stride[i] = a.dout_stride[i] = a.dq_stride[i] = fa.q_stride[i];
+    a.k_stride[i] = a.v_stride[i] = a.dk_stride[i] = a.dv_stride[i] = fa.k_stride[i];
+    a.lse_stride[i] = fa.lse_stride[i];
+  }
+  a.batch = s.batch;
+  a.heads = s.heads;
+  a.kv_heads = s.kv_heads;
+  a.queries = s.queries;
+  a.keys = s.keys;
+  a.scale = fa.scale;
+  if (!flash::supports(a, s.dim)) {
+    std::printf("FAIL %-28s backward: not supported\n", name);
+    return false;
+  }
+  CUDA_OK(flash::backward<IsBf16>(a, s.dim, mask, qpos, kpos, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<std::uint16_t> o(nq), rq(nq), rk(nk), rv(nk);
+  CUDA_OK(cudaMemcpy(o.data(), dout.p, nq * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(rq.data(), gq.p, nq * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(rk.data(), gk.p, nk * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(rv.data(), gv.p, nk * 2, cudaMemcpyDeviceToHost));
+
+  const double unit = bf ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  const double rp = unit + 2e-3, scale = a.scale;
+  const int D = s.dim, group = s.heads / s.kv_heads, nqr = s.queries, nkr = s.keys;
+  auto at = [&](const std::vector<std::uint16_t>& x, int b, int row, int head, int heads, int rows,
+                int d) {
+    return double(from_bits(x[((std::size_t(b) * rows + row) * heads + head) * D + d], bf));
+  };
+  // Reference gradients and bounds, fp64; dK, dV summed over a kv head's query heads.
+  std::vector<double> ref_q(nq, 0.0), tol_q(nq, 0.0), ref_k(nk, 0.0), tol_k(nk, 0.0),
+      ref_v(nk, 0.0), tol_v(nk, 0.0);
+  std::vector<char> seen_q(std::size_t(s.batch) * s.heads * nqr, 0),
+      seen_k(std::size_t(s.batch) * s.kv_heads * nkr, 0);
+  std::vector<double> P(std::size_t(nqr) * nkr), dS(std::size_t(nqr) * nkr),
+      eS(std::size_t(nqr) * nkr);
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < nqr; ++i) {
+        double m = -INFINITY;
+        for (int j = 0; j < nkr; ++j) {
+          double& p = P[std::size_t(i) * nkr + j];
+          if (!mask.allowed(qpos(i), kpos(j))) {
+            p = -INFINITY;
+            continue;
+          }
+          double dot = 0.0;
+          for (int d = 0; d < D; ++d)
+            dot += at(q, b, i, h, s.heads, nqr, d) * at(k, b, j, hk, s.kv_heads, nkr, d);
+          p = dot * scale;
+          m = std::max(m, p);
+        }
+        double l = 0.0;
+        for (int j = 0; j < nkr; ++j) {
+          double& p = P[std::size_t(i) * nkr + j];
+          p = p == -INFINITY ? 0.0 : std::exp(p - m);
+          l += p;
+        }
+        double delta_i = 0.0, abs_i = 0.0;
+        for (int d = 0; d < D; ++d) {
+          delta_i += at(g, b, i, h, s.heads, nqr, d) * at(o, b, i, h, s.heads, nqr, d);
+          abs_i += std::abs(at(g, b, i, h, s.heads, nqr, d) * at(o, b, i, h, s.heads, nqr, d));
+        }
+        for (int j = 0; j < nkr; ++j) {
+          double& p = P[std::size_t(i) * nkr + j];
+          if (l > 0) p /= l;
+          if (p > 0) {
+            seen_q[(std::size_t(b) * s.heads + h) * nqr + i] = 1;
+            seen_k[(std::size_t(b) * s.kv_heads + hk) * nkr + j] = 1;
+          }
+          double dp = 0.0, dp_abs = 0.0;
+          for (int d = 0; d < D; ++d) {
+            const double x = at(g, b, i, h, s.heads, nqr, d) * at(v, b, j, hk, s.kv_heads, nkr, d);
+            dp += x;
+            dp_abs += std::abs(x);
+          }
+          const double ds = p * (dp - delta_i);
+          dS[std::size_t(i) * nkr + j] = ds;
+          eS[std::size_t(i) * nkr + j] =
+              p * (rp * std::abs(dp - delta_i) + 1e-5 * (dp_abs + abs_i)) + unit * std::abs(ds);
+        }
+      }
+      for (int i = 0; i < nqr; ++i)
+        for (int j = 0; j < nkr; ++j) {
+          const double p = P[std::size_t(i) * nkr + j], ds = dS[std::size_t(i) * nkr + j],
+                       es = eS[std::size_t(i) * nkr + j];
+          if (p == 0.0) continue;
+          for (int d = 0; d < D; ++d) {
+            const std::size_t iq = ((std::size_t(b) * nqr + i) * s.heads + h) * D + d;
+            const std::size_t ik = ((std::size_t(b) * nkr + j) * s.kv_heads + hk) * D + d;
+            const double kd = at(k, b, j, hk, s.kv_heads, nkr, d),
+                         qd = at(q, b, i, h, s.heads, nqr, d), gd = at(g, b, i, h, s.heads, nqr, d);
+            ref_q[iq] += scale * ds * kd;
+            tol_q[iq] += 2 * scale * es * std::abs(kd);
+            ref_k[ik] += scale * ds * qd;
+            tol_k[ik] += 2 * scale * es * std::abs(qd);
+            ref_v[ik] += p * gd;
+            tol_v[ik] += 2 * rp * p * std::abs(gd);
+          }
+        }
+    }
+  long bad = 0, zero_rows = 0, zero_keys = 0;
+  double worst = 0.0;  // largest |err| / tol
+  auto compare = [&](const std::vector<std::uint16_t>& got, const std::vector<double>& ref,
+                     const std::vector<double>& tol, const std::vector<char>& seen, int heads,
+                     int rows, long& zeros) {
+    for (int b = 0; b < s.batch; ++b)
+      for (int r = 0; r < rows; ++r)
+        for (int h = 0; h < heads; ++h) {
+          const bool live = seen[(std::size_t(b) * heads + h) * rows + r] != 0;
+          zeros += !live;
+          for (int d = 0; d < D; ++d) {
+            const std::size_t x = ((std::size_t(b) * rows + r) * heads + h) * D + d;
+            const double gv_ = from_bits(got[x], bf);
+            if (!live) {
+              bad += gv_ != 0.0;
+              continue;
+            }
+            const double err = std::abs(gv_ - ref[x]), t = tol[x] + 1e-5;
+            worst = std::max(worst, std::isnan(err) ? INFINITY : err / t);
+            bad += !(err <= t);
+          }
+        }
+  };
+  compare(rq, ref_q, tol_q, seen_q, s.heads, nqr, zero_rows);
+  compare(rk, ref_k, tol_k, seen_k, s.kv_heads, nkr, zero_keys);
+  compare(rv, ref_v, tol_v, seen_k, s.kv_heads, nkr, zero_keys);
+  const bool ok = bad == 0;
+  std::printf(
+      "%s %-30s %s D=%3d B=%d H=%d/%d %4dx%-4d backward: max err/tol %.2f, %ld rows and "
+      "%ld keys unseen%s\n",
+      ok ? "ok  " : "FAIL", name, bf ? "bf16" : "fp16", s.dim, s.batch, s.heads, s.kv_heads,
+      s.queries, s.keys, worst, zero_rows, zero_keys / 2,
+      bad ? (" — " + std::to_string(bad) + " bad values").c_str() : "");
+  return ok;
+}
+
+template <bool IsBf16>
+int check_backward_all(int dim) {
+  using namespace blockattn;
+  int failed = 0;
+  const Shape s{2, 4, 2, 200, 333, dim};
+  const Shape sq{1, 2, 2, 130, 130, dim};
+  const OffsetPositions at0{0};
+  failed += !check_backward<IsBf16>("full", s, FullMask{}, at0, at0, 21);
+  failed += !check_backward<IsBf16>("causal", s, CausalMask{}, at0, at0, 22);
+  failed += !check_backward<IsBf16>("causal, queries at 133", s, CausalMask{}, OffsetPositions{133},
+                                    at0, 23);
+  failed += !check_backward<IsBf16>("causal, keys after queries", s, CausalMask{}, at0,
+                                    OffsetPositions{150}, 24);
+  failed += !check_backward<IsBf16>("causal, all rows empty", sq, CausalMask{}, at0,
+                                    OffsetPositions{1000}, 25);
+  failed +=
+      !check_backward<IsBf16>("sliding window 50/0", s, SlidingWindowMask{50, 0}, at0, at0, 26);
+  failed += !check_backward<IsBf16>("prefix-LM 90", s, PrefixLMMask{90}, at0, at0, 28);
+  failed += !check_backward<IsBf16>("causal, zigzag x strided", s, CausalMask{},
+                                    AffinePositions{100, 100, 700, 1}, StridedPositions{1, 3}, 29);
+  {
+    const std::vector<index_type> off{0, 50, 51, 200, 260, 333};
+    index_type* d = nullptr;
+    CUDA_OK(cudaMalloc(&d, off.size() * sizeof(index_type)));
+    CUDA_OK(cudaMemcpy(d, off.data(), off.size() * sizeof(index_type), cudaMemcpyHostToDevice));
+    DocumentMask m;
+    m.host_offsets = off.data();
+    m.device_offsets = d;
+    m.documents = int(off.size()) - 1;
+    failed += !check_backward<IsBf16>("documents, causal", s, m, at0, at0, 32);
+    cudaFree(d);
+  }
+  return failed;
+}
+
 template <bool IsBf16>
 int check_all(int dim) {
   using namespace blockattn;
@@ -381,6 +606,59 @@ void bench(const std::string& torch_file, int reps) {
           std::printf("%-9s %-4s %6d %10.3f %12.1f %12s %10s%s\n", name, qv, n, ms, tf, "-", "-",
                       mk == 2 ? "  (TFLOP/s of the allowed pairs: long-tailed documents)" : "");
       }
+    // The tensor-core backward (cuda_flash_backward.hpp) from the wide
+    // forward's O and LSE; TFLOP/s counted as 2.5x the forward's, as PyTorch's.
+    DeviceBuffer<std::uint16_t> g(count), gq(count), gk(count), gv(count);
+    DeviceBuffer<float> delta(std::size_t(H) * n);
+    for (auto& x : host) x = to_bits(u(rng), true);
+    CUDA_OK(cudaMemcpy(g.p, host.data(), count * 2, cudaMemcpyHostToDevice));
+    flash::BackwardArgs ba;
+    ba.q = q.p;
+    ba.k = k.p;
+    ba.v = v.p;
+    ba.o = o.p;
+    ba.dout = g.p;
+    ba.lse = lse.p;
+    ba.dq = gq.p;
+    ba.dk = gk.p;
+    ba.dv = gv.p;
+    ba.delta = delta.p;
+    for (int i = 0; i < 3; ++i) {
+      ba.q_stride[i] = ba.k_stride[i] = ba.v_stride[i] = ba.o_stride[i] = ba.dout_stride[i] =
+          ba.dq_stride[i] = ba.dk_stride[i] = ba.dv_stride[i] = a.q_stride[i];
+      ba.lse_stride[i] = a.lse_stride[i];
+    }
+    ba.batch = 1;
+    ba.heads = ba.kv_heads = H;
+    ba.queries = ba.keys = n;
+    ba.scale = a.scale;
+    a.variant = flash::Variant::wide;
+    for (int mk = 0; mk < 3; ++mk) {
+      const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
+      const double pairs = mk == 0 ? double(n) * n : mk == 1 ? double(n) * (n + 1) / 2 : doc_pairs;
+      auto run = [&](bool fwd) {
+        if (mk == 0)
+          CUDA_OK(fwd ? flash::forward<true>(a, D, FullMask{}, at0, at0, nullptr)
+                      : flash::backward<true>(ba, D, FullMask{}, at0, at0, nullptr));
+        else if (mk == 1)
+          CUDA_OK(fwd ? flash::forward<true>(a, D, CausalMask{}, at0, at0, nullptr)
+                      : flash::backward<true>(ba, D, CausalMask{}, at0, at0, nullptr));
+        else
+          CUDA_OK(fwd ? flash::forward<true>(a, D, dm, at0, at0, nullptr)
+                      : flash::backward<true>(ba, D, dm, at0, at0, nullptr));
+      };
+      run(true);
+      const double ms = median_ms(reps, [&] { run(false); });
+      CUDA_OK(cudaDeviceSynchronize());
+      const double tf = 2.5 * 4.0 * D * pairs * H / (ms * 1e-3) * 1e-12;
+      const auto it = torch.find("bwd/" + std::to_string(n) + "/" + std::to_string(D) + "/" +
+                                 (mk == 1 ? "causal" : "full") + "/bf16");
+      if (it != torch.end() && mk < 2)
+        std::printf("%-9s %-4s %6d %10.3f %12.1f %8.1f %-4s %6.2f\n", name, "bwd", n, ms, tf,
+                    it->second.first, it->second.second.c_str(), tf / it->second.first);
+      else
+        std::printf("%-9s %-4s %6d %10.3f %12.1f %12s %10s\n", name, "bwd", n, ms, tf, "-", "-");
+    }
   }
 }
 
@@ -429,6 +707,12 @@ int main(int argc, char** argv) {
       failed += check_all<true>(dim);
       failed += check_all<false>(dim);
     }
+  }
+  // The backward after the forward (a fault in it would end the process).
+  std::printf("-- backward\n");
+  for (int dim : {64, 128}) {
+    failed += check_backward_all<true>(dim);
+    failed += check_backward_all<false>(dim);
   }
   std::printf("%s: %d failed\n", failed ? "FAILED" : "passed", failed);
   return failed ? 1 : 0;

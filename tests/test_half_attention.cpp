@@ -320,9 +320,14 @@ void run_backward(const Shape& s, const Mask& mask, std::uint64_t seed, ForwardO
   const bool fused = paths.fused > 0, matrix = paths.matrix > 0;
   CHECK(paths.fused + paths.portable == 1);
   // The backward's matrix engine: AMX tiles (P and dS in bf16) for bf16 on
-  // host spaces where it runs; no other backend has one.
-  CHECK(matrix == (impl::is_host_space_v<ExecSpace> && std::is_same<S, bf16>::value &&
-                   matrix_expected(opts.host_matrix)));
+  // host spaces where it runs; on CUDA the tensor-core backward, only where
+  // asked for (it declines unaligned or strided operands); no other backend
+  // has one.
+  if (impl::flash_enabled<ExecSpace, S, Mask>())
+    CHECK((!matrix || opts.tensor_core_backward));
+  else
+    CHECK(matrix == (impl::is_host_space_v<ExecSpace> && std::is_same<S, bf16>::value &&
+                     matrix_expected(opts.host_matrix)));
   fused_tally.fused += fused ? 1 : 0;
   backward_tally.matrix += matrix ? 1 : 0;
   ++backward_tally.calls;
@@ -351,6 +356,7 @@ void run_backward(const Shape& s, const Mask& mask, std::uint64_t seed, ForwardO
   if (matrix) {
     // The same call on the fp32 kernels, with its own checks (bitwise above).
     opts.host_matrix = HostMatrix::off;
+    opts.tensor_core_backward = false;
     opts.paths = nullptr;
     run_backward<S>(s, mask, seed, opts, layout);
   }
@@ -401,6 +407,35 @@ TEST_CASE_TEMPLATE("16-bit backward: every mask, within one rounding of fp32", S
   opts.q_offset = 100;
   opts.k_offset = 60;
   run_backward<S>({1, 66, 90, 2, 1, 64}, CausalMask{}, 77, opts);
+}
+
+TEST_CASE_TEMPLATE("16-bit backward on the tensor cores (ForwardOptions::tensor_core_backward)", S,
+                   bf16, fp16) {
+  // CUDA: BlockAttn's tensor-core backward where cuDNN does not take the call
+  // (head dims 64 and 128, aligned rows). Elsewhere the option changes
+  // nothing: skipped (the cases above cover those backends).
+  if (!impl::flash_enabled<ExecSpace, S, FullMask>()) {
+    MESSAGE("SKIPPED: this backend has no tensor-core backward");
+    return;
+  }
+  const long before = backward_tally.matrix;
+  ForwardOptions opts;
+  opts.tensor_core_backward = true;
+  std::uint64_t seed = 800;
+  const Shape bshapes[] = {{1, 70, 45, 2, 1, 64}, {2, 64, 64, 2, 2, 64}, {1, 97, 130, 4, 2, 128}};
+  for (const Shape& s : bshapes) {
+    run_backward<S>(s, FullMask{}, ++seed, opts);
+    run_backward<S>(s, CausalMask{}, ++seed, opts);
+    run_backward<S>(s, PrefixLMMask{30}, ++seed, opts);
+    const Documents<MemSpace> docs(document_offsets(s.nq > s.nk ? s.nq : s.nk));
+    run_backward<S>(s, docs.mask(), ++seed, opts);
+  }
+  ForwardOptions offsets = opts;
+  offsets.q_offset = 100;
+  offsets.k_offset = 60;
+  run_backward<S>({1, 66, 90, 2, 1, 64}, CausalMask{}, 78, offsets);
+  MESSAGE("16-bit backward calls on the tensor cores: ", backward_tally.matrix - before);
+  CHECK(backward_tally.matrix > before);
 }
 
 TEST_CASE("16-bit: the fused path ran where a provider is built in") {

@@ -48,6 +48,17 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
                                 opts.sink_grad);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
     if (impl::fused_backward(exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask, scale, opts)) return;
+    // BlockAttn's tensor-core backward (CUDA, 16-bit) where it is asked for and takes the call.
+    if (opts.tensor_cores && opts.tensor_core_backward && !opts.portable_only &&
+        impl::flash_backward(exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask,
+                             OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset},
+                             float(scale))) {
+      if (opts.paths) {
+        ++opts.paths->portable;
+        ++opts.paths->matrix;
+      }
+      return;
+    }
     // bf16 inputs: the pairs may run on the host matrix engine (AMX).
     BackwardBlockOptions blk;
     blk.operands_bf16 = std::is_same<typename QV::non_const_value_type, bf16>::value &&

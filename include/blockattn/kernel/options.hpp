@@ -40,6 +40,13 @@ struct ForwardOptions {
   /// head dims 64 and 128, no score policy; P rounded to 16 bits before P V,
   /// like cuDNN), or, when false, on the kernels that compute in fp32.
   bool tensor_cores = true;
+  /// The single-device backward of such calls (tensor_cores on) on
+  /// BlockAttn's tensor-core backward (kernel/impl/cuda_flash_backward.hpp:
+  /// deterministic, P and dS rounded to 16 bits before their products; finite
+  /// inputs only, others take the fp32 kernels). Off by default: it compiles
+  /// and its fragment maths is checked on the host, but it has not yet run
+  /// on a GPU (bench/gpu_session.sh checks it against fp64 and times it).
+  bool tensor_core_backward = false;
   /// 16-bit calls that cuDNN takes, when the mask hides keys: first check V
   /// for inf / NaN (one pass over V that the host waits for) and take
   /// BlockAttn's kernels where it holds one, since cuDNN multiplies the P = 0

@@ -4,13 +4,17 @@
 // head dim 64 or 128 with unit stride and 16-byte aligned rows. It takes what
 // cuDNN's band pieces do not (any mask on global positions, any position
 // map), and writes normalised O and the LSE of the pair: single-device calls
-// finish there, step loops merge it like a fused piece.
+// finish there, step loops merge it like a fused piece. The tensor-core
+// backward (cuda_flash_backward.hpp) behind the single-device backward, on
+// the same conditions and finite inputs (ForwardOptions::tensor_core_backward).
 #pragma once
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/kernel/fused.hpp>
 #include <blockattn/kernel/impl/cuda_flash.hpp>
+#include <blockattn/kernel/impl/cuda_flash_backward.hpp>
+#include <blockattn/kernel/impl/fused_path.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/positions.hpp>
 #include <blockattn/policy/score.hpp>
@@ -139,6 +143,74 @@ bool flash_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, co
                    const KP& kpos, float scale) {
   return flash_forward(exec, e, flash_operand(q), flash_operand(k), flash_operand(v), o, lse, mask,
                        qpos, kpos, scale);
+}
+
+/// The single-device backward on the tensor-core kernels when they take it
+/// (true: dq, dk, dv written, enqueued on exec); false: nothing done. Takes
+/// what the forward takes, with every (batch, seq, heads, dim) operand's head
+/// dim contiguous, and only finite q, k, v, o and dout (one pass over each,
+/// waited for: a masked pair's P = 0 times an inf would make NaN where the
+/// portable kernels keep the contract).
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class DOV, class DQV,
+          class DKV, class DVV, class Mask, class QP, class KP>
+bool flash_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, const KV& k,
+                    const VV& v, const OV& o, const LV& lse, const DOV& dout, const DQV& dq,
+                    const DKV& dk, const DVV& dv, const Mask& mask, const QP& qpos, const KP& kpos,
+                    float scale) {
+  using V = typename OV::non_const_value_type;
+  if constexpr (!flash_enabled<ExecSpace, V, Mask>()) {
+    (void)exec, (void)e, (void)q, (void)k, (void)v, (void)o, (void)lse, (void)dout, (void)dq,
+        (void)dk, (void)dv, (void)mask, (void)qpos, (void)kpos, (void)scale;
+    return false;
+  } else {
+#if defined(BLOCKATTN_FLASH_CUDA)
+    if (e.queries <= 0 || e.keys <= 0) return false;
+    const FlashOperand ops[8] = {flash_operand(q),  flash_operand(k),    flash_operand(v),
+                                 flash_operand(o),  flash_operand(dout), flash_operand(dq),
+                                 flash_operand(dk), flash_operand(dv)};
+    for (const FlashOperand& x : ops)
+      if (!x.data) return false;
+    flash::BackwardArgs a;
+    a.q = ops[0].data;
+    a.k = ops[1].data;
+    a.v = ops[2].data;
+    a.o = ops[3].data;
+    a.dout = ops[4].data;
+    a.dq = const_cast<void*>(ops[5].data);
+    a.dk = const_cast<void*>(ops[6].data);
+    a.dv = const_cast<void*>(ops[7].data);
+    a.lse = lse.data();
+    std::int64_t* strides[8] = {a.q_stride,    a.k_stride,  a.v_stride,  a.o_stride,
+                                a.dout_stride, a.dq_stride, a.dk_stride, a.dv_stride};
+    for (int x = 0; x < 8; ++x)
+      for (int i = 0; i < 3; ++i) strides[x][i] = ops[x].stride[i];
+    a.lse_stride[0] = std::int64_t(lse.stride(0));
+    a.lse_stride[1] = std::int64_t(lse.stride(1));
+    a.lse_stride[2] = std::int64_t(lse.stride(2));
+    a.batch = e.batch;
+    a.heads = e.heads;
+    a.kv_heads = e.kv_heads;
+    a.queries = e.queries;
+    a.keys = e.keys;
+    a.scale = scale;
+    if (!flash::supports(a, e.dim)) return false;
+    if (has_nonfinite(exec, q) || has_nonfinite(exec, k) || has_nonfinite(exec, v) ||
+        has_nonfinite(exec, o) || has_nonfinite(exec, dout))
+      return false;
+    Kokkos::View<float*, typename ExecSpace::memory_space> delta(
+        Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "blockattn::flash_delta"),
+        std::size_t(e.batch) * e.heads * e.queries);
+    a.delta = delta.data();
+    const cudaError_t err = flash::backward<std::is_same<V, bf16>::value>(
+        a, e.dim, mask, canonical_positions(qpos), canonical_positions(kpos), exec.cuda_stream());
+    if (err != cudaSuccess)
+      throw std::runtime_error(
+          std::string("blockattn: the tensor-core backward's launch failed: ") +
+          cudaGetErrorString(err));
+    exec.fence();  // delta is freed on return
+    return true;
+#endif
+  }
 }
 
 }  // namespace blockattn::impl
