@@ -10,7 +10,8 @@
 #   bench/make_performance.sh [out.md]      default out: docs/performance.md
 #
 # Environment: RUNS (default 1), LENGTHS (default 1024,4096; the bench's
-# lengths are 512,1024,2048,4096,16384), ISAS (default "native x86-64-v3"),
+# lengths are 512,1024,2048,4096,16384), HEADS (head counts, default "1 4 16":
+# B = 1, one table per H), ISAS (default "native x86-64-v3"),
 # DTYPES (default fp32,bf16), REUSE_LOGS=1 (write the page from the logs of
 # the last run in build/perf-logs/ without running anything). PyTorch comes from .deps/torch-venv
 # (cmake/blockattn.sh torch installs it); without it the PyTorch columns are
@@ -22,6 +23,7 @@ runs=${RUNS:-1}
 lengths=${LENGTHS:-1024,4096}
 dtypes=${DTYPES:-fp32,bf16}
 isas=${ISAS:-native x86-64-v3}
+heads=${HEADS:-1 4 16}
 logdir=$repo/build/perf-logs
 mkdir -p "$logdir"
 logs=()
@@ -29,7 +31,8 @@ reuse=${REUSE_LOGS:-0}
 for i in $(seq "$runs"); do
   log=$logdir/run$i.log
   if [ "$reuse" != 1 ]; then
-    LENGTHS=$lengths ISAS=$isas "$repo/cmake/blockattn.sh" bench-isa --dtype="$dtypes" 2>&1 | tee "$log"
+    LENGTHS=$lengths ISAS=$isas HEADS=$heads "$repo/cmake/blockattn.sh" bench-isa --dtype="$dtypes" 2>&1 |
+      tee "$log"
   fi
   logs+=("$log")
 done
@@ -59,7 +62,8 @@ library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
   echo "against PyTorch's CPU \`scaled_dot_product_attention\` (same value type,"
   echo "same threads, minutes apart) and against an OpenBLAS sgemm of the same"
   echo "N × N × D. Rates use each side's fastest call of as many as fill 0.3 s"
-  echo "(at least two). B = H = 1; fwd = forward, bwd = backward (2.5× the"
+  echo "(at least two). B = 1, H query = K/V heads as each table says (PyTorch's"
+  echo "too); fwd = forward, bwd = backward (2.5× the"
   echo "forward's FLOPs). The x86-64-v3 build runs the AVX2 kernels next to"
   echo "PyTorch, MKL, oneDNN and OpenBLAS capped at AVX2."
   echo
@@ -68,7 +72,7 @@ library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
        "model $(lscpu | sed -n 's/^Model:[[:space:]]*//p' | head -n1)," \
        "$(nproc) cores; flags: ${flags}"
   echo "- Compiler: $(c++ --version | head -n1); PyTorch $torch;" \
-       "runs: $runs; lengths: $lengths; builds: $isas"
+       "runs: $runs; lengths: $lengths; heads: $heads; builds: $isas"
   echo "- Library: $library"
   for dt in ${dtypes//,/ }; do
     echo

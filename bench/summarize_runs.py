@@ -13,7 +13,8 @@ columns).
 
     bench/summarize_runs.py run1.log run2.log ... [--dtype fp32]
 
-Markdown on stdout: one table per build and thread count (fwd = forward,
+Markdown on stdout: one table per build, thread count and head count (B = 1,
+H query = K/V heads; fwd = forward,
 bwd = backward, "÷ PyTorch" = ours / PyTorch's scaled_dot_product_attention,
 "÷ sgemm" = ours / OpenBLAS sgemm of the same N x N x D), then a line per
 table with the range of the medians and the cells whose median or minimum
@@ -25,12 +26,12 @@ import statistics
 import sys
 
 HEADER = re.compile(
-    r"Ratios measured in this run \(\S+, (\d+) threads?; (?:B = \d+, H = \d+; )?host ISA (\S+), ")
+    r"Ratios measured in this run \(\S+, (\d+) threads?; (?:B = \d+, H = (\d+); )?host ISA (\S+), ")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def parse(path, dtype):
-    """{(build, threads): {(D, N, mask): {"fwd": ours/torch, "bwd": ..., "sgemm": ...}}}"""
+    """{(build, threads, heads): {(D, N, mask): {"fwd": ours/torch, "bwd": ..., "sgemm": ...}}}"""
     out = {}
     build, table, mode = None, None, None
     with open(path, errors="replace") as f:
@@ -41,7 +42,8 @@ def parse(path, dtype):
                 continue
             m = HEADER.match(line)
             if m:
-                key = (build or "host ISA " + m.group(2).rstrip(","), int(m.group(1)))
+                key = (build or "host ISA " + m.group(3).rstrip(","), int(m.group(1)),
+                       int(m.group(2) or 1))
                 table, mode = out.setdefault(key, {}), "fwd"
                 continue
             if line.startswith("Backward"):
@@ -79,7 +81,7 @@ def main():
         sys.exit("summarize_runs.py: no ratio tables in " + ", ".join(a.logs))
     for key in keys:
         present = [r[key] for r in runs if key in r]
-        print(f"\n**{key[0]}, {key[1]} thread{'s' if key[1] > 1 else ''}** "
+        print(f"\n**{key[0]}, {key[1]} thread{'s' if key[1] > 1 else ''}, H = {key[2]}** "
               f"({len(present)} run{'s' if len(present) > 1 else ''})\n")
         print("| D | N | mask | fwd ÷ PyTorch, each run | median | min | "
               "bwd ÷ PyTorch median | min | fwd ÷ sgemm median |")
