@@ -9,6 +9,38 @@
 
 namespace blockattn::test {
 
+namespace {
+
+/// Row i of head h (kv head hk): s[j] = scale q_i . k_j with the score policy
+/// applied, -inf where the mask hides the pair; raw[j] (when given) before the
+/// policy. Returns the row's largest logit (-inf: it sees nothing); raises
+/// cond_max to scale * sum |q k| and *abs_max (when given) to |s[j]|.
+double logit_row(const HostTensor& q, const HostTensor& k, const ReferenceMask& mask, double scale,
+                 int b, int h, int i, int hk, std::vector<double>& s, std::vector<double>* raw,
+                 double& cond_max, double* abs_max = nullptr) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int j = 0; j < k.n; ++j) {
+    if (!mask.allowed[std::size_t(i) * k.n + j]) {
+      s[j] = -std::numeric_limits<double>::infinity();
+      continue;
+    }
+    double acc = 0.0, cond = 0.0;
+    for (int x = 0; x < q.d; ++x) {
+      acc += q(b, i, h, x) * k(b, j, hk, x);
+      cond += std::abs(q(b, i, h, x) * k(b, j, hk, x));
+    }
+    s[j] = scale * acc;
+    if (raw != nullptr) (*raw)[j] = s[j];
+    if (mask.score) s[j] = mask.score(s[j], i, j, h);
+    if (abs_max != nullptr) *abs_max = std::max(*abs_max, std::abs(s[j]));
+    cond_max = std::max(cond_max, std::abs(scale) * cond);
+    mx = std::max(mx, s[j]);
+  }
+  return mx;
+}
+
+}  // namespace
+
 ReferenceResult reference_attention_table(const HostTensor& q, const HostTensor& k,
                                           const HostTensor& v, const ReferenceMask& mask,
                                           double scale, const std::vector<double>* sinks) {
@@ -20,23 +52,8 @@ ReferenceResult reference_attention_table(const HostTensor& q, const HostTensor&
   for (int b = 0; b < q.b; ++b)
     for (int h = 0; h < q.h; ++h)
       for (int i = 0; i < q.n; ++i) {
-        double mx = -std::numeric_limits<double>::infinity();
-        for (int j = 0; j < k.n; ++j) {
-          if (!mask.allowed[std::size_t(i) * k.n + j]) {
-            s[j] = -std::numeric_limits<double>::infinity();
-            continue;
-          }
-          double acc = 0.0, cond = 0.0;
-          for (int x = 0; x < q.d; ++x) {
-            acc += q(b, i, h, x) * k(b, j, h / group, x);
-            cond += std::abs(q(b, i, h, x) * k(b, j, h / group, x));
-          }
-          s[j] = scale * acc;
-          if (mask.score) s[j] = mask.score(s[j], i, j, h);
-          r.max_abs_logit = std::max(r.max_abs_logit, std::abs(s[j]));
-          r.max_dot_condition = std::max(r.max_dot_condition, std::abs(scale) * cond);
-          mx = std::max(mx, s[j]);
-        }
+        double mx = logit_row(q, k, mask, scale, b, h, i, h / group, s, nullptr,
+                              r.max_dot_condition, &r.max_abs_logit);
         const double sink = sinks ? (*sinks)[std::size_t(h)] : -HUGE_VAL;
         if (sinks && mx == -HUGE_VAL) r.lse[(std::size_t(b) * q.h + h) * q.n + i] = sink;
         if (mx == -std::numeric_limits<double>::infinity()) continue;  // O row stays 0
@@ -69,22 +86,7 @@ ReferenceGrads reference_backward_table(const HostTensor& q, const HostTensor& k
     for (int h = 0; h < q.h; ++h) {
       const int hk = h / group;
       for (int i = 0; i < q.n; ++i) {
-        double mx = -std::numeric_limits<double>::infinity();
-        for (int j = 0; j < k.n; ++j) {
-          if (!mask.allowed[std::size_t(i) * k.n + j]) {
-            p[j] = -std::numeric_limits<double>::infinity();
-            continue;
-          }
-          double acc = 0.0, cond = 0.0;
-          for (int x = 0; x < q.d; ++x) {
-            acc += q(b, i, h, x) * k(b, j, hk, x);
-            cond += std::abs(q(b, i, h, x) * k(b, j, hk, x));
-          }
-          p[j] = raw[j] = scale * acc;
-          if (mask.score) p[j] = mask.score(raw[j], i, j, h);
-          g.max_dot_condition = std::max(g.max_dot_condition, std::abs(scale) * cond);
-          mx = std::max(mx, p[j]);
-        }
+        double mx = logit_row(q, k, mask, scale, b, h, i, hk, p, &raw, g.max_dot_condition);
         if (mx == -std::numeric_limits<double>::infinity()) continue;  // no gradient
         const double sink = sinks ? (*sinks)[std::size_t(h)] : -HUGE_VAL;
         mx = std::max(mx, sink);
