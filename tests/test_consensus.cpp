@@ -294,6 +294,14 @@ TEST_CASE("a configuration that differs on one rank throws the same error on eve
     opts.communicate = !odd;
     msg = error_of([&] { forward_backward(a, c, opts); });
     check_everywhere(comm, msg, "options.communicate differs between ranks");
+    opts = {};
+    opts.host_matrix = odd ? HostMatrix::off : HostMatrix::automatic;
+    msg = error_of([&] { forward_backward(a, c, opts); });
+    check_everywhere(comm, msg, "options.host_matrix differs between ranks");
+    opts = {};
+    opts.portable_only = odd;
+    msg = error_of([&] { forward_backward(a, c, opts); });
+    check_everywhere(comm, msg, "options.portable_only differs between ranks");
   }
   // The same objects work again afterwards: nothing is left pending.
   Attn<RingSchedule> a(comm);

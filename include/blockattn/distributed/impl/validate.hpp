@@ -77,6 +77,14 @@ BlockExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const
       .number("options.sink_grad (set)", opts.sink_grad.data() ? 1 : 0);
   f.number("options.check_policies (or BLOCKATTN_CHECK_POLICIES)",
            check_policies_always || opts.check_policies ? 1 : 0);
+  // Which implementation computes the block pairs (the last bits differ).
+  const HostMatrix hm = opts.host_matrix;
+  f.number("options.portable_only", opts.portable_only ? 1 : 0)
+      .text("options.host_matrix", hm == HostMatrix::automatic ? "automatic"
+                                   : hm == HostMatrix::off     ? "off"
+                                                               : "avx512_bf16")
+      .number("options.tensor_cores", opts.tensor_cores ? 1 : 0)
+      .number("options.guard_masked_nonfinite", opts.guard_masked_nonfinite ? 1 : 0);
   f.text(
       "host ISA of the fp32 kernels (dispatched_host_isa(); the same BLOCKATTN_HOST_ISA on "
       "every rank makes them agree)",
