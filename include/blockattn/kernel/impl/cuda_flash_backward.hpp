@@ -445,28 +445,22 @@ cudaError_t backward(const BackwardArgs& a, int dim, const Mask& mask, const QPo
       const cudaError_t e = cudaGetLastError();
       if (e != cudaSuccess) return e;
     }
+    // One kernel of `bytes` dynamic shared memory over `grid`.
+    auto launch = [&](auto kernel, int bytes, dim3 grid) {
+      cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      if (e != cudaSuccess) return e;
+      kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
+      return cudaGetLastError();
+    };
     if (a.keys > 0) {
-      auto kernel = dkdv_kernel<D, IsBf16, Mask, QPos, KPos>;
-      const int bytes = dkdv_smem_bytes(D);
-      cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-      if (e != cudaSuccess) return e;
-      const dim3 grid((a.keys + block_n - 1) / block_n, a.kv_heads, a.batch);
-      kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
-      e = cudaGetLastError();
+      const cudaError_t e = launch(dkdv_kernel<D, IsBf16, Mask, QPos, KPos>, dkdv_smem_bytes(D),
+                                   dim3((a.keys + block_n - 1) / block_n, a.kv_heads, a.batch));
       if (e != cudaSuccess) return e;
     }
-    if (a.queries > 0) {
-      auto kernel = dq_kernel<D, IsBf16, Mask, QPos, KPos>;
-      const int bytes = dq_smem_bytes(D);
-      cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-      if (e != cudaSuccess) return e;
-      const dim3 grid((a.queries + bwd_rows - 1) / bwd_rows, a.heads, a.batch);
-      kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
-      e = cudaGetLastError();
-      if (e != cudaSuccess) return e;
-    }
+    if (a.queries > 0)
+      return launch(dq_kernel<D, IsBf16, Mask, QPos, KPos>, dq_smem_bytes(D),
+                    dim3((a.queries + bwd_rows - 1) / bwd_rows, a.heads, a.batch));
     return cudaSuccess;
   };
   if (dim == 64) return run(std::integral_constant<int, 64>{});
