@@ -9,7 +9,7 @@
 //
 //   blockattn_bench_gpu [--lengths 4096,8192,16384] [--heads 16] [--dim 128]
 //                       [--reps 5] [--dtypes fp32,bf16] [--torch FILE] [--portable 0|1]
-//                       [--guard 0|1]
+//                       [--guard 0|1] [--fp32-tc off|tf32x3|tf32]
 //
 // The `path` column says which implementation ran (kernel/fused.hpp): `fused`
 // (cuDNN, in a build with BLOCKATTN_ENABLE_CUDNN, bf16 band masks) or `ours`
@@ -17,6 +17,9 @@
 // tensor-core forward, kernel/impl/cuda_flash.hpp). --guard 0 skips the
 // check of V for inf / NaN that masked cuDNN calls make first
 // (ForwardOptions::guard_masked_nonfinite): its cost is the difference.
+// --fp32-tc runs fp32 forwards on tensor cores (ForwardOptions::
+// fp32_tensor_cores, kernel/impl/cuda_flash_f32.hpp: path `tc`), its check
+// of q, k, v for inf / NaN included.
 //
 // FLOP conventions (as bench_forward.cpp and FlashAttention's): 4 * D per
 // allowed query-key pair forward, 2.5x that backward, counted on the pairs the
@@ -67,12 +70,13 @@ namespace bench_gpu {
 /// bf16; bf16 is stored in 16 bits and computed in fp32, LSE in fp32).
 template <class T>
 void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengths, int heads,
-              int dim, int reps, bool portable, bool guard,
+              int dim, int reps, bool portable, bool guard, blockattn::Fp32TensorCores fp32_tc,
               const std::map<std::string, std::pair<double, std::string>>& torch) {
   blockattn::BlockPathCounts paths;
   blockattn::ForwardOptions opts;
   opts.portable_only = portable;
   opts.guard_masked_nonfinite = guard;
+  opts.fp32_tensor_cores = fp32_tc;
   opts.paths = &paths;
   using V4 = Kokkos::View<T****, Kokkos::LayoutRight, Exec::memory_space>;
   Kokkos::Random_XorShift64_Pool<Exec> pool(7);
@@ -144,6 +148,7 @@ struct Args {
   std::vector<std::string> dtypes{"fp32", "bf16"};
   int heads = 16, dim = 128, reps = 5, portable = 0, guard = 1;
   std::string torch_file;
+  blockattn::Fp32TensorCores fp32_tc = blockattn::Fp32TensorCores::off;
 };
 
 const char* const usage_text = R"(usage: blockattn_bench_gpu [flags]
@@ -157,6 +162,7 @@ CUDA/HIP build), B = 1, full and causal masks, next to PyTorch's SDPA rates.
   --torch FILE     PyTorch's rates (bench/torch_sdpa.py --device cuda ...) to print next to ours
   --portable 0|1   1: our kernels only, never the fused (cuDNN) path [0]
   --guard 0|1      0: masked cuDNN calls skip their check of V for inf / NaN [1]
+  --fp32-tc M      fp32 forward on tensor cores: off, tf32x3 (fp32-class) or tf32 [off]
   --help, -h       this text
 Kokkos' flags (--kokkos-device-id=N, ...) pass through. Exit status 2: a bad
 command line or an error the library reports.
@@ -167,7 +173,7 @@ std::string parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
     if (a != "--lengths" && a != "--heads" && a != "--dim" && a != "--reps" && a != "--dtypes" &&
-        a != "--torch" && a != "--portable" && a != "--guard")
+        a != "--torch" && a != "--portable" && a != "--guard" && a != "--fp32-tc")
       return "unknown argument " + a + " (blockattn_bench_gpu --help lists the flags)";
     if (i + 1 == argc) return a + " needs a value";
     const std::string val = argv[i + 1];
@@ -186,6 +192,16 @@ std::string parse_args(int argc, char** argv, Args& args) {
       if (!ok) return a + ": expected fp32 and/or bf16 (comma-separated), got '" + val + "'";
     }
     if (a == "--torch") args.torch_file = val;
+    if (a == "--fp32-tc") {
+      if (val == "off")
+        args.fp32_tc = blockattn::Fp32TensorCores::off;
+      else if (val == "tf32x3")
+        args.fp32_tc = blockattn::Fp32TensorCores::tf32x3;
+      else if (val == "tf32")
+        args.fp32_tc = blockattn::Fp32TensorCores::tf32;
+      else
+        return a + ": expected off, tf32x3 or tf32, got '" + val + "'";
+    }
   }
   return "";
 }
@@ -213,10 +229,11 @@ int main(int argc, char** argv) {
     for (const auto& d : args.dtypes) {
       if (d == "fp32")
         bench_gpu::run_type<float>(exec, "fp32", args.lengths, args.heads, args.dim, args.reps,
-                                   args.portable != 0, args.guard != 0, torch);
+                                   args.portable != 0, args.guard != 0, args.fp32_tc, torch);
       else
         bench_gpu::run_type<blockattn::bf16>(exec, "bf16", args.lengths, args.heads, args.dim,
-                                             args.reps, args.portable != 0, args.guard != 0, torch);
+                                             args.reps, args.portable != 0, args.guard != 0,
+                                             args.fp32_tc, torch);
     }
     return 0;
   });

@@ -102,14 +102,25 @@ else
   log "no $cuda/bench/blockattn_bench_gpu: skipped"
 fi
 
-# 2b. The tensor-core forward (kernel/impl/cuda_flash.hpp) and backward
-#     (cuda_flash_backward.hpp): their checks, then their speed next to
-#     PyTorch's (the same torch.txt; "bwd" rows for the backward).
+# 2b. The tensor-core forward (kernel/impl/cuda_flash.hpp), backward
+#     (cuda_flash_backward.hpp) and fp32 forward (cuda_flash_f32.hpp): their
+#     checks, then their speed next to PyTorch's (the same torch.txt; "bwd"
+#     rows for the backward, then the fp32 table).
 if [ -x "$cuda/tests/blockattn_flash_check" ]; then
   step flash_check 60 "$cuda/tests/blockattn_flash_check"
   grep -sE 'FAIL|passed|failed' "$logs/flash_check.log" | head -20 | tee -a "$out/session.log"
   step flash_bench 60 "$cuda/tests/blockattn_flash_check" --bench --torch "$logs/torch.txt"
   cat 2>/dev/null "$logs/flash_bench.log" >>"$out/session.log"
+fi
+# 2c. fp32 on tensor cores through the library (ForwardOptions::fp32_tensor_cores,
+#     cuda_flash_f32.hpp; its check of q, k, v for inf / NaN included), next
+#     to PyTorch's fp32 (flash_check above checked the kernel against fp64).
+if [ -x "$cuda/bench/blockattn_bench_gpu" ]; then
+  for m in tf32x3 tf32; do
+    step "bench_gpu_fp32_$m" 60 "$cuda/bench/blockattn_bench_gpu" --dtypes fp32 --fp32-tc $m \
+      --torch "$logs/torch.txt"
+    grep -s '^fwd' "$logs/bench_gpu_fp32_$m.log" | sed "s/^/$m /" >>"$out/session.log"
+  done
 fi
 
 # 3. Ranks sharing the GPU (the distributed suite, a ring's steps), and the
@@ -178,10 +189,15 @@ if [ -x "$cuda/tests/blockattn_flash_check" ] && command -v ncu >/dev/null; then
       "$cuda/tests/blockattn_flash_check" --bench --reps 1 --variant "$v"
   done
 fi
-# 4d. The same on one launch of each tensor-core backward kernel (dK/dV, dQ).
+# 4d. The same on one launch of each tensor-core backward kernel (dK/dV, dQ),
+#     and of the fp32 forward.
 if [ -x "$cuda/tests/blockattn_flash_check" ] && command -v ncu >/dev/null; then
   step ncu_backward 60 ncu --clock-control none --kernel-name regex:'dkdv_kernel|dq_kernel' \
     --launch-count 2 --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \
+    --section WarpStateStats "$cuda/tests/blockattn_flash_check" --bench --reps 1 --variant wide
+  # ... and of the fp32 forward (tf32x3, N = 4096, full).
+  step ncu_fp32 60 ncu --clock-control none --kernel-name regex:forward_f32_kernel \
+    --launch-count 1 --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \
     --section WarpStateStats "$cuda/tests/blockattn_flash_check" --bench --reps 1 --variant wide
 fi
 # 5. Our kernels alone at one length (the fused path's gain), score policies

@@ -2,10 +2,11 @@
 # Checks, without a GPU, that the tensor-core forward and backward are on the
 # tensor cores: the embedded sm_90 machine code of every kernel of
 # kernel/impl/cuda_flash.hpp (every variant) and of the dK/dV and dQ kernels
-# of cuda_flash_backward.hpp in a binary holds HMMA (mma.sync) and LDSM
+# of cuda_flash_backward.hpp, and of the fp32 forward of cuda_flash_f32.hpp
+# (HMMA.1688.F32.TF32), in a binary holds HMMA (mma.sync) and LDSM
 # (ldmatrix) instructions, and the forward's 64-row variants (regs, smem: one
-# m-tile per warp) no local-memory traffic (LDL/STL: a register array spilled
-# or indexed at run time); the wide variant (two m-tiles per warp, 255
+# m-tile per warp) and the fp32 forward no local-memory traffic (LDL/STL: a
+# register array spilled or indexed at run time); the wide variant (two m-tiles per warp, 255
 # registers) and the backward kernels at D = 128 (255 registers) spill a few
 # bytes: their LDL/STL counts are printed, not failed.
 # A refactor that loses the tensor cores fails here, not only in a timing.
@@ -25,6 +26,8 @@ trap 'rm -rf "$tmp"' EXIT
 awk -v dir="$tmp" '
   /Function :/ {
     f = ($0 ~ /flash14forward_kernelILi[0-9]+ELb[01]ELi[0-9]+ELb[01]E/); n++
+    t = ($0 ~ /flash18forward_f32_kernelILi[0-9]+ELi[13]E/)
+    if (t) { f = 1; print "fp32" > (dir "/t" n) }
     b = ($0 ~ /flash(11dkdv|9dq)_kernelILi[0-9]+ELb[01]E/)
     if (f) { wide = ($0 ~ /forward_kernelILi[0-9]+ELb[01]ELi2E/); print wide > (dir "/w" n) }
     if (b) { f = 1; print ($0 ~ /11dkdv/ ? "dkdv" : "dq") > (dir "/b" n); print 1 > (dir "/w" n) }
@@ -33,15 +36,21 @@ awk -v dir="$tmp" '
   f { print > (dir "/k" n) }' "$tmp/sass"
 kernels=$(ls "$tmp" | grep -c '^k' || true)
 backward=$(ls "$tmp" | grep -c '^b' || true)
+fp32=$(ls "$tmp" | grep -c '^t' || true)
 dkdv=$(cat "$tmp"/b* 2>/dev/null | grep -c dkdv || true)
-if [ "$kernels" -eq 0 ] || [ "$dkdv" -eq 0 ] || [ "$dkdv" -eq "$backward" ]; then
-  echo "FAILED: $exe lacks a tensor-core kernel: $((kernels - backward)) forward" \
-       "(flash::forward_kernel), $dkdv dK/dV, $((backward - dkdv)) dQ"
+forward=$((kernels - backward - fp32))
+if [ "$forward" -le 0 ] || [ "$dkdv" -eq 0 ] || [ "$dkdv" -eq "$backward" ] || [ "$fp32" -eq 0 ]; then
+  echo "FAILED: $exe lacks a tensor-core kernel: $forward forward" \
+       "(flash::forward_kernel), $dkdv dK/dV, $((backward - dkdv)) dQ, $fp32 fp32 forward"
   exit 1
 fi
 status=0
 for k in "$tmp"/k*; do
-  hmma=$(grep -c 'HMMA' "$k" || true)
+  if [ -f "$tmp/t${k##*/k}" ]; then
+    hmma=$(grep -c 'HMMA\.1688\.F32\.TF32' "$k" || true)
+  else
+    hmma=$(grep -c 'HMMA' "$k" || true)
+  fi
   ldsm=$(grep -c 'LDSM' "$k" || true)
   local_mem=$(grep -cE '\b(LDL|STL)\b' "$k" || true)
   wide=$(cat "$tmp/w${k##*/k}" 2>/dev/null || echo 0)
@@ -53,6 +62,6 @@ for k in "$tmp"/k*; do
     echo "$kind kernel $(basename "$k"): LDL/STL $local_mem (spills, allowed)"
   fi
 done
-echo "$((kernels - backward)) tensor-core forward and $backward backward kernels: HMMA and LDSM" \
-     "in each, no local memory in the forward's 64-row variants"
+echo "$forward tensor-core forward, $backward backward and $fp32 fp32 (TF32) forward kernels:" \
+     "HMMA and LDSM in each, no local memory in the forward's 64-row variants and the fp32 forward"
 exit $status

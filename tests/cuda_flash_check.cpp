@@ -3,7 +3,7 @@
 // against an fp64 reference and, with --bench, its speed next to PyTorch's.
 //
 //   blockattn_flash_check                 every check case; exit 0 / 1, 77 without a GPU
-//   blockattn_flash_check --bench [--torch FILE] [--reps R]   (forward, then "bwd" rows)
+//   blockattn_flash_check --bench [--torch FILE] [--reps R]   (forward, "bwd" rows, then fp32)
 //   --variant regs|smem|wide   only that kernel variant (default: all three)
 //
 // Checks: bf16 and fp16, head dims 64 and 128, GQA, lengths that are not
@@ -27,6 +27,9 @@
 //   |dK - ref| <= 2 scale Σ_i eS |Q| + 1e-5,  |dQ - ref| <= 2 scale Σ_j eS |K| + 1e-5;
 // rows that see no key get dQ = 0 and keys no row sees dK = dV = 0, exactly.
 // dQ, dK, dV are poisoned (NaN) before the call.
+//
+// Then the fp32 tensor-core forward (cuda_flash_f32.hpp), its cases and
+// bounds in cuda_flash_f32_check.cpp.
 #include <blockattn/kernel/impl/cuda_flash.hpp>
 #include <blockattn/kernel/impl/cuda_flash_backward.hpp>
 #include <blockattn/plan/balance.hpp>
@@ -664,6 +667,10 @@ void bench(const std::string& torch_file, int reps) {
 
 }  // namespace
 
+// cuda_flash_f32_check.cpp: the fp32 tensor-core forward.
+int check_f32_all();
+void bench_f32(const std::string& torch_file, int reps);
+
 int main(int argc, char** argv) {
   bool do_bench = false;
   std::string torch_file;
@@ -697,6 +704,7 @@ int main(int argc, char** argv) {
   }
   if (do_bench) {
     bench(torch_file, reps);
+    bench_f32(torch_file, reps);
     return 0;
   }
   int failed = 0;
@@ -714,6 +722,8 @@ int main(int argc, char** argv) {
     failed += check_backward_all<true>(dim);
     failed += check_backward_all<false>(dim);
   }
+  std::printf("-- fp32 (cuda_flash_f32.hpp: tf32x3, tf32)\n");
+  failed += check_f32_all();
   std::printf("%s: %d failed\n", failed ? "FAILED" : "passed", failed);
   return failed ? 1 : 0;
 }

@@ -7,7 +7,9 @@
 //   X Y^T: X rows (A, ldsm_a) against the rows of a tile Y (B, ldsm_b);
 //   P Y:   P from C fragments (c2a_*) against a tile Y read k-major (ldsm_bt);
 // both checked here for head dims 64 and 128 against plain loops, exactly
-// (small integers: every sum is exact in fp32). No GPU needed.
+// (small integers: every sum is exact in fp32). The same for the fp32
+// kernel's mma.sync.m16n8k8 (.tf32) products (cuda_flash_f32.hpp), whose
+// P V reads V by 32-bit loads in a permuted key order. No GPU needed.
 #include <doctest/doctest.h>
 
 #include <blockattn/kernel/impl/flash_frag.hpp>
@@ -196,6 +198,167 @@ int conflicts(F&& rc_of) {
   return bad;
 }
 
+// ---- fp32 values, mma.sync.m16n8k8 (.tf32): cuda_flash_f32.hpp ------------
+
+using Frag4 = std::array<std::array<float, 4>, 32>;  // 4 registers of each lane
+using Frag2 = std::array<std::array<float, 2>, 32>;
+
+/// A (rows x D) fp32 matrix stored as the fp32 kernel stores tiles.
+template <int D>
+struct Tile32 {
+  std::vector<float> mem;
+  explicit Tile32(int rows) : mem(std::size_t(rows) * D, 0.0f) {}
+  void set(int r, int c, float x) { mem[std::size_t(flash::swz32<D>(r, c / 4) + c % 4)] = x; }
+};
+
+/// ldmatrix.x4 (.b16, no .trans) of 32-bit values: a matrix row is 16 bytes,
+/// 4 values; lane L receives bytes 4t .. 4t + 3 of row g of matrix i.
+template <int D>
+Frag4 ldmatrix_x4_32(const Tile32<D>& tile, const std::array<int, 32>& off) {
+  Frag4 out{};
+  for (int i = 0; i < 4; ++i)
+    for (int lane = 0; lane < 32; ++lane)
+      out[std::size_t(lane)][std::size_t(i)] =
+          tile.mem[std::size_t(off[std::size_t(8 * i + lane / 4)] + lane % 4)];
+  return out;
+}
+
+/// mma.sync.m16n8k8 .tf32 of a warp: c += a b, from the PTX fragment tables.
+void mma32(Frag4& c, const Frag4& a, const Frag2& b) {
+  float A[16][8] = {}, B[8][8] = {};
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    const auto& al = a[std::size_t(lane)];
+    A[g][t] = al[0];
+    A[g + 8][t] = al[1];
+    A[g][t + 4] = al[2];
+    A[g + 8][t + 4] = al[3];
+    B[t][g] = b[std::size_t(lane)][0];
+    B[t + 4][g] = b[std::size_t(lane)][1];
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+    for (int e = 0; e < 4; ++e) {
+      float sum = 0.0f;
+      for (int k = 0; k < 8; ++k) sum += A[rows[e]][k] * B[k][cols[e]];
+      c[std::size_t(lane)][std::size_t(e)] += sum;
+    }
+  }
+}
+
+Frag2 b32_of(const Frag4& r, int half) {
+  Frag2 b{};
+  for (std::size_t lane = 0; lane < 32; ++lane)
+    b[lane] = {r[lane][std::size_t(2 * half)], r[lane][std::size_t(2 * half + 1)]};
+  return b;
+}
+
+/// S (16 x 64) = X (rows row0 ..) Y^T in fp32: Q K^T of the fp32 kernel.
+template <int D>
+void check_x_yt32(int row0) {
+  Tile32<D> tx(64), ty(64);
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < D; ++c) {
+      tx.set(r, c, value(r, c, 1));
+      ty.set(r, c, value(r, c, 5));
+    }
+  std::array<Frag4, 8> s{};
+  for (int kk = 0; kk < D / 8; ++kk) {
+    const Frag4 a = ldmatrix_x4_32(tx, offsets([&](int l) {
+                                     return flash::frag32_offset<D>(flash::ldsm_a(l), row0, 2 * kk);
+                                   }));
+    for (int p = 0; p < 4; ++p) {
+      const Frag4 r =
+          ldmatrix_x4_32(ty, offsets([&](int l) {
+                           return flash::frag32_offset<D>(flash::ldsm_b(l), 16 * p, 2 * kk);
+                         }));
+      mma32(s[std::size_t(2 * p)], a, b32_of(r, 0));
+      mma32(s[std::size_t(2 * p + 1)], a, b32_of(r, 1));
+    }
+  }
+  int wrong = 0;
+  for (int n = 0; n < 8; ++n)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int e = 0; e < 4; ++e) {
+        const int row = flash::c_row(lane, e), col = 8 * n + flash::c_col(lane, e);
+        float want = 0.0f;
+        for (int d = 0; d < D; ++d) want += value(row0 + row, d, 1) * value(col, d, 5);
+        wrong += s[std::size_t(n)][std::size_t(lane)][std::size_t(e)] != want;
+      }
+  CHECK(wrong == 0);
+}
+
+/// O (16 x D) = P (16 x 64, C fragments) Y in fp32, through c2a32 and
+/// pv32_offset: P V of the fp32 kernel.
+template <int D>
+void check_p_y32() {
+  Tile32<D> ty(64);
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < D; ++c) ty.set(r, c, value(r, c, 2));
+  std::array<Frag4, 8> p{};
+  for (int n = 0; n < 8; ++n)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int e = 0; e < 4; ++e)
+        p[std::size_t(n)][std::size_t(lane)][std::size_t(e)] =
+            value(flash::c_row(lane, e), 8 * n + flash::c_col(lane, e), 3);
+  std::vector<Frag4> o(std::size_t(D / 8));
+  for (int ks = 0; ks < 8; ++ks) {
+    Frag4 pa{};
+    for (std::size_t lane = 0; lane < 32; ++lane)
+      for (int i = 0; i < 4; ++i)
+        pa[lane][std::size_t(i)] = p[std::size_t(ks)][lane][std::size_t(flash::c2a32(i))];
+    for (int n = 0; n < D / 8; ++n) {
+      Frag2 b{};
+      for (int lane = 0; lane < 32; ++lane)
+        for (int i = 0; i < 2; ++i)
+          b[std::size_t(lane)][std::size_t(i)] =
+              ty.mem[std::size_t(flash::pv32_offset<D>(lane, i, 8 * ks, 8 * n))];
+      mma32(o[std::size_t(n)], pa, b);
+    }
+  }
+  int wrong = 0;
+  for (int n = 0; n < D / 8; ++n)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int e = 0; e < 4; ++e) {
+        const int row = flash::c_row(lane, e), col = 8 * n + flash::c_col(lane, e);
+        float want = 0.0f;
+        for (int k = 0; k < 64; ++k) want += value(row, k, 3) * value(k, col, 2);
+        wrong += o[std::size_t(n)][std::size_t(lane)][std::size_t(e)] != want;
+      }
+  CHECK(wrong == 0);
+}
+
+/// Bank conflicts of the fp32 kernel's shared-memory reads: each ldmatrix
+/// matrix's 8 rows in 8 different 16-byte bank groups, and each 32-bit load
+/// of V's B fragments in 32 different banks.
+template <int D, class F>
+int conflicts32(F&& rc_of) {
+  int bad = 0;
+  for (int row0 = 0; row0 < 64; row0 += 16)
+    for (int chunk0 = 0; chunk0 < D / 4; chunk0 += 2)
+      for (int i = 0; i < 4; ++i) {
+        std::set<int> groups;
+        for (int r = 0; r < 8; ++r)
+          groups.insert((flash::frag32_offset<D>(rc_of(8 * i + r), row0, chunk0) / 4) % 8);
+        bad += groups.size() != 8;
+      }
+  return bad;
+}
+template <int D>
+int pv_conflicts32() {
+  int bad = 0;
+  for (int ks = 0; ks < 8; ++ks)
+    for (int n = 0; n < D / 8; ++n)
+      for (int i = 0; i < 2; ++i) {
+        std::set<int> banks;
+        for (int lane = 0; lane < 32; ++lane)
+          banks.insert(flash::pv32_offset<D>(lane, i, 8 * ks, 8 * n) % 32);
+        bad += banks.size() != 32;
+      }
+  return bad;
+}
+
 }  // namespace
 
 TEST_CASE("tensor-core fragments: swizzled rows hold every chunk once") {
@@ -238,4 +401,25 @@ TEST_CASE("tensor-core fragments: ldmatrix reads are free of bank conflicts") {
   CHECK(conflicts<128>(flash::ldsm_a) == 0);
   CHECK(conflicts<128>(flash::ldsm_b) == 0);
   CHECK(conflicts<128>(flash::ldsm_bt) == 0);
+}
+
+TEST_CASE("tensor-core fragments, fp32 (m16n8k8): X Y^T through ldsm_a and ldsm_b, exact") {
+  for (int row0 : {0, 16, 48}) {
+    check_x_yt32<64>(row0);
+    check_x_yt32<128>(row0);
+  }
+}
+
+TEST_CASE("tensor-core fragments, fp32 (m16n8k8): P Y through c2a32 and pv32_offset, exact") {
+  check_p_y32<64>();
+  check_p_y32<128>();
+}
+
+TEST_CASE("tensor-core fragments, fp32 (m16n8k8): shared-memory reads free of bank conflicts") {
+  CHECK(conflicts32<64>(flash::ldsm_a) == 0);
+  CHECK(conflicts32<64>(flash::ldsm_b) == 0);
+  CHECK(conflicts32<128>(flash::ldsm_a) == 0);
+  CHECK(conflicts32<128>(flash::ldsm_b) == 0);
+  CHECK(pv_conflicts32<64>() == 0);
+  CHECK(pv_conflicts32<128>() == 0);
 }

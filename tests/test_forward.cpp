@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -26,15 +27,19 @@ namespace {
 enum class Layout { right, strided };
 
 /// Runs one case; returns the error report, after asserting it is within budget.
-template <class T, class Mask>
+/// RowMajor: Layout::right is LayoutRight on every backend (otherwise the
+/// memory space's default, LayoutLeft on GPUs); tol_scale scales the bound.
+template <class T, class Mask, bool RowMajor = false>
 ErrorReport run_case(const Shape& s, const Mask& mask, Layout layout, std::uint64_t seed,
-                     ForwardOptions opts = {}, double amplitude = 1.0) {
+                     ForwardOptions opts = {}, double amplitude = 1.0, double tol_scale = 1.0) {
   std::mt19937_64 rng(seed);
   HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng, amplitude);
   HostTensor k = random_tensor(s.b, s.nk, s.hkv, s.d, rng, amplitude);
   HostTensor v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
-  using V4 = Kokkos::View<T****, MemSpace>;
-  using V3 = Kokkos::View<T***, MemSpace>;
+  using V4 = std::conditional_t<RowMajor, Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>,
+                                Kokkos::View<T****, MemSpace>>;
+  using V3 = std::conditional_t<RowMajor, Kokkos::View<T***, Kokkos::LayoutRight, MemSpace>,
+                                Kokkos::View<T***, MemSpace>>;
   ErrorReport err;
   const double scale = std::isnan(opts.scale) ? 1.0 / std::sqrt(double(s.d)) : opts.scale;
   auto check = [&](const auto& qd, const auto& kd, const auto& vd, const auto& od, const auto& ld) {
@@ -46,7 +51,7 @@ ErrorReport run_case(const Shape& s, const Mask& mask, Layout layout, std::uint6
     const ReferenceResult ref =
         reference_attention(q, k, v, mask, scale, opts.q_offset, opts.k_offset);
     err = compare(ref, od, ld);
-    const double tol = tolerance<T>(ref, s.d, s.nk);
+    const double tol = tol_scale * tolerance<T>(ref, s.d, s.nk);
     INFO(describe(s), " layout=", layout == Layout::right ? "right" : "strided", " tol=", tol,
          " o_err=", err.o_err, " lse_err=", err.lse_err);
     CHECK(err.finite);
@@ -111,6 +116,73 @@ TEST_CASE_TEMPLATE("forward matches the fp64 reference for every mask and layout
       run_case<T>(s, docs.mask(), layout, seed);
       run_case<T>(s, docs.mask(false, 20, 5), layout, seed);
     }
+}
+
+TEST_CASE("fp32 on CUDA tensor cores (ForwardOptions::fp32_tensor_cores), every mask") {
+  // CUDA: the fp32 forward on TF32 products (kernel/impl/cuda_flash_f32.hpp)
+  // where it takes the call (head dims 64 and 128, aligned contiguous rows,
+  // finite inputs). Elsewhere the option changes nothing: skipped (and not
+  // compiled).
+  if constexpr (!impl::flash_f32_enabled<ExecSpace, float, FullMask>()) {
+    MESSAGE("SKIPPED: no fp32 tensor-core forward on this backend");
+  } else {
+    // Tolerances: the fp32 bound (forward_check.hpp) with the products' unit
+    // 2^-20 (tf32x3: three TF32 products, ~2^-22 each, 4x margin) or 2^-10
+    // (tf32: 10-bit mantissas) in place of fp32's 2^-23.
+    const Fp32TensorCores modes[] = {Fp32TensorCores::tf32x3, Fp32TensorCores::tf32};
+    std::uint64_t seed = 900;
+    for (const Fp32TensorCores mode : modes) {
+      const double tol_scale = mode == Fp32TensorCores::tf32x3 ? 8.0 : 8192.0;
+      for (const Shape& s : shapes) {
+        const bool takes = s.d == 64 || s.d == 128;
+        for (Layout layout : {Layout::right, Layout::strided}) {
+          ++seed;
+          BlockPathCounts paths;
+          ForwardOptions opts;
+          opts.fp32_tensor_cores = mode;
+          opts.paths = &paths;
+          run_case<float, FullMask, true>(s, FullMask{}, layout, seed, opts, 1.0, tol_scale);
+          run_case<float, CausalMask, true>(s, CausalMask{}, layout, seed, opts, 1.0, tol_scale);
+          run_case<float, SlidingWindowMask, true>(s, SlidingWindowMask{20, 5}, layout, seed, opts,
+                                                   1.0, tol_scale);
+          run_case<float, PrefixLMMask, true>(s, PrefixLMMask{40}, layout, seed, opts, 1.0,
+                                              tol_scale);
+          const Documents<MemSpace> docs(document_offsets(s.nq > s.nk ? s.nq : s.nk));
+          run_case<float, DocumentMask, true>(s, docs.mask(), layout, seed, opts, 1.0, tol_scale);
+          // Strided rows (not 16-byte aligned) are not the kernel's: the fp32 kernels took them.
+          INFO(describe(s), " matrix=", paths.matrix, " portable=", paths.portable);
+          CHECK(paths.matrix == (takes && layout == Layout::right ? 5 : 0));
+        }
+      }
+    }
+    // Rows that see no key, through offsets.
+    ForwardOptions opts;
+    opts.fp32_tensor_cores = Fp32TensorCores::tf32x3;
+    opts.k_offset = 100;
+    const ErrorReport e = run_case<float, CausalMask, true>({1, 180, 70, 2, 1, 64}, CausalMask{},
+                                                            Layout::right, 9, opts, 1.0, 8.0);
+    CHECK(e.masked_rows == 2 * 100);
+    // A NaN in q: the call takes the fp32 kernels (NaN exactly where visible).
+    using V4 = Kokkos::View<float****, Kokkos::LayoutRight, MemSpace>;
+    using V3 = Kokkos::View<float***, Kokkos::LayoutRight, MemSpace>;
+    V4 q("q", 1, 70, 2, 64), k("k", 1, 70, 2, 64), v("v", 1, 70, 2, 64), o("o", 1, 70, 2, 64);
+    V3 lse("lse", 1, 2, 70);
+    Kokkos::deep_copy(q, 0.5f);
+    Kokkos::deep_copy(k, 0.25f);
+    Kokkos::deep_copy(v, 1.0f);
+    Kokkos::deep_copy(Kokkos::subview(q, 0, 30, 1, 3), std::numeric_limits<float>::quiet_NaN());
+    BlockPathCounts paths;
+    opts = {};
+    opts.fp32_tensor_cores = Fp32TensorCores::tf32x3;
+    opts.paths = &paths;
+    attention_forward(ExecSpace{}, q, k, v, o, lse, CausalMask{}, opts);
+    Kokkos::fence();
+    CHECK(paths.matrix == 0);
+    const auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, lse);
+    CHECK(std::isnan(lh(0, 1, 30)));
+    CHECK(std::isfinite(lh(0, 0, 30)));
+    CHECK(std::isfinite(lh(0, 1, 31)));
+  }
 }
 
 TEST_CASE_TEMPLATE("masks see global positions through the offsets", T, BLOCKATTN_TEST_TYPES) {

@@ -87,6 +87,16 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
       impl::apply_sinks(exec, opts.sinks, o, lse);
       return;
     }
+    // fp32 on CUDA tensor cores (TF32 products) where asked for and it takes the call.
+    if (!opts.portable_only && impl::flash_forward_f32(exec, e, q, k, v, o, lse, mask, qpos, kpos,
+                                                       float(scale), opts.fp32_tensor_cores)) {
+      if (opts.paths) {
+        ++opts.paths->portable;
+        ++opts.paths->matrix;
+      }
+      impl::apply_sinks(exec, opts.sinks, o, lse);
+      return;
+    }
     const bool matrix = forward_uses_matrix<T, typename QV::non_const_value_type, ExecSpace>(
         e.dim, opts.host_matrix);
     if (opts.paths) {

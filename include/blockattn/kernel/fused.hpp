@@ -48,8 +48,9 @@ struct BlockPathCounts {
   std::int64_t portable = 0;
   std::int64_t fused = 0;
   std::int64_t fused_pieces = 0;
-  /// Of `portable`: computed on a matrix engine with 16-bit P: the host's
-  /// (AMX, bf16 forward) or the GPU's tensor cores (CUDA, 16-bit forward).
+  /// Of `portable`: computed on a matrix engine: the host's (AMX, bf16
+  /// forward, 16-bit P) or the GPU's tensor cores (CUDA: 16-bit forward with
+  /// 16-bit P; fp32 forward with TF32 products, ForwardOptions::fp32_tensor_cores).
   std::int64_t matrix = 0;
   BlockPathCounts& operator+=(const BlockPathCounts& o) {
     portable += o.portable;

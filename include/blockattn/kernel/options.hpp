@@ -14,6 +14,13 @@ namespace blockattn {
 /// Largest supported head dim.
 inline constexpr int max_head_dim = 256;
 
+/// fp32 forward products on CUDA tensor cores (ForwardOptions::fp32_tensor_cores).
+enum class Fp32TensorCores {
+  off,     ///< the fp32 kernels on CUDA cores
+  tf32x3,  ///< three TF32 products per product: fp32-class (~2^-22 relative)
+  tf32     ///< one TF32 product: 10-bit mantissas (PyTorch's allow_tf32)
+};
+
 /// Run-time options of a forward call.
 struct ForwardOptions {
   /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
@@ -47,6 +54,16 @@ struct ForwardOptions {
   /// and its fragment maths is checked on the host, but it has not yet run
   /// on a GPU (bench/gpu_session.sh checks it against fp64 and times it).
   bool tensor_core_backward = false;
+  /// fp32 storage on CUDA: the single-device forward's products on tensor
+  /// cores (kernel/impl/cuda_flash_f32.hpp; head dims 64 and 128, no score
+  /// policy, 16-byte aligned rows, finite q, k, v: one pass over each that the
+  /// host waits for, others take the fp32 kernels). tf32x3 splits each
+  /// operand into two TF32 parts and adds three products, as PyTorch's fp32
+  /// SDPA does on sm_80 and later; tf32 takes one (like allow_tf32). Off by
+  /// default: it compiles and its fragment maths is checked on the host, but
+  /// it has not yet run on a GPU (bench/gpu_session.sh checks it against fp64
+  /// and times it).
+  Fp32TensorCores fp32_tensor_cores = Fp32TensorCores::off;
   /// 16-bit calls that cuDNN takes, when the mask hides keys: first check V
   /// for inf / NaN (one pass over V that the host waits for) and take
   /// BlockAttn's kernels where it holds one, since cuDNN multiplies the P = 0

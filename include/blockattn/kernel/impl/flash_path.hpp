@@ -7,6 +7,8 @@
 // finish there, step loops merge it like a fused piece. The tensor-core
 // backward (cuda_flash_backward.hpp) behind the single-device backward, on
 // the same conditions and finite inputs (ForwardOptions::tensor_core_backward).
+// The fp32 tensor-core forward (cuda_flash_f32.hpp) behind the single-device
+// fp32 forward (ForwardOptions::fp32_tensor_cores).
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -14,7 +16,9 @@
 #include <blockattn/kernel/fused.hpp>
 #include <blockattn/kernel/impl/cuda_flash.hpp>
 #include <blockattn/kernel/impl/cuda_flash_backward.hpp>
+#include <blockattn/kernel/impl/cuda_flash_f32.hpp>
 #include <blockattn/kernel/impl/fused_path.hpp>
+#include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/positions.hpp>
 #include <blockattn/policy/score.hpp>
@@ -64,6 +68,17 @@ inline flash::Variant flash_variant() {
 }
 #endif
 
+/// Whether the fp32 tensor-core forward is compiled for (ExecSpace, V, Mask).
+template <class ExecSpace, class V, class Mask>
+constexpr bool flash_f32_enabled() {
+#if defined(BLOCKATTN_FLASH_CUDA)
+  return std::is_same<ExecSpace, Kokkos::Cuda>::value && std::is_same<V, float>::value &&
+         !has_score_mod_v<Mask>;
+#else
+  return false;
+#endif
+}
+
 /// One operand of the tensor-core forward: its data and (batch, sequence,
 /// head) element strides; the head dim is contiguous.
 struct FlashOperand {
@@ -84,6 +99,39 @@ FlashOperand flash_operand(const View& x) {
   return r;
 }
 
+#if defined(BLOCKATTN_FLASH_CUDA)
+/// The forward kernels' arguments (cuda_flash.hpp Args) of a call; false
+/// where an operand is not one (empty, or its head dim strided).
+template <class OV, class LV>
+bool flash_args(const BlockExtents& e, const FlashOperand& q, const FlashOperand& k,
+                const FlashOperand& v, const OV& o, const LV& lse, float scale, flash::Args& a) {
+  if (e.queries <= 0 || e.keys <= 0 || !q.data || !k.data || !v.data) return false;
+  const FlashOperand out = flash_operand(o);
+  if (!out.data) return false;
+  a.q = q.data;
+  a.k = k.data;
+  a.v = v.data;
+  a.o = const_cast<void*>(out.data);
+  a.lse = lse.data();
+  for (int i = 0; i < 3; ++i) {
+    a.q_stride[i] = q.stride[i];
+    a.k_stride[i] = k.stride[i];
+    a.v_stride[i] = v.stride[i];
+    a.o_stride[i] = out.stride[i];
+  }
+  a.lse_stride[0] = std::int64_t(lse.stride(0));
+  a.lse_stride[1] = std::int64_t(lse.stride(1));
+  a.lse_stride[2] = std::int64_t(lse.stride(2));
+  a.batch = e.batch;
+  a.heads = e.heads;
+  a.kv_heads = e.kv_heads;
+  a.queries = e.queries;
+  a.keys = e.keys;
+  a.scale = scale;
+  return true;
+}
+#endif
+
 /// Runs the pair (q rows against k, v rows, storage V; o a (batch, seq,
 /// heads, dim) View of V, lse (batch, heads, seq) fp32) on the tensor-core
 /// forward when it takes it: true, O and LSE of every row written (enqueued
@@ -99,30 +147,8 @@ bool flash_forward(const ExecSpace& exec, const BlockExtents& e, const FlashOper
     return false;
   } else {
 #if defined(BLOCKATTN_FLASH_CUDA)
-    if (e.queries <= 0 || e.keys <= 0 || !q.data || !k.data || !v.data) return false;
-    const FlashOperand out = flash_operand(o);
-    if (!out.data) return false;
     flash::Args a;
-    a.q = q.data;
-    a.k = k.data;
-    a.v = v.data;
-    a.o = const_cast<void*>(out.data);
-    a.lse = lse.data();
-    for (int i = 0; i < 3; ++i) {
-      a.q_stride[i] = q.stride[i];
-      a.k_stride[i] = k.stride[i];
-      a.v_stride[i] = v.stride[i];
-      a.o_stride[i] = out.stride[i];
-    }
-    a.lse_stride[0] = std::int64_t(lse.stride(0));
-    a.lse_stride[1] = std::int64_t(lse.stride(1));
-    a.lse_stride[2] = std::int64_t(lse.stride(2));
-    a.batch = e.batch;
-    a.heads = e.heads;
-    a.kv_heads = e.kv_heads;
-    a.queries = e.queries;
-    a.keys = e.keys;
-    a.scale = scale;
+    if (!flash_args(e, q, k, v, o, lse, scale, a)) return false;
     a.variant = flash_variant();
     if (!flash::supports(a, e.dim)) return false;
     const cudaError_t err = flash::forward<std::is_same<V, bf16>::value>(
@@ -143,6 +169,43 @@ bool flash_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, co
                    const KP& kpos, float scale) {
   return flash_forward(exec, e, flash_operand(q), flash_operand(k), flash_operand(v), o, lse, mask,
                        qpos, kpos, scale);
+}
+
+/// The single-device fp32 forward on tensor cores (cuda_flash_f32.hpp) when
+/// it takes the call: q, k, v, o (batch, seq, heads, dim) Views of float, lse
+/// (batch, heads, seq); mode tf32x3 or tf32 (off: false). True: O and LSE of
+/// every row written (enqueued on exec); false: nothing done. Finite q, k, v
+/// only (one pass over each, waited for; see the kernel).
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class Mask, class QP,
+          class KP>
+bool flash_forward_f32(const ExecSpace& exec, const BlockExtents& e, const QV& q, const KV& k,
+                       const VV& v, const OV& o, const LV& lse, const Mask& mask, const QP& qpos,
+                       const KP& kpos, float scale, Fp32TensorCores mode) {
+  using V = typename OV::non_const_value_type;
+  if constexpr (!flash_f32_enabled<ExecSpace, V, Mask>()) {
+    (void)exec, (void)e, (void)q, (void)k, (void)v, (void)o, (void)lse, (void)mask, (void)qpos,
+        (void)kpos, (void)scale, (void)mode;
+    return false;
+  } else {
+#if defined(BLOCKATTN_FLASH_CUDA)
+    if (mode == Fp32TensorCores::off) return false;
+    flash::Args a;
+    if (!flash_args(e, flash_operand(q), flash_operand(k), flash_operand(v), o, lse, scale, a) ||
+        !flash::supports_f32(a, e.dim))
+      return false;
+    if (has_nonfinite(exec, q) || has_nonfinite(exec, k) || has_nonfinite(exec, v)) return false;
+    const auto qp = canonical_positions(qpos);
+    const auto kp = canonical_positions(kpos);
+    const cudaError_t err = mode == Fp32TensorCores::tf32x3
+                                ? flash::forward_f32<3>(a, e.dim, mask, qp, kp, exec.cuda_stream())
+                                : flash::forward_f32<1>(a, e.dim, mask, qp, kp, exec.cuda_stream());
+    if (err != cudaSuccess)
+      throw std::runtime_error(
+          std::string("blockattn: the fp32 tensor-core forward's launch failed: ") +
+          cudaGetErrorString(err));
+    return true;
+#endif
+  }
 }
 
 /// The single-device backward on the tensor-core kernels when they take it
