@@ -9,7 +9,7 @@
 //
 //   blockattn_bench_gpu [--lengths 4096,8192,16384] [--heads 16] [--dim 128]
 //                       [--reps 5] [--dtypes fp32,bf16] [--torch FILE] [--portable 0|1]
-//                       [--guard 0|1] [--fp32-tc off|tf32x3|tf32]
+//                       [--guard 0|1] [--fp32-tc off|tf32x3|tf32] [--backward 0|1]
 //
 // The `path` column says which implementation ran (kernel/fused.hpp): `fused`
 // (cuDNN, in a build with BLOCKATTN_ENABLE_CUDNN, bf16 band masks) or `ours`
@@ -71,7 +71,7 @@ namespace bench_gpu {
 template <class T>
 void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengths, int heads,
               int dim, int reps, bool portable, bool guard, blockattn::Fp32TensorCores fp32_tc,
-              const std::map<std::string, std::pair<double, std::string>>& torch) {
+              bool backward, const std::map<std::string, std::pair<double, std::string>>& torch) {
   blockattn::BlockPathCounts paths;
   blockattn::ForwardOptions opts;
   opts.portable_only = portable;
@@ -117,7 +117,7 @@ void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengt
           blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv,
                                         blockattn::FullMask{}, opts);
       };
-      for (int op = 0; op < 2; ++op) {
+      for (int op = 0; op < (backward ? 2 : 1); ++op) {
         paths = {};
         const double s = op == 0 ? best_seconds(exec, reps, fwd) : best_seconds(exec, reps, bwd);
         const char* path = paths.fused > 0    ? (paths.portable > 0 ? "mixed" : "fused")
@@ -146,7 +146,7 @@ void run_type(const Exec& exec, const char* dtype, const std::vector<int>& lengt
 struct Args {
   std::vector<int> lengths{4096, 8192, 16384};
   std::vector<std::string> dtypes{"fp32", "bf16"};
-  int heads = 16, dim = 128, reps = 5, portable = 0, guard = 1;
+  int heads = 16, dim = 128, reps = 5, portable = 0, guard = 1, backward = 1;
   std::string torch_file;
   blockattn::Fp32TensorCores fp32_tc = blockattn::Fp32TensorCores::off;
 };
@@ -163,6 +163,7 @@ CUDA/HIP build), B = 1, full and causal masks, next to PyTorch's SDPA rates.
   --portable 0|1   1: our kernels only, never the fused (cuDNN) path [0]
   --guard 0|1      0: masked cuDNN calls skip their check of V for inf / NaN [1]
   --fp32-tc M      fp32 forward on tensor cores: off, tf32x3 (fp32-class) or tf32 [off]
+  --backward 0|1   0: the forward alone [1]
   --help, -h       this text
 Kokkos' flags (--kokkos-device-id=N, ...) pass through. Exit status 2: a bad
 command line or an error the library reports.
@@ -173,7 +174,8 @@ std::string parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
     if (a != "--lengths" && a != "--heads" && a != "--dim" && a != "--reps" && a != "--dtypes" &&
-        a != "--torch" && a != "--portable" && a != "--guard" && a != "--fp32-tc")
+        a != "--torch" && a != "--portable" && a != "--guard" && a != "--fp32-tc" &&
+        a != "--backward")
       return "unknown argument " + a + " (blockattn_bench_gpu --help lists the flags)";
     if (i + 1 == argc) return a + " needs a value";
     const std::string val = argv[i + 1];
@@ -184,6 +186,7 @@ std::string parse_args(int argc, char** argv, Args& args) {
     if (a == "--reps") error = blockattn_cli::read_int(a, val, args.reps);
     if (a == "--portable") error = blockattn_cli::read_int(a, val, args.portable, 0, 1);
     if (a == "--guard") error = blockattn_cli::read_int(a, val, args.guard, 0, 1);
+    if (a == "--backward") error = blockattn_cli::read_int(a, val, args.backward, 0, 1);
     if (!error.empty()) return error;
     if (a == "--dtypes") {
       args.dtypes = blockattn_cli::split(val);
@@ -229,11 +232,12 @@ int main(int argc, char** argv) {
     for (const auto& d : args.dtypes) {
       if (d == "fp32")
         bench_gpu::run_type<float>(exec, "fp32", args.lengths, args.heads, args.dim, args.reps,
-                                   args.portable != 0, args.guard != 0, args.fp32_tc, torch);
+                                   args.portable != 0, args.guard != 0, args.fp32_tc,
+                                   args.backward != 0, torch);
       else
         bench_gpu::run_type<blockattn::bf16>(exec, "bf16", args.lengths, args.heads, args.dim,
                                              args.reps, args.portable != 0, args.guard != 0,
-                                             args.fp32_tc, torch);
+                                             args.fp32_tc, args.backward != 0, torch);
     }
     return 0;
   });

@@ -118,7 +118,7 @@ fi
 if [ -x "$cuda/bench/blockattn_bench_gpu" ]; then
   for m in tf32x3 tf32; do
     step "bench_gpu_fp32_$m" 60 "$cuda/bench/blockattn_bench_gpu" --dtypes fp32 --fp32-tc $m \
-      --torch "$logs/torch.txt"
+      --backward 0 --torch "$logs/torch.txt"
     grep -s '^fwd' "$logs/bench_gpu_fp32_$m.log" | sed "s/^/$m /" >>"$out/session.log"
   done
 fi
