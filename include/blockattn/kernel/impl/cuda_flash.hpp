@@ -15,11 +15,15 @@
 //   as the A fragment of O += P V (V through ldmatrix.trans); V's load
 //   overlaps Q K^T and the next K tile's load overlaps P V.
 //
-// Key tiles are classified with the mask's classify() on the position box of
-// the tile: empty tiles are never loaded, full tiles take no mask work,
-// partial tiles apply the mask per element (through allowed_keys() where the
-// mask has it: kernel/impl RowMask). Positions come from the two maps
-// (any increasing map: offsets, partitions' affine maps, tables).
+// Key tiles are classified: empty tiles are never loaded, full tiles take no
+// mask work, partial tiles apply the mask per element. Masks with
+// allowed_keys() (causal, windows, prefix-LM, documents, ...) give every row
+// of the CTA its interval once, kept in shared memory (CtaSpans,
+// row_spans.hpp): a tile's kind is then four comparisons and a partial
+// tile's mask two per key, and the CTA visits only the tiles the rows' hull
+// reaches. Other masks: classify() on the tile's position box, allowed()
+// per key of a partial tile. Positions come from the two maps (any
+// increasing map: offsets, partitions' affine maps, tables).
 //
 // Output: normalised O (storage type) and LSE (fp32, natural log) of every
 // row; rows that see no key get O = 0 and LSE = -inf.
@@ -29,6 +33,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/impl/flash_frag.hpp>
+#include <blockattn/kernel/impl/row_spans.hpp>
 #include <blockattn/policy/mask.hpp>
 
 #include <cstdint>
@@ -292,44 +297,186 @@ __device__ __forceinline__ int first_key_at(const KPos& kpos, int keys, index_ty
   return lo;
 }
 
-/// For masks with allowed_keys(): the key tiles [j_begin, j_end) that can
-/// hold an allowed key of rows [q0, q1) (the union of the rows' intervals),
-/// so that a CTA of a short document never classifies the tiles of others.
-template <class Mask, class QPos, class KPos>
-__device__ void key_tile_range(const Mask& mask, const QPos& qpos, const KPos& kpos, int q0, int q1,
-                               int keys, int& j_begin, int& j_end) {
-  __shared__ long long lo_w[warps], hi_w[warps];
-  long long lo = LLONG_MAX, hi = LLONG_MIN;
-  const int r = q0 + int(threadIdx.x);
-  if (r < q1) {
-    const KeyInterval iv = mask.allowed_keys(qpos(r));
-    if (iv.begin < iv.end) {
-      lo = iv.begin;
-      hi = iv.end;
+/// The intervals of a CTA's query rows in shared memory, for masks with
+/// allowed_keys(): row r of the block sees key positions [begin[r], end[r]);
+/// `bounds` reduces the live rows' (row_spans.hpp). Masks without
+/// allowed_keys() get CtaSpans<1>, unused.
+template <int BM>
+struct CtaSpans {
+  index_type begin[BM], end[BM];
+  RowSpanBounds bounds;
+  RowSpanBounds part[warps];  // per warp, on the way to `bounds`
+};
+
+/// The CtaSpans type of a kernel of BM rows for Mask.
+template <class Mask, int BM>
+using cta_spans_t = CtaSpans<has_allowed_keys<Mask>::value ? BM : 1>;
+
+__device__ __forceinline__ index_type shfl_xor_index(index_type x, int d) {
+  return index_type(__shfl_xor_sync(0xffffffffu, static_cast<long long>(x), d));
+}
+
+/// For masks with allowed_keys(), one thread per row: the intervals of rows
+/// [q0, q1) into `sp` (rows at or past q1 see nothing), their bounds, and the
+/// key tiles [j_begin, j_end) the hull of the intervals reaches (a CTA of a
+/// short document never visits the tiles of others). Ends with a barrier.
+template <int BM, class Mask, class QPos, class KPos>
+__device__ void cta_spans(const Mask& mask, const QPos& qpos, const KPos& kpos, int q0, int q1,
+                          int keys, CtaSpans<BM>& sp, int& j_begin, int& j_end) {
+  static_assert(BM <= threads, "cta_spans: one thread per row");
+  RowSpanBounds bd = RowSpanBounds::none();
+  const int r = int(threadIdx.x);
+  if (r < BM) {
+    KeyInterval iv{0, 0};
+    if (q0 + r < q1) {
+      iv = mask.allowed_keys(qpos(q0 + r));
+      bd.add(iv);
     }
+    sp.begin[r] = iv.begin;
+    sp.end[r] = iv.end;
   }
   for (int d = 16; d >= 1; d >>= 1) {
-    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, d));
-    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, d));
+    RowSpanBounds o;
+    o.lo = shfl_xor_index(bd.lo, d);
+    o.hi = shfl_xor_index(bd.hi, d);
+    o.all_lo = shfl_xor_index(bd.all_lo, d);
+    o.all_hi = shfl_xor_index(bd.all_hi, d);
+    bd.merge(o);
   }
-  if (threadIdx.x % 32 == 0) {
-    lo_w[threadIdx.x / 32] = lo;
-    hi_w[threadIdx.x / 32] = hi;
-  }
+  if (threadIdx.x % 32 == 0) sp.part[threadIdx.x / 32] = bd;
   __syncthreads();
-  lo = lo_w[0];
-  hi = hi_w[0];
-  for (int w = 1; w < warps; ++w) {
-    lo = min(lo, lo_w[w]);
-    hi = max(hi, hi_w[w]);
-  }
-  if (lo >= hi) {  // no row sees a key
+  RowSpanBounds u = sp.part[0];
+  for (int w = 1; w < warps; ++w) u.merge(sp.part[w]);
+  if (threadIdx.x == 0) sp.bounds = u;
+  __syncthreads();
+  if (u.lo >= u.hi) {  // no row sees a key
     j_begin = j_end = 0;
     return;
   }
-  const int k_lo = first_key_at(kpos, keys, lo), k_hi = first_key_at(kpos, keys, hi);
+  const int k_lo = first_key_at(kpos, keys, u.lo), k_hi = first_key_at(kpos, keys, u.hi);
   j_begin = k_lo / block_n;
   j_end = (k_hi + block_n - 1) / block_n;
+}
+
+/// The kind of key tile [k0, k1) for the CTA's rows [q0, q1): from the rows'
+/// intervals where the mask has allowed_keys(), else the mask's classify().
+template <class Mask, class Spans, class QPos, class KPos>
+__device__ __forceinline__ TileKind block_tile_kind(const Mask& mask, const Spans& sp,
+                                                    const QPos& qpos, const KPos& kpos, int q0,
+                                                    int q1, int k0, int k1) {
+  if constexpr (has_allowed_keys<Mask>::value)
+    return sp.bounds.kind(kpos(k0), kpos(k1 - 1));
+  else
+    return tile_kind(mask, qpos, kpos, q0, q1, k0, k1);
+}
+
+/// The first key tile at or after j that block_tile_kind() does not call
+/// empty (`tiles` if none).
+template <class Mask, class Spans, class QPos, class KPos>
+__device__ __forceinline__ int block_next_tile(const Mask& mask, const Spans& sp, const QPos& qpos,
+                                               const KPos& kpos, int q0, int q1, int keys, int j,
+                                               int tiles) {
+  for (; j < tiles; ++j) {
+    const int k0 = j * block_n, k1 = k0 + block_n < keys ? k0 + block_n : keys;
+    if (block_tile_kind(mask, sp, qpos, kpos, q0, q1, k0, k1) != TileKind::empty) return j;
+  }
+  return tiles;
+}
+
+/// The mask of CTA row r (of rows [q0, q1)) in a tile: its interval from
+/// `sp` where the mask has allowed_keys(), else allowed() per key; `check`
+/// false (a full tile): every key.
+template <class Mask, class Spans, class QPos>
+__device__ __forceinline__ auto row_test(const Mask& mask, const Spans& sp, const QPos& qpos,
+                                         int q0, int q1, int r, bool check) {
+  if constexpr (has_allowed_keys<Mask>::value) {
+    KeySpanTest ks;
+    if (check) {
+      ks.begin = sp.begin[r];
+      ks.end = sp.end[r];
+    }
+    return ks;
+  } else {
+    const int row = q0 + r;
+    return RowMask<Mask>(mask, qpos(row < q1 ? row : q1 - 1), check);
+  }
+}
+
+/// Masks one m-tile's S fragments (a thread's rows lo and hi = lo + 8; 8
+/// n-tiles of 8 keys) in key tile [k0, k0 + 64): keys at or past k1 and the
+/// keys the rows' tests reject get -inf. Returns which: bit 2n + e (row lo)
+/// and 16 + 2n + e (row hi) for element e of n-tile n.
+template <class RT, class KPos>
+__device__ __forceinline__ std::uint32_t mask_fragment(float (&s)[8][4], const RT& rt_lo,
+                                                       const RT& rt_hi, const KPos& kpos, int k0,
+                                                       int k1, int t) {
+  std::uint32_t masked = 0;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = k0 + 8 * n + 2 * t + e;
+      const bool in = key < k1;
+      const index_type kp = kpos(in ? key : k1 - 1);
+      if (!in || !rt_lo(kp)) {
+        s[n][e] = -INFINITY;
+        masked |= 1u << (2 * n + e);
+      }
+      if (!in || !rt_hi(kp)) {
+        s[n][2 + e] = -INFINITY;
+        masked |= 1u << (16 + 2 * n + e);
+      }
+    }
+  return masked;
+}
+
+/// One key tile's step of the online softmax of a thread's two rows (lo, hi)
+/// of one m-tile (the 4 threads of a group share a row): S (8 n-tiles of 8
+/// keys) becomes P = exp2(scale_log2 S - running max), O (N n-tiles of 8
+/// columns) is rescaled to the new max, m (the max of raw scores) and l (this
+/// thread's share of the row sums) are updated. A row that has seen nothing
+/// yet keeps max -inf and subtracts 0 instead.
+template <int N>
+__device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[N][4], float& m_lo,
+                                             float& m_hi, float& l_lo, float& l_hi,
+                                             float scale_log2) {
+  float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
+  }
+#pragma unroll
+  for (int d = 1; d <= 2; d <<= 1) {
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, d));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, d));
+  }
+  const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+  const float mu_lo = mn_lo == -INFINITY ? 0.0f : mn_lo * scale_log2;
+  const float mu_hi = mn_hi == -INFINITY ? 0.0f : mn_hi * scale_log2;
+  const float alpha_lo = fast_exp2(m_lo * scale_log2 - mu_lo);
+  const float alpha_hi = fast_exp2(m_hi * scale_log2 - mu_hi);
+  m_lo = mn_lo;
+  m_hi = mn_hi;
+  float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    s[n][0] = fast_exp2(fmaf(s[n][0], scale_log2, -mu_lo));
+    s[n][1] = fast_exp2(fmaf(s[n][1], scale_log2, -mu_lo));
+    s[n][2] = fast_exp2(fmaf(s[n][2], scale_log2, -mu_hi));
+    s[n][3] = fast_exp2(fmaf(s[n][3], scale_log2, -mu_hi));
+    sum_lo += s[n][0] + s[n][1];
+    sum_hi += s[n][2] + s[n][3];
+  }
+  l_lo = l_lo * alpha_lo + sum_lo;
+  l_hi = l_hi * alpha_hi + sum_hi;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    o[n][0] *= alpha_lo;
+    o[n][1] *= alpha_lo;
+    o[n][2] *= alpha_hi;
+    o[n][3] *= alpha_hi;
+  }
 }
 
 /// One CTA: MT m-tiles of 16 query rows per warp (Variant). QInRegs (regs):
@@ -342,7 +489,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
   static_assert(!QInRegs || MT == 1, "Q in registers: one m-tile per warp");
   constexpr int BM = block_m_of(MT);  // query rows of the CTA
-  static_assert(BM <= threads, "key_tile_range: one thread per row");
+  static_assert(BM <= threads, "cta_spans: one thread per row");
   extern __shared__ __align__(128) std::uint16_t smem[];
   std::uint16_t* sq = smem;
   std::uint16_t* sk = smem + BM * D;
@@ -360,10 +507,11 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   const auto* kg = static_cast<const std::uint16_t*>(a.k) + b * a.k_stride[0] + kvh * a.k_stride[2];
   const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
+  __shared__ cta_spans_t<Mask, BM> spans;
   int tiles = (a.keys + block_n - 1) / block_n, j_first = 0;
   if constexpr (has_allowed_keys<Mask>::value)
-    key_tile_range(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
-  int j = next_tile(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
+    cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
+  int j = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j_first, tiles);
 
   // Q and the first K tile.
   load_tile<D, BM>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
@@ -371,8 +519,8 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   cp_async_commit();
 
   // This thread's rows: g and g + 8 of each of its warp's m-tiles (warp w
-  // holds rows [16 MT w, 16 MT (w + 1)) of the CTA); their positions are
-  // read where a partial tile needs them (registers are scarce at MT = 2).
+  // holds rows [16 MT w, 16 MT (w + 1)) of the CTA); their masks are read
+  // where a partial tile needs them (registers are scarce at MT = 2).
   const int row0 = q0 + warp * MT * 16 + g;  // row g of m-tile 0
   const float scale_log2 = a.scale * 1.4426950408889634f;
 
@@ -396,7 +544,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   while (j < tiles) {
     const int k0 = j * block_n;
     const int k1 = k0 + block_n < a.keys ? k0 + block_n : a.keys;
-    const TileKind kind = tile_kind(mask, qpos, kpos, q0, q1, k0, k1);
+    const TileKind kind = block_tile_kind(mask, spans, qpos, kpos, q0, q1, k0, k1);
     cp_async_wait_all();  // K_j (and Q)
     __syncthreads();      // ... visible to every warp; V's buffer free
     load_tile<D>(sv, vg, a.v_stride[1], k0, a.keys);
@@ -438,8 +586,8 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
     }
 
     // Mask: keys past the end, and the mask itself in partial tiles.
-    // `masked`: bit 2n + e (row g) and 16 + 2n + e (row g + 8) for the keys
-    // masked out, which P V must skip when V holds inf or NaN.
+    // `masked` (mask_fragment): the keys masked out, which P V must skip
+    // when V holds inf or NaN.
     std::uint32_t masked[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) masked[mt] = 0;
@@ -447,70 +595,17 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
       const bool check = kind == TileKind::partial;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const int r_lo = row0 + 16 * mt, r_hi = r_lo + 8;
-        const RowMask<Mask> rm_lo(mask, qpos(r_lo < q1 ? r_lo : q1 - 1), check),
-            rm_hi(mask, qpos(r_hi < q1 ? r_hi : q1 - 1), check);
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = k0 + 8 * n + 2 * t + e;
-            const bool in = key < k1;
-            const index_type kp = kpos(in ? key : k1 - 1);
-            if (!in || !rm_lo(kp)) {
-              s[mt][n][e] = -INFINITY;
-              masked[mt] |= 1u << (2 * n + e);
-            }
-            if (!in || !rm_hi(kp)) {
-              s[mt][n][2 + e] = -INFINITY;
-              masked[mt] |= 1u << (16 + 2 * n + e);
-            }
-          }
+        const int r = row0 - q0 + 16 * mt;  // this thread's row lo of m-tile mt in the CTA
+        masked[mt] = mask_fragment(s[mt], row_test(mask, spans, qpos, q0, q1, r, check),
+                                   row_test(mask, spans, qpos, q0, q1, r + 8, check), kpos, k0,
+                                   k1, t);
       }
     }
 
-    // Online softmax of the rows (the 4 threads of a group share a row).
+    // Online softmax of the rows.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        mx_lo = fmaxf(mx_lo, fmaxf(s[mt][n][0], s[mt][n][1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(s[mt][n][2], s[mt][n][3]));
-      }
-#pragma unroll
-      for (int d = 1; d <= 2; d <<= 1) {
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, d));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, d));
-      }
-      const float mn_lo = fmaxf(m_lo[mt], mx_lo), mn_hi = fmaxf(m_hi[mt], mx_hi);
-      // A row that has seen nothing yet keeps max -inf: subtract 0 instead.
-      const float mu_lo = mn_lo == -INFINITY ? 0.0f : mn_lo * scale_log2;
-      const float mu_hi = mn_hi == -INFINITY ? 0.0f : mn_hi * scale_log2;
-      const float alpha_lo = fast_exp2(m_lo[mt] * scale_log2 - mu_lo);
-      const float alpha_hi = fast_exp2(m_hi[mt] * scale_log2 - mu_hi);
-      m_lo[mt] = mn_lo;
-      m_hi[mt] = mn_hi;
-      float sum_lo = 0.0f, sum_hi = 0.0f;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        s[mt][n][0] = fast_exp2(fmaf(s[mt][n][0], scale_log2, -mu_lo));
-        s[mt][n][1] = fast_exp2(fmaf(s[mt][n][1], scale_log2, -mu_lo));
-        s[mt][n][2] = fast_exp2(fmaf(s[mt][n][2], scale_log2, -mu_hi));
-        s[mt][n][3] = fast_exp2(fmaf(s[mt][n][3], scale_log2, -mu_hi));
-        sum_lo += s[mt][n][0] + s[mt][n][1];
-        sum_hi += s[mt][n][2] + s[mt][n][3];
-      }
-      l_lo[mt] = l_lo[mt] * alpha_lo + sum_lo;
-      l_hi[mt] = l_hi[mt] * alpha_hi + sum_hi;
-#pragma unroll
-      for (int n = 0; n < 2 * kd; ++n) {
-        o[mt][n][0] *= alpha_lo;
-        o[mt][n][1] *= alpha_lo;
-        o[mt][n][2] *= alpha_hi;
-        o[mt][n][3] *= alpha_hi;
-      }
-    }
+    for (int mt = 0; mt < MT; ++mt)
+      softmax_step(s[mt], o[mt], m_lo[mt], m_hi[mt], l_lo[mt], l_hi[mt], scale_log2);
 
     // V_j ready; every warp is done with K_j: load the next live K tile.
     cp_async_wait_all();
@@ -523,7 +618,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
     } else {
       __syncthreads();
     }
-    const int next = next_tile(mask, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
+    const int next = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
     if (next < tiles) load_tile<D>(sk, kg, a.k_stride[1], next * block_n, a.keys);
     cp_async_commit();
     if (v_bad) {

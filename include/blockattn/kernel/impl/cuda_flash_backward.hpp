@@ -298,7 +298,6 @@ template <int D, bool IsBf16, class Mask, class QPos, class KPos>
 __global__ void __launch_bounds__(threads, 2)
     dq_kernel(const BackwardArgs a, const Mask mask, const QPos qpos, const KPos kpos) {
   static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
-  static_assert(bwd_rows <= threads, "key_tile_range: one thread per row");
   extern __shared__ __align__(128) std::uint16_t smem[];
   std::uint16_t* sq = smem;
   std::uint16_t* sdo = sq + bwd_rows * D;
@@ -320,10 +319,11 @@ __global__ void __launch_bounds__(threads, 2)
   const auto* kg = static_cast<const std::uint16_t*>(a.k) + b * a.k_stride[0] + kvh * a.k_stride[2];
   const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
+  __shared__ cta_spans_t<Mask, bwd_rows> spans;
   int tiles = (a.keys + block_n - 1) / block_n, j_first = 0;
   if constexpr (has_allowed_keys<Mask>::value)
-    key_tile_range(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
-  int j = next_tile(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
+    cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
+  int j = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j_first, tiles);
 
   load_tile<D, bwd_rows>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
   load_tile<D, bwd_rows>(sdo, dg + std::int64_t(q0) * a.dout_stride[1], a.dout_stride[1], 0,
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(threads, 2)
   while (j < tiles) {
     cp_async_wait_all();  // Q, dO, K_j, V_j
     __syncthreads();      // ... visible to every warp; the other buffer free
-    const int next = next_tile(mask, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
+    const int next = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
     if (next < tiles) {
       load_tile<D>(sk + (buf ^ 1) * kv_buf, kg, a.k_stride[1], next * block_n, a.keys);
       load_tile<D>(sv + (buf ^ 1) * kv_buf, vg, a.v_stride[1], next * block_n, a.keys);
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(threads, 2)
 
     const int k0 = j * block_n;
     const int k1 = k0 + block_n < a.keys ? k0 + block_n : a.keys;
-    const TileKind kind = tile_kind(mask, qpos, kpos, q0, q1, k0, k1);
+    const TileKind kind = block_tile_kind(mask, spans, qpos, kpos, q0, q1, k0, k1);
     float p[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -378,8 +378,8 @@ __global__ void __launch_bounds__(threads, 2)
     warp_x_yt<D, IsBf16>(p, sq, 16 * warp, k_tile, lane);
     const bool check = kind == TileKind::partial;
     const bool edge = check || k1 - k0 < block_n;
-    const RowMask<Mask> rm_lo(mask, qpos(r_lo < q1 ? r_lo : q1 - 1), check),
-        rm_hi(mask, qpos(r_hi < q1 ? r_hi : q1 - 1), check);
+    const auto rm_lo = row_test(mask, spans, qpos, q0, q1, r_lo - q0, check),
+               rm_hi = row_test(mask, spans, qpos, q0, q1, r_hi - q0, check);
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll

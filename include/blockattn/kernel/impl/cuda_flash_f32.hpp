@@ -22,7 +22,8 @@
 // permuted key order, so that no shuffle is needed and V's B fragments are
 // 32-bit loads free of bank conflicts (flash_frag.hpp c2a32, pv32_offset).
 // Shared memory (64 + 128) x D x 4 bytes: 96 KB at D = 128, 2 CTAs per SM.
-// Empty key tiles are skipped, full ones take no mask work, as in
+// Empty key tiles are skipped, full ones take no mask work, masks with
+// allowed_keys() work from the rows' intervals in shared memory, as in
 // cuda_flash.hpp.
 //
 // Inputs must be finite (the library checks and sends others to the fp32
@@ -127,10 +128,11 @@ __global__ void __launch_bounds__(threads, 2)
   const auto* kg = static_cast<const float*>(a.k) + b * a.k_stride[0] + kvh * a.k_stride[2];
   const auto* vg = static_cast<const float*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
+  __shared__ cta_spans_t<Mask, BM> spans;
   int tiles = (a.keys + block_n - 1) / block_n, j_first = 0;
   if constexpr (has_allowed_keys<Mask>::value)
-    key_tile_range(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
-  int j = next_tile(mask, qpos, kpos, q0, q1, a.keys, j_first, tiles);
+    cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
+  int j = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j_first, tiles);
 
   load_tile32<D, BM>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
   if (j < tiles) load_tile32<D, block_n>(sk, kg, a.k_stride[1], j * block_n, a.keys);
@@ -149,7 +151,7 @@ __global__ void __launch_bounds__(threads, 2)
   while (j < tiles) {
     const int k0 = j * block_n;
     const int k1 = k0 + block_n < a.keys ? k0 + block_n : a.keys;
-    const TileKind kind = tile_kind(mask, qpos, kpos, q0, q1, k0, k1);
+    const TileKind kind = block_tile_kind(mask, spans, qpos, kpos, q0, q1, k0, k1);
     cp_async_wait_all();  // K_j (and Q)
     __syncthreads();      // ... visible to every warp; V's buffer free
     load_tile32<D, block_n>(sv, vg, a.v_stride[1], k0, a.keys);
@@ -181,66 +183,18 @@ __global__ void __launch_bounds__(threads, 2)
     // Mask: keys past the end, and the mask itself in partial tiles.
     if (kind == TileKind::partial || k1 - k0 < block_n) {
       const bool check = kind == TileKind::partial;
-      const RowMask<Mask> rm_lo(mask, qpos(row_lo < q1 ? row_lo : q1 - 1), check),
-          rm_hi(mask, qpos(row_hi < q1 ? row_hi : q1 - 1), check);
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = k0 + 8 * n + 2 * t + e;
-          const bool in = key < k1;
-          const index_type kp = kpos(in ? key : k1 - 1);
-          if (!in || !rm_lo(kp)) s[n][e] = -INFINITY;
-          if (!in || !rm_hi(kp)) s[n][2 + e] = -INFINITY;
-        }
+      const int r = row_lo - q0;  // this thread's row lo in the CTA
+      mask_fragment(s, row_test(mask, spans, qpos, q0, q1, r, check),
+                    row_test(mask, spans, qpos, q0, q1, r + 8, check), kpos, k0, k1, t);
     }
 
-    // Online softmax of the rows (the 4 threads of a group share a row).
-    {
-      float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
-      }
-#pragma unroll
-      for (int d = 1; d <= 2; d <<= 1) {
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, d));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, d));
-      }
-      const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-      // A row that has seen nothing yet keeps max -inf: subtract 0 instead.
-      const float mu_lo = mn_lo == -INFINITY ? 0.0f : mn_lo * scale_log2;
-      const float mu_hi = mn_hi == -INFINITY ? 0.0f : mn_hi * scale_log2;
-      const float alpha_lo = fast_exp2(m_lo * scale_log2 - mu_lo);
-      const float alpha_hi = fast_exp2(m_hi * scale_log2 - mu_hi);
-      m_lo = mn_lo;
-      m_hi = mn_hi;
-      float sum_lo = 0.0f, sum_hi = 0.0f;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        s[n][0] = fast_exp2(fmaf(s[n][0], scale_log2, -mu_lo));
-        s[n][1] = fast_exp2(fmaf(s[n][1], scale_log2, -mu_lo));
-        s[n][2] = fast_exp2(fmaf(s[n][2], scale_log2, -mu_hi));
-        s[n][3] = fast_exp2(fmaf(s[n][3], scale_log2, -mu_hi));
-        sum_lo += s[n][0] + s[n][1];
-        sum_hi += s[n][2] + s[n][3];
-      }
-      l_lo = l_lo * alpha_lo + sum_lo;
-      l_hi = l_hi * alpha_hi + sum_hi;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][0] *= alpha_lo;
-        o[n][1] *= alpha_lo;
-        o[n][2] *= alpha_hi;
-        o[n][3] *= alpha_hi;
-      }
-    }
+    // Online softmax of the rows.
+    softmax_step(s, o, m_lo, m_hi, l_lo, l_hi, scale_log2);
 
     // V_j ready; every warp is done with K_j: load the next live K tile.
     cp_async_wait_all();
     __syncthreads();
-    const int next = next_tile(mask, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
+    const int next = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
     if (next < tiles) load_tile32<D, block_n>(sk, kg, a.k_stride[1], next * block_n, a.keys);
     cp_async_commit();
 
