@@ -32,12 +32,12 @@
 // bounds in cuda_flash_f32_check.cpp.
 #include <blockattn/kernel/impl/cuda_flash.hpp>
 #include <blockattn/kernel/impl/cuda_flash_backward.hpp>
-#include <blockattn/plan/balance.hpp>
 #include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
 
 #include "../tools/torch_rates.hpp"
+#include "cuda_flash_common.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -55,21 +55,13 @@
 
 namespace {
 
+using namespace blockattn_flash_test;
 using blockattn::index_type;
 namespace flash = blockattn::impl::flash;
 
 flash::Variant variant = flash::Variant::regs;  // the kernel variant under check
 std::vector<flash::Variant> variants{flash::Variant::regs, flash::Variant::smem,
                                      flash::Variant::wide};  // --variant
-
-#define CUDA_OK(x)                                                                             \
-  do {                                                                                         \
-    const cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 std::uint16_t to_bits(float x, bool bf16) {
   if (bf16) return __nv_bfloat16_raw(__float2bfloat16_rn(x)).x;
@@ -84,52 +76,6 @@ float from_bits(std::uint16_t u, bool bf16) {
   __half_raw r;
   r.x = u;
   return __half2float(__half(r));
-}
-
-template <class T>
-struct DeviceBuffer {
-  T* p = nullptr;
-  explicit DeviceBuffer(std::size_t n) {
-    CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-struct Shape {
-  int batch, heads, kv_heads, queries, keys, dim;
-};
-
-/// One problem on the GPU and its fp64 reference; returns whether it passed.
-/// The kernel's arguments for contiguous [batch, seq, heads, dim] operands
-/// and a (batch, heads, rows) LSE; scale 1/sqrt(dim).
-flash::Args contiguous_args(const Shape& s, const void* q, const void* k, const void* v, void* o,
-                            float* lse) {
-  flash::Args a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.o = o;
-  a.lse = lse;
-  const std::int64_t qs[3] = {std::int64_t(s.queries) * s.heads * s.dim,
-                              std::int64_t(s.heads) * s.dim, s.dim};
-  const std::int64_t ks[3] = {std::int64_t(s.keys) * s.kv_heads * s.dim,
-                              std::int64_t(s.kv_heads) * s.dim, s.dim};
-  for (int i = 0; i < 3; ++i) {
-    a.q_stride[i] = a.o_stride[i] = qs[i];
-    a.k_stride[i] = a.v_stride[i] = ks[i];
-  }
-  a.lse_stride[0] = std::int64_t(s.heads) * s.queries;
-  a.lse_stride[1] = s.queries;
-  a.lse_stride[2] = 1;
-  a.batch = s.batch;
-  a.heads = s.heads;
-  a.kv_heads = s.kv_heads;
-  a.queries = s.queries;
-  a.keys = s.keys;
-  a.scale = float(1.0 / std::sqrt(double(s.dim)));
-  return a;
 }
 
 /// What a check plants in its inputs.
@@ -524,30 +470,6 @@ int check_all(int dim) {
   return failed;
 }
 
-/// Median milliseconds of `reps` launches (CUDA events), after two warm-ups.
-template <class F>
-double median_ms(int reps, F&& f) {
-  cudaEvent_t e0, e1;
-  CUDA_OK(cudaEventCreate(&e0));
-  CUDA_OK(cudaEventCreate(&e1));
-  f();
-  f();
-  std::vector<float> t;
-  for (int r = 0; r < reps; ++r) {
-    CUDA_OK(cudaEventRecord(e0));
-    f();
-    CUDA_OK(cudaEventRecord(e1));
-    CUDA_OK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 void bench(const std::string& torch_file, int reps) {
   using namespace blockattn;
   const auto torch = blockattn_cli::read_torch_rates(torch_file);
@@ -569,19 +491,9 @@ void bench(const std::string& torch_file, int reps) {
     }
     flash::Args a = contiguous_args({1, H, H, n, n, D}, q.p, k.p, v.p, o.p, lse.p);
     const OffsetPositions at0{0};
-    const auto docs = plan::long_tailed_documents(n, 1);
-    DeviceBuffer<index_type> doff(docs.size());
-    CUDA_OK(
-        cudaMemcpy(doff.p, docs.data(), docs.size() * sizeof(index_type), cudaMemcpyHostToDevice));
-    DocumentMask dm;
-    dm.host_offsets = docs.data();
-    dm.device_offsets = doff.p;
-    dm.documents = int(docs.size()) - 1;
-    double doc_pairs = 0;
-    for (std::size_t i = 0; i + 1 < docs.size(); ++i) {
-      const double len = double(docs[i + 1] - docs[i]);
-      doc_pairs += len * (len + 1) / 2;
-    }
+    const LongTailedDocs docs(n);
+    const DocumentMask& dm = docs.mask;
+    const double doc_pairs = docs.pairs;
     for (const flash::Variant fv : variants)
       for (int mk = 0; mk < 3; ++mk) {
         a.variant = fv;

@@ -23,12 +23,12 @@
 // 2^-16 and at most 1/32 of tf32's in the same case (splitting must buy the
 // accuracy it claims), tf32's at most 2^-7.
 #include <blockattn/kernel/impl/cuda_flash_f32.hpp>
-#include <blockattn/plan/balance.hpp>
 #include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
 
 #include "../tools/torch_rates.hpp"
+#include "cuda_flash_common.hpp"
 
 #include <cuda_runtime.h>
 
@@ -42,60 +42,9 @@
 
 namespace {
 
+using namespace blockattn_flash_test;
 using blockattn::index_type;
 namespace flash = blockattn::impl::flash;
-
-#define CUDA_OK(x)                                                                             \
-  do {                                                                                         \
-    const cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
-
-template <class T>
-struct Buffer {
-  T* p = nullptr;
-  explicit Buffer(std::size_t n) {
-    CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  ~Buffer() { cudaFree(p); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-};
-
-struct Shape {
-  int batch, heads, kv_heads, queries, keys, dim;
-};
-
-flash::Args args_of(const Shape& s, const float* q, const float* k, const float* v, float* o,
-                    float* lse) {
-  flash::Args a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.o = o;
-  a.lse = lse;
-  const std::int64_t qs[3] = {std::int64_t(s.queries) * s.heads * s.dim,
-                              std::int64_t(s.heads) * s.dim, s.dim};
-  const std::int64_t ks[3] = {std::int64_t(s.keys) * s.kv_heads * s.dim,
-                              std::int64_t(s.kv_heads) * s.dim, s.dim};
-  for (int i = 0; i < 3; ++i) {
-    a.q_stride[i] = a.o_stride[i] = qs[i];
-    a.k_stride[i] = a.v_stride[i] = ks[i];
-  }
-  a.lse_stride[0] = std::int64_t(s.heads) * s.queries;
-  a.lse_stride[1] = s.queries;
-  a.lse_stride[2] = 1;
-  a.batch = s.batch;
-  a.heads = s.heads;
-  a.kv_heads = s.kv_heads;
-  a.queries = s.queries;
-  a.keys = s.keys;
-  a.scale = float(1.0 / std::sqrt(double(s.dim)));
-  return a;
-}
 
 /// One problem in one mode against fp64; returns whether it passed, and the
 /// relative RMS error of O in `rel`.
@@ -104,13 +53,13 @@ bool check_mode(const char* name, const Shape& s, const std::vector<float>& q,
                 const std::vector<float>& k, const std::vector<float>& v, const Mask& mask,
                 const QPos& qpos, const KPos& kpos, double& rel) {
   const std::size_t nq = q.size(), nk = k.size(), nl = std::size_t(s.batch) * s.heads * s.queries;
-  Buffer<float> dq(nq), dk(nk), dv(nk), dout(nq), dlse(nl);
+  DeviceBuffer<float> dq(nq), dk(nk), dv(nk), dout(nq), dlse(nl);
   CUDA_OK(cudaMemcpy(dq.p, q.data(), nq * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dk.p, k.data(), nk * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dv.p, v.data(), nk * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(dout.p, 0xff, nq * 4));  // NaN
   CUDA_OK(cudaMemset(dlse.p, 0xff, nl * 4));
-  const flash::Args a = args_of(s, dq.p, dk.p, dv.p, dout.p, dlse.p);
+  const flash::Args a = contiguous_args(s, dq.p, dk.p, dv.p, dout.p, dlse.p);
   if (!flash::supports_f32(a, s.dim)) {
     std::printf("FAIL %-30s fp32: not supported\n", name);
     return false;
@@ -274,34 +223,21 @@ void bench_f32(const std::string& torch_file, int reps) {
       H, D, reps);
   std::printf("%-9s %-6s %6s %10s %12s %12s %10s\n", "mask", "mode", "N", "ms", "TFLOP/s",
               "torch fp32", "ours/pt");
-  cudaEvent_t e0, e1;
-  CUDA_OK(cudaEventCreate(&e0));
-  CUDA_OK(cudaEventCreate(&e1));
   for (int n : {4096, 8192, 16384}) {
     const std::size_t count = std::size_t(n) * H * D;
     std::vector<float> host(count);
     std::mt19937_64 rng(n);
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    Buffer<float> q(count), k(count), v(count), o(count), lse(std::size_t(H) * n);
+    DeviceBuffer<float> q(count), k(count), v(count), o(count), lse(std::size_t(H) * n);
     for (auto* buf : {&q, &k, &v}) {
       for (auto& x : host) x = u(rng);
       CUDA_OK(cudaMemcpy(buf->p, host.data(), count * 4, cudaMemcpyHostToDevice));
     }
-    const flash::Args a = args_of({1, H, H, n, n, D}, q.p, k.p, v.p, o.p, lse.p);
+    const flash::Args a = contiguous_args({1, H, H, n, n, D}, q.p, k.p, v.p, o.p, lse.p);
     const OffsetPositions at0{0};
-    const auto docs = plan::long_tailed_documents(n, 1);
-    Buffer<index_type> doff(docs.size());
-    CUDA_OK(
-        cudaMemcpy(doff.p, docs.data(), docs.size() * sizeof(index_type), cudaMemcpyHostToDevice));
-    DocumentMask dm;
-    dm.host_offsets = docs.data();
-    dm.device_offsets = doff.p;
-    dm.documents = int(docs.size()) - 1;
-    double doc_pairs = 0;
-    for (std::size_t i = 0; i + 1 < docs.size(); ++i) {
-      const double len = double(docs[i + 1] - docs[i]);
-      doc_pairs += len * (len + 1) / 2;
-    }
+    const LongTailedDocs docs(n);
+    const DocumentMask& dm = docs.mask;
+    const double doc_pairs = docs.pairs;
     for (int mode : {3, 1})
       for (int mk = 0; mk < 3; ++mk) {
         auto run = [&] {
@@ -315,20 +251,7 @@ void bench_f32(const std::string& torch_file, int reps) {
             if (mk == 2) CUDA_OK(flash::forward_f32<1>(a, D, dm, at0, at0, nullptr));
           }
         };
-        run();
-        run();
-        std::vector<float> t;
-        for (int r = 0; r < reps; ++r) {
-          CUDA_OK(cudaEventRecord(e0));
-          run();
-          CUDA_OK(cudaEventRecord(e1));
-          CUDA_OK(cudaEventSynchronize(e1));
-          float ms = 0;
-          CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
-          t.push_back(ms);
-        }
-        std::sort(t.begin(), t.end());
-        const double ms = t[t.size() / 2];
+        const double ms = median_ms(reps, run);
         const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
         const double pairs = mk == 0   ? double(n) * n
                              : mk == 1 ? double(n) * (n + 1) / 2
@@ -346,6 +269,4 @@ void bench_f32(const std::string& torch_file, int reps) {
                       mk == 2 ? "  (TFLOP/s of the allowed pairs: long-tailed documents)" : "");
       }
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
