@@ -46,8 +46,8 @@ struct Shape {
 
 /// The kernels' arguments for contiguous [batch, seq, heads, dim] operands
 /// and a (batch, heads, rows) LSE; scale 1/sqrt(dim).
-inline blockattn::impl::flash::Args contiguous_args(const Shape& s, const void* q, const void* k, const void* v,
-                                   void* o, float* lse) {
+inline blockattn::impl::flash::Args contiguous_args(const Shape& s, const void* q, const void* k,
+                                                    const void* v, void* o, float* lse) {
   blockattn::impl::flash::Args a;
   a.q = q;
   a.k = k;

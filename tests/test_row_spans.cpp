@@ -26,8 +26,8 @@ struct Count {
 
 /// Every block of `rows` query rows against every tile of `cols` keys.
 template <class Mask, class QPos, class KPos>
-void check_mask(const Mask& mask, const QPos& qpos, index_type nq, const KPos& kpos,
-                index_type nk, int rows, int cols, bool exact, bool check_rows, Count& c) {
+void check_mask(const Mask& mask, const QPos& qpos, index_type nq, const KPos& kpos, index_type nk,
+                int rows, int cols, bool exact, bool check_rows, Count& c) {
   static_assert(impl::has_allowed_keys<Mask>::value, "a mask with allowed_keys()");
   for (index_type q0 = 0; q0 < nq; q0 += rows) {
     const index_type q1 = q0 + rows < nq ? q0 + rows : nq;
@@ -137,7 +137,7 @@ TEST_CASE("row spans: tile kinds of the built-in masks with allowed_keys") {
 TEST_CASE("row spans: bounds of rows that see nothing") {
   RowSpanBounds b = RowSpanBounds::none();
   CHECK(b.kind(0, 10) == TileKind::empty);  // no rows
-  b.add(KeyInterval{5, 5});                  // a row that sees nothing
+  b.add(KeyInterval{5, 5});                 // a row that sees nothing
   CHECK(b.kind(0, 10) == TileKind::empty);
   b.add(KeyInterval{0, 20});
   CHECK(b.kind(0, 10) == TileKind::partial);  // one row sees it, the other not

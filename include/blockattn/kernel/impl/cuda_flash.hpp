@@ -596,9 +596,9 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int r = row0 - q0 + 16 * mt;  // this thread's row lo of m-tile mt in the CTA
-        masked[mt] = mask_fragment(s[mt], row_test(mask, spans, qpos, q0, q1, r, check),
-                                   row_test(mask, spans, qpos, q0, q1, r + 8, check), kpos, k0,
-                                   k1, t);
+        masked[mt] =
+            mask_fragment(s[mt], row_test(mask, spans, qpos, q0, q1, r, check),
+                          row_test(mask, spans, qpos, q0, q1, r + 8, check), kpos, k0, k1, t);
       }
     }
 
