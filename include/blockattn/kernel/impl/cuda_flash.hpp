@@ -205,17 +205,6 @@ __device__ __forceinline__ TileKind tile_kind(const Mask& mask, const QPos& qpos
   return mask.classify(qpos(q0), qpos(q1 - 1) + 1, kpos(k0), kpos(k1 - 1) + 1);
 }
 
-/// The first key tile at or after j that is not empty (`tiles` if none).
-template <class Mask, class QPos, class KPos>
-__device__ __forceinline__ int next_tile(const Mask& mask, const QPos& qpos, const KPos& kpos,
-                                         int q0, int q1, int keys, int j, int tiles) {
-  for (; j < tiles; ++j) {
-    const int k0 = j * block_n, k1 = k0 + block_n < keys ? k0 + block_n : keys;
-    if (tile_kind(mask, qpos, kpos, q0, q1, k0, k1) != TileKind::empty) return j;
-  }
-  return tiles;
-}
-
 /// Whether this thread's share of a V tile holds inf or NaN.
 template <int D, bool IsBf16>
 __device__ __forceinline__ bool tile_not_finite(const std::uint16_t* tile) {
@@ -489,7 +478,6 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
   static_assert(!QInRegs || MT == 1, "Q in registers: one m-tile per warp");
   constexpr int BM = block_m_of(MT);  // query rows of the CTA
-  static_assert(BM <= threads, "cta_spans: one thread per row");
   extern __shared__ __align__(128) std::uint16_t smem[];
   std::uint16_t* sq = smem;
   std::uint16_t* sk = smem + BM * D;
