@@ -48,6 +48,25 @@ enum MaskId { full = 0, causal = 1 };
 /// Query heads (= K/V heads) of every attention case (--heads); B = 1.
 int g_heads = 1;
 
+/// Memory order of q, k, v, o, dO and the gradients (--layout): the Views are
+/// (batch, seq, heads, dim) either way, LayoutStride over memory laid out
+///   bnhd  [batch][seq][heads][dim]  (the default: a projection's output
+///         viewed per head, flash_attn's layout; rows of one head are
+///         heads * dim apart)
+///   bhnd  [batch][heads][seq][dim]  (each head's rows contiguous: PyTorch's
+///         (B, H, N, D) contiguous tensors)
+/// bench/torch_sdpa.py --layout hands PyTorch the same memory.
+bool g_head_major = false;
+
+/// A (1, n, h, d) View of the layout --layout names.
+template <class V>
+Kokkos::View<V****, Kokkos::LayoutStride> bench_view(const char* label, int n, int h, int d) {
+  const std::size_t nd = std::size_t(n) * d, hd = std::size_t(h) * d;
+  return Kokkos::View<V****, Kokkos::LayoutStride>(
+      std::string(label), Kokkos::LayoutStride(1, nd * h, n, g_head_major ? std::size_t(d) : hd, h,
+                                               g_head_major ? nd : std::size_t(d), d, 1));
+}
+
 /// Uniform [-1, 1) values, rounded to the View's value type.
 template <class View>
 void fill(const View& view, unsigned seed) {
@@ -101,8 +120,8 @@ void bm_attention(benchmark::State& state) {
   const int n = int(state.range(0)), d = int(state.range(1));
   const MaskId mask = MaskId(state.range(2));
   const int h = g_heads;
-  Kokkos::View<V****> q("q", 1, n, h, d), k("k", 1, n, h, d), v("v", 1, n, h, d),
-      o("o", 1, n, h, d);
+  const auto q = bench_view<V>("q", n, h, d), k = bench_view<V>("k", n, h, d),
+             v = bench_view<V>("v", n, h, d), o = bench_view<V>("o", n, h, d);
   Kokkos::View<blockattn::compute_t<V>***> lse("lse", 1, h, n);
   fill(q, 1);
   fill(k, 2);
@@ -142,9 +161,10 @@ void bm_backward(benchmark::State& state) {
   const int n = int(state.range(0)), d = int(state.range(1));
   const MaskId mask = MaskId(state.range(2));
   const int h = g_heads;
-  Kokkos::View<V****> q("q", 1, n, h, d), k("k", 1, n, h, d), v("v", 1, n, h, d),
-      o("o", 1, n, h, d), dout("do", 1, n, h, d), dq("dq", 1, n, h, d), dk("dk", 1, n, h, d),
-      dv("dv", 1, n, h, d);
+  const auto q = bench_view<V>("q", n, h, d), k = bench_view<V>("k", n, h, d),
+             v = bench_view<V>("v", n, h, d), o = bench_view<V>("o", n, h, d),
+             dout = bench_view<V>("do", n, h, d), dq = bench_view<V>("dq", n, h, d),
+             dk = bench_view<V>("dk", n, h, d), dv = bench_view<V>("dv", n, h, d);
   Kokkos::View<blockattn::compute_t<V>***> lse("lse", 1, h, n);
   fill(q, 1);
   fill(k, 2);
@@ -308,6 +328,8 @@ size, a 4096^3 sgemm and (with --torch) PyTorch's CPU SDPA, in one run.
   --quick             fewer shapes and repetitions
   --dtype=T,..        fp32, bf16, fp16 [fp32,bf16]
   --heads=H           query (= K/V) heads of every attention case, B = 1 [1]
+  --layout=L          memory order of q, k, v, o: bnhd ([seq][heads][dim]) or
+                      bhnd ([heads][seq][dim], PyTorch's contiguous (B, H, N, D)) [bnhd]
   --torch=FILE        PyTorch's rates (bench/torch_sdpa.py, same threads, just before)
   --help, -h          this text
 Google Benchmark's flags (--benchmark_filter=REGEX, --benchmark_repetitions=N,
@@ -342,6 +364,14 @@ int main(int argc, char** argv) {
                        a.c_str() + 8);
           return 2;
         }
+      } else if (a.rfind("--layout=", 0) == 0) {
+        const std::string l = a.substr(9);
+        if (l != "bnhd" && l != "bhnd") {
+          std::fprintf(stderr, "blockattn_bench_forward: --layout: '%s' is not bnhd or bhnd\n",
+                       l.c_str());
+          return 2;
+        }
+        g_head_major = l == "bhnd";
       } else
         args.push_back(argv[i]);
     }
@@ -380,13 +410,14 @@ int main(int argc, char** argv) {
       return it == torch.end() ? 0.0 : it->second;
     };
     std::printf(
-        "\nRatios measured in this run (%s, %d thread%s; B = 1, H = %d; host ISA %s, fp32 "
+        "\nRatios measured in this run (%s, %d thread%s; B = 1, H = %d, memory %s; host ISA %s, "
+        "fp32 "
         "kernels run %s; host matrix engine %s%s%s; sgemm 4096^3 = %s; PyTorch: %s; every rate "
         "from the case's fastest iteration, PyTorch's from its fastest repetition; 16-bit types "
         "are stored in 16 bits and computed in fp32, the bf16 forward on the matrix engine where "
         "it runs; \"/ fp32\" is our rate over our fp32 rate on the same case)\n",
-        Exec::name(), threads, threads == 1 ? "" : "s", g_heads, blockattn::host_isa_name(),
-        blockattn::host_isa_name(blockattn::dispatched_host_isa()),
+        Exec::name(), threads, threads == 1 ? "" : "s", g_heads, g_head_major ? "bhnd" : "bnhd",
+        blockattn::host_isa_name(), blockattn::host_isa_name(blockattn::dispatched_host_isa()),
         blockattn::host_matrix_engine().name(),
         blockattn::host_matrix_engine().reason.empty() ? "" : ": ",
         blockattn::host_matrix_engine().reason.c_str(), peak_text.c_str(),

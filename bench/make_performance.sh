@@ -11,7 +11,8 @@
 #
 # Environment: RUNS (default 1), LENGTHS (default 1024,4096; the bench's
 # lengths are 512,1024,2048,4096,16384), HEADS (head counts, default "1 4 16":
-# B = 1, one table per H), ISAS (default "native x86-64-v3"),
+# B = 1, one table per H), LAYOUT (memory order of q, k, v, o for ours and
+# PyTorch's alike: bnhd, the default, or bhnd; bench/run_forward.sh), ISAS (default "native x86-64-v3"),
 # DTYPES (default fp32,bf16), REUSE_LOGS=1 (write the page from the logs of
 # the last run in build/perf-logs/ without running anything). PyTorch comes from .deps/torch-venv
 # (cmake/blockattn.sh torch installs it); without it the PyTorch columns are
@@ -63,7 +64,8 @@ library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
   echo "same threads, minutes apart) and against an OpenBLAS sgemm of the same"
   echo "N × N × D. Rates use each side's fastest call of as many as fill 0.3 s"
   echo "(at least two). B = 1, H query = K/V heads as each table says (PyTorch's"
-  echo "too); fwd = forward, bwd = backward (2.5× the"
+  echo "too), q, k, v and o in ${LAYOUT:-bnhd} memory for both (LAYOUT; bnhd ="
+  echo "[batch][seq][heads][dim]); fwd = forward, bwd = backward (2.5× the"
   echo "forward's FLOPs). The x86-64-v3 build runs the AVX2 kernels next to"
   echo "PyTorch, MKL, oneDNN and OpenBLAS capped at AVX2."
   echo

@@ -12,7 +12,11 @@
 #              512,1024,2048,4096,16384 (default: all of them; --quick: up to 4096);
 #              DIMS  head dims, a subset of 64,128 (default: both);
 #              HEADS  head counts, one run each (default "1"; e.g. "1 4 16": B = 1, H
-#              query = K/V heads, ours and PyTorch's).
+#              query = K/V heads, ours and PyTorch's);
+#              LAYOUT  memory order of q, k, v, o, ours and PyTorch's alike: bnhd
+#              ([seq][heads][dim], default) or bhnd ([heads][seq][dim]); at H = 16
+#              both libraries run a few per cent slower on bnhd (a head's rows are
+#              heads x dim apart), so a ratio is only fair in one layout.
 # A case moves by 5-10 % between runs on a shared machine: keep the logs of a
 # few runs and summarise them per case with bench/summarize_runs.py LOG...
 set -euo pipefail
@@ -75,9 +79,9 @@ for t in ${THREADS:-1 $(nproc)}; do
   if [ $have_torch = 1 ]; then
     out=$(mktemp)
     OMP_NUM_THREADS=$t "$py" "$here/torch_sdpa.py" --threads "$t" --lengths "$lengths" \
-      --dtypes "$dtypes" --dims "$dims" --heads "$h" --out "$out"
+      --dtypes "$dtypes" --dims "$dims" --heads "$h" --layout "${LAYOUT:-bnhd}" --out "$out"
     torch_arg=(--torch="$out")
   fi
-  OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "${filter[@]}" --heads="$h" "$@" "${torch_arg[@]}"
+  OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "${filter[@]}" --heads="$h" --layout="${LAYOUT:-bnhd}" "$@" "${torch_arg[@]}"
 done
 done

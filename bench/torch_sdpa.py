@@ -10,14 +10,17 @@ next to ours in the same run. Writes one line per case to --out:
     <fwd|bwd> <N> <D> <full|causal> <dtype> <GFLOP/s>
 
 with the FLOP conventions of bench_forward.cpp: 4*D per allowed query-key pair
-forward, 2.5x that backward, times H. B = 1, H = --heads (default 1), layout
-(B, H, N, D). PyTorch picks its backend itself (on CPU: its flash-attention
+forward, 2.5x that backward, times H. B = 1, H = --heads (default 1); the
+tensors are (B, H, N, D) over memory laid out as --layout says: bnhd (the
+default: [B][N][H][D], a projection's output viewed per head, as our bench
+lays out its Views) or bhnd ([B][H][N][D], contiguous). bench/run_forward.sh
+gives both programs the same layout. PyTorch picks its backend itself (on CPU: its flash-attention
 kernel for these shapes; in bf16 on AMX CPUs, blocks packed for oneDNN's AMX
 brgemm). Never a
 build or test dependency: bench/run_forward.sh skips it when torch does not import.
 
-With --device cuda (the GPU peer of bench_gpu.cpp): layout (B, H, N, D) with
-B = 1 and --heads heads, each of the flash, cuDNN and memory-efficient
+With --device cuda (the GPU peer of bench_gpu.cpp, whose Views are bnhd): the
+same tensors on the GPU, each of the flash, cuDNN and memory-efficient
 backends that runs the case is timed (CUDA events, best of --reps) and the
 fastest is written with its name as a seventh column, in TFLOP/s:
 
@@ -54,7 +57,8 @@ def best_time(fn, min_time):
 
 def cases(a, device, heads):
     """Every (dtype, D, N, mask) case of the run, with its random q, k, v, dO
-    (uniform in [-1, 1], seed 1 per case), layout (1, heads, N, D)."""
+    (uniform in [-1, 1], seed 1 per case), shape (1, heads, N, D) over memory
+    laid out as a.layout says (bnhd: a transposed view of (1, N, heads, D))."""
     import torch
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,8 +67,13 @@ def cases(a, device, heads):
             for n in map(int, a.lengths.split(",")):
                 for causal in (False, True):
                     g = torch.Generator(device=device).manual_seed(1)
-                    tensors = tuple(torch.rand(1, heads, n, d, generator=g, device=device)
-                                    .mul_(2).sub_(1).to(dtypes[name]) for _ in range(4))
+                    if a.layout == "bhnd":
+                        tensors = tuple(torch.rand(1, heads, n, d, generator=g, device=device)
+                                        .mul_(2).sub_(1).to(dtypes[name]) for _ in range(4))
+                    else:
+                        tensors = tuple(torch.rand(1, n, heads, d, generator=g, device=device)
+                                        .mul_(2).sub_(1).to(dtypes[name]).transpose(1, 2)
+                                        for _ in range(4))
                     pairs = n * (n + 1) / 2 if causal else float(n) * n
                     yield name, d, n, causal, "causal" if causal else "full", pairs, tensors
 
@@ -81,6 +90,7 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--heads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layout", default="bnhd", choices=["bnhd", "bhnd"])
     a = ap.parse_args()
     if a.device == "cuda":
         return cuda_main(a)
@@ -90,7 +100,7 @@ def main():
 
     torch.set_num_threads(a.threads)
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
+          f"{torch.backends.cpu.get_cpu_capability()}, memory {a.layout}", file=sys.stderr)
     with open(a.out, "w") as out:
         for name, d, n, causal, mask, pairs, (q, k, v, do) in cases(a, "cpu", a.heads):
             with torch.no_grad():
