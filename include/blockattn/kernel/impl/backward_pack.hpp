@@ -7,6 +7,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/buffer_cache.hpp>
+#include <blockattn/kernel/impl/prefetch.hpp>
 #include <blockattn/kernel/isa.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 
@@ -70,6 +71,12 @@ void pack_keys(const ExecSpace& exec, const KView& k, const VView& v,
         T* const kt_col = &kt(b, h, n / block_k, 0, n % block_k);
         T* const vt_col = &vt(b, h, n / block_k, 0, n % block_k);
         T* const k_row = &kr(b, h, n, 0);
+        // Rows prefetch_ahead on, asked for now (prefetch.hpp: one head's rows are
+        // heads * dim apart, past the hardware prefetchers).
+        if (ks == 1 && vs == 1 && n + prefetch_ahead < keys) {
+          prefetch_span(&k(b, n + prefetch_ahead, h, 0), sizeof(k(b, n, h, 0)) * dim);
+          prefetch_span(&v(b, n + prefetch_ahead, h, 0), sizeof(v(b, n, h, 0)) * dim);
+        }
         const int live = n < keys ? dim : 0;  // padding rows: all zero
         if (live > 0) {
           const auto* const krow = &k(b, n, h, 0);
@@ -154,6 +161,12 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
     const int i = int(row % padded), h = int((row / padded) % heads),
               b = int(row / (std::int64_t(padded) * heads));
     const bool in = i < queries;
+    // Rows prefetch_ahead on, asked for now (prefetch.hpp).
+    if (qs == 1 && ds == 1 && os == 1 && i + prefetch_ahead < queries) {
+      prefetch_span(&q(b, i + prefetch_ahead, h, 0), sizeof(q(b, i, h, 0)) * dim);
+      prefetch_span(&dout(b, i + prefetch_ahead, h, 0), sizeof(dout(b, i, h, 0)) * dim);
+      prefetch_span(&o(b, i + prefetch_ahead, h, 0), sizeof(o(b, i, h, 0)) * dim);
+    }
     S* const q_row = &qp(b, h, i, 0);
     S* const do_row = &dop(b, h, i, 0);
     const int live = in ? dim : 0;  // padding rows: all zero

@@ -10,6 +10,7 @@
 #include <blockattn/kernel/impl/mask_columns.hpp>
 #include <blockattn/kernel/impl/micro_gemm.hpp>
 #include <blockattn/kernel/impl/pack.hpp>
+#include <blockattn/kernel/impl/prefetch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/validate.hpp>
@@ -163,6 +164,8 @@ struct ForwardKernel {
   static constexpr bool amx_capable = forward_amx_capable<ExecSpace, T, Shape, QS>;
   // Query rows of the AMX path's scratch: whole 32-row blocks.
   static constexpr int BQA = (BQ + 31) / 32 * 32;
+  // Software prefetch of the user's strided rows (prefetch.hpp): host spaces.
+  static constexpr bool host_prefetch = is_host_space_v<ExecSpace>;
 
   /// The head dim as stored in scratch and in the packed K/V block.
   static int pad_dim(int dim) {
@@ -273,7 +276,13 @@ struct ForwardKernel {
     // either fresh (O = 0, m = -inf, l = 0) or resumed from an earlier block.
     // Rows are read through a pointer and the view's stride (one index
     // computation per row, not per element; unit stride, the common case,
-    // vectorises).
+    // vectorises). On the host, every row is asked for first (prefetch.hpp):
+    // one head's rows are heads * dim apart, past the hardware prefetchers.
+    if (host_prefetch && q.stride(3) == 1)
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+        prefetch_span(&q(b, q0 + r, h, 0), sizeof(QS) * ext.dim);
+        if (resume) prefetch_span(&o_acc(b, q0 + r, h, 0), sizeof(T) * ext.dim);
+      });
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_live), [&](const int r) {
       const bool row_in = r < q_rows;
       const bool load = resume && row_in;
@@ -330,6 +339,14 @@ struct ForwardKernel {
   /// normalised (finish) or kept for the next block.
   KOKKOS_INLINE_FUNCTION void store_rows(const member_type& team, int b, int h, int q0, int q_rows,
                                          const T* os, int ld, const T* m, const T* l) const {
+    // The rows about to be written, asked for first (as the Q rows in run()).
+    if (host_prefetch && (finish ? o.stride(3) : o_acc.stride(3)) == 1)
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+        if (finish)
+          prefetch_span(&o(b, q0 + r, h, 0), sizeof(OS) * ext.dim, true);
+        else
+          prefetch_span(&o_acc(b, q0 + r, h, 0), sizeof(T) * ext.dim, true);
+      });
     if (!finish) {
       // More blocks follow: keep the unnormalised O in `o` and (m, l) in the state.
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
@@ -382,6 +399,11 @@ struct ForwardKernel {
     // Q rows as stored (bf16 bits: exact; the scale goes to S), zero padded
     // to da columns and q_live rows; O and (m, l) fresh or resumed.
     const std::size_t qs_d = q.stride(3);
+    if (qs_d == 1)
+      for (int r = 0; r < q_rows; ++r) {
+        prefetch_span(&q(b, q0 + r, h, 0), sizeof(QS) * ext.dim);
+        if (resume) prefetch_span(&o_acc(b, q0 + r, h, 0), sizeof(T) * ext.dim);
+      }
     for (int r = 0; r < q_live; ++r) {
       const bool row_in = r < q_rows;
       const int n = row_in ? ext.dim : 0;
@@ -535,6 +557,7 @@ struct ForwardKernel {
     if constexpr (std::is_same<OS, bf16>::value) {
       if (finish && o.stride(3) == 1) {
         // Normalised bf16 rows, rounded as bf16(float) rounds, 16 at a time.
+        for (int r = 0; r < q_rows; ++r) prefetch_span(&o(b, q0 + r, h, 0), 2 * ext.dim, true);
         for (int r = 0; r < q_rows; ++r) {
           const T inv_l = SoftmaxRow<T>::inverse_sum(l[r]);
           amx_store_bf16_row(&o(b, q0 + r, h, 0).bits, os + std::size_t(r) * da, ext.dim, inv_l);

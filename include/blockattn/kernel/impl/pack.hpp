@@ -4,6 +4,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/buffer_cache.hpp>
+#include <blockattn/kernel/impl/prefetch.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -169,6 +170,15 @@ void pack_kv_groups(const ExecSpace& exec, const KView& k, const VView& v,
         using S = std::remove_cv_t<std::remove_reference_t<decltype(k(0, 0, 0, 0))>>;
         const S* krow[G];
         for (int j = 0; j < live; ++j) krow[j] = &k(b, n0 + j, h, 0);
+        // The next group's K and V rows (one head's rows are heads * dim
+        // apart, each on its own page: prefetch.hpp), asked for now.
+        if (s.ks == 1 && s.vs == 1 && n0 + G < s.keys) {
+          const int next = s.keys - (n0 + G) < G ? s.keys - (n0 + G) : G;
+          for (int j = 0; j < next; ++j) {
+            prefetch_span(&k(b, n0 + G + j, h, 0), sizeof(S) * s.dim);
+            prefetch_span(&v(b, n0 + G + j, h, 0), sizeof(v(b, n0 + G + j, h, 0)) * s.dim);
+          }
+        }
         for (int d = 0; d < s.dim_padded; ++d) {
           T* const dst = kt_cols + std::ptrdiff_t(d) * s.panel;
           if (d < s.dim && live == G) {
