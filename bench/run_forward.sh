@@ -17,8 +17,12 @@
 #              ([seq][heads][dim], default) or bhnd ([heads][seq][dim]); at H = 16
 #              both libraries run a few per cent slower on bnhd (a head's rows are
 #              heads x dim apart), so a ratio is only fair in one layout.
-# A case moves by 5-10 % between runs on a shared machine: keep the logs of a
-# few runs and summarise them per case with bench/summarize_runs.py LOG...
+#              RUNS  repeat everything this many times (default 1), each run its own
+#              ratio tables; FORWARD_ONLY=1  the forward alone (ours and PyTorch's:
+#              no backward, no sgemm), for several quick runs.
+# A case moves by 5-10 % between runs on a shared machine (on a 2-core cloud
+# guest, single cells by up to 30 %): take a few runs and summarise them per
+# case with bench/summarize_runs.py LOG... (it reads the runs of one log too).
 set -euo pipefail
 bin=$1
 shift
@@ -54,14 +58,21 @@ lengths=512,1024,2048,4096,16384
 filter=()
 dims=64,128
 [ -n "${DIMS:-}" ] && dims=$DIMS
-if [ -n "${LENGTHS:-}" ] || [ -n "${DIMS:-}" ]; then
+fwd_only=${FORWARD_ONLY:-0}
+if [ -n "${LENGTHS:-}" ] || [ -n "${DIMS:-}" ] || [ "$fwd_only" = 1 ]; then
   [ -n "${LENGTHS:-}" ] && lengths=$LENGTHS
   # Ours at those lengths and head dims (attention, backward, same-size
-  # sgemm) and sgemm 4096^3.
+  # sgemm) and sgemm 4096^3; or the forward alone.
   alt=${lengths//,/|}
   dalt=${dims//,/|}
-  filter=("--benchmark_filter=(/N:($alt)/D:($dalt)/|/M:($alt)/N:[0-9]+/K:($dalt)/|4096\\^3)")
+  if [ "$fwd_only" = 1 ]; then
+    filter=("--benchmark_filter=attention/register/[a-z0-9]+/N:($alt)/D:($dalt)/")
+  else
+    filter=("--benchmark_filter=(/N:($alt)/D:($dalt)/|/M:($alt)/N:[0-9]+/K:($dalt)/|4096\\^3)")
+  fi
 fi
+torch_flags=()
+[ "$fwd_only" = 1 ] && torch_flags=(--no-backward)
 
 if [ $have_torch = 1 ]; then
   # Which PyTorch CPU path runs: its vector ISA, and whether it sees AMX tiles
@@ -72,16 +83,19 @@ print("PyTorch", torch.__version__, "CPU capability", torch.backends.cpu.get_cpu
       "AMX tiles", amx, "oneDNN", torch.backends.mkldnn.is_available())'
 fi
 
+for run in $(seq "${RUNS:-1}"); do
 for h in ${HEADS:-1}; do
 for t in ${THREADS:-1 $(nproc)}; do
-  echo "=== ${t} thread(s), H = ${h} ==="
+  echo "=== run ${run}: ${t} thread(s), H = ${h} ==="
   torch_arg=()
   if [ $have_torch = 1 ]; then
     out=$(mktemp)
     OMP_NUM_THREADS=$t "$py" "$here/torch_sdpa.py" --threads "$t" --lengths "$lengths" \
-      --dtypes "$dtypes" --dims "$dims" --heads "$h" --layout "${LAYOUT:-bnhd}" --out "$out"
+      --dtypes "$dtypes" --dims "$dims" --heads "$h" --layout "${LAYOUT:-bnhd}" --out "$out" \
+      "${torch_flags[@]}"
     torch_arg=(--torch="$out")
   fi
   OMP_NUM_THREADS=$t OMP_PROC_BIND=false OPENBLAS_NUM_THREADS=$t "$bin" "${filter[@]}" --heads="$h" --layout="${LAYOUT:-bnhd}" "$@" "${torch_arg[@]}"
+done
 done
 done

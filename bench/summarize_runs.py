@@ -33,9 +33,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def parse(path, dtype):
-    """{(build, threads, heads, memory layout): {(D, N, mask): {"fwd": ours/torch,
+    """The runs of one log (a table whose key the current run already holds
+    starts the next run: run_forward.sh with RUNS > 1), each
+    {(build, threads, heads, memory layout): {(D, N, mask): {"fwd": ours/torch,
     "rates": (ours, torch) forward GFLOP/s, "bwd": ..., "sgemm": ...}}}"""
-    out = {}
+    runs = [{}]
     build, table, mode = None, None, None
     with open(path, errors="replace") as f:
         for line in f:
@@ -47,7 +49,9 @@ def parse(path, dtype):
             if m:
                 key = (build or "host ISA " + m.group(4).rstrip(","), int(m.group(1)),
                        int(m.group(2) or 1), m.group(3) or "bnhd")
-                table, mode = out.setdefault(key, {}), "fwd"
+                if key in runs[-1]:
+                    runs.append({})
+                table, mode = runs[-1].setdefault(key, {}), "fwd"
                 continue
             if line.startswith("Backward"):
                 mode = "bwd"
@@ -70,7 +74,7 @@ def parse(path, dtype):
                         table.setdefault((d, n, mask), {})["bwd"] = ours / torch
             except ValueError:  # a line of another table
                 continue
-    return out
+    return [r for r in runs if r]
 
 
 def main():
@@ -78,7 +82,7 @@ def main():
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--dtype", default="fp32")
     a = ap.parse_args()
-    runs = [parse(p, a.dtype) for p in a.logs]
+    runs = [r for p in a.logs for r in parse(p, a.dtype)]
     keys = []
     for r in runs:
         keys += [k for k in r if k not in keys]
@@ -101,9 +105,9 @@ def main():
             rates = [t[c]["rates"] for t in present if "rates" in t.get(c, {})]
             # Our fastest over all runs / PyTorch's fastest over all runs: what
             # each reaches when the machine leaves it alone.
-            bb = max(r[0] for r in rates) / max(r[1] for r in rates)
             if not fwd:
                 continue
+            bb = max(r[0] for r in rates) / max(r[1] for r in rates)
             med = statistics.median(fwd)
             medians.append(med)
             if med < 1.0 or min(fwd) < 1.0:
