@@ -42,12 +42,17 @@ KOKKOS_FORCEINLINE_FUNCTION void prefetch_span(const void* p, std::size_t bytes,
   for (std::uintptr_t c = a & ~(line - 1); c < end; c += line) {
     const char* const at = reinterpret_cast<const char*>(c);
 #if defined(__x86_64__) || defined(__i386__)
-    // prefetchw where the CPU has it (PRFCHW: every x86-64-v3 CPU); a no-op
-    // hint on older ones.
+    // prefetchw (for a store) where the compile target has PRFCHW
+    // (-march=native on AMD, or on Intel since Broadwell); else prefetcht0.
+#if defined(__PRFCHW__)
     if (write)
       asm volatile("prefetchw %0" : : "m"(*at));
     else
       asm volatile("prefetcht0 %0" : : "m"(*at));
+#else
+    (void)write;
+    asm volatile("prefetcht0 %0" : : "m"(*at));
+#endif
 #elif defined(__aarch64__)
     if (write)
       asm volatile("prfm pstl1keep, [%0]" : : "r"(at));
