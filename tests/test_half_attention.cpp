@@ -472,9 +472,9 @@ TEST_CASE("16-bit: the host matrix engine ran where the CPU has it") {
 }
 
 TEST_CASE("bf16 forward on AVX512-BF16 vector products (HostMatrix::avx512_bf16)") {
-  // The vector engine (the default engine of no CPU: opt-in) on the shapes
-  // of the forward cases, where the CPU has AVX512-BF16; the fp32 kernels
-  // (and the count says so) elsewhere.
+  // The vector engine (automatic's on AMD's CPUs, opt-in on others) on the
+  // shapes of the forward cases, where the CPU has AVX512-BF16; the fp32
+  // kernels (and the count says so) elsewhere.
   const long before = fused_tally.matrix;
   ForwardOptions opts;
   opts.host_matrix = HostMatrix::avx512_bf16;
@@ -503,12 +503,27 @@ TEST_CASE("host matrix engine: BLOCKATTN_HOST_MATRIX is parsed and named") {
     CHECK(what.find("BLOCKATTN_HOST_MATRIX") != std::string::npos);
     CHECK(what.find("\"tiles\"") != std::string::npos);
   }
-  // Unset, auto and amx agree (the CPU decides); avx512bf16 makes the vector
-  // products automatic's engine and never runs AMX.
+  // Unset and auto agree (the CPU decides: AMX, else the vectors on AMD's
+  // CPUs); amx runs AMX or nothing; avx512bf16 makes the vector products
+  // automatic's engine and never runs AMX.
   const HostMatrixEngine unset = impl::detect_host_matrix_engine(nullptr);
-  CHECK(unset.amx == impl::detect_host_matrix_engine("amx").amx);
-  CHECK(unset.amx == impl::detect_host_matrix_engine("auto").amx);
-  CHECK_FALSE(unset.vector_by_default);
+  const HostMatrixEngine amx_only = impl::detect_host_matrix_engine("amx");
+  const HostMatrixEngine automatic = impl::detect_host_matrix_engine("auto");
+  CHECK(unset.amx == amx_only.amx);
+  CHECK(unset.amx == automatic.amx);
+  CHECK(unset.vector_by_default == automatic.vector_by_default);
+  CHECK(std::string(unset.name()) == automatic.name());
+  CHECK_FALSE(amx_only.vector_by_default);
+  CHECK_FALSE((unset.amx && unset.vector_by_default));
+#if BLOCKATTN_HOST_AMX
+  // Without AMX the vectors are automatic's engine exactly where the CPU has
+  // them and is AMD's.
+  if (!unset.amx && dispatched_host_isa() == HostIsa::avx512)
+    CHECK(unset.vector_by_default ==
+          (unset.avx512_bf16 && impl::avx512_bf16_default_reason().empty()));
+  if (!unset.amx && unset.avx512_bf16 && !unset.vector_by_default)
+    CHECK(unset.reason.find("avx512bf16") != std::string::npos);
+#endif
   const HostMatrixEngine vec = impl::detect_host_matrix_engine("avx512bf16");
   CHECK_FALSE(vec.amx);
 #if BLOCKATTN_HOST_AMX  // builds without the host engines' code (nvcc passes) report none

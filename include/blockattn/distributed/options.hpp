@@ -94,7 +94,8 @@ struct DistributedOptions {
   /// attention (cuDNN on CUDA, bf16 / fp16; kernel/fused.hpp).
   bool portable_only = false;
   /// bf16 on a host space: the forward's block pairs on AMX tile products
-  /// where the CPU has them (automatic; P rounded to bf16), or on the fp32
+  /// where the CPU has them, AVX512-BF16 vectors on AMD's CPUs with those
+  /// (automatic; P rounded to bf16), or on the fp32
   /// kernels (off). See ForwardOptions::host_matrix.
   HostMatrix host_matrix = HostMatrix::automatic;
   /// 16-bit storage on CUDA (builds with cuDNN, whose K/V row layout it

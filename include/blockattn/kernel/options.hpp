@@ -36,8 +36,9 @@ struct ForwardOptions {
   /// (cuDNN, on CUDA with bf16 / fp16) would take the call: for comparison,
   /// and for results that are the same bits on every backend and run.
   bool portable_only = false;
-  /// bf16 inputs on a host space: AMX tile products where the CPU has them
-  /// (automatic; P rounded to bf16 before P V, see README "Numerics"), or the
+  /// bf16 inputs on a host space: AMX tile products where the CPU has them,
+  /// AVX512-BF16 vector products on AMD's CPUs that have those (automatic;
+  /// P rounded to bf16 before P V, see README "Numerics"), or the
   /// fp32 kernels (off: the fp32 forward's result rounded once, on every
   /// machine). host_matrix_engine() says what this machine runs.
   HostMatrix host_matrix = HostMatrix::automatic;
