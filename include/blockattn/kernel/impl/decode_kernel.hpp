@@ -14,6 +14,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/prefetch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -252,23 +253,16 @@ struct DecodeKernel {
       // Scores S = q k^T (base 2, scaled), masked to -inf.
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit) {
-#if defined(__GNUC__) && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
-          // The next tile's keys and values, one cache line at a time: decode
-          // streams K and V once, and the prefetch keeps the loads ahead of
-          // this tile's arithmetic.
+          // The next tile's keys and values (prefetch.hpp): decode streams K
+          // and V once, and the prefetch keeps the loads ahead of this tile's
+          // arithmetic.
           if (j0 + KT < k_end) {
             const int nn = int(k_end - (j0 + KT) < KT ? k_end - (j0 + KT) : KT);
-            const int lines = int((std::size_t(D) * sizeof(S) + 63) / 64);
             for (int j = 0; j < nn; ++j) {
-              const char* kr = reinterpret_cast<const char*>(&k(b, int(j0 + KT + j), kvh, 0));
-              const char* vr = reinterpret_cast<const char*>(&v(b, int(j0 + KT + j), kvh, 0));
-              for (int c = 0; c < lines; ++c) {
-                __builtin_prefetch(kr + 64 * c);
-                __builtin_prefetch(vr + 64 * c);
-              }
+              prefetch_span(&k(b, int(j0 + KT + j), kvh, 0), std::size_t(D) * sizeof(S));
+              prefetch_span(&v(b, int(j0 + KT + j), kvh, 0), std::size_t(D) * sizeof(S));
             }
           }
-#endif
           const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
           for (int r = 0; r < nr; ++r)
             host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);

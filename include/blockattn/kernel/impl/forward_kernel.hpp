@@ -340,12 +340,13 @@ struct ForwardKernel {
   KOKKOS_INLINE_FUNCTION void store_rows(const member_type& team, int b, int h, int q0, int q_rows,
                                          const T* os, int ld, const T* m, const T* l) const {
     // The rows about to be written, asked for first (as the Q rows in run()).
-    if (host_prefetch && (finish ? o.stride(3) : o_acc.stride(3)) == 1)
+    if (host_prefetch && finish && o.stride(3) == 1)
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
-        if (finish)
-          prefetch_span(&o(b, q0 + r, h, 0), sizeof(OS) * ext.dim, true);
-        else
-          prefetch_span(&o_acc(b, q0 + r, h, 0), sizeof(T) * ext.dim, true);
+        prefetch_span(&o(b, q0 + r, h, 0), sizeof(OS) * ext.dim, true);
+      });
+    if (host_prefetch && !finish && o_acc.stride(3) == 1)
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+        prefetch_span(&o_acc(b, q0 + r, h, 0), sizeof(T) * ext.dim, true);
       });
     if (!finish) {
       // More blocks follow: keep the unnormalised O in `o` and (m, l) in the state.
@@ -557,7 +558,8 @@ struct ForwardKernel {
     if constexpr (std::is_same<OS, bf16>::value) {
       if (finish && o.stride(3) == 1) {
         // Normalised bf16 rows, rounded as bf16(float) rounds, 16 at a time.
-        for (int r = 0; r < q_rows; ++r) prefetch_span(&o(b, q0 + r, h, 0), 2 * ext.dim, true);
+        for (int r = 0; r < q_rows; ++r)
+          prefetch_span(&o(b, q0 + r, h, 0), sizeof(OS) * ext.dim, true);
         for (int r = 0; r < q_rows; ++r) {
           const T inv_l = SoftmaxRow<T>::inverse_sum(l[r]);
           amx_store_bf16_row(&o(b, q0 + r, h, 0).bits, os + std::size_t(r) * da, ext.dim, inv_l);
