@@ -6,11 +6,15 @@
 #include <doctest/doctest.h>
 
 #include <blockattn/core/half.hpp>
+#include <blockattn/kernel/impl/half_rows.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <random>
+#include <string>
+#include <vector>
 
 using namespace blockattn;
 
@@ -138,4 +142,51 @@ TEST_CASE("fp32 -> bf16 / fp16 rounds to nearest, ties to even, overflow to inf"
   CHECK(fp16(-0.0f).bits == 0x8000);
   CHECK(bf16::unit_roundoff == 0x1p-8);
   CHECK(fp16::unit_roundoff == 0x1p-11);
+}
+
+TEST_CASE("fp16 rows: the vector widening and narrowing are bitwise the scalar conversions") {
+  // kernel/impl/half_rows.hpp: AVX-512F or F16C where this file is compiled
+  // for them, the scalar loop elsewhere (then this compares the loop with
+  // itself; the message says which ran). Rows of odd lengths take the
+  // scalar tail too.
+  MESSAGE("fp16 rows: ", impl::half_rows_width == 0
+                             ? std::string("scalar")
+                             : std::to_string(impl::half_rows_width) + "-bit vectors");
+  // Widening: every fp16 pattern (signalling NaNs included), scales 1 and 0.125.
+  std::vector<fp16> h(65536 + 7);
+  for (std::size_t i = 0; i < h.size(); ++i) h[i] = fp16::from_bits(std::uint16_t(i * 40503u));
+  for (std::size_t i = 0; i < 65536; ++i) h[i] = fp16::from_bits(std::uint16_t(i));
+  std::vector<float> w(h.size());
+  long bad = 0;
+  for (const float scale : {1.0f, 0.125f}) {
+    impl::widen_fp16_row(w.data(), h.data(), int(h.size()), scale);
+    for (std::size_t i = 0; i < h.size(); ++i) {
+      const float want = scale * float(h[i]);
+      std::uint32_t a, b;
+      std::memcpy(&a, &w[i], 4);
+      std::memcpy(&b, &want, 4);
+      bad += a != b;
+    }
+  }
+  CHECK(bad == 0);
+  // Narrowing: fp32 patterns near every fp16 rounding boundary (the ties and
+  // their neighbours, subnormal ones and the overflow midpoint included),
+  // inf, NaNs with payloads, and random patterns; scales 1 and 3.
+  std::vector<float> f;
+  for (std::uint32_t e = 0; e < 256; ++e)
+    for (std::uint32_t m : {0u, 1u, 0xfffu, 0x1000u, 0x1001u, 0x2000u, 0x3000u, 0x7fffffu,
+                            0x400000u, 0x401000u, 0x3ff000u})
+      for (std::uint32_t sign : {0u, 0x80000000u}) f.push_back(from_bits32(sign | e << 23 | m));
+  std::mt19937 rng(5);
+  for (int i = 0; i < 200000; ++i) f.push_back(from_bits32(rng()));
+  f.push_back(65519.0f);
+  f.push_back(65520.0f);
+  f.push_back(0x1p-25f);
+  f.push_back(0x1.000002p-25f);
+  std::vector<fp16> out(f.size());
+  for (const float scale : {1.0f, 3.0f}) {
+    impl::narrow_fp16_row(out.data(), f.data(), int(f.size()), scale);
+    for (std::size_t i = 0; i < f.size(); ++i) bad += out[i].bits != fp16(f[i] * scale).bits;
+  }
+  CHECK(bad == 0);
 }

@@ -7,6 +7,7 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/kernel/impl/amx.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/half_rows.hpp>
 #include <blockattn/kernel/impl/mask_columns.hpp>
 #include <blockattn/kernel/impl/micro_gemm.hpp>
 #include <blockattn/kernel/impl/pack.hpp>
@@ -665,6 +666,9 @@ struct ForwardKernel {
   template <class S>
   KOKKOS_FORCEINLINE_FUNCTION static void copy_row(T* __restrict__ dst, const S* src,
                                                    std::size_t stride, int n, T scale) {
+    if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
+      if (stride == 1) return widen_fp16_row(dst, src, n, scale);  // half_rows.hpp
+    }
     if (stride == 1)
       for (int d = 0; d < n; ++d) dst[d] = scale * T(src[d]);
     else
@@ -674,6 +678,9 @@ struct ForwardKernel {
   template <class S>
   KOKKOS_FORCEINLINE_FUNCTION static void store_row(S* dst, std::size_t stride,
                                                     const T* __restrict__ src, int n, T scale) {
+    if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
+      if (stride == 1) return narrow_fp16_row(dst, src, n, scale);
+    }
     if (stride == 1)
       for (int d = 0; d < n; ++d) dst[d] = S(src[d] * scale);
     else

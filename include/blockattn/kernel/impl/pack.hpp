@@ -4,6 +4,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/buffer_cache.hpp>
+#include <blockattn/kernel/impl/half_rows.hpp>
 #include <blockattn/kernel/impl/prefetch.hpp>
 
 #include <cstddef>
@@ -102,6 +103,12 @@ KOKKOS_FORCEINLINE_FUNCTION void pack_v_row(T* v_row, const S* vrow, std::ptrdif
   for (int d0 = 0; d0 < live; d0 += s.v_panel) {
     T* const dst = v_row + std::ptrdiff_t(d0) * s.block_k;
     const int w = live - d0 < s.v_panel ? live - d0 : s.v_panel;
+    if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
+      if (vs == 1) {
+        widen_fp16_row(dst, vrow + d0, w);  // half_rows.hpp
+        continue;
+      }
+    }
     for (int j = 0; j < w; ++j) dst[j] = T(vrow[(d0 + j) * vs]);
   }
   for (int d = live; d < s.dim_padded; ++d)
@@ -179,7 +186,24 @@ void pack_kv_groups(const ExecSpace& exec, const KView& k, const VView& v,
             prefetch_span(&v(b, n0 + G + j, h, 0), sizeof(v(b, n0 + G + j, h, 0)) * s.dim);
           }
         }
-        for (int d = 0; d < s.dim_padded; ++d) {
+        int widened = 0;  // head-dim rows of K^T already written
+        if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
+          // fp16: each key row widened in vectors (half_rows.hpp), 64 values
+          // at a time, then written transposed.
+          if (s.ks == 1 && live == G) {
+            float wide[G][64];
+            for (; widened < s.dim; widened += 64) {
+              const int w = s.dim - widened < 64 ? s.dim - widened : 64;
+              for (int j = 0; j < G; ++j) widen_fp16_row(wide[j], krow[j] + widened, w);
+              for (int d = 0; d < w; ++d) {
+                T* const dst = kt_cols + std::ptrdiff_t(widened + d) * s.panel;
+                for (int j = 0; j < G; ++j) dst[j] = wide[j][d];
+              }
+            }
+            widened = s.dim;
+          }
+        }
+        for (int d = widened; d < s.dim_padded; ++d) {
           T* const dst = kt_cols + std::ptrdiff_t(d) * s.panel;
           if (d < s.dim && live == G) {
             for (int j = 0; j < G; ++j) dst[j] = T(krow[j][d * s.ks]);
