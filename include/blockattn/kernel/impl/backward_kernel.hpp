@@ -350,10 +350,15 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
     const T sc = this->scale;
     const bool acc = this->accumulate;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
+      if (!acc) {  // fp16 rows in vectors (half_rows.hpp)
+        store_scaled_row(&dk(b, k0 + c, hk, 0), dk.stride(3), dka + c * p, this->dim, sc);
+        store_scaled_row(&dv(b, k0 + c, hk, 0), dv.stride(3), dva + c * p, this->dim, T(1));
+        return;
+      }
       for (int d = 0; d < this->dim; ++d) {
         const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
-        dk(b, k0 + c, hk, d) = GS(acc ? T(dk(b, k0 + c, hk, d)) + kval : kval);
-        dv(b, k0 + c, hk, d) = GS(acc ? T(dv(b, k0 + c, hk, d)) + vval : vval);
+        dk(b, k0 + c, hk, d) = GS(T(dk(b, k0 + c, hk, d)) + kval);
+        dv(b, k0 + c, hk, d) = GS(T(dv(b, k0 + c, hk, d)) + vval);
       }
     });
   }
@@ -429,9 +434,11 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
     const T sc = this->scale;
     const bool acc = this->accumulate;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, q_rows), [&](const int r) {
+      if (!acc)
+        return store_scaled_row(&dq(b, q0 + r, h, 0), dq.stride(3), dqa + r * p, this->dim, sc);
       for (int d = 0; d < this->dim; ++d) {
         const T val = sc * dqa[r * p + d];
-        dq(b, q0 + r, h, d) = GS(acc ? T(dq(b, q0 + r, h, d)) + val : val);
+        dq(b, q0 + r, h, d) = GS(T(dq(b, q0 + r, h, d)) + val);
       }
     });
   }
@@ -548,10 +555,15 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
         }
       }
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
+        if (!acc) {  // fp16 rows in vectors (half_rows.hpp)
+          store_scaled_row(&dk(b, k0 + c, hk, 0), dk.stride(3), dka + c * p, this->dim, sc);
+          store_scaled_row(&dv(b, k0 + c, hk, 0), dv.stride(3), dva + c * p, this->dim, T(1));
+          return;
+        }
         for (int d = 0; d < this->dim; ++d) {
           const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
-          dk(b, k0 + c, hk, d) = GS(acc ? T(dk(b, k0 + c, hk, d)) + kval : kval);
-          dv(b, k0 + c, hk, d) = GS(acc ? T(dv(b, k0 + c, hk, d)) + vval : vval);
+          dk(b, k0 + c, hk, d) = GS(T(dk(b, k0 + c, hk, d)) + kval);
+          dv(b, k0 + c, hk, d) = GS(T(dv(b, k0 + c, hk, d)) + vval);
         }
       });
       team.team_barrier();
@@ -574,6 +586,8 @@ void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, int q
       KOKKOS_LAMBDA(const std::int64_t row) {
         const int i = int(row % queries), h = int((row / queries) % heads),
                   b = int(row / (std::int64_t(queries) * heads));
+        if (slices == 1 && !accumulate && dqacc.stride(3) == 1)  // fp16 rows: half_rows.hpp
+          return store_scaled_row(&dq(b, i, h, 0), dq.stride(3), &dqacc(b, h, i, 0), dim, scale);
         for (int d = 0; d < dim; ++d) {
           T sum = dqacc(b, h, i, d);
           for (int s = 1; s < slices; ++s) sum += dqacc(s * batch + b, h, i, d);

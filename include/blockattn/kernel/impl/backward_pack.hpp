@@ -7,6 +7,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/buffer_cache.hpp>
+#include <blockattn/kernel/impl/half_rows.hpp>
 #include <blockattn/kernel/impl/prefetch.hpp>
 #include <blockattn/kernel/isa.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
@@ -16,6 +17,37 @@
 #include <type_traits>
 
 namespace blockattn::impl {
+
+/// One key row of pack_keys: K^T and V^T columns (stride ps), the K row.
+/// fp16 rows of unit stride are widened in vectors first (half_rows.hpp), 64
+/// values at a time.
+template <class T, class KS, class VS>
+KOKKOS_INLINE_FUNCTION void pack_key_row(const KS* krow, const VS* vrow, std::ptrdiff_t ks,
+                                         std::ptrdiff_t vs, int live, std::ptrdiff_t ps, T* kt_col,
+                                         T* k_row, T* vt_col) {
+  if constexpr (vector_half_rows_v<T, KS> && vector_half_rows_v<T, VS>) {
+    if (ks == 1 && vs == 1) {
+      T kb[64], vb[64];
+      for (int d0 = 0; d0 < live; d0 += 64) {
+        const int w = live - d0 < 64 ? live - d0 : 64;
+        load_row(kb, krow + d0, 1, w);
+        load_row(vb, vrow + d0, 1, w);
+        for (int d = 0; d < w; ++d) {
+          kt_col[(d0 + d) * ps] = kb[d];
+          k_row[d0 + d] = kb[d];
+          vt_col[(d0 + d) * ps] = vb[d];
+        }
+      }
+      return;
+    }
+  }
+  for (int d = 0; d < live; ++d) {
+    const T kv = T(krow[d * ks]);
+    kt_col[d * ps] = kv;
+    k_row[d] = kv;
+    vt_col[d * ps] = T(vrow[d * vs]);
+  }
+}
 
 /// Packed key side of a backward block, zero padded like PackedKV:
 ///   kt, vt (batch, kv_head, key_tile, head_dim_padded, block_k)  K^T, V^T panels
@@ -81,12 +113,7 @@ void pack_keys(const ExecSpace& exec, const KView& k, const VView& v,
         if (live > 0) {
           const auto* const krow = &k(b, n, h, 0);
           const auto* const vrow = &v(b, n, h, 0);
-          for (int d = 0; d < live; ++d) {
-            const T kv = T(krow[d * ks]);
-            kt_col[d * ps] = kv;
-            k_row[d] = kv;
-            vt_col[d * ps] = T(vrow[d * vs]);
-          }
+          pack_key_row(krow, vrow, ks, vs, live, ps, kt_col, k_row, vt_col);
         }
         for (int d = live; d < dim_padded; ++d) {
           kt_col[d * ps] = T(0);
@@ -126,6 +153,44 @@ PackedQueries<T, MemorySpace, S> allocate_packed_queries(int batch, int heads, i
   p.drow = allocate_view<typename P::vec_view>(buffers, label, batch, heads, padded);
   p.queries = queries;
   return p;
+}
+
+/// One query row of pack_queries: the packed Q and dO rows, and D =
+/// rowsum(dO o O) returned (fused on the FMA ISAs, as the kernels' dP). fp16
+/// rows of unit stride are widened in vectors first (half_rows.hpp), 64
+/// values at a time; the sum runs over d = 0, 1, ... either way.
+template <HostIsa Isa, class T, class S, class QS, class DS, class OS>
+KOKKOS_INLINE_FUNCTION T pack_query_row(const QS* qrow, const DS* dorow, const OS* orow,
+                                        std::ptrdiff_t qs, std::ptrdiff_t ds, std::ptrdiff_t os,
+                                        int live, S* q_row, S* do_row) {
+  T acc = T(0);
+  auto add = [&](T dov, T ov) {
+    if constexpr (Isa == HostIsa::avx2 || Isa == HostIsa::avx512)
+      acc = std::fma(dov, ov, acc);  // fused, as the kernels' dP
+    else
+      acc += dov * ov;
+  };
+  if constexpr (vector_half_rows_v<T, QS> && vector_half_rows_v<T, DS> &&
+                vector_half_rows_v<T, OS> && std::is_same<S, T>::value) {
+    if (qs == 1 && ds == 1 && os == 1) {
+      T ob[64];
+      for (int d0 = 0; d0 < live; d0 += 64) {
+        const int w = live - d0 < 64 ? live - d0 : 64;
+        load_row(q_row + d0, qrow + d0, 1, w);
+        load_row(do_row + d0, dorow + d0, 1, w);
+        load_row(ob, orow + d0, 1, w);
+        for (int d = 0; d < w; ++d) add(do_row[d0 + d], ob[d]);
+      }
+      return acc;
+    }
+  }
+  for (int d = 0; d < live; ++d) {
+    const T dov = T(dorow[d * ds]);
+    q_row[d] = S(qrow[d * qs]);
+    do_row[d] = S(dov);
+    add(dov, T(orow[d * os]));
+  }
+  return acc;
 }
 
 /// Fills `p` from user views q, dout, o (batch, queries, heads, dim) and lse
@@ -171,23 +236,9 @@ void pack_queries(const ExecSpace& exec, const QV& q, const DOV& dout, const OV&
     S* const do_row = &dop(b, h, i, 0);
     const int live = in ? dim : 0;  // padding rows: all zero
     T acc = T(0);
-    if (live > 0) {
-      const auto* const qrow = &q(b, i, h, 0);
-      const auto* const dorow = &dout(b, i, h, 0);
-      const auto* const orow = &o(b, i, h, 0);
-      for (int d = 0; d < live; ++d) {
-        const T dov = T(dorow[d * ds]);
-        // Read before the constexpr-if: nvcc rejects an extended lambda's
-        // first capture of a variable (os) inside one.
-        const T ov = T(orow[d * os]);
-        q_row[d] = S(qrow[d * qs]);
-        do_row[d] = S(dov);
-        if constexpr (Isa == HostIsa::avx2 || Isa == HostIsa::avx512)
-          acc = std::fma(dov, ov, acc);  // fused, as the kernels' dP
-        else
-          acc += dov * ov;
-      }
-    }
+    if (live > 0)
+      acc = pack_query_row<Isa, T>(&q(b, i, h, 0), &dout(b, i, h, 0), &o(b, i, h, 0), qs, ds, os,
+                                   live, q_row, do_row);
     for (int d = live; d < dim_padded; ++d) {
       q_row[d] = S(T(0));
       do_row[d] = S(T(0));

@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #if !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__) && \
     !defined(__SYCL_DEVICE_ONLY__) && (defined(__x86_64__) || defined(__i386__))
@@ -141,6 +142,32 @@ KOKKOS_INLINE_FUNCTION void narrow_fp16_row(fp16* dst, const float* src, int n, 
 #endif
   for (; i < n; ++i) dst[i] = fp16(src[i] * scale);
 }
+
+/// dst[d * stride] = S(src[d] * scale) for d < n: fp16 rows of unit stride
+/// by narrow_fp16_row, everything else as that scalar expression.
+template <class S, class T>
+KOKKOS_INLINE_FUNCTION void store_scaled_row(S* dst, std::ptrdiff_t stride, const T* src, int n,
+                                             T scale) {
+  if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
+    if (stride == 1) return narrow_fp16_row(dst, src, n, scale);
+  }
+  for (int d = 0; d < n; ++d) dst[d * stride] = S(src[d] * scale);
+}
+
+/// dst[d] = T(src[d * stride]) for d < n: fp16 rows of unit stride by
+/// widen_fp16_row, everything else as that scalar expression.
+template <class T, class S>
+KOKKOS_INLINE_FUNCTION void load_row(T* dst, const S* src, std::ptrdiff_t stride, int n) {
+  if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
+    if (stride == 1) return widen_fp16_row(dst, src, n);
+  }
+  for (int d = 0; d < n; ++d) dst[d] = T(src[d * stride]);
+}
+
+/// Whether load_row / store_scaled_row convert S <-> T in vectors here.
+template <class T, class S>
+inline constexpr bool vector_half_rows_v =
+    half_rows_width != 0 && std::is_same<S, fp16>::value&& std::is_same<T, float>::value;
 
 }  // namespace impl
 }  // namespace blockattn
