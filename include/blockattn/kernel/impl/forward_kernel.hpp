@@ -674,17 +674,12 @@ struct ForwardKernel {
     else
       for (int d = 0; d < n; ++d) dst[d] = scale * T(src[std::size_t(d) * stride]);
   }
-  /// dst[d * stride] = S(src[d] * scale) for d < n.
+  /// dst[d * stride] = S(src[d] * scale) for d < n (fp16 rows in vectors:
+  /// half_rows.hpp).
   template <class S>
   KOKKOS_FORCEINLINE_FUNCTION static void store_row(S* dst, std::size_t stride,
                                                     const T* __restrict__ src, int n, T scale) {
-    if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
-      if (stride == 1) return narrow_fp16_row(dst, src, n, scale);
-    }
-    if (stride == 1)
-      for (int d = 0; d < n; ++d) dst[d] = S(src[d] * scale);
-    else
-      for (int d = 0; d < n; ++d) dst[std::size_t(d) * stride] = S(src[d] * scale);
+    store_scaled_row(dst, std::ptrdiff_t(stride), src, n, scale);
   }
 
   struct KeyRange {

@@ -151,7 +151,10 @@ KOKKOS_INLINE_FUNCTION void store_scaled_row(S* dst, std::ptrdiff_t stride, cons
   if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
     if (stride == 1) return narrow_fp16_row(dst, src, n, scale);
   }
-  for (int d = 0; d < n; ++d) dst[d * stride] = S(src[d] * scale);
+  if (stride == 1)  // the unit-stride loop apart: it vectorises
+    for (int d = 0; d < n; ++d) dst[d] = S(src[d] * scale);
+  else
+    for (int d = 0; d < n; ++d) dst[d * stride] = S(src[d] * scale);
 }
 
 /// dst[d] = T(src[d * stride]) for d < n: fp16 rows of unit stride by
@@ -161,7 +164,10 @@ KOKKOS_INLINE_FUNCTION void load_row(T* dst, const S* src, std::ptrdiff_t stride
   if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
     if (stride == 1) return widen_fp16_row(dst, src, n);
   }
-  for (int d = 0; d < n; ++d) dst[d] = T(src[d * stride]);
+  if (stride == 1)
+    for (int d = 0; d < n; ++d) dst[d] = T(src[d]);
+  else
+    for (int d = 0; d < n; ++d) dst[d] = T(src[d * stride]);
 }
 
 /// Whether load_row / store_scaled_row convert S <-> T in vectors here.

@@ -103,13 +103,7 @@ KOKKOS_FORCEINLINE_FUNCTION void pack_v_row(T* v_row, const S* vrow, std::ptrdif
   for (int d0 = 0; d0 < live; d0 += s.v_panel) {
     T* const dst = v_row + std::ptrdiff_t(d0) * s.block_k;
     const int w = live - d0 < s.v_panel ? live - d0 : s.v_panel;
-    if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
-      if (vs == 1) {
-        widen_fp16_row(dst, vrow + d0, w);  // half_rows.hpp
-        continue;
-      }
-    }
-    for (int j = 0; j < w; ++j) dst[j] = T(vrow[(d0 + j) * vs]);
+    load_row(dst, vrow + d0 * vs, vs, w);  // fp16 rows in vectors: half_rows.hpp
   }
   for (int d = live; d < s.dim_padded; ++d)
     v_row[std::ptrdiff_t(d / s.v_panel) * s.block_k * s.v_panel + d % s.v_panel] = T(0);
@@ -187,7 +181,7 @@ void pack_kv_groups(const ExecSpace& exec, const KView& k, const VView& v,
           }
         }
         int widened = 0;  // head-dim rows of K^T already written
-        if constexpr (std::is_same<S, fp16>::value && std::is_same<T, float>::value) {
+        if constexpr (vector_half_rows_v<T, S>) {
           // fp16: each key row widened in vectors (half_rows.hpp), 64 values
           // at a time, then written transposed.
           if (s.ks == 1 && live == G) {
