@@ -443,6 +443,48 @@ TEST_CASE("balanced_query_tiles: other query tiles only when they finish sooner"
   }
 }
 
+TEST_CASE("balanced_query_tiles: the matrix engine's tiles are whole 32-row blocks") {
+  // The host matrix engine computes query rows in blocks of 32: a tile of 84
+  // rows costs it 96. Its splits cut at multiples of 32 rows (granule 32),
+  // never above block_q.
+  impl::ForwardExtents e{1, 1, 1, 1024, 1024, 64};
+  for (bool rows_are_work : {true, false}) {
+    INFO("rows_are_work=", rows_are_work);
+    // N = 1024 on 2 threads: where rows are work, 12 tiles of 64 or 96 rows
+    // (16 blocks per thread); on a causal diagonal tiles of block_q (the
+    // fp32 kernels' split is 13 tiles of 84 rows there).
+    impl::QueryTiles split = impl::balanced_query_tiles(e, 96, 6, 2, rows_are_work, true);
+    if (rows_are_work) {
+      CHECK(split.tiles == 12);
+      CHECK(split.granule == 32);
+      std::vector<int> h = tile_heights(split, 1024, 6);
+      CHECK(std::accumulate(h.begin(), h.end(), 0) == 1024);
+      CHECK(std::count(h.begin(), h.end(), 64) == 4);
+      CHECK(std::count(h.begin(), h.end(), 96) == 8);
+    } else {
+      CHECK(split.tiles == 0);  // tiles of block_q rows
+    }
+    CHECK(impl::balanced_query_tiles(e, 96, 6, 2, rows_are_work, false).tiles ==
+          (rows_are_work ? 12 : 13));
+    // 1 thread: tiles of block_q rows, as for the fp32 kernels.
+    CHECK(impl::balanced_query_tiles(e, 96, 6, 1, rows_are_work, true).tiles == 0);
+    // Any length and thread count: whole blocks bar the last tile, at most
+    // block_q rows, covering the queries.
+    for (int n = 1; n <= 1100; n += 13)
+      for (int threads = 2; threads <= 5; ++threads) {
+        e.queries = n;
+        INFO("N=", n, " threads=", threads);
+        split =
+            impl::balanced_query_tiles(e, 96, 6, threads, rows_are_work, true).resolved(n, 96, 6);
+        const std::vector<int> h = tile_heights(split, n, 6);
+        CHECK(std::accumulate(h.begin(), h.end(), 0) == n);
+        CHECK(*std::max_element(h.begin(), h.end()) <= 96);
+        for (std::size_t t = 0; t + 1 < h.size(); ++t) CHECK(h[t] % 32 == 0);
+      }
+    e.queries = 1024;
+  }
+}
+
 TEST_CASE_TEMPLATE("k and v in LayoutLeft pack to the same block as LayoutRight", T,
                    BLOCKATTN_TEST_TYPES) {
   // pack_kv reads rows through their stride: a column-major K and V (head-dim

@@ -492,6 +492,90 @@ TEST_CASE("bf16 forward on AVX512-BF16 vector products (HostMatrix::avx512_bf16)
     MESSAGE("SKIPPED: the AVX512-BF16 cases (", impl::host_matrix_engine().reason, ")");
 }
 
+namespace {
+
+/// The bf16 forward through launch_forward with the query tiles `split`
+/// (host_matrix: the engine setting): O (as fp32 values) and LSE on the host.
+template <class Mask>
+std::pair<std::vector<float>, std::vector<float>> bf16_forward_split(
+    const Shape& s, const Mask& mask, index_type q_offset, impl::QueryTiles split,
+    HostMatrix host_matrix, std::uint64_t seed) {
+  using TS = DefaultTileShape<float, impl::is_host_space_v<ExecSpace>>;
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng, 2.0);
+  HostTensor k = random_tensor(s.b, s.nk, s.hkv, s.d, rng, 2.0);
+  HostTensor v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  const V4<bf16> qd = make_view<bf16>(q, "q"), kd = make_view<bf16>(k, "k"),
+                 vd = make_view<bf16>(v, "v");
+  V4<bf16> od("o", s.b, s.nq, s.h, s.d);
+  L3 ld("lse", s.b, s.h, s.nq);
+  ExecSpace exec;
+  const impl::ForwardExtents e{s.b, s.h, s.hkv, s.nq, s.nk, s.d};
+  const float scale = 1.0f / std::sqrt(float(s.d));
+  impl::with_shape_for<TS>(s.d, [&](auto static_d, auto shape) {
+    constexpr int SD = decltype(static_d)::value;
+    using Sh = decltype(shape);
+    using Kernel = impl::ForwardKernel<ExecSpace, float, SD, Sh, Mask, OffsetPositions,
+                                       OffsetPositions, bf16, bf16>;
+    auto kv =
+        impl::allocate_forward_kv<float, MemSpace, Sh, SD>(s.b, s.hkv, s.nk, Kernel::pad_dim(s.d));
+    impl::pack_kv(exec, kd, vd, kv);
+    impl::BlockStep<float, MemSpace> step;
+    step.query_tiles = split;
+    step.host_matrix = host_matrix;
+    impl::launch_forward<ExecSpace, float, SD, Sh>(
+        exec, e, qd, kv, od, ld, mask, OffsetPositions{q_offset}, OffsetPositions{0}, scale, step);
+  });
+  exec.fence();
+  const HostTensor oh = download(od);
+  auto lh = to_host(ld);
+  return {std::vector<float>(oh.data.begin(), oh.data.end()),
+          std::vector<float>(lh.data(), lh.data() + lh.span())};
+}
+
+/// Elements that differ (an exact zero of either sign counts as equal; NaN
+/// where NaN).
+int count_differences(const std::vector<float>& a, const std::vector<float>& b) {
+  int n = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i] || (a[i] != a[i] && b[i] != b[i]));
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 forward: query tiles cut at 32-row blocks give the same O and LSE") {
+  // With few query tiles per thread, the matrix engine's tiles are cut at
+  // whole 32-row blocks (balanced_query_tiles, granule 32). Each row's sums
+  // run over the same keys in the same order whatever tile holds it: O and LSE
+  // must not change, on the engine and on the fp32 kernels alike.
+  using TS = DefaultTileShape<float, impl::is_host_space_v<ExecSpace>>;
+  const Shape split_shapes[] = {
+      {1, 200, 150, 2, 1, 64}, {2, 97, 300, 2, 2, 128}, {1, 33, 65, 1, 1, 64}};
+  std::uint64_t seed = 1200;
+  for (const HostMatrix setting : {HostMatrix::automatic, HostMatrix::off}) {
+    for (const Shape& s : split_shapes) {
+      ++seed;
+      const Documents<MemSpace> docs(document_offsets(s.nq + 30));
+      const int block_q = forward_tile_sizes<float, ExecSpace, TS>(s.d).block_q;
+      if (block_q < 32) continue;  // a device shape with shorter tiles than one block
+      const int groups = (s.nq + 31) / 32, per_tile = block_q / 32;
+      for (int mask_kind = 0; mask_kind < 3; ++mask_kind)
+        for (int tiles = (groups + per_tile - 1) / per_tile; tiles <= groups; ++tiles) {
+          INFO(describe(s), " mask=", mask_kind, " tiles=", tiles,
+               " engine=", setting == HostMatrix::off ? "off" : "automatic");
+          auto run = [&](impl::QueryTiles t) {
+            if (mask_kind == 0) return bf16_forward_split(s, FullMask{}, 0, t, setting, seed);
+            if (mask_kind == 1) return bf16_forward_split(s, CausalMask{}, 30, t, setting, seed);
+            return bf16_forward_split(s, docs.mask(), 30, t, setting, seed);
+          };
+          const auto whole = run({}), cut = run(impl::QueryTiles{tiles, groups, 32});
+          CHECK(count_differences(whole.first, cut.first) == 0);
+          CHECK(count_differences(whole.second, cut.second) == 0);
+        }
+    }
+  }
+}
+
 TEST_CASE("host matrix engine: BLOCKATTN_HOST_MATRIX is parsed and named") {
   CHECK_FALSE(impl::detect_host_matrix_engine("off").amx);
   CHECK(impl::detect_host_matrix_engine("off").reason == "BLOCKATTN_HOST_MATRIX=off");

@@ -127,8 +127,9 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
       // Rows are work where every query meets every key of the block.
       const bool rows_are_work = mask.classify(qpos(0), qpos(e.queries - 1) + 1, kpos(0),
                                                kpos(e.keys - 1) + 1) == TileKind::full;
-      state.query_tiles = impl::balanced_query_tiles(e, layout.block_q, layout.micro_rows,
-                                                     exec.concurrency(), rows_are_work);
+      state.query_tiles =
+          impl::balanced_query_tiles(e, layout.block_q, layout.micro_rows, exec.concurrency(),
+                                     rows_are_work, matrix && e.keys > 0);
     }
     forward_block(exec, e, q, kv, o, lse, mask, qpos, kpos, scale, state);
     impl::apply_sinks(exec, opts.sinks, o, lse);

@@ -28,14 +28,15 @@ namespace blockattn::impl {
 using ForwardExtents = BlockExtents;
 
 /// How a forward launch cuts the queries of each (batch, head) into team
-/// tiles: tile qt holds the micro-row groups (micro_rows rows each)
+/// tiles: tile qt holds the row groups (micro_rows rows each, or `granule`)
 /// [qt * groups / tiles, (qt + 1) * groups / tiles), the last one clipped to
 /// the queries. `tiles` = 0 means tiles of block_q rows (`rows`); `even`
 /// spreads all groups over `tiles` tiles whose heights differ by at most one
 /// group. Every tile holds at most block_q rows (checked at the launch).
 struct QueryTiles {
-  int tiles = 0;   // per (batch, head); 0: tiles of block_q rows
-  int groups = 0;  // micro-row groups spread over the tiles
+  int tiles = 0;    // per (batch, head); 0: tiles of block_q rows
+  int groups = 0;   // row groups spread over the tiles
+  int granule = 0;  // rows per group; 0: the kernel's micro_rows
 
   /// Tiles of `rows` rows (a multiple of micro_rows; the last one partial).
   static QueryTiles rows(int queries, int rows, int micro_rows) {
@@ -50,9 +51,19 @@ struct QueryTiles {
   QueryTiles resolved(int queries, int block_q, int micro_rows) const {
     return tiles > 0 ? *this : rows(queries, block_q, micro_rows);
   }
+  /// The same split in groups of `rows` rows (the matrix engine's 32-row blocks).
+  QueryTiles with_granule(int rows) const {
+    QueryTiles t = *this;
+    if (t.tiles > 0) t.granule = rows;
+    return t;
+  }
+  /// Rows per group for a kernel whose micro tiles have micro_rows rows.
+  KOKKOS_INLINE_FUNCTION int rows_per_group(int micro_rows) const {
+    return granule > 0 ? granule : micro_rows;
+  }
   /// First query row of tile qt, and one past its last.
   KOKKOS_INLINE_FUNCTION int begin(int qt, int micro_rows) const {
-    return micro_rows * static_cast<int>(std::int64_t(qt) * groups / tiles);
+    return rows_per_group(micro_rows) * static_cast<int>(std::int64_t(qt) * groups / tiles);
   }
   KOKKOS_INLINE_FUNCTION int end(int qt, int micro_rows, int queries) const {
     const int stop = begin(qt + 1, micro_rows);

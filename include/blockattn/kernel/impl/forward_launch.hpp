@@ -240,10 +240,26 @@ inline QueryTiles balanced_query_tiles(const ForwardExtents& e, int BQ, int MR, 
   return best;
 }
 
+/// Query rows of one block of the host matrix engine's forward (run_amx):
+/// it computes whole blocks, so its tiles are cut at multiples of them.
+inline constexpr int matrix_query_rows = 32;
+
+/// balanced_query_tiles for a launch that runs on the host matrix engine
+/// (`matrix`) or not: the engine's tiles are whole 32-row blocks (a tile of 84
+/// rows costs it 96), so its candidates are too. (Zen 4, 2 threads, H = 1,
+/// N = 1024, bf16: 13 tiles of 84 rows computed 1184 rows for 1024.)
+inline QueryTiles balanced_query_tiles(const ForwardExtents& e, int block_q, int micro_rows,
+                                       int threads, bool rows_are_work, bool matrix) {
+  if (!matrix) return balanced_query_tiles(e, block_q, micro_rows, threads, rows_are_work);
+  constexpr int R = matrix_query_rows;
+  return balanced_query_tiles(e, block_q / R * R, R, threads, rows_are_work).with_granule(R);
+}
+
 /// The same for the tiles of Shape.
 template <class Shape>
-QueryTiles balanced_query_tiles(const ForwardExtents& e, int threads, bool rows_are_work) {
-  return balanced_query_tiles(e, Shape::block_q, Shape::micro_rows, threads, rows_are_work);
+QueryTiles balanced_query_tiles(const ForwardExtents& e, int threads, bool rows_are_work,
+                                bool matrix = false) {
+  return balanced_query_tiles(e, Shape::block_q, Shape::micro_rows, threads, rows_are_work, matrix);
 }
 
 template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
@@ -287,12 +303,13 @@ void launch_forward(const ExecSpace& exec, const ForwardExtents& e, const QV& q,
   f.dim_padded = static_cast<int>(kv.kt.extent(3));
   const QueryTiles split = step.query_tiles.resolved(e.queries, Shape::block_q, Shape::micro_rows);
   constexpr int MR = Shape::micro_rows;
+  const int G = split.rows_per_group(MR);
   // Every tile non-empty and at most block_q rows, the last one reaching the
   // last query.
-  if (e.queries > 0 && (split.tiles < 1 || split.groups < split.tiles ||
-                        (split.groups + split.tiles - 1) / split.tiles * MR > Shape::block_q ||
-                        std::int64_t(split.groups) * MR < e.queries ||
-                        split.begin(split.tiles - 1, MR) >= e.queries))
+  if (e.queries > 0 &&
+      (split.tiles < 1 || split.groups < split.tiles || G < 1 ||
+       (split.groups + split.tiles - 1) / split.tiles * G > Shape::block_q ||
+       std::int64_t(split.groups) * G < e.queries || split.begin(split.tiles - 1, MR) >= e.queries))
     throw std::logic_error(
         "BlockAttn: forward query tiles must hold 1 to block_q rows each and cover the queries");
   f.q_split = split;
@@ -368,7 +385,9 @@ void forward_checked(const char* fn, const ExecSpace& exec, const QV& q, const K
       const bool rows_are_work = e.queries > 0 && e.keys > 0 &&
                                  mask.classify(qpos(0), qpos(e.queries - 1) + 1, kpos(0),
                                                kpos(e.keys - 1) + 1) == TileKind::full;
-      step.query_tiles = balanced_query_tiles<S>(e, exec.concurrency(), rows_are_work);
+      step.query_tiles = balanced_query_tiles<S>(
+          e, exec.concurrency(), rows_are_work,
+          e.keys > 0 && forward_uses_matrix<ExecSpace, T, S, value_of<QV>>(step.host_matrix));
     }
     launch_forward<ExecSpace, T, SD, S>(exec, e, q, kv, o, lse, mask, qpos, kpos, s, step);
   });
