@@ -704,6 +704,113 @@ TEST_CASE("bf16 backward: inf and NaN reach the same gradients on the matrix eng
     MESSAGE("SKIPPED: the matrix-engine side (", impl::host_matrix_engine().reason, ")");
 }
 
+namespace {
+
+/// The bf16 backward twice: attention_backward (on the matrix engine its
+/// operands are packed straight from the views) and the block-product seam
+/// the distributed schedules call (fp32 blocks, then pack_amx_backward).
+/// Gradients of the two that differ (NaN where NaN counts as equal).
+template <class Mask>
+long seam_differences(const Shape& s, const Mask& mask, index_type q_offset, bool strided,
+                      bool poison, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng),
+             k = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+             v = random_tensor(s.b, s.nk, s.hkv, s.d, rng),
+             dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  if (poison) {  // an inf or NaN in each operand, seen by some pairs
+    q(0, s.nq / 2, 0, 1) = std::numeric_limits<double>::quiet_NaN();
+    k(0, s.nk / 3, s.hkv - 1, 2) = std::numeric_limits<double>::infinity();
+    dout(0, s.nq - 1, s.h - 1, 3) = -std::numeric_limits<double>::infinity();
+    v(0, 5, 0, 4) = std::numeric_limits<double>::quiet_NaN();
+  }
+  // Inputs as sub-views of wider allocations (strided rows, offset heads) or contiguous.
+  const auto all = Kokkos::ALL;
+  const int pad = strided ? 1 : 0;
+  V4<bf16> qb("q", s.b, s.nq, s.h + pad, s.d + 2 * pad), kb("k", s.b, s.nk, s.hkv + pad, s.d),
+      vb("v", s.b, s.nk, s.hkv, s.d + pad), ob("o", s.b, s.nq, s.h, s.d + pad),
+      dob("do", s.b, s.nq, s.h + pad, s.d);
+  auto qd =
+      Kokkos::subview(qb, all, all, std::make_pair(pad, pad + s.h), std::make_pair(pad, pad + s.d));
+  auto kd = Kokkos::subview(kb, all, all, std::make_pair(0, s.hkv), all);
+  auto vd = Kokkos::subview(vb, all, all, all, std::make_pair(0, s.d));
+  auto od = Kokkos::subview(ob, all, all, all, std::make_pair(pad, pad + s.d));
+  auto dod = Kokkos::subview(dob, all, all, std::make_pair(pad, pad + s.h), all);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  upload(dout, dod);
+  L3 ld("lse", s.b, s.h, s.nq);
+  ForwardOptions opts;
+  opts.q_offset = q_offset;
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+  HostTensor g[2][3];
+  {
+    V4<bf16> dq("dq", s.b, s.nq, s.h, s.d), dk("dk", s.b, s.nk, s.hkv, s.d),
+        dv("dv", s.b, s.nk, s.hkv, s.d);
+    attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dq, dk, dv, mask, opts);
+    g[0][0] = download(dq);
+    g[0][1] = download(dk);
+    g[0][2] = download(dv);
+  }
+  {
+    V4<bf16> dq("dq", s.b, s.nq, s.h, s.d), dk("dk", s.b, s.nk, s.hkv, s.d),
+        dv("dv", s.b, s.nk, s.hkv, s.d);
+    const BlockExtents e{s.b, s.h, s.hkv, s.nq, s.nk, s.d};
+    const BlockLayout layout = backward_layout<float, ExecSpace>(s.d);
+    BackwardBlockOptions blk;
+    blk.operands_bf16 = true;
+    const bool matrix = backward_uses_matrix<float, ExecSpace, Mask>(s.d, blk);
+    const auto keys = allocate_backward_keys<float, ExecSpace>(layout, s.b, s.hkv, s.nk);
+    pack_backward_keys(ExecSpace{}, kd, vd, keys);
+    const auto rows = allocate_backward_queries<float, ExecSpace>(layout, s.b, s.h, s.nq);
+    pack_backward_queries(ExecSpace{}, qd, dod, od, ld, rows, matrix);
+    backward_block(ExecSpace{}, e, rows, keys, dq, dk, dv, mask, OffsetPositions{q_offset},
+                   OffsetPositions{0}, 1.0f / std::sqrt(float(s.d)), blk);
+    Kokkos::fence();
+    g[1][0] = download(dq);
+    g[1][1] = download(dk);
+    g[1][2] = download(dv);
+  }
+  long differ = 0;
+  for (int w = 0; w < 3; ++w)
+    for (std::size_t i = 0; i < g[0][w].data.size(); ++i) {
+      const double a = g[0][w].data[i], b = g[1][w].data[i];
+      differ += !(a == b || (a != a && b != b));
+    }
+  return differ;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 backward: the engine's operands from the views give the seam's gradients") {
+  // attention_backward packs the matrix engine's operands straight from the
+  // bf16 views; the step loops' seam packs fp32 blocks first and repacks
+  // them. Same bits in, same gradients out: bitwise, with GQA, strided
+  // views, partial tiles, and inf / NaN inputs (the selecting tile pairs).
+  // Where the CPU has no engine both run the fp32 kernels (still equal). Host
+  // spaces: on a GPU attention_backward may take a vendor's fused call.
+  if (!impl::is_host_space_v<ExecSpace>) return;
+  const Shape seam_shapes[] = {
+      {1, 200, 150, 4, 2, 64}, {2, 97, 130, 2, 2, 40}, {1, 70, 300, 2, 1, 128}};
+  std::uint64_t seed = 1300;
+  for (const Shape& s : seam_shapes)
+    for (int mask_kind = 0; mask_kind < 3; ++mask_kind)
+      for (int variant = 0; variant < 3; ++variant) {
+        ++seed;
+        const bool strided = variant == 1, poison = variant == 2;
+        INFO(describe(s), " mask=", mask_kind, " strided=", strided, " inf/NaN=", poison);
+        const Documents<MemSpace> docs(document_offsets(s.nq + 30));
+        long differ = 0;
+        if (mask_kind == 0) differ = seam_differences(s, FullMask{}, 0, strided, poison, seed);
+        if (mask_kind == 1) differ = seam_differences(s, CausalMask{}, 30, strided, poison, seed);
+        if (mask_kind == 2) differ = seam_differences(s, docs.mask(), 30, strided, poison, seed);
+        CHECK(differ == 0);
+      }
+  if (!matrix_expected())
+    MESSAGE("SKIPPED: the matrix-engine side (", impl::host_matrix_engine().reason, ")");
+}
+
 TEST_CASE_TEMPLATE("16-bit NaN inputs give NaN exactly where they are visible", S, bf16, fp16) {
   // One NaN in K at key 30, causal: rows >= 30 get NaN in O and LSE, rows < 30 are finite.
   const int n = 70, d = 64;

@@ -73,6 +73,25 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
     }
     const BlockLayout layout = backward_layout<T, ExecSpace>(e.dim);
     impl::CallBuffers<ExecSpace> buffers(exec);
+#if BLOCKATTN_AMX_BACKWARD
+    // On the matrix engine with bf16 q, k, v, o and dO: its operands straight
+    // from the views (pack_amx_backward_views), no fp32 blocks in between.
+    if constexpr (impl::is_host_space_v<ExecSpace> &&
+                  std::is_same<typename OV::non_const_value_type, bf16>::value &&
+                  std::is_same<typename ExecSpace::memory_space, Kokkos::HostSpace>::value) {
+      if (matrix && blk.operands_bf16 && e.queries > 0 && e.keys > 0) {
+        impl::pack_amx_backward_views(
+            exec, e, q, dout, o, lse, k, v,
+            impl::matrix_path(opts.host_matrix) == impl::MatrixPath::tiles, blk.matrix_operands,
+            &buffers);
+        backward_block(exec, e, PackedQueries<T, Kokkos::HostSpace>{},
+                       PackedKeys<T, Kokkos::HostSpace>{}, dq, dk, dv, mask,
+                       OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, scale, blk,
+                       &buffers);
+        return;
+      }
+    }
+#endif
     const auto keys =
         allocate_backward_keys<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys, &buffers);
     pack_backward_keys(exec, k, v, keys);

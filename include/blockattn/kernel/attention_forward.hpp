@@ -105,21 +105,27 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
     }
     const BlockLayout layout = forward_layout<T, ExecSpace>(e.dim);
     impl::CallBuffers<ExecSpace> buffers(exec);
-    const auto kv =
-        allocate_forward_block<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys, &buffers);
-    ForwardBlockState<T, typename ExecSpace::memory_space> state;
-    state.host_matrix = opts.host_matrix;
     // The matrix engine's block straight from k and v (its kernel reads no
     // other); the fp32 block otherwise.
     bool packed = false;
 #if BLOCKATTN_HOST_AMX
+    packed = impl::is_host_space_v<ExecSpace> &&
+             std::is_same<typename KV::non_const_value_type, bf16>::value && matrix && e.keys > 0;
+#endif
+    // Where the engine's block is packed, the fp32 block only carries the
+    // extents: allocated apart (its pages are never touched), so that the
+    // cached buffer holds what the call reads.
+    const auto kv = allocate_forward_block<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys,
+                                                         packed ? nullptr : &buffers);
+    ForwardBlockState<T, typename ExecSpace::memory_space> state;
+    state.host_matrix = opts.host_matrix;
+#if BLOCKATTN_HOST_AMX
     if constexpr (impl::is_host_space_v<ExecSpace> &&
                   std::is_same<typename KV::non_const_value_type, bf16>::value) {
-      if (matrix && e.keys > 0) {
-        state.matrix_kv = impl::pack_amx_kv_views(
-            exec, k, v, layout.block_k, (layout.dim_padded + 31) / 32 * 32, state.matrix_v_bad);
-        packed = true;
-      }
+      if (packed)
+        state.matrix_kv =
+            impl::pack_amx_kv_views(exec, k, v, layout.block_k, (layout.dim_padded + 31) / 32 * 32,
+                                    state.matrix_v_bad, &buffers);
     }
 #endif
     if (!packed) pack_forward_block(exec, k, v, kv);

@@ -19,10 +19,12 @@
 // GPUs), and the products' accumulation order. The bound is in
 // docs/numerics.md.
 //
-// The operands come from the fp32 packed blocks (PackedQueries, PackedKeys:
-// exact widenings of bf16 inputs) through pack_amx_backward, so every caller
-// of the block product (one device, every schedule's step loop) takes this
-// path by setting BackwardBlock::operands_bf16.
+// The step loops' operands come from the fp32 packed blocks (PackedQueries,
+// PackedKeys: exact widenings of bf16 inputs) through pack_amx_backward, so
+// every caller of the block product takes this path by setting
+// BackwardBlock::operands_bf16; the single-device backward packs them
+// straight from its bf16 views (pack_amx_backward_views, the same bits:
+// BackwardBlock::matrix_operands) into its cached call buffer.
 //
 // Masked pairs are selected out (P = dS = 0 exactly, whatever S was). A
 // partial tile pair whose Q, dO or K tile holds an inf or NaN adds its
@@ -55,11 +57,6 @@
 
 namespace blockattn::impl {
 
-#if BLOCKATTN_AMX_BACKWARD
-/// Tile sizes of the AMX backward: key rows and query columns of a tile pair;
-/// the largest head dim it takes (larger ones keep the fp32 kernels).
-inline constexpr int amx_bwd_bk = 64, amx_bwd_bq = 64, amx_bwd_max_dim = 256;
-
 /// The bf16 operands of one AMX backward block pair (da = head dim padded to
 /// 32, nq and nk = queries and keys padded to 64). Per (batch, head), nq x da
 /// elements each:
@@ -86,18 +83,21 @@ struct AmxBackwardOperands {
   std::size_t k_size() const { return std::size_t(nk) * da; }
 };
 
+#if BLOCKATTN_AMX_BACKWARD
+/// Tile sizes of the AMX backward: key rows and query columns of a tile pair;
+/// the largest head dim it takes (larger ones keep the fp32 kernels).
+inline constexpr int amx_bwd_bk = 64, amx_bwd_bq = 64, amx_bwd_max_dim = 256;
+
 /// The 16 bf16 bits of a packed fp32 value that is a bf16 value.
 inline std::uint16_t amx_bits(float x) {
   return bf16_upper_bits(x);
 }
 
-/// Fills `ops` from the fp32 packed query and key sides (values that are bf16
-/// values: exact).
-template <class ExecSpace, class MemorySpace>
-void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
-                       const PackedQueries<float, MemorySpace>& rows,
-                       const PackedKeys<float, MemorySpace>& keys,
-                       AmxBackwardOperands<MemorySpace>& ops) {
+/// The operands' views for the extents e (uninitialised: the packers write
+/// every element, the flags too), carved from `buffers` when given.
+template <class MemorySpace, class Buffers>
+void allocate_amx_backward(const BlockExtents& e, AmxBackwardOperands<MemorySpace>& ops,
+                           Buffers* buffers) {
   using Ops = AmxBackwardOperands<MemorySpace>;
   const int da = (e.dim + 31) / 32 * 32;
   const int nq = (e.queries + amx_bwd_bq - 1) / amx_bwd_bq * amx_bwd_bq;
@@ -106,19 +106,27 @@ void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
   ops.nq = nq;
   ops.nk = nk;
   const std::size_t bh = std::size_t(e.batch) * e.heads, bk = std::size_t(e.batch) * e.kv_heads;
-  ops.queries = typename Ops::u16(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("blockattn::amx_queries")),
-      4 * bh * nq * da);
-  ops.keys = typename Ops::u16(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("blockattn::amx_keys")),
-      3 * bk * nk * da);
-  ops.q_bad = typename Ops::u8("blockattn::amx_q_bad", bh * (nq / 16));
-  ops.do_bad = typename Ops::u8("blockattn::amx_do_bad", bh * (nq / 16));
-  ops.k_bad = typename Ops::u8("blockattn::amx_k_bad", bk * (nk / 16));
-  ops.lse2 = typename Ops::f32(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("blockattn::amx_lse2")), bh * nq);
-  ops.drow = typename Ops::f32(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("blockattn::amx_drow")), bh * nq);
+  ops.queries =
+      allocate_view<typename Ops::u16>(buffers, "blockattn::amx_queries", 4 * bh * nq * da);
+  ops.keys = allocate_view<typename Ops::u16>(buffers, "blockattn::amx_keys", 3 * bk * nk * da);
+  ops.q_bad = allocate_view<typename Ops::u8>(buffers, "blockattn::amx_q_bad", bh * (nq / 16));
+  ops.do_bad = allocate_view<typename Ops::u8>(buffers, "blockattn::amx_do_bad", bh * (nq / 16));
+  ops.k_bad = allocate_view<typename Ops::u8>(buffers, "blockattn::amx_k_bad", bk * (nk / 16));
+  ops.lse2 = allocate_view<typename Ops::f32>(buffers, "blockattn::amx_lse2", bh * nq);
+  ops.drow = allocate_view<typename Ops::f32>(buffers, "blockattn::amx_drow", bh * nq);
+}
+
+/// Fills `ops` from the fp32 packed query and key sides (values that are bf16
+/// values: exact). `buffers`: a single call's cached buffer to carve the
+/// operands from (nullptr: allocate them).
+template <class ExecSpace, class MemorySpace, class Buffers = NoCallBuffers>
+void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
+                       const PackedQueries<float, MemorySpace>& rows,
+                       const PackedKeys<float, MemorySpace>& keys,
+                       AmxBackwardOperands<MemorySpace>& ops, Buffers* buffers = nullptr) {
+  allocate_amx_backward(e, ops, buffers);
+  const int da = ops.da, nq = ops.nq, nk = ops.nk;
+  const std::size_t bh = std::size_t(e.batch) * e.heads, bk = std::size_t(e.batch) * e.kv_heads;
   std::uint16_t* const qbase = ops.queries.data();
   std::uint16_t* const kbase = ops.keys.data();
   const int queries = e.queries, nkeys = e.keys, heads = e.heads, kv_heads = e.kv_heads;
@@ -332,6 +340,123 @@ void amx_rowsum_d(const ExecSpace& exec, const DOV& dout, const OV& o, bool tile
                          for (int r = 0; r < 32 && 32 * g + r < queries; ++r)
                            drow(b, h, 32 * g + r) = d[r];
                        });
+}
+
+/// pack_amx_backward straight from the caller's bf16 views (the
+/// single-device backward: no fp32 blocks in between): q, dout, o (batch,
+/// queries, heads, dim), lse (batch, heads, queries), k, v (batch, keys,
+/// kv_heads, dim), any layout. lse2 as pack_queries scales it, D summed as
+/// amx_rowsum_d sums it (`tiles`: on AMX tiles): bitwise the operands of
+/// pack_queries + amx_rowsum_d + pack_keys + pack_amx_backward, at a third
+/// of the memory traffic and none of the fp32 blocks' memory.
+template <class ExecSpace, class QV, class DOV, class OV, class LV, class KV, class VV,
+          class Buffers = NoCallBuffers>
+void pack_amx_backward_views(const ExecSpace& exec, const BlockExtents& e, const QV& q,
+                             const DOV& dout, const OV& o, const LV& lse, const KV& k, const VV& v,
+                             bool tiles, AmxBackwardOperands<typename ExecSpace::memory_space>& ops,
+                             Buffers* buffers = nullptr) {
+  allocate_amx_backward(e, ops, buffers);
+  const int da = ops.da, nq = ops.nq, nk = ops.nk;
+  const int queries = e.queries, nkeys = e.keys, heads = e.heads, kv_heads = e.kv_heads;
+  const int dim = e.dim;
+  const std::size_t bh = std::size_t(e.batch) * e.heads, bk = std::size_t(e.batch) * e.kv_heads;
+  const std::size_t qs = ops.q_size(), ks = ops.k_size();
+  std::uint16_t* const qbase = ops.queries.data();
+  std::uint16_t* const kbase = ops.keys.data();
+  float* const lse2p = ops.lse2.data();
+  float* const drowp = ops.drow.data();
+  unsigned char* const q_bad = ops.q_bad.data();
+  unsigned char* const do_bad = ops.do_bad.data();
+  unsigned char* const k_bad = ops.k_bad.data();
+  const std::ptrdiff_t sq = q.stride(3), sd = dout.stride(3), so = o.stride(3);
+  // The bits of a row of `live` values (stride st) into dst, zeros up to da.
+  auto gather_row = [da](std::uint16_t* dst, const auto* src, std::ptrdiff_t st, int live) {
+    if (st == 1 && live > 0)
+      std::memcpy(dst, &src[0].bits, sizeof(std::uint16_t) * std::size_t(live));
+    else
+      for (int d = 0; d < live; ++d) dst[d] = src[d * st].bits;
+    for (int d = live; d < da; ++d) dst[d] = 0;
+  };
+  // The query side: one group of 32 rows of one (batch, head) per iteration
+  // (amx_row_dots sums D of 32 rows at once).
+  Kokkos::parallel_for(
+      "blockattn::pack_amx_queries",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
+                                                                      std::int64_t(bh) * (nq / 32)),
+      [=](const std::int64_t it) {
+        const int g = int(it % (nq / 32));
+        const std::size_t pair = std::size_t(it / (nq / 32));
+        const int h = int(pair % std::size_t(heads)), b = int(pair / std::size_t(heads));
+        std::uint16_t* const qb = qbase + 4 * pair * qs;
+        std::uint16_t* const dob = qb + qs;
+        std::uint16_t* const qv = dob + qs;
+        std::uint16_t* const dov = qv + qs;
+        alignas(64) std::uint16_t ql[32 * amx_bwd_max_dim], dl[32 * amx_bwd_max_dim],
+            ol[32 * amx_bwd_max_dim];
+        for (int r = 0; r < 32; ++r) {
+          const int i = 32 * g + r;
+          const int live = i < queries ? dim : 0;
+          const std::size_t at = std::size_t(r) * da;
+          gather_row(ql + at, live > 0 ? &q(b, i, h, 0) : nullptr, sq, live);
+          gather_row(dl + at, live > 0 ? &dout(b, i, h, 0) : nullptr, sd, live);
+          gather_row(ol + at, live > 0 ? &o(b, i, h, 0) : nullptr, so, live);
+        }
+        float dsum[32];
+        amx_row_dots(ol, dl, da, tiles, dsum);
+        for (int s = 0; s < 2; ++s) {
+          const int i0 = 32 * g + 16 * s;  // the 16-row group's first row
+          const std::uint16_t* const q16 = ql + std::size_t(16 * s) * da;
+          const std::uint16_t* const d16 = dl + std::size_t(16 * s) * da;
+          // Q^T, dO^T: VNNI pairs over d of the group's 16 rows.
+          amx_gather_k16(q16, da, da / 2, qb + std::size_t(i0) * da);
+          amx_gather_k16(d16, da, da / 2, dob + std::size_t(i0) * da);
+          // Q, dO: VNNI pairs of rows, 16 columns at a time (and the flags).
+          bool bad_q = false, bad_do = false;
+          for (int p = 0; p < 8; ++p)
+            for (int n = 0; n < da / 16; ++n) {
+              const std::size_t to = std::size_t(n) * 16 * nq + std::size_t(i0 / 2 + p) * 32;
+              const std::size_t r0 = std::size_t(2 * p) * da + 16 * n;
+              bad_q = amx_pair_bf16x16(q16 + r0, q16 + r0 + da, qv + to) || bad_q;
+              bad_do = amx_pair_bf16x16(d16 + r0, d16 + r0 + da, dov + to) || bad_do;
+            }
+          q_bad[pair * (nq / 16) + i0 / 16] = bad_q;
+          do_bad[pair * (nq / 16) + i0 / 16] = bad_do;
+        }
+        for (int r = 0; r < 32; ++r) {
+          const int i = 32 * g + r;
+          const bool in = i < queries;
+          lse2p[pair * nq + i] = in ? float(lse(b, h, i)) * log2e<float> : -infinity<float>();
+          drowp[pair * nq + i] = in ? dsum[r] : 0.0f;
+        }
+      });
+  const std::ptrdiff_t sk = k.stride(3), sv = v.stride(3);
+  // The key side: one group of 16 keys of one (batch, kv head) per iteration.
+  Kokkos::parallel_for(
+      "blockattn::pack_amx_keys",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
+                                                                      std::int64_t(bk) * (nk / 16)),
+      [=](const std::int64_t it) {
+        const int g = int(it % (nk / 16));
+        const std::size_t pair = std::size_t(it / (nk / 16));
+        const int hk = int(pair % std::size_t(kv_heads)), b = int(pair / std::size_t(kv_heads));
+        std::uint16_t* const ka = kbase + 3 * pair * ks;
+        std::uint16_t* const va = ka + ks;
+        std::uint16_t* const kt = va + ks;
+        const int n0 = 16 * g;
+        bool bad = false;
+        for (int i = 0; i < 16; ++i) {
+          const int n = n0 + i;
+          const int live = n < nkeys ? dim : 0;
+          std::uint16_t* const kr = ka + std::size_t(n) * da;
+          gather_row(kr, live > 0 ? &k(b, n, hk, 0) : nullptr, sk, live);
+          gather_row(va + std::size_t(n) * da, live > 0 ? &v(b, n, hk, 0) : nullptr, sv, live);
+          for (int d = 0; d < live; ++d) bad = bad || (kr[d] & 0x7f80u) == 0x7f80u;
+        }
+        for (int d = 0; d < da; ++d)
+          for (int i = 0; i < 16; ++i)
+            kt[std::size_t(d) * nk + n0 + i] = ka[std::size_t(n0 + i) * da + d];
+        k_bad[pair * (nk / 16) + g] = bad;
+      });
 }
 
 /// The fp32 value of bf16 bits.

@@ -17,6 +17,8 @@
 
 #include <cmath>
 #include <numeric>
+#include <stdexcept>
+#include <type_traits>
 
 namespace blockattn {
 
@@ -37,6 +39,11 @@ struct BackwardBlock {
   /// AMX tile products with P and dS rounded to bf16 (amx_backward.hpp).
   bool operands_bf16 = false;
   HostMatrix host_matrix = HostMatrix::automatic;
+  /// The pair's operands in the matrix engine's layout, packed by the caller
+  /// straight from its bf16 views (pack_amx_backward_views; the packed fp32
+  /// blocks are then not read and may be empty), or empty: packed from the
+  /// fp32 blocks at the launch. Only for a pair that runs on the engine.
+  AmxBackwardOperands<Kokkos::HostSpace> matrix_operands;
 };
 
 /// Whether a backward of compute type T on ExecSpace has the AMX path in
@@ -63,18 +70,32 @@ bool backward_uses_matrix(const BackwardBlock& blk, int dim) {
 }
 
 #if BLOCKATTN_AMX_BACKWARD
-/// The backward block pair on AMX tiles (amx_backward.hpp).
-template <class ExecSpace, class Mask, class QPos, class KPos, class DQV, class DKV, class DVV>
+/// The backward block pair on AMX tiles (amx_backward.hpp). `buffers`: where
+/// a single-device call carves the operands and the dQ accumulator from.
+template <class ExecSpace, class Mask, class QPos, class KPos, class DQV, class DKV, class DVV,
+          class Buffers = NoCallBuffers>
 void launch_backward_amx(const ExecSpace& exec, const ForwardExtents& e,
                          const PackedQueries<float, typename ExecSpace::memory_space>& queries,
                          const PackedKeys<float, typename ExecSpace::memory_space>& keys,
                          const DQV& dq, const DKV& dk, const DVV& dv, const Mask& mask,
-                         const QPos& qpos, const KPos& kpos, float scale,
-                         const BackwardBlock& blk) {
+                         const QPos& qpos, const KPos& kpos, float scale, const BackwardBlock& blk,
+                         Buffers* buffers = nullptr) {
   using mem = typename ExecSpace::memory_space;
   using K = AmxBackwardKernel<ExecSpace, Mask, QPos, KPos, value_of<DKV>>;
   AmxBackwardOperands<mem> ops;
-  pack_amx_backward(exec, e, queries, keys, ops);
+  if constexpr (std::is_same<mem, Kokkos::HostSpace>::value) {
+    if (blk.matrix_operands.queries.data() != nullptr) ops = blk.matrix_operands;
+  }
+  if (ops.queries.data() == nullptr) {
+    pack_amx_backward(exec, e, queries, keys, ops, buffers);
+  } else if (ops.da != (e.dim + 31) / 32 * 32 ||
+             ops.nq != (e.queries + K::BQ - 1) / K::BQ * K::BQ ||
+             ops.nk != (e.keys + K::BK - 1) / K::BK * K::BK ||
+             ops.queries.size() != 4 * std::size_t(e.batch) * e.heads * ops.q_size() ||
+             ops.keys.size() != 3 * std::size_t(e.batch) * e.kv_heads * ops.k_size()) {
+    throw std::logic_error(
+        "BlockAttn: the matrix engine's backward operands differ from the pair's extents");
+  }
   // A team per (batch, kv head), or per (batch, kv head, slice of its key
   // tiles) with its own dQ accumulator when there are fewer pairs than threads.
   const int pairs = e.batch * e.kv_heads, threads = exec.concurrency();
@@ -83,9 +104,11 @@ void launch_backward_amx(const ExecSpace& exec, const ForwardExtents& e,
   int slices = blk.key_slices > 0 ? blk.key_slices : busy ? 1 : threads / std::gcd(threads, pairs);
   slices = slices < k_tiles ? slices : k_tiles;
   slices = slices > 16 ? 16 : slices;
-  Kokkos::View<float*, Kokkos::LayoutRight, mem> dqt(
-      "blockattn::amx_dq_accumulator",
+  using acc_view = Kokkos::View<float*, Kokkos::LayoutRight, mem>;
+  const acc_view dqt = allocate_view<acc_view>(
+      buffers, "blockattn::amx_dq_accumulator",
       std::size_t(slices) * e.batch * e.heads * std::size_t(ops.da) * ops.nq);
+  Kokkos::deep_copy(exec, dqt, 0.0f);
   K f;
   f.queries = ops.queries.data();
   f.keys = ops.keys.data();
@@ -122,7 +145,7 @@ void launch_backward_amx(const ExecSpace& exec, const ForwardExtents& e,
   policy.set_scratch_size(f.scratch_level, Kokkos::PerTeam(bytes));
   Kokkos::parallel_for("blockattn::backward_amx", policy, f);
   finish_dq_transposed(exec, dqt.data(), dq, ops.nq, ops.da, scale, blk.accumulate_dq, slices);
-  exec.fence();  // the operands and the accumulator are freed here
+  exec.fence();  // the operands and the accumulator are freed (or returned) after this
 }
 #endif
 
@@ -146,11 +169,15 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
   if constexpr (backward_amx_capable<ExecSpace, T, Shape> && !has_score_mod_v<Mask>) {
     if (e.queries > 0 && e.keys > 0 &&
         backward_uses_matrix<ExecSpace, T, Shape, Mask>(blk, e.dim)) {
-      launch_backward_amx(exec, e, queries, keys, dq, dk, dv, mask, qpos, kpos, scale, blk);
+      launch_backward_amx(exec, e, queries, keys, dq, dk, dv, mask, qpos, kpos, scale, blk,
+                          buffers);
       return;
     }
   }
 #endif
+  if (blk.matrix_operands.queries.data() != nullptr)
+    throw std::logic_error(
+        "BlockAttn: matrix-engine operands given to a backward pair that does not run on it");
   auto setup = [&](auto& f) {
     f.qrows = queries.q;
     f.dorows = queries.dout;

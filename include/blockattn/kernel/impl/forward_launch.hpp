@@ -110,21 +110,22 @@ Kokkos::View<std::uint16_t*, Kokkos::HostSpace> pack_amx_kv(
 
 /// pack_amx_kv straight from bf16 k, v (batch, keys, kv_heads, dim; any
 /// layout) for key tiles of bk keys and head dim da (a multiple of 32, at
-/// least dim).
-template <class ExecSpace, class KView, class VView>
+/// least dim). `buffers`: a single call's cached buffer to carve the block
+/// from (nullptr: allocate it).
+template <class ExecSpace, class KView, class VView, class Buffers = NoCallBuffers>
 Kokkos::View<std::uint16_t*, Kokkos::HostSpace> pack_amx_kv_views(
     const ExecSpace& exec, const KView& k, const VView& v, int bk, int da,
-    Kokkos::View<unsigned char*, Kokkos::HostSpace>& bad) {
+    Kokkos::View<unsigned char*, Kokkos::HostSpace>& bad, Buffers* buffers = nullptr) {
   const int batch = static_cast<int>(k.extent(0)), keys = static_cast<int>(k.extent(1));
   const int heads = static_cast<int>(k.extent(2)), dim = static_cast<int>(k.extent(3));
   const int tiles = (keys + bk - 1) / bk;
   const std::size_t kp = std::size_t(tiles) * bk;
-  Kokkos::View<std::uint16_t*, Kokkos::HostSpace> out(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::amx_kv"),
-      std::size_t(batch) * heads * 2 * kp * da);
-  bad = Kokkos::View<unsigned char*, Kokkos::HostSpace>(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::amx_v_bad"),
-      std::size_t(batch) * heads * tiles);
+  using u16 = Kokkos::View<std::uint16_t*, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  using u8 = Kokkos::View<unsigned char*, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  // Every element is written below (the flags too).
+  const Kokkos::View<std::uint16_t*, Kokkos::HostSpace> out =
+      allocate_view<u16>(buffers, "blockattn::amx_kv", std::size_t(batch) * heads * 2 * kp * da);
+  bad = allocate_view<u8>(buffers, "blockattn::amx_v_bad", std::size_t(batch) * heads * tiles);
   std::uint16_t* const dst = out.data();
   unsigned char* const flags = bad.data();
   const std::ptrdiff_t ks = k.stride(3), vs = v.stride(3), k_key = k.stride(1);
