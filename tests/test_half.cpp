@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -146,12 +147,24 @@ TEST_CASE("fp32 -> bf16 / fp16 rounds to nearest, ties to even, overflow to inf"
 
 TEST_CASE("fp16 rows: the vector widening and narrowing are bitwise the scalar conversions") {
   // kernel/impl/half_rows.hpp: AVX-512F or F16C where this file is compiled
-  // for them, the scalar loop elsewhere (then this compares the loop with
-  // itself; the message says which ran). Rows of odd lengths take the
-  // scalar tail too.
-  MESSAGE("fp16 rows: ", impl::half_rows_width == 0
-                             ? std::string("scalar")
-                             : std::to_string(impl::half_rows_width) + "-bit vectors");
+  // for them or, in a run-time dispatch build, where the dispatched ISA has
+  // them; the scalar loop elsewhere (then this compares the loop with itself;
+  // the message says which ran). Rows of odd lengths take the scalar tail too.
+#if BLOCKATTN_HALF_ROWS < 0
+  const int width = impl::half_rows_dispatched();
+  // The isa_* / dispatch_* runs name the ISA they cap the dispatch at.
+  if (const char* isa = std::getenv("BLOCKATTN_EXPECT_DISPATCHED")) {
+    INFO("BLOCKATTN_EXPECT_DISPATCHED=", isa);
+    if (std::string(isa) == "avx512") CHECK(width == (BLOCKATTN_HOST_DISPATCH_AVX512 ? 512 : 0));
+    if (std::string(isa) == "avx2") CHECK(width == 256);  // every AVX2 CPU has F16C
+    if (std::string(isa) == "sse2") CHECK(width == 0);
+  }
+#else
+  const int width = impl::half_rows_width;
+#endif
+  MESSAGE(
+      "fp16 rows: ", width == 0 ? std::string("scalar") : std::to_string(width) + "-bit vectors",
+      std::string(impl::half_rows_width < 0 ? " (chosen at run time)" : ""));
   // Widening: every fp16 pattern (signalling NaNs included), scales 1 and 0.125.
   std::vector<fp16> h(65536 + 7);
   for (std::size_t i = 0; i < h.size(); ++i) h[i] = fp16::from_bits(std::uint16_t(i * 40503u));
