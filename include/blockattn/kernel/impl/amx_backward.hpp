@@ -116,6 +116,43 @@ void allocate_amx_backward(const BlockExtents& e, AmxBackwardOperands<MemorySpac
   ops.drow = allocate_view<typename Ops::f32>(buffers, "blockattn::amx_drow", bh * nq);
 }
 
+/// Writes 16 query rows (q16, d16: Q and dO as bf16 bits, rows da apart,
+/// 4-byte aligned, zero past the head dim) as rows i0 .. i0 + 15 of one
+/// (batch, head)'s operands: Q^T, dO^T (qb, dob: VNNI pairs over d) and Q, dO
+/// (qv, dov: VNNI pairs of rows, 16 columns at a time). bad_q, bad_do: the
+/// rows hold an inf or NaN.
+inline void amx_store_query_rows(const std::uint16_t* q16, const std::uint16_t* d16, int da, int nq,
+                                 int i0, std::uint16_t* qb, std::uint16_t* dob, std::uint16_t* qv,
+                                 std::uint16_t* dov, bool& bad_q, bool& bad_do) {
+  amx_gather_k16(q16, da, da / 2, qb + std::size_t(i0) * da);
+  amx_gather_k16(d16, da, da / 2, dob + std::size_t(i0) * da);
+  bad_q = bad_do = false;
+  for (int p = 0; p < 8; ++p)
+    for (int n = 0; n < da / 16; ++n) {
+      const std::size_t to = std::size_t(n) * 16 * nq + std::size_t(i0 / 2 + p) * 32;
+      const std::size_t r0 = std::size_t(2 * p) * da + 16 * n;
+      bad_q = amx_pair_bf16x16(q16 + r0, q16 + r0 + da, qv + to) || bad_q;
+      bad_do = amx_pair_bf16x16(d16 + r0, d16 + r0 + da, dov + to) || bad_do;
+    }
+}
+
+/// Writes 16 keys (k16, v16: K and V rows as bf16 bits, da apart, zero past
+/// the head dim) as keys n0 .. n0 + 15 of one (batch, kv head)'s operands: K
+/// and V rows (ka, va) and K^T (kt). True where the K rows hold an inf or NaN.
+inline bool amx_store_key_rows(const std::uint16_t* k16, const std::uint16_t* v16, int da, int nk,
+                               int n0, std::uint16_t* ka, std::uint16_t* va, std::uint16_t* kt) {
+  std::memcpy(ka + std::size_t(n0) * da, k16, sizeof(std::uint16_t) * 16 * da);
+  std::memcpy(va + std::size_t(n0) * da, v16, sizeof(std::uint16_t) * 16 * da);
+  bool bad = false;
+  for (int d = 0; d < da; ++d)
+    for (int i = 0; i < 16; ++i) {
+      const std::uint16_t x = k16[i * da + d];
+      bad = bad || (x & 0x7f80u) == 0x7f80u;
+      kt[std::size_t(d) * nk + n0 + i] = x;
+    }
+  return bad;
+}
+
 /// Fills `ops` from the fp32 packed query and key sides (values that are bf16
 /// values: exact). `buffers`: a single call's cached buffer to carve the
 /// operands from (nullptr: allocate them).
@@ -155,28 +192,24 @@ void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
         std::uint16_t* const dob = qb + qs;
         std::uint16_t* const qv = dob + qs;
         std::uint16_t* const dov = qv + qs;
-        bool bad_q = false, bad_do = false;
-        for (int i = 16 * g; i < 16 * g + 16; ++i) {
+        // The group's 16 rows as bf16 bits (exact: the packed values are bf16 values).
+        alignas(64) std::uint16_t ql[16 * amx_bwd_max_dim], dl[16 * amx_bwd_max_dim];
+        for (int r = 0; r < 16; ++r) {
+          const int i = 16 * g + r;
           const bool in = i < queries;
+          const int live = in ? (dp < da ? dp : da) : 0;
           const float* const qr = in ? &q(b, h, i, 0) : nullptr;
           const float* const dr = in ? &dout(b, h, i, 0) : nullptr;
-          for (int d = 0; d < da; ++d) {
-            const std::uint16_t xq = in && d < dp ? amx_bits(qr[d]) : 0;
-            const std::uint16_t xd = in && d < dp ? amx_bits(dr[d]) : 0;
-            bad_q = bad_q || (xq & 0x7f80u) == 0x7f80u;
-            bad_do = bad_do || (xd & 0x7f80u) == 0x7f80u;
-            const std::size_t ob =
-                std::size_t(i / 16) * 16 * da + (d / 2) * 32 + (i % 16) * 2 + d % 2;
-            const std::size_t ov =
-                std::size_t(d / 16) * 16 * nq + std::size_t(i / 2) * 32 + (d % 16) * 2 + i % 2;
-            qb[ob] = xq;
-            dob[ob] = xd;
-            qv[ov] = xq;
-            dov[ov] = xd;
+          for (int d = 0; d < live; ++d) {
+            ql[r * da + d] = amx_bits(qr[d]);
+            dl[r * da + d] = amx_bits(dr[d]);
           }
+          for (int d = live; d < da; ++d) ql[r * da + d] = dl[r * da + d] = 0;
           lse2p(pair * nq + i) = in ? lse2(b, h, i) : -infinity<float>();
           drowp(pair * nq + i) = in ? drow(b, h, i) : 0.0f;
         }
+        bool bad_q, bad_do;
+        amx_store_query_rows(ql, dl, da, nq, 16 * g, qb, dob, qv, dov, bad_q, bad_do);
         q_bad(pair * (nq / 16) + g) = bad_q;
         do_bad(pair * (nq / 16) + g) = bad_do;
       });
@@ -197,16 +230,11 @@ void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
         // 16 keys of K and V gathered here (K rows, V from its d-major
         // panels), then written as rows (K, V) and as 16-key runs of K^T.
         std::uint16_t kloc[16 * amx_bwd_max_dim], vloc[16 * amx_bwd_max_dim];
-        bool bad = false;
         for (int i = 0; i < 16; ++i) {
           const int n = 16 * g + i;
           const int live = n < nkeys ? (dp < da ? dp : da) : 0;
           const float* const krow = live > 0 ? &kr(b, hk, n, 0) : nullptr;
-          for (int d = 0; d < live; ++d) {
-            const std::uint16_t x = amx_bits(krow[d]);
-            bad = bad || (x & 0x7f80u) == 0x7f80u;
-            kloc[i * da + d] = x;
-          }
+          for (int d = 0; d < live; ++d) kloc[i * da + d] = amx_bits(krow[d]);
           for (int d = live; d < da; ++d) kloc[i * da + d] = 0;
         }
         const int n0 = 16 * g;
@@ -224,11 +252,7 @@ void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
         }
         for (int i = 0; i < 16; ++i)
           for (int d = vlive; d < da; ++d) vloc[i * da + d] = 0;
-        std::memcpy(ka + std::size_t(n0) * da, kloc, sizeof(std::uint16_t) * 16 * da);
-        std::memcpy(va + std::size_t(n0) * da, vloc, sizeof(std::uint16_t) * 16 * da);
-        for (int d = 0; d < da; ++d)
-          for (int i = 0; i < 16; ++i) kt[std::size_t(d) * nk + n0 + i] = kloc[i * da + d];
-        k_bad(pair * (nk / 16) + g) = bad;
+        k_bad(pair * (nk / 16) + g) = amx_store_key_rows(kloc, vloc, da, nk, n0, ka, va, kt);
       });
 }
 
@@ -407,18 +431,8 @@ void pack_amx_backward_views(const ExecSpace& exec, const BlockExtents& e, const
           const int i0 = 32 * g + 16 * s;  // the 16-row group's first row
           const std::uint16_t* const q16 = ql + std::size_t(16 * s) * da;
           const std::uint16_t* const d16 = dl + std::size_t(16 * s) * da;
-          // Q^T, dO^T: VNNI pairs over d of the group's 16 rows.
-          amx_gather_k16(q16, da, da / 2, qb + std::size_t(i0) * da);
-          amx_gather_k16(d16, da, da / 2, dob + std::size_t(i0) * da);
-          // Q, dO: VNNI pairs of rows, 16 columns at a time (and the flags).
-          bool bad_q = false, bad_do = false;
-          for (int p = 0; p < 8; ++p)
-            for (int n = 0; n < da / 16; ++n) {
-              const std::size_t to = std::size_t(n) * 16 * nq + std::size_t(i0 / 2 + p) * 32;
-              const std::size_t r0 = std::size_t(2 * p) * da + 16 * n;
-              bad_q = amx_pair_bf16x16(q16 + r0, q16 + r0 + da, qv + to) || bad_q;
-              bad_do = amx_pair_bf16x16(d16 + r0, d16 + r0 + da, dov + to) || bad_do;
-            }
+          bool bad_q, bad_do;
+          amx_store_query_rows(q16, d16, da, nq, i0, qb, dob, qv, dov, bad_q, bad_do);
           q_bad[pair * (nq / 16) + i0 / 16] = bad_q;
           do_bad[pair * (nq / 16) + i0 / 16] = bad_do;
         }
@@ -443,19 +457,14 @@ void pack_amx_backward_views(const ExecSpace& exec, const BlockExtents& e, const
         std::uint16_t* const va = ka + ks;
         std::uint16_t* const kt = va + ks;
         const int n0 = 16 * g;
-        bool bad = false;
+        std::uint16_t kl[16 * amx_bwd_max_dim], vl[16 * amx_bwd_max_dim];
         for (int i = 0; i < 16; ++i) {
           const int n = n0 + i;
           const int live = n < nkeys ? dim : 0;
-          std::uint16_t* const kr = ka + std::size_t(n) * da;
-          gather_row(kr, live > 0 ? &k(b, n, hk, 0) : nullptr, sk, live);
-          gather_row(va + std::size_t(n) * da, live > 0 ? &v(b, n, hk, 0) : nullptr, sv, live);
-          for (int d = 0; d < live; ++d) bad = bad || (kr[d] & 0x7f80u) == 0x7f80u;
+          gather_row(kl + i * da, live > 0 ? &k(b, n, hk, 0) : nullptr, sk, live);
+          gather_row(vl + i * da, live > 0 ? &v(b, n, hk, 0) : nullptr, sv, live);
         }
-        for (int d = 0; d < da; ++d)
-          for (int i = 0; i < 16; ++i)
-            kt[std::size_t(d) * nk + n0 + i] = ka[std::size_t(n0 + i) * da + d];
-        k_bad[pair * (nk / 16) + g] = bad;
+        k_bad[pair * (nk / 16) + g] = amx_store_key_rows(kl, vl, da, nk, n0, ka, va, kt);
       });
 }
 
