@@ -2,7 +2,9 @@
 // Decode benchmarks (serving): one query row per sequence against a long key
 // cache, split-KV on one device, as tokens/s and as GB/s of K/V read, next to
 // a plain read of the same bytes measured in the same run (decode is memory
-// bound: the read is its ceiling).
+// bound: the read is its ceiling). --prefill: chunked prefill on one device,
+// the decode kernel next to the forward's kernels and next to one
+// attention_forward call of the same rows and keys (its ceiling).
 #include <blockattn/blockattn.hpp>
 #include <blockattn/kernel/decode.hpp>
 
@@ -12,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -109,6 +112,64 @@ void decode_rows(int batch, int keys, int heads, int kv_heads, int dim, int reps
               bytes / t_read * 1e-9, t_read / t_dec);
 }
 
+/// One prefill chunk of `rows` rows after `cached` tokens of one sequence
+/// (prefill_attention over a one-rank cache, causal; the append included),
+/// with the decode kernel and with the forward's kernels, next to
+/// attention_forward of the same rows against the same keys in contiguous
+/// Views (q_offset = cached).
+template <class T>
+void prefill_rows(int cached, int rows, int heads, int kv_heads, int dim, int reps) {
+  using CT = blockattn::compute_t<T>;
+  using V4 = Kokkos::View<T****, Kokkos::LayoutRight, Mem>;
+  const int total = cached + rows;
+  V4 q("q", 1, rows, heads, dim), o("o", 1, rows, heads, dim);
+  V4 k("k", 1, total, kv_heads, dim), v("v", 1, total, kv_heads, dim);
+  Kokkos::View<CT***, Kokkos::LayoutRight, Mem> lse("lse", 1, heads, rows);
+  // Values of one scale, not constant (a constant row would make every tile alike).
+  Kokkos::parallel_for(
+      "bench::fill", Kokkos::RangePolicy<Exec>(0, int(k.size())), KOKKOS_LAMBDA(const int i) {
+        k.data()[i] = T(float((i * 37) % 101) * 0.01f - 0.5f);
+        v.data()[i] = T(float((i * 53) % 97) * 0.01f - 0.5f);
+        if (i < int(q.size())) q.data()[i] = T(float((i * 29) % 89) * 0.01f - 0.4f);
+      });
+  const auto before = Kokkos::make_pair(0, cached), chunk = Kokkos::make_pair(cached, total);
+  const auto k0 = Kokkos::subview(k, Kokkos::ALL, before, Kokkos::ALL, Kokkos::ALL);
+  const auto v0 = Kokkos::subview(v, Kokkos::ALL, before, Kokkos::ALL, Kokkos::ALL);
+  const auto k1 = Kokkos::subview(k, Kokkos::ALL, chunk, Kokkos::ALL, Kokkos::ALL);
+  const auto v1 = Kokkos::subview(v, Kokkos::ALL, chunk, Kokkos::ALL, Kokkos::ALL);
+  blockattn::SelfCommunicator comm;
+  blockattn::KVCache<T, Exec> cache(comm, 1, total, kv_heads, dim);
+  auto prefill = [&](int forward_rows) {
+    blockattn::ServeOptions opts;
+    opts.prefill_forward_rows = forward_rows;
+    double best = 1e30;
+    for (int r = 0; r <= reps; ++r) {  // the first: warm-up
+      cache.clear(0);
+      if (cached > 0) cache.append(Exec{}, 0, k0, v0);
+      Kokkos::fence();
+      const auto t0 = std::chrono::steady_clock::now();
+      blockattn::prefill_attention(comm, Exec{}, cache, 0, q, k1, v1, o, lse,
+                                   blockattn::CausalMask{}, opts);
+      Kokkos::fence();
+      if (r > 0) best = std::min(best, seconds_since(t0));
+    }
+    return best;
+  };
+  const double t_decode = prefill(std::numeric_limits<int>::max());
+  const double t_forward = prefill(0);
+  blockattn::ForwardOptions fo;
+  fo.q_offset = cached;
+  const double t_call = best_of(reps, [&] {
+    blockattn::attention_forward(Exec{}, q, k, v, o, lse, blockattn::CausalMask{}, fo);
+  });
+  // Allowed pairs: every row sees the cached tokens and the chunk up to itself.
+  const double flops = 4.0 * heads * dim * (double(rows) * cached + 0.5 * rows * (rows + 1.0));
+  std::printf("%-5s %7d %6d %3d %3d %4d %10.3f %10.3f %10.3f %8.1f %8.1f %7.2f %7.2f\n",
+              blockattn::value_type_name<T>(), cached, rows, heads, kv_heads, dim, t_decode * 1e3,
+              t_forward * 1e3, t_call * 1e3, flops / t_decode * 1e-9, flops / t_forward * 1e-9,
+              t_decode / t_forward, t_call / t_forward);
+}
+
 }  // namespace
 
 const char* const usage_text = R"(usage: blockattn_bench_decode [flags]
@@ -117,6 +178,11 @@ Decode (serving) benchmarks: one query row per sequence against a cache of
 tokens/s, GB/s of K/V read, and a plain read of the same bytes in the same run
 (read GB/s; ratio = decode's share of it).
   --keys N      cached keys per sequence [65536]
+  --prefill     chunked prefill instead: chunks of 1 .. 1024 rows after 4096
+                and 16384 cached tokens (H = 8, kv heads 2, D = 128; fp32 and
+                bf16), ms with the decode kernel, with the forward's kernels
+                (ServeOptions::prefill_forward_rows) and of one attention_forward
+                of the same rows and keys; GFLOP/s on allowed pairs
   --batch B     sequences [1]
   --reps R      best of R [5]
   --help, -h    this text
@@ -132,10 +198,13 @@ int main(int argc, char** argv) {
   Kokkos::initialize(argc, argv);
   const int rc = blockattn_cli::run_guarded("blockattn_bench_decode", true, [&] {
     int keys = 65536, batch = 1, reps = 5;
+    bool prefill = false;
     std::string error;
     for (int i = 1; i < argc && error.empty(); ++i) {
       const std::string f = argv[i];
-      if (f != "--keys" && f != "--batch" && f != "--reps")
+      if (f == "--prefill")
+        prefill = true;
+      else if (f != "--keys" && f != "--batch" && f != "--reps")
         error = "unknown argument " + f + " (blockattn_bench_decode --help lists the flags)";
       else if (i + 1 >= argc)
         error = f + " needs a value";
@@ -149,6 +218,23 @@ int main(int argc, char** argv) {
     if (!error.empty()) {
       std::fprintf(stderr, "blockattn_bench_decode: %s\n", error.c_str());
       return 2;
+    }
+    if (prefill) {
+      std::printf(
+          "Chunked prefill of one sequence on one device, causal, %d threads (%s); ms: the "
+          "chunk's prefill_attention (its append included) on the decode kernel, on the "
+          "forward's kernels, and one attention_forward of the same rows and keys; GFLOP/s on "
+          "allowed pairs; x: decode / forward, call / forward\n",
+          Exec{}.concurrency(), Exec::name());
+      std::printf("%-5s %7s %6s %3s %3s %4s %10s %10s %10s %8s %8s %7s %7s\n", "type", "cached",
+                  "rows", "H", "Hkv", "D", "ms decode", "ms fwd", "ms call", "GF dec", "GF fwd",
+                  "x dec", "x call");
+      for (int cached : {4096, 16384})
+        for (int rows : {1, 2, 4, 8, 16, 64, 256, 1024}) {
+          prefill_rows<float>(cached, rows, 8, 2, 128, reps);
+          prefill_rows<blockattn::bf16>(cached, rows, 8, 2, 128, reps);
+        }
+      return 0;
     }
     std::printf("Decode, one query row per sequence, causal, %d threads (%s)\n",
                 Exec{}.concurrency(), Exec::name());

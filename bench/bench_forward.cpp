@@ -330,6 +330,8 @@ size, a 4096^3 sgemm and (with --torch) PyTorch's CPU SDPA, in one run.
   --heads=H           query (= K/V) heads of every attention case, B = 1 [1]
   --layout=L          memory order of q, k, v, o: bnhd ([seq][heads][dim]) or
                       bhnd ([heads][seq][dim], PyTorch's contiguous (B, H, N, D)) [bnhd]
+  --buffer-cache-mb=M host memory the calls keep cached between calls, MiB
+                      (set_buffer_cache_limit) [the library's default]
   --torch=FILE        PyTorch's rates (bench/torch_sdpa.py, same threads, just before)
   --help, -h          this text
 Google Benchmark's flags (--benchmark_filter=REGEX, --benchmark_repetitions=N,
@@ -364,6 +366,17 @@ int main(int argc, char** argv) {
                        a.c_str() + 8);
           return 2;
         }
+      } else if (a.rfind("--buffer-cache-mb=", 0) == 0) {
+        const std::string m = a.substr(18);
+        char* end = nullptr;
+        const long mb = std::strtol(m.c_str(), &end, 10);
+        if (m.empty() || *end != '\0' || mb < 0 || mb > (1L << 20)) {
+          std::fprintf(stderr,
+                       "blockattn_bench_forward: --buffer-cache-mb: '%s' is not 0 to 1048576\n",
+                       m.c_str());
+          return 2;
+        }
+        blockattn::set_buffer_cache_limit(std::size_t(mb) << 20);
       } else if (a.rfind("--layout=", 0) == 0) {
         const std::string l = a.substr(9);
         if (l != "bnhd" && l != "bhnd") {

@@ -214,6 +214,14 @@ if [ -x "$cuda/bench/blockattn_bench_score" ]; then
 fi
 if [ -x "$cuda/bench/blockattn_bench_decode" ]; then
   step bench_decode 60 "$cuda/bench/blockattn_bench_decode" --reps 5
+  step prefill_cuda 60 "$cuda/bench/blockattn_bench_decode" --prefill --reps 3
+fi
+# Chunked prefill on 16 CPU cores: where the forward's kernels overtake the
+# decode kernel with many threads (ServeOptions::prefill_forward_rows).
+if [ -x "$host/bench/blockattn_bench_decode" ]; then
+  step prefill_host 90 env OMP_NUM_THREADS=16 OMP_PROC_BIND=spread \
+    "$host/bench/blockattn_bench_decode" --prefill --reps 3
+  grep -sE '^(type|fp32|bf16) ' "$logs/prefill_host.log" >>"$out/session.log"
 fi
 if [ -d .mpi ]; then
   for np in 1 3; do

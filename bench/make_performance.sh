@@ -82,12 +82,16 @@ library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
     "$py" "$repo/bench/summarize_runs.py" --dtype "$dt" "${logs[@]}" || true
   done
   echo
-  echo "## Serving (decode)"
+  echo "## Serving (decode, prefill)"
   echo
   echo "\`cmake/blockattn.sh bench-serve\`: one query row per sequence against a"
   echo "cache of 65536 keys, causal. First on one device (all cores): ms per step,"
   echo "GB/s of K/V read and the ratio to a plain read of the same bytes in the"
   echo "same run (heads-major: the KVCache's layout; seq: (batch, keys, heads, D))."
+  echo "Then chunked prefill of one sequence (\`prefill_attention\`, one rank): the"
+  echo "chunk on the split-KV decode kernel and on the forward's kernels"
+  echo "(\`ServeOptions::prefill_forward_rows\`), and one \`attention_forward\` of the"
+  echo "same rows and keys, in the same run."
   echo "Then one decode step over P ranks (round-robin cache): measured local"
   echo "split-KV, step with tree and ring merge; the planner's prediction from the"
   echo "read rate and message latency measured in the same run."

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Serving over ranks: KVCache (placements, append, capacity), decode_attention
-// and prefill_attention against the fp64 reference of the whole sequence:
+// and prefill_attention (on the decode kernel and on the forward's kernels)
+// against the fp64 reference of the whole sequence:
 // cache lengths not divisible by P and shorter than P (empty shards), both
 // placements, causal / window / document masks, fp32 and bf16, GQA, tree and
 // ring merges (agreeing within the fp32 bound; the ring's result the same
@@ -68,11 +69,11 @@ struct Worst {
 template <class T, class Mask>
 void compare_rows(const HostTensor& q, const HostTensor& k, const HostTensor& v, int s, int len,
                   int n, const Mask& mask, const V4<T>& o, const V3<T>& lse, int at, Worst& w,
-                  const std::vector<double>* sinks = nullptr) {
+                  const std::vector<double>* sinks = nullptr, double extra = 0.0) {
   const ReferenceResult ref =
       reference_attention(rows_of(q, s, 0, n), rows_of(k, s, 0, len), rows_of(v, s, 0, len), mask,
                           1.0 / std::sqrt(double(q.d)), len - n, 0, sinks);
-  const double tol = bound<T>(ref, q.d, std::max(len, 1));
+  const double tol = bound<T>(ref, q.d, std::max(len, 1)) + extra;
   w.bound = std::max(w.bound, tol);
   auto oh = to_host(o);
   auto lh = to_host(lse);
@@ -186,6 +187,73 @@ void check_decode(Comm& comm, const std::vector<int>& lengths, int rows, int H, 
   CHECK(same_bits_on_every_rank(comm, l_ring));
 }
 
+/// Sequence 1 of a two-sequence cache filled by chunked prefill (`chunks`,
+/// 301 tokens in all), each chunk's O and LSE against the fp64 reference;
+/// forward_rows picks the kernel (ServeOptions::prefill_forward_rows). bf16
+/// on the forward's kernels where the host matrix engine runs them: P rounded
+/// to bf16 before P V, 2 u max|V| more (docs/numerics.md).
+template <class T, class Placement, class Mask>
+void check_prefill(Comm& comm, const Placement& pl, const Mask& mask,
+                   const std::vector<int>& chunks, int forward_rows, int H, int Hkv, int D,
+                   MergeAlgorithm merge, std::uint64_t seed,
+                   const std::vector<double>* sinks = nullptr) {
+  const int P = comm.size();
+  int total = 0;
+  for (int c : chunks) total += c;
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(2, total, H, D, rng, 2.0);
+  HostTensor k = random_tensor(2, total, Hkv, D, rng, 2.0);
+  HostTensor v = random_tensor(2, total, Hkv, D, rng);
+  for (HostTensor* t : {&q, &k, &v})
+    for (double& x : t->data) x = double(T(float(x)));
+  KVCache<T, ExecSpace, Placement> cache(comm, 2, pl.local_capacity(total, P), Hkv, D, pl);
+  ServeOptions opts;
+  opts.prefill_forward_rows = forward_rows;
+  opts.merge = merge;
+  Kokkos::View<float*, MemSpace> sink_logits("sinks", sinks ? sinks->size() : 0);
+  if (sinks) {
+    auto h = Kokkos::create_mirror_view(sink_logits);
+    for (std::size_t i = 0; i < sinks->size(); ++i) h(i) = float((*sinks)[i]);
+    Kokkos::deep_copy(sink_logits, h);
+    opts.sinks = sink_logits;
+  }
+  bool engine = false;
+  double extra = 0.0;
+  if constexpr (std::is_same<T, bf16>::value) {
+    engine = forward_uses_matrix<float, bf16, ExecSpace>(D, opts.host_matrix);
+    double vmax = 0.0;
+    for (double x : v.data) vmax = std::max(vmax, std::abs(x));
+    if (engine) extra = 2.0 * bf16::unit_roundoff * vmax;
+  }
+  Worst w;
+  int t0 = 0;
+  for (int chunk : chunks) {
+    V4<T> o("o", 1, chunk, H, D);
+    V3<T> lse("lse", 1, H, chunk);
+    prefill_attention(comm, ExecSpace{}, cache, 1, device_rows<T>(q, 1, t0, chunk),
+                      device_rows<T>(k, 1, t0, chunk), device_rows<T>(v, 1, t0, chunk), o, lse,
+                      mask, opts);
+    t0 += chunk;
+    HostTensor qs(2, t0, H, D);
+    for (int i = 0; i < chunk; ++i)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) qs(1, i, h, d) = q(1, t0 - chunk + i, h, d);
+    compare_rows<T>(qs, k, v, 1, t0, chunk, mask, o, lse, 0, w, sinks, extra);
+    if (merge == MergeAlgorithm::ring) {
+      CHECK(same_bits_on_every_rank(comm, o));
+      CHECK(same_bits_on_every_rank(comm, lse));
+    }
+  }
+  CHECK(cache.length(0) == 0);
+  CHECK(cache.length(1) == total);
+  INFO("P=", P, " ", impl::type_name<Placement>(), " ", impl::type_name<Mask>(), " ",
+       value_type_name<T>(), " forward_rows=", forward_rows, " engine=", engine, ": O err/bound ",
+       w.o, " LSE ", w.lse);
+  CHECK(w.ok);
+  CHECK(w.o <= 1.0);
+  CHECK(w.lse <= 1.0);
+}
+
 }  // namespace
 
 TEST_SUITE("serve") {
@@ -223,46 +291,35 @@ TEST_SUITE("serve") {
                         with_score(causal_window(100), Alibi::geometric(4)), 72);
   }
 
-  TEST_CASE("chunked prefill against the cache, then decode, matches the fp64 reference") {
+  TEST_CASE("chunked prefill on the decode kernel and on the forward's kernels matches fp64") {
     Comm comm(MPI_COMM_WORLD);
-    const int P = comm.size(), H = 4, Hkv = 2, D = 32, total = 301;
-    for (int placement = 0; placement < 2; ++placement) {
-      std::mt19937_64 rng(77);
-      HostTensor q = random_tensor(2, total, H, D, rng, 2.0);
-      HostTensor k = random_tensor(2, total, Hkv, D, rng, 2.0);
-      HostTensor v = random_tensor(2, total, Hkv, D, rng);
-      for (HostTensor* t : {&q, &k, &v})
-        for (double& x : t->data) x = double(float(x));
-      auto run = [&](auto pl) {
-        using Pl = decltype(pl);
-        KVCache<float, ExecSpace, Pl> cache(comm, 2, pl.local_capacity(total, P), Hkv, D, pl);
-        Worst w;
-        int t0 = 0;
-        for (int chunk : {64, 1, 100, 136}) {  // prefill chunks of sequence 1
-          V4<float> o("o", 1, chunk, H, D);
-          V3<float> lse("lse", 1, H, chunk);
-          prefill_attention(comm, ExecSpace{}, cache, 1, device_rows<float>(q, 1, t0, chunk),
-                            device_rows<float>(k, 1, t0, chunk),
-                            device_rows<float>(v, 1, t0, chunk), o, lse, CausalMask{});
-          t0 += chunk;
-          HostTensor qs(2, t0, H, D);
-          for (int i = 0; i < chunk; ++i)
-            for (int h = 0; h < H; ++h)
-              for (int d = 0; d < D; ++d) qs(1, i, h, d) = q(1, t0 - chunk + i, h, d);
-          compare_rows<float>(qs, k, v, 1, t0, chunk, CausalMask{}, o, lse, 0, w);
-        }
-        CHECK(cache.length(0) == 0);
-        CHECK(cache.length(1) == total);
-        INFO("P=", P, " ", impl::type_name<Pl>(), ": O err/bound ", w.o, " LSE ", w.lse);
-        CHECK(w.ok);
-        CHECK(w.o <= 1.0);
-        CHECK(w.lse <= 1.0);
-      };
-      if (placement == 0)
-        run(RoundRobinPlacement{1});
-      else
-        run(ContiguousPlacement{(total + P - 1) / P});
+    const int P = comm.size(), big = std::numeric_limits<int>::max();
+    const std::vector<int> chunks = {64, 1, 100, 136};
+    // The default (chunks of >= 8 rows on the forward's kernels), every chunk
+    // on the decode kernel, every chunk (one row too) on the forward's.
+    for (int forward_rows : {8, big, 1}) {
+      check_prefill<float>(comm, RoundRobinPlacement{1}, CausalMask{}, chunks, forward_rows, 4, 2,
+                           32, MergeAlgorithm::tree, 77);
+      check_prefill<float>(comm, ContiguousPlacement{(301 + P - 1) / P}, CausalMask{}, chunks,
+                           forward_rows, 4, 2, 32, MergeAlgorithm::ring, 78);
     }
+    // Keys in blocks of 3 per rank: positions from a table where P > 1; a
+    // window; chunks shorter and longer than the shards.
+    const std::vector<int> odd = {40, 9, 120, 3, 129};
+    check_prefill<float>(comm, RoundRobinPlacement{3}, causal_window(50), odd, 8, 4, 4, 64,
+                         MergeAlgorithm::ring, 79);
+    check_prefill<float>(comm, RoundRobinPlacement{3}, causal_window(50), odd, big, 4, 4, 64,
+                         MergeAlgorithm::tree, 79);
+    // Documents crossing chunks, sinks, ranks whose shard is empty at first.
+    const Documents<MemSpace> docs(std::vector<index_type>{0, 30, 170, 250});
+    const std::vector<double> sinks{0.5, -1.0, 2.0, -0.5};
+    for (int forward_rows : {1, big})
+      check_prefill<float>(comm, ContiguousPlacement{(301 + P - 1) / P}, docs.mask(true), odd,
+                           forward_rows, 4, 2, 48, MergeAlgorithm::tree, 80, &sinks);
+    // bf16 on both kernels (the forward's on the host matrix engine where it runs).
+    for (int forward_rows : {8, big})
+      check_prefill<bf16>(comm, RoundRobinPlacement{1}, CausalMask{}, chunks, forward_rows, 8, 2,
+                          64, MergeAlgorithm::tree, 81);
   }
 
   TEST_CASE("KVCache: a full shard and a configuration that differs throw on every rank") {

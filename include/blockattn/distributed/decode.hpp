@@ -16,6 +16,7 @@
 #include <blockattn/distributed/impl/consensus.hpp>
 #include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/distributed/kv_cache.hpp>
+#include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/decode.hpp>
 #include <blockattn/policy/mask.hpp>
 
@@ -47,6 +48,17 @@ struct ServeOptions {
   /// the execution space's memory, the same on every rank; folded in once,
   /// after the merge over the ranks. Empty: none.
   SinkLogits sinks;
+  /// prefill_attention: a chunk of at least this many rows runs on
+  /// attention_forward's kernels (the shard's keys packed once for the whole
+  /// chunk, query tiles of up to 96 rows, bf16 on the host's matrix engine)
+  /// where, on a host space, its query tiles keep at least half of the
+  /// threads busy; otherwise on the split-KV decode kernel (query rows in
+  /// tiles of up to 16, the keys read again for each tile), as decode_attention
+  /// always does. A value above any chunk's rows keeps the decode kernel.
+  int prefill_forward_rows = 8;
+  /// A bf16 prefill chunk on the forward's kernels: AMX / AVX512-BF16 tile
+  /// products where automatic takes them (ForwardOptions::host_matrix).
+  HostMatrix host_matrix = HostMatrix::automatic;
 };
 
 namespace impl {
@@ -185,6 +197,82 @@ void merge_over_ranks(
       });
 }
 
+/// Whether the cache shard's key positions map(0 .. L) are map(0) + j * stride:
+/// then the kernels run them as AffinePositions, else from a table.
+template <class Map>
+bool affine_positions(const Map& map, index_type L, index_type& first, index_type& stride) {
+  first = L > 0 ? map(0) : 0;
+  stride = L > 1 ? map(1) - first : 1;
+  for (index_type j = 2; j < L; ++j)
+    if (map(j) != first + j * stride) return false;
+  return stride >= 1;
+}
+
+/// Whether a prefill chunk of N rows (H heads, head dim D) runs on the
+/// forward's kernels: N >= opts.prefill_forward_rows and, on host spaces,
+/// query tiles (split down to the kernel's row granule) for at least half
+/// of the threads (the split-KV decode kernel keeps every thread busy
+/// whatever N is; the forward's kernels ran >= 2x its rate per thread from
+/// 16 rows up on a Zen 4).
+template <class T, class ExecSpace>
+bool prefill_on_forward_pays(const ExecSpace& exec, const ServeOptions& opts, int N, int H, int D) {
+  if (N < opts.prefill_forward_rows) return false;
+  if constexpr (is_host_space_v<ExecSpace>) {
+    using CT = compute_t<T>;
+    const int granule = forward_uses_matrix<CT, T, ExecSpace>(D, opts.host_matrix)
+                            ? matrix_query_rows
+                            : forward_layout<CT, ExecSpace>(D).micro_rows;
+    const long tiles = long(H) * ((N + granule - 1) / granule);
+    return 2 * tiles >= long(exec.concurrency());
+  } else {
+    return true;
+  }
+}
+
+/// One prefill chunk on attention_forward's kernels: the chunk's rows q (1,
+/// N, H, D) at positions [length - N, length) of sequence `s` against this
+/// rank's L cached keys of it at cache.positions()(j), into o, lse (the
+/// partial result of this rank's shard, or the result when the shard is the
+/// whole sequence). Fences `exec` (the position table is the call's).
+template <class ExecSpace, class T, class Placement, class QV, class OV, class LV, class Mask>
+void prefill_on_forward(const ExecSpace& exec, const char* fn,
+                        const KVCache<T, ExecSpace, Placement>& cache, int s, const QV& q,
+                        const OV& o, const LV& lse, const Mask& mask, const ServeOptions& opts,
+                        const SinkLogits& sinks) {
+  using CT = compute_t<T>;
+  using mem = typename ExecSpace::memory_space;
+  const index_type L = cache.local_length(s), N = index_type(q.extent(1));
+  const index_type q0 = cache.length(s) - N;
+  const auto range = Kokkos::make_pair(s, s + 1);
+  const auto slots = Kokkos::make_pair(index_type(0), L);
+  const auto k = Kokkos::subview(cache.keys(), range, slots, Kokkos::ALL, Kokkos::ALL);
+  const auto v = Kokkos::subview(cache.values(), range, slots, Kokkos::ALL, Kokkos::ALL);
+  ForwardOptions fo;
+  fo.scale = opts.scale;
+  fo.host_matrix = opts.host_matrix;
+  fo.sinks = sinks;
+  const BlockExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
+  check_score_and_sinks(fn, mask, fo, e.heads, false);
+  const CT scale = softmax_scale<CT>(opts.scale, e.dim);
+  const auto map = cache.positions();
+  index_type first = 0, stride = 1;
+  if (affine_positions(map, L, first, stride)) {
+    const AffinePositions qpos{index_type(1) << 62, q0, 0, 1},
+        kpos{index_type(1) << 62, first, 0, stride};
+    forward_on_positions(exec, e, q, k, v, o, lse, mask, qpos, kpos, scale, fo);
+    return;
+  }
+  // Positions from a table: the chunk's N rows, then the shard's L keys.
+  Kokkos::View<index_type*, mem> table("blockattn::prefill_positions", std::size_t(N + L));
+  auto host = Kokkos::create_mirror_view(table);
+  for (index_type i = 0; i < N; ++i) host(i) = q0 + i;
+  for (index_type j = 0; j < L; ++j) host(N + j) = map(j);
+  Kokkos::deep_copy(exec, table, host);
+  const TablePositions qpos{host.data(), table.data()}, kpos{host.data() + N, table.data() + N};
+  forward_on_positions(exec, e, q, k, v, o, lse, mask, qpos, kpos, scale, fo);
+  exec.fence();  // the kernels have read the table
+}
+
 /// The common part of decode_attention and prefill_attention: sequences
 /// [s0, s1) of the cache, their last q.extent(1) tokens as queries.
 template <class C, class ExecSpace, class T, class Placement, class QV, class OV, class LV,
@@ -193,7 +281,7 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
                   const KVCache<T, ExecSpace, Placement>& cache, int s0, int s1, const QV& q,
                   const OV& o, const LV& lse, const Mask& mask, const ServeOptions& opts,
                   std::string error, index_type appending = 0,
-                  const std::function<void()>& after_consensus = {}) {
+                  const std::function<void()>& after_consensus = {}, bool prefill = false) {
   using CT = compute_t<T>;
   using mem = typename ExecSpace::memory_space;
   const int B = s1 - s0;
@@ -261,6 +349,10 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
     }
     f.number("sequence lengths (hash)", std::int64_t(h));
     f.number("tokens appended", appending);
+    if (prefill) {
+      f.number("prefill forward rows", opts.prefill_forward_rows);
+      f.number("host matrix", int(opts.host_matrix));
+    }
     f.text("sinks", sink_text<ExecSpace>(opts.sinks));
     add_mask(f, mask);
     reach_consensus(comm, fn, error, f);
@@ -275,6 +367,21 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
   for (int s = s0; s < s1; ++s) {
     qh(s - s0) = cache.length(s) - N;
     max_local = std::max(max_local, cache.local_length(s));
+  }
+  // A prefill chunk of many rows: the forward's kernels over this rank's shard.
+  if (prefill && B == 1 && prefill_on_forward_pays<T>(exec, opts, N, H, D)) {
+    if (comm.size() == 1 && std::is_same<typename OV::non_const_value_type, T>::value) {
+      prefill_on_forward(exec, fn, cache, s0, q, o, lse, mask, opts, opts.sinks);
+      return;
+    }
+    Kokkos::View<CT****, Kokkos::LayoutRight, mem> o_part(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::o_part"), B, N, H, D);
+    Kokkos::View<CT***, Kokkos::LayoutRight, mem> lse_part(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::lse_part"), B, H, N);
+    prefill_on_forward(exec, fn, cache, s0, q, o_part, lse_part, mask, opts, SinkLogits{});
+    merge_over_ranks(comm, exec, opts.merge, o_part, lse_part, o, lse);
+    apply_sinks(exec, opts.sinks, o, lse);
+    return;
   }
   Kokkos::deep_copy(qpos, qh);
   const auto range = Kokkos::make_pair(s0, s1);
@@ -361,8 +468,9 @@ void prefill_attention(C& comm, const ExecSpace& exec, KVCache<T, ExecSpace, Pla
   // attend the cache.
   const int s0 = error.empty() ? seq : 0;
   const index_type n = error.empty() ? index_type(k.extent(1)) : 0;
-  impl::attend_cache(comm, exec, fn, cache, s0, s0 + 1, q, o, lse, mask, opts, error, n,
-                     [&] { cache.append(exec, seq, k, v); });
+  impl::attend_cache(
+      comm, exec, fn, cache, s0, s0 + 1, q, o, lse, mask, opts, error, n,
+      [&] { cache.append(exec, seq, k, v); }, /*prefill=*/true);
 }
 
 }  // namespace blockattn

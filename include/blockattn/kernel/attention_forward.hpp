@@ -30,6 +30,82 @@ void check_score_and_sinks(const char* fn, const Mask& mask, const ForwardOption
     fail(fn, "argument 'mask': ", why);
   check_sinks(fn, opts.sinks, opts.sink_grad, heads, backward);
 }
+
+/// attention_forward after its checks and the vendor's fused attention: the
+/// queries at global positions qpos(i) against the keys at kpos(j) (any
+/// position map; qpos(0), kpos(0) and the last rows' are read on the host
+/// for host spaces), on BlockAttn's tensor-core kernels where they take the
+/// call, the block product otherwise; the sinks folded in. Also the chunked
+/// prefill's path (distributed/decode.hpp), whose keys are a cache shard.
+template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class Mask, class Pos,
+          class T>
+void forward_on_positions(const ExecSpace& exec, const BlockExtents& e, const QV& q, const KV& k,
+                          const VV& v, const OV& o, const LV& lse, const Mask& mask,
+                          const Pos& qpos, const Pos& kpos, T scale, const ForwardOptions& opts) {
+  // BlockAttn's tensor-core forward (CUDA, 16-bit) where it takes the call.
+  if (opts.tensor_cores && !opts.portable_only &&
+      flash_forward(exec, e, q, k, v, o, lse, mask, qpos, kpos, float(scale))) {
+    if (opts.paths) {
+      ++opts.paths->portable;
+      ++opts.paths->matrix;
+    }
+    apply_sinks(exec, opts.sinks, o, lse);
+    return;
+  }
+  // fp32 on CUDA tensor cores (TF32 products) where asked for and it takes the call.
+  if (!opts.portable_only && flash_forward_f32(exec, e, q, k, v, o, lse, mask, qpos, kpos,
+                                               float(scale), opts.fp32_tensor_cores)) {
+    if (opts.paths) {
+      ++opts.paths->portable;
+      ++opts.paths->matrix;
+    }
+    apply_sinks(exec, opts.sinks, o, lse);
+    return;
+  }
+  const bool matrix =
+      forward_uses_matrix<T, typename QV::non_const_value_type, ExecSpace>(e.dim, opts.host_matrix);
+  if (opts.paths) {
+    ++opts.paths->portable;
+    if (matrix) ++opts.paths->matrix;
+  }
+  const BlockLayout layout = forward_layout<T, ExecSpace>(e.dim);
+  CallBuffers<ExecSpace> buffers(exec);
+  // The matrix engine's block straight from k and v (its kernel reads no
+  // other); the fp32 block otherwise.
+  bool packed = false;
+#if BLOCKATTN_HOST_AMX
+  packed = is_host_space_v<ExecSpace> &&
+           std::is_same<typename KV::non_const_value_type, bf16>::value && matrix && e.keys > 0;
+#endif
+  // Where the engine's block is packed, the fp32 block only carries the
+  // extents: allocated apart (its pages are never touched), so that the
+  // cached buffer holds what the call reads.
+  const auto kv = allocate_forward_block<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys,
+                                                       packed ? nullptr : &buffers);
+  ForwardBlockState<T, typename ExecSpace::memory_space> state;
+  state.host_matrix = opts.host_matrix;
+#if BLOCKATTN_HOST_AMX
+  if constexpr (is_host_space_v<ExecSpace> &&
+                std::is_same<typename KV::non_const_value_type, bf16>::value) {
+    if (packed)
+      state.matrix_kv =
+          pack_amx_kv_views(exec, k, v, layout.block_k, (layout.dim_padded + 31) / 32 * 32,
+                            state.matrix_v_bad, &buffers);
+  }
+#endif
+  if (!packed) pack_forward_block(exec, k, v, kv);
+  if constexpr (is_host_space_v<ExecSpace>) {
+    // Rows are work where every query meets every key of the block.
+    const bool rows_are_work =
+        e.keys > 0 && mask.classify(qpos(0), qpos(e.queries - 1) + 1, kpos(0),
+                                    kpos(e.keys - 1) + 1) == TileKind::full;
+    state.query_tiles =
+        balanced_query_tiles(e, layout.block_q, layout.micro_rows, exec.concurrency(),
+                             rows_are_work, matrix && e.keys > 0);
+  }
+  forward_block(exec, e, q, kv, o, lse, mask, qpos, kpos, scale, state);
+  apply_sinks(exec, opts.sinks, o, lse);
+}
 }  // namespace impl
 
 /// O = softmax(scale * Q K^T, masked) V and LSE, on one device.
@@ -77,68 +153,7 @@ void attention_forward(const ExecSpace& exec, const QV& q, const KV& k, const VV
       impl::apply_sinks(exec, opts.sinks, o, lse);
       return;
     }
-    // BlockAttn's tensor-core forward (CUDA, 16-bit) where it takes the call.
-    if (opts.tensor_cores && !opts.portable_only &&
-        impl::flash_forward(exec, e, q, k, v, o, lse, mask, qpos, kpos, float(scale))) {
-      if (opts.paths) {
-        ++opts.paths->portable;
-        ++opts.paths->matrix;
-      }
-      impl::apply_sinks(exec, opts.sinks, o, lse);
-      return;
-    }
-    // fp32 on CUDA tensor cores (TF32 products) where asked for and it takes the call.
-    if (!opts.portable_only && impl::flash_forward_f32(exec, e, q, k, v, o, lse, mask, qpos, kpos,
-                                                       float(scale), opts.fp32_tensor_cores)) {
-      if (opts.paths) {
-        ++opts.paths->portable;
-        ++opts.paths->matrix;
-      }
-      impl::apply_sinks(exec, opts.sinks, o, lse);
-      return;
-    }
-    const bool matrix = forward_uses_matrix<T, typename QV::non_const_value_type, ExecSpace>(
-        e.dim, opts.host_matrix);
-    if (opts.paths) {
-      ++opts.paths->portable;
-      if (matrix) ++opts.paths->matrix;
-    }
-    const BlockLayout layout = forward_layout<T, ExecSpace>(e.dim);
-    impl::CallBuffers<ExecSpace> buffers(exec);
-    // The matrix engine's block straight from k and v (its kernel reads no
-    // other); the fp32 block otherwise.
-    bool packed = false;
-#if BLOCKATTN_HOST_AMX
-    packed = impl::is_host_space_v<ExecSpace> &&
-             std::is_same<typename KV::non_const_value_type, bf16>::value && matrix && e.keys > 0;
-#endif
-    // Where the engine's block is packed, the fp32 block only carries the
-    // extents: allocated apart (its pages are never touched), so that the
-    // cached buffer holds what the call reads.
-    const auto kv = allocate_forward_block<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys,
-                                                         packed ? nullptr : &buffers);
-    ForwardBlockState<T, typename ExecSpace::memory_space> state;
-    state.host_matrix = opts.host_matrix;
-#if BLOCKATTN_HOST_AMX
-    if constexpr (impl::is_host_space_v<ExecSpace> &&
-                  std::is_same<typename KV::non_const_value_type, bf16>::value) {
-      if (packed)
-        state.matrix_kv =
-            impl::pack_amx_kv_views(exec, k, v, layout.block_k, (layout.dim_padded + 31) / 32 * 32,
-                                    state.matrix_v_bad, &buffers);
-    }
-#endif
-    if (!packed) pack_forward_block(exec, k, v, kv);
-    if constexpr (impl::is_host_space_v<ExecSpace>) {
-      // Rows are work where every query meets every key of the block.
-      const bool rows_are_work = mask.classify(qpos(0), qpos(e.queries - 1) + 1, kpos(0),
-                                               kpos(e.keys - 1) + 1) == TileKind::full;
-      state.query_tiles =
-          impl::balanced_query_tiles(e, layout.block_q, layout.micro_rows, exec.concurrency(),
-                                     rows_are_work, matrix && e.keys > 0);
-    }
-    forward_block(exec, e, q, kv, o, lse, mask, qpos, kpos, scale, state);
-    impl::apply_sinks(exec, opts.sinks, o, lse);
+    impl::forward_on_positions(exec, e, q, k, v, o, lse, mask, qpos, kpos, scale, opts);
   }
 }
 
