@@ -248,6 +248,58 @@ TEST_SUITE("decode") {
       }
   }
 
+  TEST_CASE_TEMPLATE(
+      "attention_decode: NaN rules hold for every row of a GQA group with several query rows", T,
+      float, bf16) {
+    // 4 query heads on 1 kv head, 3 rows at positions 300 .. 302: 12 rows per
+    // team. A NaN at slot 301 is masked for the rows at 300 only: rows of one
+    // tile that see it and rows that do not.
+    const int n = 600, D = 80, H = 4, rows = 3;
+    V4<T> q("q", 1, rows, H, D), k("k", 1, n, 1, D), v("v", 1, n, 1, D), o("o", 1, rows, H, D);
+    V3<T> lse("lse", 1, H, rows);
+    Kokkos::deep_copy(q, T(0.5f));
+    Kokkos::View<int*, MemSpace> len("len", 1);
+    Kokkos::View<index_type*, MemSpace> qpos("qpos", 1);
+    Kokkos::deep_copy(len, n);
+    Kokkos::deep_copy(qpos, index_type(300));
+    // Column 10 in the host's 64-column blocks of the value products, 70 in their tail.
+    for (int slot : {100, 301, 599})
+      for (int col : {10, 70})
+        for (bool in_v : {false, true}) {
+          Kokkos::deep_copy(k, T(0.25f));
+          Kokkos::deep_copy(v, T(1.0f));
+          Kokkos::deep_copy(Kokkos::subview(in_v ? v : k, 0, slot, 0, col),
+                            T(std::numeric_limits<float>::quiet_NaN()));
+          for (int splits : {1, 3}) {
+            DecodeOptions opts;
+            opts.splits = splits;
+            attention_decode(ExecSpace{}, q, k, v, len, qpos, o, lse, CausalMask{},
+                             OffsetPositions{}, opts);
+            auto oh = to_host(o);
+            auto lh = to_host(lse);
+            for (int i = 0; i < rows; ++i)
+              for (int h = 0; h < H; ++h) {
+                INFO("NaN at slot ", slot, " column ", col, in_v ? " of v" : " of k", ", row ", i,
+                     " head ", h, ", splits ", splits);
+                const bool visible = slot <= 300 + i;
+                if (visible && in_v) {  // its column only
+                  CHECK(std::isnan(double(oh(0, i, h, col))));
+                  CHECK(double(oh(0, i, h, col - 1)) == doctest::Approx(1.0));
+                  CHECK(double(oh(0, i, h, col + 1)) == doctest::Approx(1.0));
+                  CHECK(std::isfinite(double(lh(0, h, i))));
+                } else if (visible) {  // the row
+                  CHECK(std::isnan(double(oh(0, i, h, 0))));
+                  CHECK(std::isnan(double(lh(0, h, i))));
+                } else {  // masked: nothing
+                  CHECK(double(oh(0, i, h, 0)) == doctest::Approx(1.0));
+                  CHECK(double(oh(0, i, h, col)) == doctest::Approx(1.0));
+                  CHECK(std::isfinite(double(lh(0, h, i))));
+                }
+              }
+          }
+        }
+  }
+
   TEST_CASE("attention_decode: argument errors name the argument") {
     V4<float> q("q", 2, 1, 2, 8), k("k", 2, 10, 2, 8), v("v", 2, 10, 2, 8), o("o", 2, 1, 2, 8);
     V3<float> lse("lse", 2, 2, 1);
