@@ -201,6 +201,12 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     kern.kpos = kpos;
     kern.scale_log2 = scale * impl::log2e<T>;
     kern.unit = (k.extent(3) <= 1 || (k.stride(3) == 1 && v.stride(3) == 1));
+    if constexpr (impl::is_host_space_v<ExecSpace>) {
+      const bool stream = kern.unit && std::size_t(k.stride(1)) == std::size_t(e.dim) &&
+                          std::size_t(v.stride(1)) == std::size_t(e.dim);
+      kern.prefetch = impl::decode_prefetch_level(
+          stream, 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S));
+    }
     if (g.splits > 1) {
       const std::int64_t n = g.splits * g.state_rows();
       kern.part_o = Kokkos::View<T*, mem>(

@@ -166,6 +166,7 @@ struct DecodeKernel {
   T scale_log2;  // scale * log2(e)
   DecodeGrid g;
   bool unit = true;  // k, v, q rows contiguous in head_dim
+  int prefetch = 1;  // host: the next tile's rows (decode_prefetch_level)
 
   static std::size_t scratch_bytes(const DecodeGrid& g) {
     const std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 3);
@@ -255,12 +256,20 @@ struct DecodeKernel {
         if (unit) {
           // The next tile's keys and values (prefetch.hpp): decode streams K
           // and V once, and the prefetch keeps the loads ahead of this tile's
-          // arithmetic.
-          if (j0 + KT < k_end) {
+          // arithmetic (at the level decode_prefetch_level picked).
+          if (prefetch != 0 && j0 + KT < k_end) {
             const int nn = int(k_end - (j0 + KT) < KT ? k_end - (j0 + KT) : KT);
+            const std::size_t bytes = std::size_t(D) * sizeof(S);
             for (int j = 0; j < nn; ++j) {
-              prefetch_span(&k(b, int(j0 + KT + j), kvh, 0), std::size_t(D) * sizeof(S));
-              prefetch_span(&v(b, int(j0 + KT + j), kvh, 0), std::size_t(D) * sizeof(S));
+              const S* kr = &k(b, int(j0 + KT + j), kvh, 0);
+              const S* vr = &v(b, int(j0 + KT + j), kvh, 0);
+              if (prefetch == 1) {
+                prefetch_span(kr, bytes);
+                prefetch_span(vr, bytes);
+              } else {
+                prefetch_span_l2(kr, bytes);
+                prefetch_span_l2(vr, bytes);
+              }
             }
           }
           const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };

@@ -18,6 +18,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
+#include <cpuid.h>
+#define BLOCKATTN_PREFETCH_CPUID 1
+#else
+#define BLOCKATTN_PREFETCH_CPUID 0
+#endif
 
 namespace blockattn {
 namespace impl {
@@ -70,6 +79,66 @@ KOKKOS_FORCEINLINE_FUNCTION void prefetch_span(const void* p, std::size_t bytes,
   (void)bytes;
   (void)write;
 #endif
+}
+
+/// prefetch_span for the second-level cache only (prefetcht1): the lines
+/// come closer without displacing what the first level holds.
+KOKKOS_FORCEINLINE_FUNCTION void prefetch_span_l2(const void* p, std::size_t bytes) {
+#if !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__) && \
+    !defined(__SYCL_DEVICE_ONLY__) && (defined(__GNUC__) || defined(__clang__))
+  constexpr std::uintptr_t line = 64;
+  const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t end = a + bytes;
+  for (std::uintptr_t c = a & ~(line - 1); c < end; c += line) {  // asm: see prefetch_span
+    const char* const at = reinterpret_cast<const char*>(c);
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("prefetcht1 %0" : : "m"(*at));
+#elif defined(__aarch64__)
+    asm volatile("prfm pldl2keep, [%0]" : : "r"(at));
+#else
+    __builtin_prefetch(at, 0, 2);
+#endif
+  }
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+/// Whether the host CPU is AMD's (CPUID leaf 0), read once.
+inline bool host_cpu_is_amd() {
+#if BLOCKATTN_PREFETCH_CPUID
+  static const bool amd = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    return std::strcmp(vendor, "AuthenticAMD") == 0;
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
+
+/// How the host decode kernel asks for its next key tile: 0 not at all,
+/// 1 into the first-level cache (prefetch_span), 2 into the second
+/// (prefetch_span_l2). `stream`: the rows of one kv head are adjacent in
+/// memory (a sequential stream the hardware prefetchers follow);
+/// `tile_bytes`: the keys and values of one tile. Measured (bench_decode,
+/// 2 threads, 65536 keys, best of 5, alternating binaries): on a Zen 4, with
+/// no software prefetch streams of tiles up to 16 KB ran up to 1.8x faster
+/// than with the first-level one, which displaced the tile being computed
+/// (bf16, 16 heads, D = 64: 13.3 -> 7.7 ms), 32 KB tiles (fp32, D = 128) ran
+/// best with the second-level one, and so did strided rows (batch, keys,
+/// heads, dim): 1.2-1.8x the first-level one's rate; on an AMX Xeon the
+/// first-level one had taken a stream from 0.89 to 1.07x (fp32) and 0.64 to
+/// 0.83x (bf16) the rate of a plain read of the same bytes.
+inline int decode_prefetch_level(bool stream, std::size_t tile_bytes) {
+  if (!host_cpu_is_amd()) return 1;
+  return stream && tile_bytes <= (std::size_t(16) << 10) ? 0 : 2;
 }
 
 }  // namespace impl
