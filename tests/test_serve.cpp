@@ -108,6 +108,17 @@ bool same_bits_on_every_rank(Comm& comm, const View& x) {
   return comm.allreduce(v, ReduceOp::min) == comm.allreduce(v, ReduceOp::max);
 }
 
+/// The sink logits (fp32, in the space's memory) of `sinks`; empty for none.
+Kokkos::View<float*, MemSpace> sink_view(const std::vector<double>* sinks) {
+  Kokkos::View<float*, MemSpace> view("sinks", sinks ? sinks->size() : 0);
+  if (sinks) {
+    auto h = Kokkos::create_mirror_view(view);
+    for (std::size_t i = 0; i < sinks->size(); ++i) h(i) = float((*sinks)[i]);
+    Kokkos::deep_copy(view, h);
+  }
+  return view;
+}
+
 /// Decode over the cache with `lengths` tokens per sequence (appended token
 /// by token in chunks), queries = the last `rows` tokens, under `mask`,
 /// with both merges; checks against fp64, and tree vs ring.
@@ -150,13 +161,8 @@ void check_decode(Comm& comm, const std::vector<int>& lengths, int rows, int H, 
   V4<T> o_tree("o", B, rows, H, D), o_ring("o", B, rows, H, D);
   V3<T> l_tree("lse", B, H, rows), l_ring("lse", B, H, rows);
   ServeOptions opts;
-  Kokkos::View<float*, MemSpace> sink_logits("sinks", sinks ? sinks->size() : 0);
-  if (sinks) {
-    auto h = Kokkos::create_mirror_view(sink_logits);
-    for (std::size_t i = 0; i < sinks->size(); ++i) h(i) = float((*sinks)[i]);
-    Kokkos::deep_copy(sink_logits, h);
-    opts.sinks = sink_logits;
-  }
+  const auto sink_logits = sink_view(sinks);
+  if (sinks) opts.sinks = sink_logits;
   decode_attention(comm, ExecSpace{}, cache, qd, o_tree, l_tree, mask, opts);
   opts.merge = MergeAlgorithm::ring;
   decode_attention(comm, ExecSpace{}, cache, qd, o_ring, l_ring, mask, opts);
@@ -210,13 +216,8 @@ void check_prefill(Comm& comm, const Placement& pl, const Mask& mask,
   ServeOptions opts;
   opts.prefill_forward_rows = forward_rows;
   opts.merge = merge;
-  Kokkos::View<float*, MemSpace> sink_logits("sinks", sinks ? sinks->size() : 0);
-  if (sinks) {
-    auto h = Kokkos::create_mirror_view(sink_logits);
-    for (std::size_t i = 0; i < sinks->size(); ++i) h(i) = float((*sinks)[i]);
-    Kokkos::deep_copy(sink_logits, h);
-    opts.sinks = sink_logits;
-  }
+  const auto sink_logits = sink_view(sinks);
+  if (sinks) opts.sinks = sink_logits;
   bool engine = false;
   double extra = 0.0;
   if constexpr (std::is_same<T, bf16>::value) {

@@ -248,7 +248,6 @@ void prefill_on_forward(const ExecSpace& exec, const char* fn,
   const auto k = Kokkos::subview(cache.keys(), range, slots, Kokkos::ALL, Kokkos::ALL);
   const auto v = Kokkos::subview(cache.values(), range, slots, Kokkos::ALL, Kokkos::ALL);
   ForwardOptions fo;
-  fo.scale = opts.scale;
   fo.host_matrix = opts.host_matrix;
   fo.sinks = sinks;
   const BlockExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
@@ -368,21 +367,6 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
     qh(s - s0) = cache.length(s) - N;
     max_local = std::max(max_local, cache.local_length(s));
   }
-  // A prefill chunk of many rows: the forward's kernels over this rank's shard.
-  if (prefill && B == 1 && prefill_on_forward_pays<T>(exec, opts, N, H, D)) {
-    if (comm.size() == 1 && std::is_same<typename OV::non_const_value_type, T>::value) {
-      prefill_on_forward(exec, fn, cache, s0, q, o, lse, mask, opts, opts.sinks);
-      return;
-    }
-    Kokkos::View<CT****, Kokkos::LayoutRight, mem> o_part(
-        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::o_part"), B, N, H, D);
-    Kokkos::View<CT***, Kokkos::LayoutRight, mem> lse_part(
-        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::lse_part"), B, H, N);
-    prefill_on_forward(exec, fn, cache, s0, q, o_part, lse_part, mask, opts, SinkLogits{});
-    merge_over_ranks(comm, exec, opts.merge, o_part, lse_part, o, lse);
-    apply_sinks(exec, opts.sinks, o, lse);
-    return;
-  }
   Kokkos::deep_copy(qpos, qh);
   const auto range = Kokkos::make_pair(s0, s1);
   const auto k = Kokkos::subview(cache.keys(), range, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
@@ -392,9 +376,19 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
   dopts.scale = opts.scale;
   dopts.splits = opts.splits;
   dopts.max_length = max_local;
+  // A prefill chunk of many rows: the forward's kernels over this rank's
+  // shard; the split-KV decode kernel otherwise.
+  const bool forward = prefill && B == 1 && prefill_on_forward_pays<T>(exec, opts, N, H, D);
+  const auto attend = [&](const auto& out, const auto& out_lse, const SinkLogits& sinks) {
+    if (forward) {
+      prefill_on_forward(exec, fn, cache, s0, q, out, out_lse, mask, opts, sinks);
+    } else {
+      dopts.sinks = sinks;
+      attention_decode(exec, q, k, v, len, qpos, out, out_lse, mask, cache.positions(), dopts);
+    }
+  };
   if (comm.size() == 1 && std::is_same<typename OV::non_const_value_type, T>::value) {
-    dopts.sinks = opts.sinks;
-    attention_decode(exec, q, k, v, len, qpos, o, lse, mask, cache.positions(), dopts);
+    attend(o, lse, opts.sinks);
     return;
   }
   // Partials in the compute type (16-bit outputs are rounded once, after the merge).
@@ -402,7 +396,7 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
       Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::o_part"), B, N, H, D);
   Kokkos::View<CT***, Kokkos::LayoutRight, mem> lse_part(
       Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::lse_part"), B, H, N);
-  attention_decode(exec, q, k, v, len, qpos, o_part, lse_part, mask, cache.positions(), dopts);
+  attend(o_part, lse_part, SinkLogits{});
   merge_over_ranks(comm, exec, opts.merge, o_part, lse_part, o, lse);
   // Every rank holds the merged rows: each folds the sinks in once.
   apply_sinks(exec, opts.sinks, o, lse);
