@@ -206,6 +206,7 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
                           std::size_t(v.stride(1)) == std::size_t(e.dim);
       kern.prefetch = impl::decode_prefetch_level(
           stream, 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S));
+      kern.isa = impl::dispatched_host_isa();
     }
     if (g.splits > 1) {
       const std::int64_t n = g.splits * g.state_rows();

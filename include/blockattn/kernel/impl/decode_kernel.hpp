@@ -8,14 +8,20 @@
 //
 // Decode is memory bound: the kernel reads the caller's K and V in place (any
 // strides; unit stride in head_dim streams), never packs them, and converts
-// 16-bit storage to the compute type as it reads.
+// 16-bit storage to the compute type as it reads. On host spaces with fp32
+// compute and unit stride, the tile products run in explicit vectors
+// (decode_simd.hpp; the run-time dispatched ISA, isa.hpp), 16-bit tiles
+// widened once into scratch for all the team's rows.
 #pragma once
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/kernel/impl/decode_simd.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
+#include <blockattn/kernel/impl/half_rows.hpp>
 #include <blockattn/kernel/impl/prefetch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
+#include <blockattn/kernel/isa.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/score.hpp>
@@ -165,11 +171,20 @@ struct DecodeKernel {
   Pos kpos;
   T scale_log2;  // scale * log2(e)
   DecodeGrid g;
-  bool unit = true;  // k, v, q rows contiguous in head_dim
-  int prefetch = 1;  // host: the next tile's rows (decode_prefetch_level)
+  bool unit = true;        // k, v, q rows contiguous in head_dim
+  int prefetch = 1;        // host: the next tile's rows (decode_prefetch_level)
+  HostIsa isa = host_isa;  // host: the vector ISA of the tile products (dispatched_host_isa)
+
+  /// Host spaces with fp32 compute: the explicit-vector tile products
+  /// (decode_simd.hpp) where the keys and values have unit stride.
+  static constexpr bool host_vectors = is_host_space_v<ExecSpace> && std::is_same<T, float>::value;
+  /// Their fp16 K and V tiles widened to fp32 in scratch, one at a time
+  /// (fp32 and bf16 are read in place, bf16 widened as it is loaded).
+  static constexpr bool widened_tiles = host_vectors && std::is_same<S, fp16>::value;
 
   static std::size_t scratch_bytes(const DecodeGrid& g) {
-    const std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 3);
+    std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 3);
+    if (widened_tiles) n += std::size_t(g.key_tile) * g.dim;
     return scratch1::shmem_size(n);
   }
 
@@ -201,6 +216,35 @@ struct DecodeKernel {
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member& m) const {
+#if BLOCKATTN_SIMD_KERNELS
+    if constexpr (host_vectors) {
+      if (unit) {
+#if BLOCKATTN_HOST_DISPATCH
+        if constexpr (host_isa_targeted(HostIsa::avx512))
+          if (isa == HostIsa::avx512) {
+            HostIsaEntry<HostIsa::avx512>::run([&] { run<simd_for_t<HostIsa::avx512>>(m); });
+            return;
+          }
+        if constexpr (host_isa_targeted(HostIsa::avx2))
+          if (isa == HostIsa::avx2) {
+            HostIsaEntry<HostIsa::avx2>::run([&] { run<simd_for_t<HostIsa::avx2>>(m); });
+            return;
+          }
+#endif
+        if constexpr (!std::is_void<simd_for_t<host_isa>>::value) {
+          run<simd_for_t<host_isa>>(m);
+          return;
+        }
+      }
+    }
+#endif
+    run<void>(m);
+  }
+
+  /// One team's work; V: the vector class of the host tile products (void:
+  /// the portable loops).
+  template <class V>
+  KOKKOS_INLINE_FUNCTION void run(const member& m) const {
     std::int64_t t = m.league_rank();
     const int split = int(t % g.splits);
     t /= g.splits;
@@ -220,6 +264,7 @@ struct DecodeKernel {
     T* ms = ss + std::size_t(R) * KT;  // R: running max (base 2)
     T* ls = ms + R;                    // R: running sum
     T* as = ls + R;                    // R: this tile's rescale factor
+    [[maybe_unused]] T* kvw = as + R;  // KT x D: a widened K or V tile (widened_tiles)
 
     const int len = lengths(b);
     const std::int64_t k_begin = std::int64_t(len) * split / g.splits;
@@ -272,9 +317,24 @@ struct DecodeKernel {
               }
             }
           }
-          const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
-          for (int r = 0; r < nr; ++r)
-            host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
+#if BLOCKATTN_SIMD_KERNELS
+          if constexpr (!std::is_void<V>::value) {
+            if constexpr (widened_tiles) {
+              for (int j = 0; j < nk; ++j)
+                load_row(kvw + std::size_t(j) * D, &k(b, int(j0 + j), kvh, 0), 1, D);
+              decode_scores_simd<V>(qs, nr, static_cast<const T*>(kvw), std::size_t(D), nk, D, ss,
+                                    KT);
+            } else {
+              decode_scores_simd<V>(qs, nr, &k(b, int(j0), kvh, 0), std::size_t(k.stride(1)), nk, D,
+                                    ss, KT);
+            }
+          } else
+#endif
+          {
+            const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
+            for (int r = 0; r < nr; ++r)
+              host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
+          }
           if constexpr (has_score_mod_v<Mask>)
             for (int r = 0; r < nr; ++r) {
               const index_type qp = q0 + (r0 + r) % g.rows;
@@ -297,37 +357,59 @@ struct DecodeKernel {
       }
       m.team_barrier();
       // Online softmax per row: m' = max(m, max S), P = 2^(S - m'), l = a l + sum P.
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
-        T* sr = ss + std::size_t(r) * KT;
-        T mx = -infinity<T>();
-        for (int j = 0; j < nk; ++j) mx = sr[j] > mx ? sr[j] : mx;
-        bool nan = false;
-        for (int j = 0; j < nk; ++j) nan = nan || sr[j] != sr[j];
-        const T mn = mx > ms[r] ? mx : ms[r];
-        if (mn == -infinity<T>() && !nan) {  // no allowed key yet: nothing to add
-          as[r] = T(1);
-          for (int j = 0; j < nk; ++j) sr[j] = T(0);
-          return;
-        }
-        // A row with only NaN scores so far has mn = -inf: its P are NaN (kept).
-        const T a = ms[r] == -infinity<T>() ? T(0) : kmath::exp2(ms[r] - mn);
-        T sum = T(0);
-        for (int j = 0; j < nk; ++j) {
-          const T p = exp2_nonpositive(sr[j] - mn);  // 0 for a masked (-inf) score
-          sr[j] = p;
-          sum += p;
-        }
-        ls[r] = ls[r] * a + sum;
-        ms[r] = mn;
-        as[r] = a;
-      });
+#if BLOCKATTN_SIMD_KERNELS
+      if constexpr (!std::is_void<V>::value) {  // run<V> runs for unit strides only
+        decode_softmax_rows<V>(ss, KT, nr, nk, ms, ls, as);
+      } else
+#endif
+      {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
+          T* sr = ss + std::size_t(r) * KT;
+          T mx = -infinity<T>();
+          for (int j = 0; j < nk; ++j) mx = sr[j] > mx ? sr[j] : mx;
+          bool nan = false;
+          for (int j = 0; j < nk; ++j) nan = nan || sr[j] != sr[j];
+          const T mn = mx > ms[r] ? mx : ms[r];
+          if (mn == -infinity<T>() && !nan) {  // no allowed key yet: nothing to add
+            as[r] = T(1);
+            for (int j = 0; j < nk; ++j) sr[j] = T(0);
+            return;
+          }
+          // A row with only NaN scores so far has mn = -inf: its P are NaN (kept).
+          const T a = ms[r] == -infinity<T>() ? T(0) : kmath::exp2(ms[r] - mn);
+          T sum = T(0);
+          for (int j = 0; j < nk; ++j) {
+            const T p = exp2_nonpositive(sr[j] - mn);  // 0 for a masked (-inf) score
+            sr[j] = p;
+            sum += p;
+          }
+          ls[r] = ls[r] * a + sum;
+          ms[r] = mn;
+          as[r] = a;
+        });
+      }
       m.team_barrier();
       // O = a O + P V.
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit) {
-          const auto value = [&](int j) -> const S* { return &v(b, int(j0 + j), kvh, 0); };
-          for (int r = 0; r < nr; ++r)
-            host_pv<T, S>(os + std::size_t(r) * D, as[r], ss + std::size_t(r) * KT, value, nk, D);
+#if BLOCKATTN_SIMD_KERNELS
+          if constexpr (!std::is_void<V>::value) {
+            if constexpr (widened_tiles) {
+              for (int j = 0; j < nk; ++j)
+                load_row(kvw + std::size_t(j) * D, &v(b, int(j0 + j), kvh, 0), 1, D);
+              decode_pv_simd<V>(os, as, ss, KT, nr, static_cast<const T*>(kvw), std::size_t(D), nk,
+                                D);
+            } else {
+              decode_pv_simd<V>(os, as, ss, KT, nr, &v(b, int(j0), kvh, 0),
+                                std::size_t(v.stride(1)), nk, D);
+            }
+          } else
+#endif
+          {
+            const auto value = [&](int j) -> const S* { return &v(b, int(j0 + j), kvh, 0); };
+            for (int r = 0; r < nr; ++r)
+              host_pv<T, S>(os + std::size_t(r) * D, as[r], ss + std::size_t(r) * KT, value, nk, D);
+          }
         } else {
           for (int r = 0; r < nr; ++r) {
             T* orow = os + std::size_t(r) * D;

@@ -10,6 +10,7 @@
 #include <blockattn/kernel/isa.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -93,6 +94,14 @@ namespace blockattn::impl {
   /* acc = x > acc ? x : acc */                                        \
   TARGET static void max_to(type& acc, const type& x) {                \
     acc = max(x, acc);                                                 \
+  }                                                                    \
+  /* acc = acc + x */                                                  \
+  TARGET static void add_to(type& acc, const type& x) {                \
+    acc = add(acc, x);                                                 \
+  }                                                                    \
+  /* x = a - b */                                                      \
+  TARGET static void sub_to(type& x, const type& a, const type& b) {   \
+    x = sub(a, b);                                                     \
   }
 
 #if defined(BLOCKATTN_SIMD_512)
@@ -165,8 +174,41 @@ struct SimdVec512 {
     return _mm_cvtss_f32(_mm_add_ss(x2, _mm_movehdup_ps(x2)));
   }
   BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_512)
-  /// acc = acc + x
-  BLOCKATTN_TARGET_512 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  /// x = 16 bf16 values (raw bits) at p, widened exactly (bits << 16).
+  BLOCKATTN_TARGET_512 static void load_bf16_to(type& x, const std::uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    // The maskz forms: see exp2_nonpositive.
+    const __m512i w = _mm512_maskz_cvtepu16_epi32(0xFFFF, h);
+    x = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, w, 16));
+  }
+  /// out[j] = the sum of x[j]'s lanes for j < 16, the 16 sums by a tree of
+  /// two-source permutes (lane_pair_sum), in reduce_add's pairwise order:
+  /// 15 adds and 30 permutes for 16 horizontal sums (the decode kernel's
+  /// dot products, impl/decode_simd.hpp).
+  BLOCKATTN_TARGET_512 static void lane_sums_to(float* out, const type (&x)[16]) {
+    type y[8], z[4];
+    for (int i = 0; i < 8; ++i) y[i] = lane_pair_sum<8>(x[2 * i], x[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) z[i] = lane_pair_sum<4>(y[2 * i], y[2 * i + 1]);
+    const type w0 = lane_pair_sum<2>(z[0], z[1]), w1 = lane_pair_sum<2>(z[2], z[3]);
+    store(out, lane_pair_sum<1>(w0, w1));
+  }
+  /// Lanes of x and y in segments of 2B: the first 8 lanes of the result are
+  /// x's segments folded (lane t of a segment + lane t + B), the last 8 y's.
+  /// Applied with B = 8, 4, 2, 1 to 16 vectors, lane j of the last one is the
+  /// sum of vector j's lanes.
+  template <int B>
+  BLOCKATTN_TARGET_512 static type lane_pair_sum(type x, type y) {
+    alignas(64) static constexpr int lo[16] = {
+#define BLOCKATTN_LANE(o) ((o) < 8 ? 0 : 16) + ((o) % 8) / B * 2 * B + (o) % B
+        BLOCKATTN_LANE(0),  BLOCKATTN_LANE(1),  BLOCKATTN_LANE(2),  BLOCKATTN_LANE(3),
+        BLOCKATTN_LANE(4),  BLOCKATTN_LANE(5),  BLOCKATTN_LANE(6),  BLOCKATTN_LANE(7),
+        BLOCKATTN_LANE(8),  BLOCKATTN_LANE(9),  BLOCKATTN_LANE(10), BLOCKATTN_LANE(11),
+        BLOCKATTN_LANE(12), BLOCKATTN_LANE(13), BLOCKATTN_LANE(14), BLOCKATTN_LANE(15)};
+#undef BLOCKATTN_LANE
+    const __m512i l = _mm512_load_si512(lo);
+    const __m512i h = _mm512_add_epi32(l, _mm512_set1_epi32(B));
+    return add(_mm512_permutex2var_ps(x, l, y), _mm512_permutex2var_ps(x, h, y));
+  }
   /// p = exp2_nonpositive(s[0 .. width) * s2 - l2) (one rounding for the
   /// product and difference), ds = p * (dp[0 .. width) - d): the backward's
   /// P and dS of a row (see simd_p_ds_row).
@@ -175,8 +217,12 @@ struct SimdVec512 {
     p = exp2_nonpositive(_mm512_fmsub_ps(load(s), s2, l2));
     ds = mul(p, sub(load(dp), d));
   }
-  BLOCKATTN_TARGET_512 static void reduce_max_to(float& out, const type& x) { out = reduce_max(x); }
-  BLOCKATTN_TARGET_512 static void reduce_add_to(float& out, const type& x) { out = reduce_add(x); }
+  BLOCKATTN_TARGET_512 static void reduce_max_to(float& out, const type& x) {
+    out = reduce_max(x);
+  }
+  BLOCKATTN_TARGET_512 static void reduce_add_to(float& out, const type& x) {
+    out = reduce_add(x);
+  }
   /// p = exp2_nonpositive(s[0 .. width) - m)
   BLOCKATTN_TARGET_512 static void exp2_sub_to(type& p, const float* s, const type& m) {
     p = exp2_nonpositive(sub(load(s), m));
@@ -242,7 +288,19 @@ struct SimdVec256 {
     return _mm_cvtss_f32(_mm_add_ss(x2, _mm_movehdup_ps(x2)));
   }
   BLOCKATTN_SIMD_REFERENCE_OPS(BLOCKATTN_TARGET_256)
-  BLOCKATTN_TARGET_256 static void add_to(type& acc, const type& x) { acc = add(acc, x); }
+  /// x = 8 bf16 values (raw bits) at p, widened exactly (bits << 16).
+  BLOCKATTN_TARGET_256 static void load_bf16_to(type& x, const std::uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  /// out[j] = the sum of x[j]'s lanes for j < 8: horizontal adds of
+  /// neighbouring lanes (two levels), then the 128-bit halves added.
+  BLOCKATTN_TARGET_256 static void lane_sums_to(float* out, const type (&x)[8]) {
+    const __m256 t0 = _mm256_hadd_ps(x[0], x[1]), t1 = _mm256_hadd_ps(x[2], x[3]);
+    const __m256 t2 = _mm256_hadd_ps(x[4], x[5]), t3 = _mm256_hadd_ps(x[6], x[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    store(out, add(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+  }
   BLOCKATTN_TARGET_256 static void p_ds_to(type& p, type& ds, const float* s, const float* dp,
                                            const type& s2, const type& l2, const type& d) {
     p = exp2_nonpositive(_mm256_fmsub_ps(load(s), s2, l2));
@@ -293,14 +351,37 @@ struct SimdVec128 {
   static type max(type a, type b) {
     return a > b ? a : b;
   }
+  static type add(type a, type b) {
+    return a + b;
+  }
+  static type sub(type a, type b) {
+    return a - b;
+  }
   /// The largest lane (NaN-free x), pairwise as the wider variants.
   static float reduce_max(type x) {
     const float a = x[0] > x[2] ? x[0] : x[2], b = x[1] > x[3] ? x[1] : x[3];
     return a > b ? a : b;
   }
+  /// The lane sum, pairwise as the wider variants.
+  static float reduce_add(type x) {
+    return (x[0] + x[2]) + (x[1] + x[3]);
+  }
   BLOCKATTN_SIMD_REFERENCE_OPS()
+  /// x = 4 bf16 values (raw bits) at p, widened exactly (bits << 16).
+  static void load_bf16_to(type& x, const std::uint16_t* p) {
+    std::uint32_t b[4];
+    for (int l = 0; l < 4; ++l) b[l] = std::uint32_t(p[l]) << 16;
+    std::memcpy(&x, b, sizeof(x));
+  }
   static void reduce_max_to(float& out, const type& x) {
     out = reduce_max(x);
+  }
+  static void reduce_add_to(float& out, const type& x) {
+    out = reduce_add(x);
+  }
+  /// out[j] = the sum of x[j]'s lanes for j < 4.
+  static void lane_sums_to(float* out, const type (&x)[4]) {
+    for (int j = 0; j < 4; ++j) out[j] = reduce_add(x[j]);
   }
 };
 #endif
