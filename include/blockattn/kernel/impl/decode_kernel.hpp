@@ -10,8 +10,8 @@
 // strides; unit stride in head_dim streams), never packs them, and converts
 // 16-bit storage to the compute type as it reads. On host spaces with fp32
 // compute and unit stride, the tile products run in explicit vectors
-// (decode_simd.hpp; the run-time dispatched ISA, isa.hpp), 16-bit tiles
-// widened once into scratch for all the team's rows.
+// (decode_simd.hpp; the run-time dispatched ISA, isa.hpp): fp32 and bf16
+// read in place, fp16 tiles widened once into scratch for the team's rows.
 #pragma once
 
 #include <blockattn/core/config.hpp>

@@ -1,18 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
 // The decode kernel's host tile products in explicit vectors (the vector
-// classes of simd_vec.hpp, fp32): the scores of one query row against a tile
-// of keys, and O = diag(a) O + P V for the tile's rows.
+// classes of simd_vec.hpp, fp32 arithmetic): the scores of the team's query
+// rows against a tile of keys, the online-softmax step, and O = diag(a) O +
+// P V for the tile's rows. Keys and values are read in place: fp32 loaded,
+// bf16 widened as it is loaded (fp16 tiles are widened into scratch by the
+// caller, exactly as the scalar conversion).
 //
 // Decode reads each key and value once per step; with GQA the group's rows
 // (group x rows, up to 16) share them. The portable loops of decode_kernel.hpp
 // kept each row's dot product in an array of lanes reduced once per (row,
 // key), and GCC 12 kept the P V accumulators of host_pv in memory (a store
 // and a reload per key and 16 columns): on a Zen 4 (2 threads, 65 536 keys,
-// D = 128) a group of 8 rows ran at 0.23 (fp32) and 0.09 (bf16) of a plain
+// D = 128) a group of 8 rows ran at 0.26 (fp32) and 0.12 (bf16) of a plain
 // read of the same bytes. Here:
-//   scores: W keys at a time (W = the vector width), one accumulator per key
-//     over the head dim, the W horizontal sums at once (lane_sums_to: a
-//     permute tree, no scalar reduction per pair);
+//   scores: 4 (or 2) rows x W / 4 (or W / 2) keys per step (W = the vector
+//     width), each key's vector loaded once for the rows, the W accumulators
+//     over the head dim summed horizontally at once (lane_sums_to: a permute
+//     tree, no scalar reduction per pair); a single row takes W keys, key by
+//     key in address order;
+//   softmax: the row maximum, the exponentials and their sum in vectors;
 //   P V: register tiles of rows x columns, each value row loaded once for
 //     the tile's rows, its accumulators in registers across the keys.
 // A key that a row does not see has P = 0 there, and 0 x (inf or NaN) in
