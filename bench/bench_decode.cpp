@@ -230,7 +230,7 @@ int main(int argc, char** argv) {
                   "rows", "H", "Hkv", "D", "ms decode", "ms fwd", "ms call", "GF dec", "GF fwd",
                   "x dec", "x call");
       for (int cached : {4096, 16384})
-        for (int rows : {1, 2, 4, 8, 16, 64, 256, 1024}) {
+        for (int rows : {1, 2, 4, 8, 12, 16, 64, 256, 1024}) {
           prefill_rows<float>(cached, rows, 8, 2, 128, reps);
           prefill_rows<blockattn::bf16>(cached, rows, 8, 2, 128, reps);
         }

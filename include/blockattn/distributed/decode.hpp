@@ -55,10 +55,11 @@ struct ServeOptions {
   /// threads busy; otherwise on the split-KV decode kernel (query rows in
   /// tiles of up to 16, the keys read again for each tile), as decode_attention
   /// always does. A value above any chunk's rows keeps the decode kernel.
-  /// 16: on a 2-core Zen 4 the decode kernel ran chunks of 8 rows 1.3-1.6x
-  /// faster than the forward's kernels, and those ran 16 rows 1.1-1.3x faster
-  /// (`blockattn_bench_decode --prefill`, AVX-512 and AVX2 builds).
-  int prefill_forward_rows = 16;
+  /// 12: on a 2-core Zen 4 the decode kernel ran chunks of 8 rows 1.2-1.6x
+  /// faster than the forward's kernels, and those ran 12 rows 0.98-1.29x and
+  /// 16 rows 1.1-1.4x as fast as it (`blockattn_bench_decode --prefill`,
+  /// AVX-512 and AVX2 builds).
+  int prefill_forward_rows = 12;
   /// A bf16 prefill chunk on the forward's kernels: AMX / AVX512-BF16 tile
   /// products where automatic takes them (ForwardOptions::host_matrix).
   HostMatrix host_matrix = HostMatrix::automatic;
@@ -215,7 +216,7 @@ bool affine_positions(const Map& map, index_type L, index_type& first, index_typ
 /// forward's kernels: N >= opts.prefill_forward_rows and, on host spaces,
 /// query tiles (split down to the kernel's row granule) for at least half
 /// of the threads (the split-KV decode kernel keeps every thread busy
-/// whatever N is; on a 2-core Zen 4 the forward's kernels ran 1.1-1.3x its
+/// whatever N is; on a 2-core Zen 4 the forward's kernels ran 1.1-1.4x its
 /// rate at 16 rows and 1.6-4x from 64 rows up).
 template <class T, class ExecSpace>
 bool prefill_on_forward_pays(const ExecSpace& exec, const ServeOptions& opts, int N, int H, int D) {
