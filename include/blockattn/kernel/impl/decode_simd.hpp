@@ -54,23 +54,17 @@ namespace blockattn::impl {
 
 /// x = V::width values of S at p as fp32: fp32 loaded, bf16 widened
 /// exactly as it is loaded (the two storage types the kernels read in place).
-template <class V, class S>
+/// Pinned: an fp32 vector kept in a register (V::load_pinned), for a value
+/// used by several rows, which GCC would otherwise fold into each row's FMA
+/// as a memory operand (a load per row); a widened bf16 vector is one anyway.
+template <class V, bool Pinned = false, class S>
 inline void decode_load(typename V::type& x, const S* p) {
   if constexpr (std::is_same<S, bf16>::value)
     V::load_bf16_to(x, reinterpret_cast<const std::uint16_t*>(p));
+  else if constexpr (Pinned)
+    V::load_pinned(x, p);
   else
     V::load_to(x, p);
-}
-
-/// decode_load, the vector kept in a register (V::load_pinned): a value used
-/// by several rows, which GCC would otherwise fold into each row's FMA as a
-/// memory operand (a load per row).
-template <class V, class S>
-inline void decode_load_pinned(typename V::type& x, const S* p) {
-  if constexpr (std::is_same<S, bf16>::value)
-    V::load_bf16_to(x, reinterpret_cast<const std::uint16_t*>(p));
-  else
-    V::load_pinned(x, p);
 }
 
 /// s[j] = q . key_j for j < nk, key_j at k + j * ldk (D floats each): one
@@ -133,7 +127,7 @@ inline void decode_scores_rows(const float* __restrict__ q, const S* __restrict_
     for (int d = 0; d < DV; d += W) {
       typename V::type kv[KQ];
       BLOCKATTN_DECODE_UNROLL
-      for (int j = 0; j < KQ; ++j) decode_load_pinned<V>(kv[j], kr[j] + d);
+      for (int j = 0; j < KQ; ++j) decode_load<V, true>(kv[j], kr[j] + d);
       BLOCKATTN_DECODE_UNROLL
       for (int r = 0; r < RQ; ++r) {
         typename V::type qv;
@@ -276,7 +270,7 @@ inline void decode_pv_block(float* __restrict__ o, int ldo, const float* __restr
   for (int j = 0; j < nk; ++j) {
     typename V::type vv[CB];
     BLOCKATTN_DECODE_UNROLL
-    for (int c = 0; c < CB; ++c) decode_load_pinned<V>(vv[c], v + std::size_t(j) * ldv + c * W);
+    for (int c = 0; c < CB; ++c) decode_load<V, true>(vv[c], v + std::size_t(j) * ldv + c * W);
     BLOCKATTN_DECODE_UNROLL
     for (int r = 0; r < RB; ++r) {
       typename V::type pr;
