@@ -230,14 +230,16 @@ int main(int argc, char** argv) {
                   "rows", "H", "Hkv", "D", "ms decode", "ms fwd", "ms call", "GF dec", "GF fwd",
                   "x dec", "x call");
       for (int cached : {4096, 16384})
-        for (int rows : {1, 2, 4, 8, 12, 16, 64, 256, 1024}) {
+        for (int rows : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 256, 1024}) {
           prefill_rows<float>(cached, rows, 8, 2, 128, reps);
           prefill_rows<blockattn::bf16>(cached, rows, 8, 2, 128, reps);
         }
       return 0;
     }
-    std::printf("Decode, one query row per sequence, causal, %d threads (%s)\n",
-                Exec{}.concurrency(), Exec::name());
+    std::printf("Decode, one query row per sequence, causal, %d threads (%s); host matrix "
+                "engine %s (bf16 on AVX512-BF16 dot products where it is avx512-bf16; "
+                "BLOCKATTN_HOST_MATRIX=off: the fp32 vectors)\n",
+                Exec{}.concurrency(), Exec::name(), blockattn::host_matrix_engine().name());
     std::printf("%-5s %-5s %5s %7s %3s %3s %4s %10s %10s %9s %9s %6s\n", "type", "cache", "B",
                 "keys", "H", "Hkv", "D", "ms/step", "tokens/s", "GB/s", "read GB/s", "ratio");
     const int shapes[][3] = {{8, 8, 128}, {32, 8, 128}, {8, 1, 128}, {16, 16, 64}};

@@ -14,6 +14,7 @@
 #include <blockattn/kernel/decode.hpp>
 
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -72,21 +73,32 @@ std::string describe(const DecodeCase& c) {
 }
 
 template <class T>
-double bound(const ReferenceResult& ref, int dim, int keys) {
+double bound(const ReferenceResult& ref, int dim, int keys, bool dot) {
   if constexpr (std::is_same<T, double>::value)
     return tolerance<double>(ref, dim, keys);
   else if constexpr (std::is_same<T, float>::value)
     return tolerance<float>(ref, dim, keys);
   else  // fp32 arithmetic, O rounded once to 16 bits (|O| <= 1: half an ulp <= 2^-8 for bf16,
-        // 2^-11 for fp16)
-    return tolerance<float>(ref, dim, keys) + std::ldexp(1.0, -7);
+        // 2^-11 for fp16); on the AVX512-BF16 dot products P is rounded to bf16 before P V
+        // (|P - fl(P)| <= 2^-9 P, |v| <= 1: |dO| <= 2^-9)
+    return tolerance<float>(ref, dim, keys) + std::ldexp(1.0, -7) + (dot ? std::ldexp(1.0, -9) : 0);
+}
+
+/// Whether bf16 decode on this backend runs the AVX512-BF16 dot products
+/// (impl/decode_bf16.hpp) for `setting`: a host space, the dispatched ISA
+/// AVX-512 and the engine running vectors for the setting.
+bool decode_dot_expected(HostMatrix setting) {
+  return impl::is_host_space_v<ExecSpace> && BLOCKATTN_DECODE_BF16 &&
+         impl::matrix_path(setting) == impl::MatrixPath::vectors;
 }
 
 /// Runs attention_decode on the case under `mask` and checks every sequence
-/// against the fp64 reference over its own cached keys.
+/// against the fp64 reference over its own cached keys; `out` (if given)
+/// gets O as doubles.
 template <class T, class Mask>
-void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed) {
-  INFO(describe(c));
+void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed,
+                  HostMatrix setting = HostMatrix::automatic, std::vector<double>* out = nullptr) {
+  INFO(describe(c), " host_matrix ", int(setting));
   const int B = int(c.lengths.size());
   int cap = 1;
   for (int l : c.lengths) cap = std::max(cap, l);
@@ -134,10 +146,15 @@ void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed) {
   V3<T> lse("lse", B, c.heads, c.rows);
   DecodeOptions opts;
   opts.splits = c.splits;
+  opts.host_matrix = setting;
   attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, o, lse, mask, kpos, opts);
   Kokkos::fence();
   auto oh = to_host(o);
   auto lsh = to_host(lse);
+  if (out != nullptr) {
+    out->clear();
+    for (std::size_t e = 0; e < oh.span(); ++e) out->push_back(double(oh.data()[e]));
+  }
   const double scale = 1.0 / std::sqrt(double(c.dim));
   for (int b = 0; b < B; ++b) {
     const int n = lh(b);
@@ -154,7 +171,8 @@ void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed) {
         }
     const ReferenceResult ref = reference_attention(
         qb, kb, vb, SlotMask<Mask, StridedPositions>{mask, kpos}, scale, ph(b), 0);
-    const double tol = bound<T>(ref, c.dim, std::max(n, 1));
+    const double tol = bound<T>(ref, c.dim, std::max(n, 1),
+                                std::is_same<T, bf16>::value && decode_dot_expected(setting));
     double o_err = 0, lse_err = 0;
     bool exact_empty = true, finite = true;
     for (int h = 0; h < c.heads; ++h)
@@ -182,17 +200,18 @@ void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed) {
   }
 }
 
+const DecodeCase decode_case_list[] = {
+    {{1}, 1, 4, 4, 64, 0, 1, 0, false},
+    {{0, 5, 1000, 333, 0}, 1, 4, 2, 64, 0, 1, 0, false},  // mixed, empty caches
+    {{777, 1500}, 4, 8, 2, 128, 0, 1, 0, true},           // GQA, heads-major
+    {{2049}, 16, 4, 1, 40, 7, 1, 0, false},               // MQA, 16 rows, odd dim
+    {{300, 31, 1}, 3, 2, 2, 16, 64, 3, 2, true},          // a rank's shard: 2 + 3 j
+    {{4000}, 2, 6, 3, 96, 1, 1, 0, false},                // one split
+};
+
 template <class T>
 void decode_cases(std::uint64_t seed) {
-  const DecodeCase cases[] = {
-      {{1}, 1, 4, 4, 64, 0, 1, 0, false},
-      {{0, 5, 1000, 333, 0}, 1, 4, 2, 64, 0, 1, 0, false},  // mixed, empty caches
-      {{777, 1500}, 4, 8, 2, 128, 0, 1, 0, true},           // GQA, heads-major
-      {{2049}, 16, 4, 1, 40, 7, 1, 0, false},               // MQA, 16 rows, odd dim
-      {{300, 31, 1}, 3, 2, 2, 16, 64, 3, 2, true},          // a rank's shard: 2 + 3 j
-      {{4000}, 2, 6, 3, 96, 1, 1, 0, false},                // one split
-  };
-  for (const DecodeCase& c : cases) {
+  for (const DecodeCase& c : decode_case_list) {
 #if !BLOCKATTN_DECODE_ISA_SUBSET
     check_decode<T>(c, FullMask{}, seed++);
     check_decode<T>(c, CausalMask{}, seed++);
@@ -209,6 +228,38 @@ TEST_SUITE("decode") {
   }
 
 #if !BLOCKATTN_DECODE_ISA_SUBSET
+  TEST_CASE(
+      "attention_decode: bf16 on AVX512-BF16 dot products (HostMatrix::avx512_bf16) and on fp32 "
+      "vectors (off)") {
+    // Both settings against the fp64 reference (the dot products round P to
+    // bf16: the bound adds 2^-9). Head dims past the cases' 16 .. 128: 33
+    // (odd: a pair half outside the row), 80 (64 on the dot products, 16 on
+    // the fp32 vectors), 200 (three 64-column blocks, 8 scalar columns);
+    // groups of 8 rows and 6 (4 + 2). Where the engine runs vectors the two
+    // settings give different bits (the dot path ran); elsewhere both run the
+    // fp32 vectors, and the same bits.
+    const bool dot = decode_dot_expected(HostMatrix::avx512_bf16);
+    std::vector<DecodeCase> cases(std::begin(decode_case_list), std::end(decode_case_list));
+    cases.push_back({{1000}, 1, 8, 1, 80, 0, 1, 0, true});
+    cases.push_back({{513, 64}, 2, 3, 1, 200, 3, 1, 0, false});
+    cases.push_back({{700}, 1, 4, 2, 33, 2, 1, 0, true});
+    std::uint64_t seed = 500;
+    int differ = 0;
+    for (const DecodeCase& c : cases) {
+      std::vector<double> fp32_o, dot_o;
+      check_decode<bf16>(c, causal_window(200), seed, HostMatrix::off, &fp32_o);
+      check_decode<bf16>(c, causal_window(200), seed, HostMatrix::avx512_bf16, &dot_o);
+      ++seed;
+      if (fp32_o != dot_o) ++differ;
+    }
+    if (dot) {
+      CHECK(differ > 0);
+    } else {
+      CHECK(differ == 0);
+      MESSAGE("SKIPPED: the AVX512-BF16 decode cases (", impl::host_matrix_engine().reason, ")");
+    }
+  }
+
   TEST_CASE("attention_decode: 100 000 cached keys, one query, fp32") {
     check_decode<float>({{100000}, 1, 2, 1, 32, 0, 1, 0, false}, CausalMask{}, 7);
     check_decode<float>({{100000, 99999}, 1, 1, 1, 16, 0, 1, 0, true}, FullMask{}, 8);
@@ -300,9 +351,12 @@ TEST_SUITE("decode") {
           Kokkos::deep_copy(k, T(0.25f));
           Kokkos::deep_copy(v, T(1.0f));
           Kokkos::deep_copy(Kokkos::subview(bad.in_v ? v : k, 0, slot, 0, col), T(bad.value));
-          for (int splits : {1, 3}) {
+          for (int run = 0; run < 4; ++run) {
+            const int splits = run % 2 == 0 ? 1 : 3;
             DecodeOptions opts;
             opts.splits = splits;
+            // bf16: the AVX512-BF16 dot products (where they run) and the fp32 vectors.
+            opts.host_matrix = run < 2 ? HostMatrix::avx512_bf16 : HostMatrix::off;
             attention_decode(ExecSpace{}, q, k, v, len, qpos, o, lse, CausalMask{},
                              OffsetPositions{}, opts);
             auto oh = to_host(o);
@@ -310,7 +364,8 @@ TEST_SUITE("decode") {
             for (int i = 0; i < rows; ++i)
               for (int h = 0; h < H; ++h) {
                 INFO(bad.value, " at slot ", slot, " column ", col, bad.in_v ? " of v" : " of k",
-                     ", row ", i, " head ", h, ", splits ", splits);
+                     ", row ", i, " head ", h, ", splits ", splits, ", host_matrix ",
+                     int(opts.host_matrix));
                 const bool visible = slot <= 300 + i;
                 const double x = double(oh(0, i, h, col));
                 if (visible && bad.in_v) {  // its column only: NaN, or the inf (P > 0)

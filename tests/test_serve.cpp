@@ -221,7 +221,10 @@ void check_prefill(Comm& comm, const Placement& pl, const Mask& mask,
   bool engine = false;
   double extra = 0.0;
   if constexpr (std::is_same<T, bf16>::value) {
-    engine = forward_uses_matrix<float, bf16, ExecSpace>(D, opts.host_matrix);
+    // The forward's engine (2 u max|V|) or the decode kernel's dot products
+    // (P to bf16: u / 2 max|V|, inside the same allowance).
+    engine = forward_uses_matrix<float, bf16, ExecSpace>(D, opts.host_matrix) ||
+             impl::decode_uses_bf16_dot<ExecSpace, bf16>(opts.host_matrix);
     double vmax = 0.0;
     for (double x : v.data) vmax = std::max(vmax, std::abs(x));
     if (engine) extra = 2.0 * bf16::unit_roundoff * vmax;
@@ -317,8 +320,10 @@ TEST_SUITE("serve") {
     for (int forward_rows : {1, big})
       check_prefill<float>(comm, ContiguousPlacement{(301 + P - 1) / P}, docs.mask(true), odd,
                            forward_rows, 4, 2, 48, MergeAlgorithm::tree, 80, &sinks);
-    // bf16 on both kernels (the forward's on the host matrix engine where it runs).
-    for (int forward_rows : {8, big})
+    // bf16 on both kernels (the forward's on the host matrix engine where it
+    // runs, the decode kernel's on AVX512-BF16 dot products where they run),
+    // and the automatic choice (-1: 24 rows there, 12 elsewhere).
+    for (int forward_rows : {8, big, -1})
       check_prefill<bf16>(comm, RoundRobinPlacement{1}, CausalMask{}, chunks, forward_rows, 8, 2,
                           64, MergeAlgorithm::tree, 81);
   }
@@ -386,5 +391,19 @@ TEST_SUITE("serve") {
     CHECK(msg.find("argument 'k' has extent(3) (head_dim) = 4, expected 8") != std::string::npos);
     CHECK(fresh.length(0) == 0);
     CHECK(fresh.local_length(0) == 0);
+    // A prefill_forward_rows below -1 (automatic): every rank throws, nothing appended.
+    V4<float> kc8("k", 1, 3, 1, 8);
+    ServeOptions bad;
+    bad.prefill_forward_rows = -2;
+    msg.clear();
+    try {
+      prefill_attention(comm, ExecSpace{}, fresh, 0, qc, kc8, vc, oc, lc, CausalMask{}, bad);
+    } catch (const invalid_argument& e) {
+      msg = e.what();
+    }
+    INFO(msg);
+    CHECK(msg.find("argument 'opts.prefill_forward_rows' is -2, expected -1 (automatic) or >= 0") !=
+          std::string::npos);
+    CHECK(fresh.length(0) == 0);
   }
 }  // TEST_SUITE

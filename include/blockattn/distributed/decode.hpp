@@ -55,13 +55,20 @@ struct ServeOptions {
   /// threads busy; otherwise on the split-KV decode kernel (query rows in
   /// tiles of up to 16, the keys read again for each tile), as decode_attention
   /// always does. A value above any chunk's rows keeps the decode kernel.
-  /// 12: on a 2-core Zen 4 the decode kernel ran chunks of 8 rows 1.2-1.6x
-  /// faster than the forward's kernels, and those ran 12 rows 0.98-1.29x and
-  /// 16 rows 1.1-1.4x as fast as it (`blockattn_bench_decode --prefill`,
-  /// AVX-512 and AVX2 builds).
-  int prefill_forward_rows = 12;
-  /// A bf16 prefill chunk on the forward's kernels: AMX / AVX512-BF16 tile
-  /// products where automatic takes them (ForwardOptions::host_matrix).
+  /// -1 (automatic): 24 for bf16 caches whose decode kernel runs AVX512-BF16
+  /// dot products (DecodeOptions::host_matrix), 12 otherwise. On a 2-core
+  /// Zen 4 (`blockattn_bench_decode --prefill`, 4096 and 16384 cached tokens):
+  /// fp32 and bf16 on fp32 vectors, the decode kernel ran chunks of 8 rows
+  /// 1.2-1.6x faster than the forward's kernels, those ran 12 rows 0.98-1.29x
+  /// and 16 rows 1.1-1.4x as fast as it (AVX-512 and AVX2 builds); bf16 on
+  /// the dot products, the decode kernel ran 16 rows 1.3-1.6x faster, 24
+  /// rows 0.94-1.06x, and the forward's kernels 32 rows 1.15-1.6x faster.
+  int prefill_forward_rows = -1;
+  /// bf16 on the host: a prefill chunk on the forward's kernels takes AMX /
+  /// AVX512-BF16 tile products where automatic takes them
+  /// (ForwardOptions::host_matrix); decode and short chunks on the split-KV
+  /// kernel take AVX512-BF16 dot products where the engine runs vectors
+  /// (DecodeOptions::host_matrix).
   HostMatrix host_matrix = HostMatrix::automatic;
 };
 
@@ -213,14 +220,18 @@ bool affine_positions(const Map& map, index_type L, index_type& first, index_typ
 }
 
 /// Whether a prefill chunk of N rows (H heads, head dim D) runs on the
-/// forward's kernels: N >= opts.prefill_forward_rows and, on host spaces,
+/// forward's kernels: N >= opts.prefill_forward_rows (-1: 12, or 24 where
+/// bf16 decode runs AVX512-BF16 dot products) and, on host spaces,
 /// query tiles (split down to the kernel's row granule) for at least half
 /// of the threads (the split-KV decode kernel keeps every thread busy
 /// whatever N is; on a 2-core Zen 4 the forward's kernels ran 1.1-1.4x its
 /// rate at 16 rows and 1.6-4x from 64 rows up).
 template <class T, class ExecSpace>
 bool prefill_on_forward_pays(const ExecSpace& exec, const ServeOptions& opts, int N, int H, int D) {
-  if (N < opts.prefill_forward_rows) return false;
+  const int rows = opts.prefill_forward_rows >= 0 ? opts.prefill_forward_rows
+                   : decode_uses_bf16_dot<ExecSpace, T>(opts.host_matrix) ? 24
+                                                                          : 12;
+  if (N < rows) return false;
   if constexpr (is_host_space_v<ExecSpace>) {
     using CT = compute_t<T>;
     const int granule = forward_uses_matrix<CT, T, ExecSpace>(D, opts.host_matrix)
@@ -318,6 +329,9 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
       error = std::string("blockattn::") + fn + ": argument 'lse' has extent(" + std::to_string(d) +
               ") = " + std::to_string(lse.extent(d)) + ", expected " + std::to_string(lse_want[d]) +
               " (lse is (sequences, heads, rows))";
+  if (error.empty() && opts.prefill_forward_rows < -1)
+    error = std::string("blockattn::") + fn + ": argument 'opts.prefill_forward_rows' is " +
+            std::to_string(opts.prefill_forward_rows) + ", expected -1 (automatic) or >= 0";
   if (error.empty() && opts.sinks.data() != nullptr && int(opts.sinks.extent(0)) != H)
     error = std::string("blockattn::") + fn +
             ": argument 'opts.sinks' has extent(0) = " + std::to_string(opts.sinks.extent(0)) +
@@ -380,6 +394,7 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
   dopts.scale = opts.scale;
   dopts.splits = opts.splits;
   dopts.max_length = max_local;
+  dopts.host_matrix = opts.host_matrix;
   // A prefill chunk of many rows: the forward's kernels over this rank's
   // shard; the split-KV decode kernel otherwise.
   const bool forward = prefill && B == 1 && prefill_on_forward_pays<T>(exec, opts, N, H, D);

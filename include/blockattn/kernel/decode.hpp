@@ -36,6 +36,13 @@ struct DecodeOptions {
   /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
   /// the execution space's memory, folded into the rows' results. Empty: none.
   SinkLogits sinks;
+  /// bf16 caches on host spaces: the tile products on AVX512-BF16 dot
+  /// products where the host matrix engine runs vectors for this setting
+  /// (HostMatrix; automatic: AMD Zen 4 and later, BLOCKATTN_HOST_MATRIX), P
+  /// rounded to bf16 before P V as in the forward's engine; off: the fp32
+  /// vector products (bf16 widened as it is loaded). AMX tiles do not run
+  /// decode: on AMX CPUs automatic keeps the fp32 vectors.
+  HostMatrix host_matrix = HostMatrix::automatic;
 };
 
 namespace impl {
@@ -67,6 +74,19 @@ constexpr void check_decode_view_types() {
                 "BlockAttn: attention_decode takes Kokkos::Views q, k, v, o (rank 4) and lse "
                 "(rank 3); q, k, v of one value type (float, double, bf16, fp16), o of it or of "
                 "its compute type, lse of the compute type (float for float, bf16, fp16)");
+}
+
+/// Whether attention_decode on ExecSpace over S storage (unit stride in the
+/// head dim) runs the AVX512-BF16 dot products (impl/decode_bf16.hpp) for
+/// `setting`: bf16 on a host space where the host matrix engine runs vectors.
+template <class ExecSpace, class S>
+bool decode_uses_bf16_dot(HostMatrix setting) {
+#if BLOCKATTN_DECODE_BF16
+  if constexpr (is_host_space_v<ExecSpace> && std::is_same<S, bf16>::value)
+    return matrix_path(setting) == MatrixPath::vectors;
+#endif
+  (void)setting;
+  return false;
 }
 
 /// The smallest and largest of `len` (waits for exec). A function of its own:
@@ -207,6 +227,7 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
       kern.prefetch = impl::decode_prefetch_level(
           stream, 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S));
       kern.isa = impl::dispatched_host_isa();
+      kern.bf16_dot = impl::decode_uses_bf16_dot<ExecSpace, S>(opts.host_matrix);
     }
     if (g.splits > 1) {
       const std::int64_t n = g.splits * g.state_rows();

@@ -11,11 +11,14 @@
 // 16-bit storage to the compute type as it reads. On host spaces with fp32
 // compute and unit stride, the tile products run in explicit vectors
 // (decode_simd.hpp; the run-time dispatched ISA, isa.hpp): fp32 and bf16
-// read in place, fp16 tiles widened once into scratch for the team's rows.
+// read in place, fp16 tiles widened once into scratch for the team's rows;
+// bf16 caches, where the host's matrix engine runs vectors (matrix_path()),
+// on AVX512-BF16 dot products (decode_bf16.hpp).
 #pragma once
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/kernel/impl/decode_bf16.hpp>
 #include <blockattn/kernel/impl/decode_simd.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/impl/half_rows.hpp>
@@ -174,6 +177,8 @@ struct DecodeKernel {
   bool unit = true;        // k, v, q rows contiguous in head_dim
   int prefetch = 1;        // host: the next tile's rows (decode_prefetch_level)
   HostIsa isa = host_isa;  // host: the vector ISA of the tile products (dispatched_host_isa)
+  bool bf16_dot =
+      false;  // host, bf16: the AVX512-BF16 products (decode_bf16.hpp; bf16_dot_capable)
 
   /// Host spaces with fp32 compute: the explicit-vector tile products
   /// (decode_simd.hpp) where the keys and values have unit stride.
@@ -181,10 +186,26 @@ struct DecodeKernel {
   /// Their fp16 K and V tiles widened to fp32 in scratch, one at a time
   /// (fp32 and bf16 are read in place, bf16 widened as it is loaded).
   static constexpr bool widened_tiles = host_vectors && std::is_same<S, fp16>::value;
+  /// bf16 q, k and v: the AVX512-BF16 products can run (where bf16_dot says).
+#if BLOCKATTN_DECODE_BF16
+  static constexpr bool bf16_dot_capable =
+      host_vectors && std::is_same<S, bf16>::value && std::is_same<QS, bf16>::value;
+#else
+  static constexpr bool bf16_dot_capable = false;
+#endif
+  /// Their scratch: q as stored (row_tile x dim bf16) and P in bf16
+  /// (row_tile x p16_stride), in floats.
+  static int p16_stride(const DecodeGrid& g) {
+    return (g.key_tile + 15) / 16 * 16;
+  }
+  static std::size_t bf16_scratch(const DecodeGrid& g) {
+    return bf16_dot_capable ? (std::size_t(g.row_tile) * (g.dim + p16_stride(g)) + 1) / 2 : 0;
+  }
 
   static std::size_t scratch_bytes(const DecodeGrid& g) {
     std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 3);
     if (widened_tiles) n += std::size_t(g.key_tile) * g.dim;
+    n += bf16_scratch(g);
     return scratch1::shmem_size(n);
   }
 
@@ -219,6 +240,13 @@ struct DecodeKernel {
 #if BLOCKATTN_SIMD_KERNELS
     if constexpr (host_vectors) {
       if (unit) {
+#if BLOCKATTN_DECODE_BF16
+        if constexpr (bf16_dot_capable)
+          if (bf16_dot) {  // matrix_path() said vectors: the dispatched ISA is AVX-512
+            AmxEntry::run([&] { run<DecodeVec512, true>(m); });
+            return;
+          }
+#endif
 #if BLOCKATTN_HOST_DISPATCH
         if constexpr (host_isa_targeted(HostIsa::avx512))
           if (isa == HostIsa::avx512) {
@@ -242,8 +270,8 @@ struct DecodeKernel {
   }
 
   /// One team's work; V: the vector class of the host tile products (void:
-  /// the portable loops).
-  template <class V>
+  /// the portable loops); Dot: the bf16 tile products (decode_bf16.hpp).
+  template <class V, bool Dot = false>
   KOKKOS_INLINE_FUNCTION void run(const member& m) const {
     std::int64_t t = m.league_rank();
     const int split = int(t % g.splits);
@@ -265,6 +293,10 @@ struct DecodeKernel {
     T* ls = ms + R;                    // R: running sum
     T* as = ls + R;                    // R: this tile's rescale factor
     [[maybe_unused]] T* kvw = as + R;  // KT x D: a widened K or V tile (widened_tiles)
+    // Dot: R x D q as stored, then R x p16_stride(g) P in bf16.
+    [[maybe_unused]] std::uint16_t* q16 = reinterpret_cast<std::uint16_t*>(
+        kvw + (widened_tiles ? std::size_t(KT) * D : std::size_t(0)));
+    [[maybe_unused]] std::uint16_t* p16 = q16 + std::size_t(R) * D;
 
     const int len = lengths(b);
     const std::int64_t k_begin = std::int64_t(len) * split / g.splits;
@@ -277,6 +309,7 @@ struct DecodeKernel {
       const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
       qs[std::size_t(r) * D + d] = T(to_compute(q(b, i, h, d))) * scale_log2;
       os[std::size_t(r) * D + d] = T(0);
+      if constexpr (Dot) q16[std::size_t(r) * D + d] = q(b, i, h, d).bits;
     });
     Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
       ms[r] = -infinity<T>();
@@ -318,7 +351,12 @@ struct DecodeKernel {
             }
           }
 #if BLOCKATTN_SIMD_KERNELS
-          if constexpr (!std::is_void<V>::value) {
+          if constexpr (Dot) {
+#if BLOCKATTN_DECODE_BF16
+            decode_scores_bf16(q16, nr, &k(b, int(j0), kvh, 0).bits, std::size_t(k.stride(1)), nk,
+                               D, scale_log2, ss, KT);
+#endif
+          } else if constexpr (!std::is_void<V>::value) {
             if constexpr (widened_tiles) {
               for (int j = 0; j < nk; ++j)
                 load_row(kvw + std::size_t(j) * D, &k(b, int(j0 + j), kvh, 0), 1, D);
@@ -393,7 +431,12 @@ struct DecodeKernel {
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit) {
 #if BLOCKATTN_SIMD_KERNELS
-          if constexpr (!std::is_void<V>::value) {
+          if constexpr (Dot) {
+#if BLOCKATTN_DECODE_BF16
+            decode_pv_bf16(os, as, ss, KT, nr, &v(b, int(j0), kvh, 0).bits,
+                           std::size_t(v.stride(1)), nk, D, p16, p16_stride(g));
+#endif
+          } else if constexpr (!std::is_void<V>::value) {
             if constexpr (widened_tiles) {
               for (int j = 0; j < nk; ++j)
                 load_row(kvw + std::size_t(j) * D, &v(b, int(j0 + j), kvh, 0), 1, D);
