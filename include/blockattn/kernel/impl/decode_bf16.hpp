@@ -23,7 +23,12 @@
 //
 // Compiled where the host matrix engine is (BLOCKATTN_HOST_AMX) and the
 // AVX-512 vector class exists; run inside AmxEntry (its target has
-// AVX512-BF16) where matrix_path() is MatrixPath::vectors.
+// AVX512-BF16) where matrix_path() is MatrixPath::vectors, except for one
+// row per kv head over a streaming cache (attention_decode: memory bound,
+// the fp32 vectors ran it 5-8 % faster). On a 2-core Zen 4 (65 536 keys,
+// D = 128, `blockattn_bench_decode`, the same binary with
+// BLOCKATTN_HOST_MATRIX=off and automatic alternated): 8 query heads on 1
+// kv head 1.6-1.8x faster, 32 on 8 1.2-1.6x.
 #pragma once
 
 #include <blockattn/kernel/impl/amx.hpp>
@@ -43,20 +48,19 @@ namespace blockattn::impl {
 /// The AVX-512 vector class (simd_vec.hpp).
 using DecodeVec512 = simd_for_t<HostIsa::avx512>;
 
-/// The mask of the 16-bit elements of the last 32-element chunk of a row of
-/// D elements.
+/// The mask of the 16-bit elements of a row of D elements past its last
+/// whole 32-element chunk.
 inline __mmask32 decode_tail_mask(int D) {
-  const int t = D - (D - 1) / 32 * 32;
-  return t == 32 ? ~__mmask32(0) : (__mmask32(1) << t) - 1u;
+  return (__mmask32(1) << (D % 32)) - 1u;
 }
 
-/// Chunk c (32 elements) of a row of `chunks` chunks; the last one masked
-/// (zero past the row). (Functions, not lambdas: a lambda does not inherit
-/// its enclosing function's target attribute.)
-BLOCKATTN_TARGET_AMX inline __m512bh decode_bf16_chunk(const std::uint16_t* p, int c, int chunks,
+/// Chunk c (32 elements) of a row: whole below `whole` (D / 32), else the
+/// tail, masked (zero past the row). (Functions, not lambdas: a lambda does
+/// not inherit its enclosing function's target attribute.)
+BLOCKATTN_TARGET_AMX inline __m512bh decode_bf16_chunk(const std::uint16_t* p, int c, int whole,
                                                        __mmask32 tail) {
-  const __m512i x = c + 1 < chunks ? _mm512_loadu_si512(static_cast<const void*>(p + 32 * c))
-                                   : _mm512_maskz_loadu_epi16(tail, p + 32 * c);
+  const __m512i x = c < whole ? _mm512_loadu_si512(static_cast<const void*>(p + 32 * c))
+                              : _mm512_maskz_loadu_epi16(tail, p + 32 * c);
   return reinterpret_cast<const __m512bh&>(x);
 }
 
@@ -72,7 +76,7 @@ BLOCKATTN_TARGET_AMX inline void decode_scores_bf16_rows(const std::uint16_t* __
                                                          float scale, float* __restrict__ s,
                                                          int lds) {
   constexpr int KQ = 16 / RQ;
-  const int chunks = (D + 31) / 32;
+  const int chunks = (D + 31) / 32, whole = D / 32;
   const __mmask32 tail = decode_tail_mask(D);
   for (int j0 = 0; j0 < nk; j0 += KQ) {
     const int n = nk - j0 < KQ ? nk - j0 : KQ;
@@ -86,16 +90,16 @@ BLOCKATTN_TARGET_AMX inline void decode_scores_bf16_rows(const std::uint16_t* __
       BLOCKATTN_AMX_UNROLL
       for (int j = 0; j < KQ; ++j)
         for (int c = 0; c < chunks; ++c)
-          acc[j] = _mm512_dpbf16_ps(acc[j], decode_bf16_chunk(q, c, chunks, tail),
-                                    decode_bf16_chunk(kr[j], c, chunks, tail));
+          acc[j] = _mm512_dpbf16_ps(acc[j], decode_bf16_chunk(q, c, whole, tail),
+                                    decode_bf16_chunk(kr[j], c, whole, tail));
     } else {
       for (int c = 0; c < chunks; ++c) {
         __m512bh kv[KQ];
         BLOCKATTN_AMX_UNROLL
-        for (int j = 0; j < KQ; ++j) kv[j] = decode_bf16_chunk(kr[j], c, chunks, tail);
+        for (int j = 0; j < KQ; ++j) kv[j] = decode_bf16_chunk(kr[j], c, whole, tail);
         BLOCKATTN_AMX_UNROLL
         for (int r = 0; r < RQ; ++r) {
-          const __m512bh qv = decode_bf16_chunk(q + std::size_t(r) * D, c, chunks, tail);
+          const __m512bh qv = decode_bf16_chunk(q + std::size_t(r) * D, c, whole, tail);
           BLOCKATTN_AMX_UNROLL
           for (int j = 0; j < KQ; ++j)
             acc[r * KQ + j] = _mm512_dpbf16_ps(acc[r * KQ + j], qv, kv[j]);
