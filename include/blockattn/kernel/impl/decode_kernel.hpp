@@ -177,8 +177,7 @@ struct DecodeKernel {
   bool unit = true;        // k, v, q rows contiguous in head_dim
   int prefetch = 1;        // host: the next tile's rows (decode_prefetch_level)
   HostIsa isa = host_isa;  // host: the vector ISA of the tile products (dispatched_host_isa)
-  bool bf16_dot =
-      false;  // host, bf16: the AVX512-BF16 products (decode_bf16.hpp; bf16_dot_capable)
+  bool bf16_dot = false;   // host, bf16: the AVX512-BF16 products (decode_bf16.hpp)
 
   /// Host spaces with fp32 compute: the explicit-vector tile products
   /// (decode_simd.hpp) where the keys and values have unit stride.
