@@ -19,6 +19,7 @@
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
 
 #include <algorithm>
 #include <array>
@@ -96,26 +97,42 @@ struct is_placement<P,
 
 /// The append kernel (a free function: nvcc takes no extended lambda in a
 /// private member): token t of batch row b goes to sequence s0 + b at
-/// position start(b) + t, on the rank that owns that position.
+/// position start(b) + t, on the rank that owns that position. One (b, t,
+/// kv head) row at a time (its position, owner and slot computed once), its
+/// head_dim elements by the vector lanes: the first version decoded the
+/// indices per element (three 64-bit divisions and the placement's per
+/// element) and appended 131 072 bf16 tokens (2 kv heads, D = 128) at 0.42
+/// GB/s on a 2-core Zen 4.
 template <class ExecSpace, class Storage, class New, class Start, class Placement>
 void kv_cache_append(const ExecSpace& exec, const Storage& kc, const Storage& vc, const New& kn,
                      const New& vn, const Start& start, const Placement& pl, int rank, int P,
                      int s0, index_type n) {
   const int H = int(kc.extent(1)), D = int(kc.extent(3));
-  const std::int64_t total = std::int64_t(kn.extent(0)) * n * H * D;
+  const std::int64_t rows = std::int64_t(kn.extent(0)) * n * H;
+  if (rows == 0) return;
+  constexpr int per_team = 16;  // rows of one team
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  using member = typename Policy::member_type;
+  const int leagues = int((rows + per_team - 1) / per_team);
+  const Policy policy = is_host_space_v<ExecSpace> ? Policy(exec, leagues, 1)
+                                                   : Policy(exec, leagues, Kokkos::AUTO, 32);
   Kokkos::parallel_for(
-      "blockattn::kv_cache_append",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, total),
-      KOKKOS_LAMBDA(const std::int64_t e) {
-        const int d = int(e % D);
-        const int g = int((e / D) % H);
-        const index_type t = (e / (std::int64_t(D) * H)) % n;
-        const int b = int(e / (std::int64_t(D) * H * n));
-        const index_type pos = start(b) + t;
-        if (pl.owner(pos, P) != rank) return;
-        const index_type slot = pl.slot(pos, P);
-        kc(s0 + b, g, slot, d) = kn(b, int(t), g, d);
-        vc(s0 + b, g, slot, d) = vn(b, int(t), g, d);
+      "blockattn::kv_cache_append", policy, KOKKOS_LAMBDA(const member& m) {
+        const std::int64_t r0 = std::int64_t(m.league_rank()) * per_team;
+        const int nr = int(rows - r0 < per_team ? rows - r0 : per_team);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int i) {
+          const std::int64_t r = r0 + i;
+          const int g = int(r % H);
+          const index_type t = (r / H) % n;
+          const int b = int(r / (std::int64_t(H) * n));
+          const index_type pos = start(b) + t;
+          if (pl.owner(pos, P) != rank) return;
+          const index_type slot = pl.slot(pos, P);
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(m, D), [&](const int d) {
+            kc(s0 + b, g, slot, d) = kn(b, int(t), g, d);
+            vc(s0 + b, g, slot, d) = vn(b, int(t), g, d);
+          });
+        });
       });
 }
 }  // namespace impl
