@@ -303,13 +303,28 @@ struct DecodeKernel {
     const index_type q0 = q_positions(b);
 
     // Row r of the tile: head kvh * group + (r0 + r) / rows, query (r0 + r) % rows.
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * D), [&](const int e) {
-      const int r = e / D, d = e % D;
-      const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
-      qs[std::size_t(r) * D + d] = T(to_compute(q(b, i, h, d))) * scale_log2;
-      os[std::size_t(r) * D + d] = T(0);
-      if constexpr (Dot) q16[std::size_t(r) * D + d] = q(b, i, h, d).bits;
-    });
+    if constexpr (is_host_space_v<ExecSpace>) {
+      // A row at a time (its indices once: per element, their divisions cost
+      // a team of 256 in-cache keys as much as its products).
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
+        const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
+        T* const qr = qs + std::size_t(r) * D;
+        T* const orow = os + std::size_t(r) * D;
+        for (int d = 0; d < D; ++d) {
+          qr[d] = T(to_compute(q(b, i, h, d))) * scale_log2;
+          orow[d] = T(0);
+        }
+        if constexpr (Dot)
+          for (int d = 0; d < D; ++d) q16[std::size_t(r) * D + d] = q(b, i, h, d).bits;
+      });
+    } else {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * D), [&](const int e) {
+        const int r = e / D, d = e % D;
+        const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
+        qs[std::size_t(r) * D + d] = T(to_compute(q(b, i, h, d))) * scale_log2;
+        os[std::size_t(r) * D + d] = T(0);
+      });
+    }
     Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
       ms[r] = -infinity<T>();
       ls[r] = T(0);
