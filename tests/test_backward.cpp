@@ -5,6 +5,7 @@
 
 #include <blockattn/blockattn.hpp>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -342,6 +343,19 @@ TEST_CASE_TEMPLATE("the buffer cache gives the results of per-call allocation", 
                           {1, 130, 97, 4, 2, 128},
                           {1, 70, 45, 2, 1, 40}};
   const std::size_t limit = buffer_cache_limit();
+  // The default: a sixteenth of physical memory within [64 MiB, 4 GiB], or
+  // BLOCKATTN_BUFFER_CACHE_MB (whole MiB; anything else is an error naming it).
+  if (std::getenv("BLOCKATTN_BUFFER_CACHE_MB") == nullptr) {
+    CHECK(limit >= (std::size_t(64) << 20));
+    CHECK(limit <= (std::size_t(4) << 30));
+  }
+  CHECK(impl::parse_buffer_cache_mb("0") == 0);
+  CHECK(impl::parse_buffer_cache_mb("256") == (std::size_t(256) << 20));
+  for (const char* bad : {"", "-1", "1.5", "64MB", "9999999999"}) {
+    INFO("BLOCKATTN_BUFFER_CACHE_MB=\"", bad, "\"");
+    CHECK_THROWS_WITH_AS(impl::parse_buffer_cache_mb(bad),
+                         doctest::Contains("BLOCKATTN_BUFFER_CACHE_MB"), invalid_argument);
+  }
   std::vector<std::vector<double>> cached, uncached, tight;
   for (const Shape4& s : calls) cached.push_back(flat_outputs<T>(s, 3));
   set_buffer_cache_limit(0);  // off: every block allocated and freed per call
