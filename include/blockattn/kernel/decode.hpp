@@ -230,8 +230,8 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
       // One row per kv head over keys that stream (heads-major, contiguous):
       // the read bounds the step, and the fp32 vectors ran it 5-8 % faster
       // than the dot products on a 2-core Zen 4 (bf16, 8 heads at D = 128,
-      // 16 at D = 64, 65 536 keys); every other shape ran 1.2-1.8x faster on
-      // the dot products (decode_bf16.hpp).
+      // 16 at D = 64, 65 536 keys); the other shapes measured ran 1.03-1.8x
+      // faster on the dot products (GQA groups 1.2-1.8x; decode_bf16.hpp).
       kern.bf16_dot = impl::decode_uses_bf16_dot<ExecSpace, S>(opts.host_matrix) &&
                       !(stream && g.group * g.rows == 1);
     }
