@@ -236,10 +236,11 @@ int main(int argc, char** argv) {
         }
       return 0;
     }
-    std::printf("Decode, one query row per sequence, causal, %d threads (%s); host matrix "
-                "engine %s (bf16 on AVX512-BF16 dot products where it is avx512-bf16; "
-                "BLOCKATTN_HOST_MATRIX=off: the fp32 vectors)\n",
-                Exec{}.concurrency(), Exec::name(), blockattn::host_matrix_engine().name());
+    std::printf(
+        "Decode, one query row per sequence, causal, %d threads (%s); host matrix "
+        "engine %s (bf16 on AVX512-BF16 dot products where it is avx512-bf16; "
+        "BLOCKATTN_HOST_MATRIX=off: the fp32 vectors)\n",
+        Exec{}.concurrency(), Exec::name(), blockattn::host_matrix_engine().name());
     std::printf("%-5s %-5s %5s %7s %3s %3s %4s %10s %10s %9s %9s %6s\n", "type", "cache", "B",
                 "keys", "H", "Hkv", "D", "ms/step", "tokens/s", "GB/s", "read GB/s", "ratio");
     const int shapes[][3] = {{8, 8, 128}, {32, 8, 128}, {8, 1, 128}, {16, 16, 64}};
