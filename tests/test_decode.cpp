@@ -85,11 +85,10 @@ double bound(const ReferenceResult& ref, int dim, int keys, bool dot) {
 }
 
 /// Whether bf16 decode on this backend runs the AVX512-BF16 dot products
-/// (impl/decode_bf16.hpp) for `setting`: a host space, the dispatched ISA
-/// AVX-512 and the engine running vectors for the setting.
+/// (impl/decode_bf16.hpp) for `setting` (shapes aside: one row per kv head
+/// over a heads-major cache keeps the fp32 vectors).
 bool decode_dot_expected(HostMatrix setting) {
-  return impl::is_host_space_v<ExecSpace> && BLOCKATTN_DECODE_BF16 &&
-         impl::matrix_path(setting) == impl::MatrixPath::vectors;
+  return impl::decode_uses_bf16_dot<ExecSpace, bf16>(setting);
 }
 
 /// Runs attention_decode on the case under `mask` and checks every sequence

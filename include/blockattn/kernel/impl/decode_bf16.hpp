@@ -137,9 +137,8 @@ BLOCKATTN_TARGET_AMX inline void decode_p_to_bf16(const float* p, int ldp, int n
     for (int j = 0; j < nk; j += 16) {
       const int n = nk - j < 16 ? nk - j : 16;
       const __mmask16 m = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
-      const __m256bh x = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + std::size_t(r) * ldp + j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + std::size_t(r) * ld16 + j),
-                          reinterpret_cast<const __m256i&>(x));
+      amx_store_p16(p16 + std::size_t(r) * ld16 + j,
+                    _mm512_maskz_loadu_ps(m, p + std::size_t(r) * ldp + j));
     }
 }
 
