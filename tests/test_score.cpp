@@ -18,6 +18,7 @@
 #include "forward_check.hpp"
 #include "reference.hpp"
 #include "score_policies.hpp"
+#include "user_masks.hpp"
 
 using namespace blockattn;
 using namespace blockattn::test;
@@ -208,7 +209,116 @@ void every_policy(std::uint64_t seed) {
   }
 }
 
+/// The bf16 backward of one case twice from the same forward (fp32 kernels):
+/// with HostMatrix::automatic (the host matrix engine where this CPU has one)
+/// and with HostMatrix::off (the fp32 kernels). Both against the fp64
+/// gradients (the engine's rounding of P and dS adds at most 2^-8 of the
+/// largest entry: within grad_tol<bf16>), or, with `nan_at` >= 0 (a NaN in q
+/// at that row of head 1), NaN in the same gradient entries on both paths.
+/// Returns how many gradient entries differ between the two.
+template <class Mask>
+long engine_against_fp32(const Shape4& s, const Mask& mask, std::uint64_t seed, int nan_at = -1) {
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(s.b, s.nq, s.h, s.d, rng, 2.0);
+  HostTensor k = random_tensor(s.b, s.nk, s.hkv, s.d, rng, 2.0);
+  HostTensor v = random_tensor(s.b, s.nk, s.hkv, s.d, rng);
+  HostTensor dout = random_tensor(s.b, s.nq, s.h, s.d, rng);
+  if (nan_at >= 0) q(0, nan_at, 1, 3) = std::numeric_limits<double>::quiet_NaN();
+  V4<bf16> qd("q", s.b, s.nq, s.h, s.d), kd("k", s.b, s.nk, s.hkv, s.d),
+      vd("v", s.b, s.nk, s.hkv, s.d), od("o", s.b, s.nq, s.h, s.d), dod("do", s.b, s.nq, s.h, s.d);
+  V3<float> ld("lse", s.b, s.h, s.nq);
+  upload(q, qd);
+  upload(k, kd);
+  upload(v, vd);
+  upload(dout, dod);
+  ForwardOptions opts;
+  opts.host_matrix = HostMatrix::off;
+  attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
+  const HostTensor o = download(od);
+  HostTensor g[2][3];
+  for (int w = 0; w < 2; ++w) {
+    opts.host_matrix = w == 0 ? HostMatrix::off : HostMatrix::automatic;
+    V4<bf16> dq("dq", s.b, s.nq, s.h, s.d), dk("dk", s.b, s.nk, s.hkv, s.d),
+        dv("dv", s.b, s.nk, s.hkv, s.d);
+    attention_backward(ExecSpace{}, qd, kd, vd, od, ld, dod, dq, dk, dv, mask, opts);
+    Kokkos::fence();
+    g[w][0] = download(dq);
+    g[w][1] = download(dk);
+    g[w][2] = download(dv);
+  }
+  long differ = 0;
+  for (int x = 0; x < 3; ++x)
+    for (std::size_t i = 0; i < g[0][x].data.size(); ++i) {
+      const double a = g[0][x].data[i], b = g[1][x].data[i];
+      differ += !(a == b || (a != a && b != b));
+    }
+  INFO("B=", s.b, " Nq=", s.nq, " Nk=", s.nk, " H=", s.h, "/", s.hkv, " D=", s.d);
+  if (nan_at >= 0) {
+    long nan_off = 0, nan_mismatch = 0;
+    for (int x = 0; x < 3; ++x)
+      for (std::size_t i = 0; i < g[0][x].data.size(); ++i) {
+        const bool a = std::isnan(g[0][x].data[i]), b = std::isnan(g[1][x].data[i]);
+        nan_off += a;
+        nan_mismatch += a != b;
+      }
+    CHECK(nan_off > 0);
+    CHECK(nan_mismatch == 0);
+    return differ;
+  }
+  const double scale = 1.0 / std::sqrt(double(s.d));
+  const ReferenceGrads ref = reference_backward(q, k, v, dout, mask, scale, 0, 0, &o, nullptr);
+  const double tol = grad_tol<bf16>();
+  for (int w = 0; w < 2; ++w) {
+    bool finite = true;
+    const double eq = rel_err(g[w][0].data, ref.dq.data, finite);
+    const double ek = rel_err(g[w][1].data, ref.dk.data, finite);
+    const double ev = rel_err(g[w][2].data, ref.dv.data, finite);
+    INFO(std::string(w == 0 ? "fp32 kernels" : "automatic"), ": dq ", eq, " dk ", ek, " dv ", ev,
+         " tol ", tol);
+    CHECK(finite);
+    CHECK(eq <= tol);
+    CHECK(ek <= tol);
+    CHECK(ev <= tol);
+  }
+  return differ;
+}
+
 }  // namespace
+
+TEST_CASE("bf16 backward with a score policy on the host matrix engine") {
+  // Where this CPU runs the bf16 backward on its matrix engine (AMX, or
+  // AVX512-BF16 on AMD), a scored mask's backward runs there too (the
+  // policy's pass on the key-major tiles): the gradients must differ from the
+  // fp32 kernels' (the engine ran) and both meet the fp64 bound; elsewhere
+  // both settings run the fp32 kernels and give the same bits. Masks with
+  // and without allowed_keys (the keep-byte path), GQA, head dims padded.
+  std::vector<index_type> off{0, 9, 40, 41, 100, 130, 170};
+  const Documents<MemSpace> docs(off);
+  const Shape4 cases[] = {{1, 200, 150, 4, 2, 64}, {2, 130, 130, 4, 4, 128}, {1, 70, 90, 2, 1, 40}};
+  BackwardBlockOptions blk;
+  blk.operands_bf16 = true;
+  std::uint64_t seed = 3100;
+  for (const Shape4& s : cases) {
+    const auto m1 = with_score(CausalMask{}, SoftCap{1.5});
+    const auto m2 = with_score(docs.mask(), Alibi::geometric(s.h));
+    const auto m3 = with_score(causal_window(24), HeadTemperature{0.25});
+    const auto m4 = with_score(DocumentCausalMask{37}, SoftCap{1.5});
+    const auto m5 = with_score(FullMask{}, Alibi::geometric(s.h, true));
+    const bool engine = backward_uses_matrix<float, ExecSpace, decltype(m1)>(s.d, blk);
+    CHECK(backward_uses_matrix<float, ExecSpace, decltype(m4)>(s.d, blk) == engine);
+    const long d[] = {engine_against_fp32(s, m1, ++seed), engine_against_fp32(s, m2, ++seed),
+                      engine_against_fp32(s, m3, ++seed), engine_against_fp32(s, m4, ++seed),
+                      engine_against_fp32(s, m5, ++seed)};
+    for (const long x : d) CHECK((x > 0) == engine);
+    // A NaN in q: the same gradient entries are NaN on both paths (partial
+    // tile pairs whose Q holds it add their products by selects).
+    engine_against_fp32(s, m1, ++seed, s.nq / 2);
+    engine_against_fp32(s, m4, ++seed, s.nq / 3);
+    if (!engine)
+      MESSAGE("SKIPPED: the bf16 scored backward on the host matrix engine (",
+              impl::host_matrix_engine().reason, ")");
+  }
+}
 
 TEST_CASE("score policies and sinks match the fp64 reference, forward and backward") {
   // fp32, every case; fp64 (the portable kernel) on one of each policy (its

@@ -40,6 +40,7 @@
 #include <blockattn/kernel/impl/simd_vec.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
+#include <blockattn/policy/score.hpp>
 
 #include <cstdint>
 #include <cstring>
@@ -256,18 +257,39 @@ void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
       });
 }
 
+/// S^T of a tile pair through a score policy (key-major: row r is the key at
+/// kp[r], column c the query at qp[c], head h): st = score(st sc), grad =
+/// score_grad, on every element (amx_bwd_p_ds selects the kept pairs after).
+/// The policy by value and the rows restrict, so that its data stay in
+/// registers and the column loop vectorises (as the fp32 kernels' score_row);
+/// compiled for the engine's target, so x86-64 dispatch builds run it on
+/// AVX-512 too.
+template <class Mask>
+BLOCKATTN_TARGET_AMX __attribute__((noinline)) void amx_bwd_score(
+    const Mask m, const index_type* __restrict__ qp, const index_type* __restrict__ kp, float sc,
+    int h, float* __restrict__ st, float* __restrict__ grad) {
+  constexpr int BK = amx_bwd_bk, BQ = amx_bwd_bq;
+  for (int r = 0; r < BK; ++r) {
+    const index_type k = kp[r];
+    float* __restrict__ const s = st + r * BQ;
+    float* __restrict__ const g = grad + r * BQ;
+    for (int c = 0; c < BQ; ++c) s[c] = score_and_grad(m, s[c] * sc, qp[c], k, h, g[c]);
+  }
+}
+
 /// P^T and dS^T of a tile pair (BK key rows x BQ query columns, rows BQ
 /// apart) from S^T and dP^T in fp32: p = 2^(s s2 - lse2[c]) (one rounding for
-/// the product and difference, as the fp32 kernels), ds = p (dp - drow[c]),
-/// both 0 where the pair is not kept: row r of column c is kept when
-/// lo[c] <= r < hi[c] and, with `keep`, keep[r BQ + c] != 0. Out: P^T and dS^T
-/// in bf16 (rows BQ apart), dS^T in VNNI pairs of rows for the B operand of
-/// dQ^T (per 16 columns, BK / 2 rows of 32).
+/// the product and difference, as the fp32 kernels), ds = p (dp - drow[c])
+/// [grad: times grad, the score policy's factor], both 0 where the pair is not
+/// kept: row r of column c is kept when lo[c] <= r < hi[c] and, with `keep`,
+/// keep[r BQ + c] != 0. Out: P^T and dS^T in bf16 (rows BQ apart), dS^T in
+/// VNNI pairs of rows for the B operand of dQ^T (per 16 columns, BK / 2 rows
+/// of 32).
 BLOCKATTN_TARGET_AMX __attribute__((noinline)) inline void amx_bwd_p_ds(
     const float* __restrict__ st, const float* __restrict__ dpt, const float* lse2,
     const float* drow, float s2, const int* lo, const int* hi, const unsigned char* keep,
-    std::uint16_t* __restrict__ pt16, std::uint16_t* __restrict__ dst16,
-    std::uint16_t* __restrict__ dsv) {
+    const float* __restrict__ grad, std::uint16_t* __restrict__ pt16,
+    std::uint16_t* __restrict__ dst16, std::uint16_t* __restrict__ dsv) {
   using V = SimdVec512;
   constexpr int BK = amx_bwd_bk, BQ = amx_bwd_bq;
   const __m512 s2v = _mm512_set1_ps(s2);
@@ -293,6 +315,7 @@ BLOCKATTN_TARGET_AMX __attribute__((noinline)) inline void amx_bwd_p_ds(
         const __m512 p = _mm512_maskz_mov_ps(
             k, V::exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(st + at), s2v, l2)));
         __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dpt + at), d));
+        if (grad != nullptr) ds = _mm512_mul_ps(ds, _mm512_loadu_ps(grad + at));
         ds = _mm512_maskz_mov_ps(k, ds);
         amx_store_p16(pt16 + at, p);
         const __m256bh dsb = _mm512_cvtneps_pbh(ds);
@@ -500,12 +523,17 @@ struct AmxBackwardKernel {
 
   /// Scratch: S^T and dP^T (fp32 BK x BQ); P^T, dS^T and dS^T's VNNI pairs
   /// (bf16 BK x BQ); dK, dV (fp32 BK x da); the column ranges and the keep
-  /// bytes. 64-byte aligned pieces.
+  /// bytes; with a score policy its factors (fp32 BK x BQ) and the tile
+  /// pair's positions. 64-byte aligned pieces.
   static std::size_t scratch_bytes(int da) {
     auto up = [](std::size_t b) { return (b + 63) / 64 * 64; };
+    const std::size_t policy = has_score_mod_v<Mask>
+                                   ? up(std::size_t(4) * BK * BQ) + up(sizeof(index_type) * BQ) +
+                                         up(sizeof(index_type) * BK)
+                                   : 0;
     return 2 * up(std::size_t(4) * BK * BQ) + 3 * up(std::size_t(2) * BK * BQ) +
            2 * up(std::size_t(4) * BK * da) + 2 * up(std::size_t(4) * BQ) +
-           up(std::size_t(BK) * BQ);
+           up(std::size_t(BK) * BQ) + policy;
   }
 
   // run() calls the engine's functions (compiled for the AMX target) rather
@@ -529,6 +557,13 @@ struct AmxBackwardKernel {
     int* const lo = static_cast<int*>(take(std::size_t(4) * BQ));
     int* const hi = static_cast<int*>(take(std::size_t(4) * BQ));
     auto* const keep = static_cast<unsigned char*>(take(std::size_t(BK) * BQ));
+    float* grad = nullptr;
+    index_type *qps = nullptr, *kps = nullptr;
+    if constexpr (has_score_mod_v<Mask>) {
+      grad = static_cast<float*>(take(std::size_t(4) * BK * BQ));
+      qps = static_cast<index_type*>(take(sizeof(index_type) * BQ));
+      kps = static_cast<index_type*>(take(sizeof(index_type) * BK));
+    }
 
     const std::size_t qs = std::size_t(nq) * da, ks = std::size_t(nk) * da;
     const std::size_t kpair = std::size_t(b) * kv_heads + hk;
@@ -552,6 +587,8 @@ struct AmxBackwardKernel {
       std::memset(dva, 0, sizeof(float) * BK * da);
       const unsigned char* const kbad = k_bad + kpair * (nk / 16) + k0 / 16;
       const bool k_poisoned = (kbad[0] | kbad[1] | kbad[2] | kbad[3]) != 0;
+      if constexpr (has_score_mod_v<Mask>)  // past the last key: the last key's position
+        for (int r = 0; r < BK; ++r) kps[r] = kpos(k0 + (r < k_rows ? r : k_rows - 1));
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
         const std::size_t qpair = std::size_t(b) * heads + h;
@@ -585,8 +622,15 @@ struct AmxBackwardKernel {
             hi[c] = c < q_rows ? k_rows : 0;
           }
           if (partial) column_ranges(q0, q_rows, k0, k_rows, lo, hi, keep);
-          amx_bwd_p_ds(st, dpt, lse2 + qpair * nq + q0, drow + qpair * nq + q0,
-                       scale * log2e<float>, lo, hi, bytes ? keep : nullptr, pt16, dst16, dsv);
+          float s2 = scale * log2e<float>;
+          if constexpr (has_score_mod_v<Mask>) {
+            // The policy's logits in S^T (natural units), its factors in grad.
+            for (int c = 0; c < BQ; ++c) qps[c] = qpos(q0 + (c < q_rows ? c : q_rows - 1));
+            amx_bwd_score(mask, qps, kps, scale, h, st, grad);
+            s2 = log2e<float>;
+          }
+          amx_bwd_p_ds(st, dpt, lse2 + qpair * nq + q0, drow + qpair * nq + q0, s2, lo, hi,
+                       bytes ? keep : nullptr, grad, pt16, dst16, dsv);
           // The gradient products; partial tile pairs with an inf or NaN in
           // the operand select (see the top of this file).
           const unsigned char* const qbad = q_bad + qpair * (nq / 16) + q0 / 16;

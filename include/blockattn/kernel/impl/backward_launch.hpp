@@ -54,13 +54,12 @@ inline constexpr bool backward_amx_capable =
         kernel_isa_v<ExecSpace, Shape> == HostIsa::avx512;
 
 /// Whether the backward block pair runs on the host matrix engine in this
-/// process (the path launch_backward takes). Not with a score policy: its
-/// pass (scalar in the key-major tiles) made the AMX backward slower than
-/// the fp32 kernels (softcap, measured); those keep the fp32 backward.
+/// process (the path launch_backward takes); masks with a score policy too
+/// (its pass runs on the key-major tiles, amx_bwd_score).
 template <class ExecSpace, class T, class Shape, class Mask>
 bool backward_uses_matrix(const BackwardBlock& blk, int dim) {
 #if BLOCKATTN_AMX_BACKWARD
-  if constexpr (backward_amx_capable<ExecSpace, T, Shape> && !has_score_mod_v<Mask>)
+  if constexpr (backward_amx_capable<ExecSpace, T, Shape>)
     return blk.operands_bf16 && blk.run_dq && blk.run_dkv && dim <= amx_bwd_max_dim &&
            matrix_path(blk.host_matrix) != MatrixPath::none;
 #endif
@@ -166,7 +165,7 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
   static_assert(std::is_same<value_of<DKV>, value_of<DVV>>::value,
                 "BlockAttn: dk and dv must have the same value type");
 #if BLOCKATTN_AMX_BACKWARD
-  if constexpr (backward_amx_capable<ExecSpace, T, Shape> && !has_score_mod_v<Mask>) {
+  if constexpr (backward_amx_capable<ExecSpace, T, Shape>) {
     if (e.queries > 0 && e.keys > 0 &&
         backward_uses_matrix<ExecSpace, T, Shape, Mask>(blk, e.dim)) {
       launch_backward_amx(exec, e, queries, keys, dq, dk, dv, mask, qpos, kpos, scale, blk,

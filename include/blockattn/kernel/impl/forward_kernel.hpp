@@ -508,14 +508,16 @@ struct ForwardKernel {
           const int rq = r < q_rows ? r : q_rows - 1;
           const index_type qp = qpos(q0 + rq);
           T* const srow = ss + (r - r0) * AW;
-          // A policy sees scaled logits; otherwise the exponent pass scales.
-          if constexpr (has_score_mod_v<Mask>) amx_scale_row(srow, w, q_scale);
+          // A policy sees scaled logits (its pass scales the unscaled S of
+          // the tiles it meets; empty ones stay -inf); otherwise the
+          // exponent pass scales.
           for (int g = g_lo; g < g_hi; ++g) {
             if (kinds[g] == TileKind::empty) continue;
             const int k0 = (st + g) * BK;
             const int k_rows = ext.keys - k0 < BK ? ext.keys - k0 : BK;
             T* const seg = srow + (g - g_lo) * BK;
-            if constexpr (has_score_mod_v<Mask>) score_row(mask, kpos, seg, qp, k0, k_rows, h);
+            if constexpr (has_score_mod_v<Mask>)
+              score_row(mask, kpos, seg, qp, k0, k_rows, h, q_scale * ln2<T>);
             mask_segment(seg, qp, kinds[g] == TileKind::partial, k0, k_rows);
           }
         }
@@ -750,13 +752,16 @@ struct ForwardKernel {
     const int rq = r < t.q_rows ? r : t.q_rows - 1;
     score_row(mask, kpos, t.ss + r * BK, qpos(t.q0 + rq), t.k0, t.k_rows, t.h);
   }
-  /// The policy and the positions by value, the row restrict: read through
-  /// `this`, GCC reloads the policy's data after every store to the row and
-  /// the loop stays scalar (SoftCap's forward ran at 0.6x the no-policy rate
-  /// on AVX2 so).
+  /// s' = score(s f) log2(e) for base-2 logits s (f = ln 2), or for the
+  /// unscaled products of the matrix engine's path (f = its scale times ln 2:
+  /// one pass scales and scores). The policy and the positions by value, the
+  /// row restrict: read through `this`, GCC reloads the policy's data after
+  /// every store to the row and the loop stays scalar (SoftCap's forward ran
+  /// at 0.6x the no-policy rate on AVX2 so).
   KOKKOS_FORCEINLINE_FUNCTION static void score_row(const Mask m, const KPos kp, T* __restrict__ s,
-                                                    index_type qp, int k0, int n, int h) {
-    for (int c = 0; c < n; ++c) s[c] = m.score(s[c] * ln2<T>, qp, kp(k0 + c), h) * log2e<T>;
+                                                    index_type qp, int k0, int n, int h,
+                                                    T f = ln2<T>) {
+    for (int c = 0; c < n; ++c) s[c] = m.score(s[c] * f, qp, kp(k0 + c), h) * log2e<T>;
   }
 
   /// Row r of S: -inf where the mask (partial tiles) or the block's end rules
