@@ -5,7 +5,8 @@
 // applied. Every pair of a policy (SoftCap, Alibi, a user policy) and a mask
 // (causal, sliding window, documents) runs under one of the schedules (KV
 // ring, Q ring, balanced, all-gather, Ulysses, the 2D hybrid where P allows
-// it), each with and without sinks; sinks also with a plain window.
+// it), each with and without sinks; sinks also with a plain window; bf16
+// under the KV ring and Ulysses (the host matrix engine's backward).
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -16,6 +17,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backend.hpp"
@@ -37,23 +39,29 @@ struct Problem {
   std::vector<double> sinks;
 };
 
+/// Inputs rounded to T (fp32, or bf16 for the 16-bit cases): the reference
+/// sees exactly what the kernels see.
+template <class T = float>
 Problem problem(int N, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   Problem p{N, {}, {}, {}, {}, {0.5, -1.0, 2.0, -0.25}};
-  // Inputs rounded to fp32: the reference sees exactly what the kernels see.
-  p.q = rounded_to<float>(random_tensor(1, N, H, D, rng, 2.0));
-  p.k = rounded_to<float>(random_tensor(1, N, HKV, D, rng, 2.0));
-  p.v = rounded_to<float>(random_tensor(1, N, HKV, D, rng));
-  p.dout = rounded_to<float>(random_tensor(1, N, H, D, rng));
+  p.q = rounded_to<T>(random_tensor(1, N, H, D, rng, 2.0));
+  p.k = rounded_to<T>(random_tensor(1, N, HKV, D, rng, 2.0));
+  p.v = rounded_to<T>(random_tensor(1, N, HKV, D, rng));
+  p.dout = rounded_to<T>(random_tensor(1, N, H, D, rng));
   return p;
 }
 
 /// Runs attn.forward and attn.backward on this rank's n rows (local row i is
-/// global row map(i)) and checks them against the fp64 reference. Bounds:
-/// fp32 compute against fp64, relative to the largest entry, as
-/// test_score.cpp (1e-4 for O and the gradients, 1e-4 absolute for LSE;
-/// dL/dsinks is summed over every row in double and returned in fp32).
-template <class Attn, class Mask, class Map>
+/// global row map(i)) in value type T and checks them against the fp64
+/// reference. Bounds: fp32 compute against fp64, relative to the largest
+/// entry, as test_score.cpp (1e-4 for O and the gradients, 1e-4 absolute for
+/// LSE; dL/dsinks is summed over every row in double and returned in fp32);
+/// bf16: outputs rounded to bf16 and, on a host matrix engine, P and dS
+/// rounded before their products: test_score.cpp's 3e-2 for O, the
+/// gradients and dL/dsinks (the reference's D = rowsum(dO o O) from the exact
+/// O: the stored O's rounding is within it), 1e-4 for LSE (fp32).
+template <class T = float, class Attn, class Mask, class Map>
 void check(Attn& attn, const Mask& mask, const Problem& p, index_type n, const Map& map,
            bool with_sinks, const char* what) {
   const int rank = attn.communicator().rank(), P = attn.communicator().size();
@@ -63,10 +71,9 @@ void check(Attn& attn, const Mask& mask, const Problem& p, index_type n, const M
   const ReferenceGrads g =
       reference_backward(p.q, p.k, p.v, p.dout, mask, scale, 0, 0, nullptr, sv);
 
-  const V4<float> q = local_rows<float>(p.q, n, map), k = local_rows<float>(p.k, n, map),
-                  v = local_rows<float>(p.v, n, map), dout = local_rows<float>(p.dout, n, map);
-  V4<float> o("o", 1, n, H, D), dq("dq", 1, n, H, D), dk("dk", 1, n, HKV, D),
-      dv("dv", 1, n, HKV, D);
+  const V4<T> q = local_rows<T>(p.q, n, map), k = local_rows<T>(p.k, n, map),
+              v = local_rows<T>(p.v, n, map), dout = local_rows<T>(p.dout, n, map);
+  V4<T> o("o", 1, n, H, D), dq("dq", 1, n, H, D), dk("dk", 1, n, HKV, D), dv("dv", 1, n, HKV, D);
   V3<float> lse("lse", 1, H, n);
   Kokkos::View<float*, MemSpace> sinks("sinks", H), sink_grad("sink_grad", H);
   auto sh = Kokkos::create_mirror_view(sinks);
@@ -112,33 +119,34 @@ void check(Attn& attn, const Mask& mask, const Problem& p, index_type n, const M
   const std::string name(what);  // (INFO would print a char pointer's address)
   INFO("rank ", rank, "/", P, " ", name, " sinks ", with_sinks, " N ", p.N, ": o ", eo, " lse ", el,
        " dq ", eq, " dk ", ek, " dv ", ev, " dsink ", es);
+  const double tol = std::is_same<T, float>::value ? 1e-4 : 3e-2;
   CHECK(finite);
   CHECK(lse_pattern);
-  CHECK(eo <= 1e-4);
+  CHECK(eo <= tol);
   CHECK(el <= 1e-4);
-  CHECK(eq <= 1e-4);
-  CHECK(ek <= 1e-4);
-  CHECK(ev <= 1e-4);
-  CHECK(es <= 1e-4);
+  CHECK(eq <= tol);
+  CHECK(ek <= tol);
+  CHECK(ev <= tol);
+  CHECK(es <= tol);
 }
 
-template <class Partition, class Schedule, class Mask>
+template <class Partition, class Schedule, class T = float, class Mask>
 void sequence_parallel(Mpi& comm, const Mask& mask, const Problem& p, const char* what) {
   const int P = comm.size(), rank = comm.rank();
   DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
   for (const bool sinks : {false, true})
-    check(attn, mask, p, local_length<Partition>(p.N, P, rank), Partition::positions(p.N, P, rank),
-          sinks, what);
+    check<T>(attn, mask, p, local_length<Partition>(p.N, P, rank),
+             Partition::positions(p.N, P, rank), sinks, what);
 }
 
-template <class Mask>
+template <class T = float, class Mask>
 void ulysses(Mpi& comm, const Mask& mask, const Problem& p, const char* what) {
   const int P = comm.size(), rank = comm.rank();
   if (!UlyssesHeads::why_not(H, HKV, P).empty()) return;  // the heads do not split over P
   UlyssesAttention<ContiguousPartition, Mask, Mpi, ExecSpace> attn(comm, mask);
   for (const bool sinks : {false, true})
-    check(attn, mask, p, local_length<ContiguousPartition>(p.N, P, rank),
-          ContiguousPartition::positions(p.N, P, rank), sinks, what);
+    check<T>(attn, mask, p, local_length<ContiguousPartition>(p.N, P, rank),
+             ContiguousPartition::positions(p.N, P, rank), sinks, what);
 }
 
 template <class Mask>
@@ -230,6 +238,19 @@ TEST_CASE("score policies and sinks under every schedule match the fp64 referenc
                                                     "KV ring, striped, window only");
   sequence_parallel<ContiguousPartition, BalancedSchedule>(comm, causal_window(13), p,
                                                            "balanced, window only");
+}
+
+TEST_CASE("bf16 score policies under the KV ring and Ulysses match the fp64 reference") {
+  // bf16 storage: on a CPU with a host matrix engine (AMX, AMD's
+  // AVX512-BF16) the step loops' backward block pairs run on it with the
+  // policy's pass on the global positions of each pair (the KV ring's striped
+  // blocks) and the global heads (Ulysses' head offset, ALiBi's slopes);
+  // elsewhere on the fp32 kernels.
+  Mpi comm(MPI_COMM_WORLD);
+  const Problem p = problem<bf16>(40 * comm.size(), 2029);
+  sequence_parallel<StripedPartition, RingSchedule, bf16>(
+      comm, with_score(CausalMask{}, SoftCap{1.5}), p, "bf16 KV ring, striped, softcap, causal");
+  ulysses<bf16>(comm, with_score(CausalMask{}, Alibi::geometric(H)), p, "bf16 Ulysses, ALiBi");
 }
 
 TEST_CASE("sinks and score policies that differ between ranks are errors on every rank") {
