@@ -288,12 +288,6 @@ BLOCKATTN_TARGET_AMX inline void amx_scale_o(float* o, int n, float alpha) {
   }
 }
 
-/// s[0, n) *= scale (n a multiple of 16).
-BLOCKATTN_TARGET_AMX inline void amx_scale_row(float* s, int n, float scale) {
-  const __m512 f = _mm512_set1_ps(scale);
-  for (int c = 0; c < n; c += 16) _mm512_storeu_ps(s + c, _mm512_mul_ps(_mm512_loadu_ps(s + c), f));
-}
-
 /// 16 VNNI pairs: out[2 i] = bf16 bits of a[i], out[2 i + 1] = of b[i]
 /// (fp32 values that are bf16 values: their upper halves).
 BLOCKATTN_TARGET_AMX inline void amx_pair16(const float* a, const float* b, std::uint16_t* out) {
