@@ -194,6 +194,28 @@ struct BackwardSlots {
   int dq_out = 0, dkv_out = 0, dq_in = 0, dkv_in = 0;
 };
 
+/// The sizes of the buffers a backward allocates (bytes of one of each; the
+/// run's BackwardSteps and the planner both fill it).
+struct BackwardBufferBytes {
+  std::int64_t kv = 0;         // a K/V slot: K and V rows (storage type)
+  std::int64_t q = 0;          // a packed query slot: Q, dO rows (storage), LSE, D (compute)
+  std::int64_t widened_q = 0;  // 16-bit storage: the query slot in use widened (else 0)
+  std::int64_t keys = 0;       // the packed key side in use: K^T, V^T panels and K rows
+  std::int64_t dq = 0;         // a dQ partial slot (compute type)
+  std::int64_t dkv = 0;        // a dK/dV partial slot (compute type)
+  std::int64_t own = 0;        // the own dQ, dK, dV sums when the caller's Views are not
+                               // contiguous Views of the compute type (16-bit gradients)
+};
+
+/// The workspace a rank's backward allocates for its slots: the one formula
+/// the run (RunStats::workspace_bytes) and the planner both use. K/V slot 0
+/// is the caller's k, v unless it travels (kv_copy).
+inline std::int64_t backward_workspace_bytes(const BackwardSlots& u, const BackwardBufferBytes& b) {
+  return (u.kv - (u.kv_copy ? 0 : 1)) * b.kv + std::int64_t(u.q) * b.q + b.widened_q + b.keys +
+         std::int64_t(u.dq_out + u.dq_in) * b.dq + std::int64_t(u.dkv_out + u.dkv_in) * b.dkv +
+         b.own;
+}
+
 template <class S, class = void>
 struct is_schedule : std::false_type {};
 template <class S>
@@ -350,45 +372,50 @@ BackwardStep backward_step(const ScheduleContext& c, int rank, int step) {
   return f;
 }
 
+/// Adds step s of `rank` (its description f) to the buffers u it uses.
+inline void add_backward_slots(BackwardSlots& u, const BackwardStep& f, int rank, int s) {
+  const auto grow = [](int& n, int slot) { n = slot + 1 > n ? slot + 1 : n; };
+  if (!f.task.idle()) {
+    grow(u.kv, f.kv_slot);
+    grow(u.q, f.q_slot);
+    if (f.dq_slot >= 0) grow(u.dq_out, f.dq_slot);
+    if (f.dkv_slot >= 0) grow(u.dkv_out, f.dkv_slot);
+  }
+  for (const auto& t : f.transfers) {
+    const bool out = t.src == rank && t.src_step == s;
+    const int slot = out ? t.src_slot : t.dst_slot;
+    switch (t.payload) {
+      case Payload::kv:
+        grow(u.kv, slot);
+        u.kv_copy = u.kv_copy || slot == 0;
+        break;
+      case Payload::q:
+        grow(u.q, slot);
+        break;
+      case Payload::dq:
+        grow(out ? u.dq_out : u.dq_in, slot);
+        if (!out && t.add_to >= 0) grow(u.dq_out, t.add_to);
+        break;
+      case Payload::dkv:
+        grow(out ? u.dkv_out : u.dkv_in, slot);
+        if (!out && t.add_to >= 0) grow(u.dkv_out, t.add_to);
+        break;
+      case Payload::result:
+        break;
+    }
+  }
+}
+
 /// The buffers `rank` uses over a whole backward (see BackwardSlots).
 template <class B>
 BackwardSlots backward_slots(const ScheduleContext& c, int rank) {
   BackwardSlots u;
   BackwardStep f;
-  const auto grow = [](int& n, int slot) { n = slot + 1 > n ? slot + 1 : n; };
   const int steps = B::steps(c);
   for (int s = 0; s < steps; ++s) {
     f.clear();
     B::step(c, rank, s, f);
-    if (!f.task.idle()) {
-      grow(u.kv, f.kv_slot);
-      grow(u.q, f.q_slot);
-      if (f.dq_slot >= 0) grow(u.dq_out, f.dq_slot);
-      if (f.dkv_slot >= 0) grow(u.dkv_out, f.dkv_slot);
-    }
-    for (const auto& t : f.transfers) {
-      const bool out = t.src == rank && t.src_step == s;
-      const int slot = out ? t.src_slot : t.dst_slot;
-      switch (t.payload) {
-        case Payload::kv:
-          grow(u.kv, slot);
-          u.kv_copy = u.kv_copy || slot == 0;
-          break;
-        case Payload::q:
-          grow(u.q, slot);
-          break;
-        case Payload::dq:
-          grow(out ? u.dq_out : u.dq_in, slot);
-          if (!out && t.add_to >= 0) grow(u.dq_out, t.add_to);
-          break;
-        case Payload::dkv:
-          grow(out ? u.dkv_out : u.dkv_in, slot);
-          if (!out && t.add_to >= 0) grow(u.dkv_out, t.add_to);
-          break;
-        case Payload::result:
-          break;
-      }
-    }
+    add_backward_slots(u, f, rank, s);
   }
   return u;
 }

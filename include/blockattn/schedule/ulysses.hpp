@@ -85,4 +85,51 @@ inline UlyssesForwardVolume ulysses_forward_volume(const UlyssesHeads& u, int ba
   return v;
 }
 
+/// What one backward call of UlyssesAttention (g = cs) or of HybridAttention's
+/// group (g = s; `packed`: its ring's workspace) moves and allocates per rank,
+/// in the order the run holds its buffers: the rank/position index (8 P n);
+/// Q, K, V, O, dO of this rank's heads over N tokens in s and their LSE in cs,
+/// each with its all-to-all's send and receive buffers while it runs; dQ over
+/// N tokens in s, dK and dV in g; `packed` (the local backward's packed keys
+/// and rows, or the ring's workspace) while it computes; then the send and
+/// receive buffers of dQ (s), dK and dV (g) on the way back.
+///   sent: (P-1)/P of Q, K, V, O, dO in s, LSE in cs, dQ in s, dK, dV in g.
+inline UlyssesForwardVolume ulysses_backward_volume(const UlyssesHeads& u, int batch, index_type N,
+                                                    int dim, int s, int cs, int g,
+                                                    std::int64_t packed, index_type most = 0) {
+  const std::int64_t P = u.P, n = most > 0 ? most : N / P, hq = u.heads_per_rank,
+                     hk = u.kv_heads_per_rank, b = batch;
+  UlyssesForwardVolume v;
+  std::int64_t now = 8 * P * n, peak = now;
+  const auto hold = [&](std::int64_t bytes) {
+    now += bytes;
+    peak = now > peak ? now : peak;
+  };
+  const auto transient = [&](std::int64_t bytes) {
+    peak = now + bytes > peak ? now + bytes : peak;
+  };
+  // In: one all-to-all per tensor (heads hh, bytes e per value).
+  const auto in = [&](std::int64_t hh, std::int64_t e) {
+    transient(2 * P * b * n * hh * dim * e + b * N * hh * dim * e);
+    hold(b * N * hh * dim * e);
+    v.sent += (P - 1) * b * n * hh * dim * e;
+  };
+  in(hq, s);                                             // Q
+  in(hk, s);                                             // K
+  in(hk, s);                                             // V
+  in(hq, s);                                             // O
+  in(hq, s);                                             // dO
+  transient(2 * P * b * hq * n * cs + b * hq * N * cs);  // LSE
+  hold(b * hq * N * cs);
+  v.sent += (P - 1) * b * hq * n * cs;
+  hold(b * N * dim * (hq * s + 2 * hk * g));  // dQ, dK, dV over the whole sequence
+  transient(packed);
+  // Out: dQ, then dK and dV, each through its send and receive buffers.
+  transient(2 * P * b * n * hq * dim * s);
+  transient(2 * P * b * n * hk * dim * g);
+  v.sent += (P - 1) * b * n * dim * (hq * s + 2 * hk * g);
+  v.workspace = peak;
+  return v;
+}
+
 }  // namespace blockattn

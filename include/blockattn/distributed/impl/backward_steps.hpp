@@ -117,15 +117,17 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
         2 * std::int64_t(e.batch) * e.keys * e.kv_heads * e.dim * std::int64_t(sizeof(T));
     stats.block_q = layout.block_q;
     stats.block_k = layout.block_k;
-    stats.workspace_bytes = std::int64_t(m_kv.size() - (slots.kv_copy ? 0 : 1)) * m_kv_bytes +
-                            std::int64_t(m_qs.size()) * m_q_bytes +
-                            (half ? bytes_of(m_wide.q) + bytes_of(m_wide.dout) : 0) +
-                            bytes_of(m_keys.kt) + bytes_of(m_keys.vt) + bytes_of(m_keys.k) +
-                            std::int64_t(m_dq_out.size() + m_dq_in.size()) * m_dq_bytes +
-                            std::int64_t(m_dkv_out.size() + m_dkv_in.size()) * m_dkv_bytes +
-                            (same_memory(m_own[0], dq) ? 0 : own_dq_bytes) +
-                            (same_memory(m_own[1], dk) ? 0 : own_dkv_bytes / 2) +
-                            (same_memory(m_own[2], dv) ? 0 : own_dkv_bytes / 2);
+    BackwardBufferBytes bb;
+    bb.kv = m_kv_bytes;
+    bb.q = m_q_bytes;
+    bb.widened_q = half ? bytes_of(m_wide.q) + bytes_of(m_wide.dout) : 0;
+    bb.keys = bytes_of(m_keys.kt) + bytes_of(m_keys.vt) + bytes_of(m_keys.k);
+    bb.dq = m_dq_bytes;
+    bb.dkv = m_dkv_bytes;
+    bb.own = (same_memory(m_own[0], dq) ? 0 : own_dq_bytes) +
+             (same_memory(m_own[1], dk) ? 0 : own_dkv_bytes / 2) +
+             (same_memory(m_own[2], dv) ? 0 : own_dkv_bytes / 2);
+    stats.workspace_bytes = backward_workspace_bytes(slots, bb);
   }
 
   void set_plan(int steps) { m_arrive.assign(std::size_t(steps) + 1, {}); }
