@@ -164,6 +164,21 @@ void check(Mpi& comm, const HCase& c, const Mask& mask, int ulysses, std::uint64
     CHECK(mine.steps[i].tiles.full == fs.steps[i].tiles.full);
     CHECK(mine.steps[i].tiles.partial == fs.steps[i].tiles.partial);
   }
+  plan::Problem pbb = pb;
+  pbb.pass = plan::Pass::backward;
+  const plan::Prediction prb =
+      plan::predict_hybrid<Partition, Schedule>(pbb, mask, plan::Hardware{}, ulysses);
+  REQUIRE(prb.valid);
+  const plan::RankPlan& back = prb.ranks[std::size_t(rank)];
+  CHECK(back.alltoall_bytes == bs.alltoall_bytes);
+  CHECK(back.workspace_bytes == bs.workspace_bytes);
+  REQUIRE(back.steps.size() == bs.steps.size());
+  for (std::size_t i = 0; i < bs.steps.size(); ++i) {
+    INFO("backward step ", i);
+    CHECK(back.steps[i].bytes_sent == bs.steps[i].bytes_sent);
+    CHECK(back.steps[i].tiles.full == bs.steps[i].tiles.full);
+    CHECK(back.steps[i].tiles.partial == bs.steps[i].tiles.partial);
+  }
 }
 
 /// Every group size that divides P.

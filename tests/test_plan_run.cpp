@@ -54,6 +54,46 @@ RunStats check_plan_matches_run(Mpi& comm, const Case& c, const Mask& mask, T = 
   return run;
 }
 
+/// The same for the backward (plan::Pass::backward): the workspace, bytes
+/// and tiles per step of the schedule's backward description, at the
+/// backward kernels' tile sizes. Values do not matter here (zeros).
+template <class Partition, class Schedule, class Mask, class T = float>
+void check_backward_plan(Mpi& comm, const Case& c, const Mask& mask, T = {}, index_type extra = 0) {
+  const int P = comm.size(), rank = comm.rank();
+  const index_type N = index_type(c.n_local) * P + extra;
+  const int n = int(local_length<Partition>(N, P, rank));
+  V4<T> q("q", c.b, n, c.h, c.d), k("k", c.b, n, c.hkv, c.d), o("o", c.b, n, c.h, c.d),
+      dq("dq", c.b, n, c.h, c.d), dk("dk", c.b, n, c.hkv, c.d), dv("dv", c.b, n, c.hkv, c.d);
+  V3<compute_t<T>> lse("lse", c.b, c.h, n);
+  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
+  DistributedOptions opts;
+  opts.count_pairs = true;
+  const RunStats run = attn.backward(q, k, k, o, lse, o, dq, dk, dv, opts);
+  plan::Problem pb = plan::problem_for<T, ExecSpace>(N, P, c.b, c.h, c.hkv, c.d);
+  pb.pass = plan::Pass::backward;
+  const plan::Prediction pr = plan::predict<Partition, Schedule>(pb, mask, plan::Hardware{}, true);
+  REQUIRE(pr.valid);
+  const plan::RankPlan& mine = pr.ranks[std::size_t(rank)];
+  INFO("backward, rank ", rank, "/", P, " ", Partition::name(), " ", Schedule::name(), " ",
+       std::string(value_type_name<T>()), " N = ", N);
+  CHECK(pb.backward_block_q() == run.block_q);
+  CHECK(pb.backward_block_k() == run.block_k);
+  CHECK(mine.workspace_bytes == run.workspace_bytes);
+  REQUIRE(mine.steps.size() == run.steps.size());
+  std::int64_t sent = 0;
+  for (std::size_t s = 0; s < run.steps.size(); ++s) {
+    INFO("step ", s);
+    CHECK(mine.steps[s].bytes_sent == run.steps[s].bytes_sent);
+    CHECK(mine.steps[s].bytes_received == run.steps[s].bytes_received);
+    CHECK(mine.steps[s].tiles.full == run.steps[s].tiles.full);
+    CHECK(mine.steps[s].tiles.partial == run.steps[s].tiles.partial);
+    CHECK(mine.steps[s].tiles.allowed_pairs == run.steps[s].tiles.allowed_pairs);
+    CHECK(mine.steps[s].idle() == !run.steps[s].computed);
+    sent += run.steps[s].bytes_sent;
+  }
+  CHECK(mine.bytes_sent() == sent);
+}
+
 // Local lengths not multiples of the tile sizes.
 const Case cases[] = {{1, 74, 1, 1, 64}, {2, 38, 2, 1, 40}, {1, 130, 2, 2, 128}};
 
@@ -116,4 +156,33 @@ TEST_CASE("planner: bf16 storage, and ring bytes per step halve against fp32") {
       CHECK(2 * b16.steps[s].bytes_received == f32.steps[s].bytes_received);
     }
   }
+}
+
+TEST_CASE("planner: the backward's workspace, bytes and tiles per step equal the run's") {
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size();
+  for (const Case& c : cases) {
+    check_backward_plan<ContiguousPartition, RingSchedule>(comm, c, CausalMask{});
+    check_backward_plan<ZigzagPartition, RingSchedule>(comm, c, causal_window(40));
+    check_backward_plan<ZigzagPartition, BurstSchedule>(comm, c, CausalMask{});
+    check_backward_plan<StripedPartition, BurstSchedule>(comm, c, FullMask{});
+    check_backward_plan<ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{});
+    check_backward_plan<ContiguousPartition, AllGatherSchedule>(comm, c, causal_window(20));
+    check_backward_plan<ZigzagPartition, AllGatherSchedule>(comm, c, CausalMask{});
+    // 16-bit storage: K/V and the packed queries travel in 16 bits, the
+    // partial gradients and the own sums in fp32.
+    check_backward_plan<ZigzagPartition, RingSchedule>(comm, c, CausalMask{}, bf16{});
+    check_backward_plan<ZigzagPartition, BurstSchedule>(comm, c, CausalMask{}, fp16{});
+    check_backward_plan<ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{}, bf16{});
+    check_backward_plan<ContiguousPartition, AllGatherSchedule>(comm, c, causal_window(40), bf16{});
+  }
+  // Ranks of different lengths, a rank without a token, and a window that
+  // stops the rings early.
+  const Case c{1, 74, 2, 1, 64};
+  check_backward_plan<ZigzagPartition, RingSchedule>(comm, c, CausalMask{}, 0.f, 2 * P - 1);
+  check_backward_plan<ContiguousPartition, BurstSchedule>(comm, c, causal_window(20), 0.f, 1);
+  check_backward_plan<ContiguousPartition, BalancedSchedule>(comm, c, CausalMask{}, 0.f, 3);
+  const Case e{1, 0, 1, 1, 8};
+  check_backward_plan<ContiguousPartition, RingSchedule>(comm, e, CausalMask{}, 0.f,
+                                                         P > 1 ? P - 1 : 1);
 }

@@ -159,6 +159,167 @@ TEST_CASE(
     }
 }
 
+TEST_CASE("planner: the backward and the training step on the same unit machine") {
+  // The backward's tiles priced at 10 D FLOPs per pair: backward_flops = 10 c^2
+  // makes a backward tile 1 s as well; the same 36 of 64 block pairs as the
+  // forward; with free links the ring and the balanced schedule take 8 and 5
+  // steps (the partial gradients travel for free).
+  const int P = 8, c = 256;
+  plan::Problem p = block_problem(P, c);
+  plan::Hardware hw = unit_machine(c);
+  hw.backward_flops = 10.0 * c * c;
+  p.pass = plan::Pass::backward;
+  const auto ring = plan::predict<ContiguousPartition, RingSchedule>(p, CausalMask{}, hw);
+  const auto burst = plan::predict<ContiguousPartition, BurstSchedule>(p, CausalMask{}, hw);
+  const auto bal = plan::predict<ContiguousPartition, BalancedSchedule>(p, CausalMask{}, hw);
+  REQUIRE(ring.valid);
+  REQUIRE(bal.valid);
+  std::int64_t work = 0;
+  for (const auto& r : ring.ranks)
+    for (const auto& s : r.steps) work += s.tiles.computed();
+  CHECK(work == 36);
+  CHECK(ring.single_device_s == doctest::Approx(36.0));
+  CHECK(ring.makespan_s == doctest::Approx(8.0));
+  CHECK(burst.makespan_s == doctest::Approx(8.0));
+  CHECK(bal.makespan_s == doctest::Approx(5.0));
+  CHECK(bal.speedup_over_single() == doctest::Approx(7.2));
+  // A step's FLOPs: 10 D per pair of its computed tiles.
+  CHECK(ring.ranks[7].steps[0].flops == doctest::Approx(10.0 * c * c));
+  // Training: the forward, then the backward.
+  p.pass = plan::Pass::training;
+  const auto ring_t = plan::predict<ContiguousPartition, RingSchedule>(p, CausalMask{}, hw);
+  const auto bal_t = plan::predict<ContiguousPartition, BalancedSchedule>(p, CausalMask{}, hw);
+  CHECK(ring_t.makespan_s == doctest::Approx(16.0));
+  CHECK(bal_t.makespan_s == doctest::Approx(10.0));
+  CHECK(ring_t.single_device_s == doctest::Approx(72.0));
+  CHECK(ring_t.steps() == 16);
+  CHECK(ring_t.ranks[3].steps[8].start_s == doctest::Approx(8.0));  // the backward's first step
+  // Without a backward rate the backward runs at the forward's FLOP rate: 2.5x its time.
+  hw.backward_flops = 0;
+  p.pass = plan::Pass::backward;
+  CHECK(plan::predict<ContiguousPartition, RingSchedule>(p, CausalMask{}, hw).makespan_s ==
+        doctest::Approx(20.0));
+}
+
+TEST_CASE("planner: the backward's bytes per rank, and the link-bound rings") {
+  // P = 16 (more ranks than the multi-rank tests run): the KV ring sends P - 1
+  // K/V blocks (storage type) and P dK/dV partials (the last one home, compute
+  // type); the Q ring P - 1 packed query blocks and P dQ partials.
+  const int P = 16;
+  plan::Problem p;
+  p.N = index_type(P) * 1000;
+  p.P = P;
+  p.heads = 8;
+  p.kv_heads = 2;
+  p.dim = 96;
+  p.dtype_bytes = 2;
+  p.compute_bytes = 4;
+  p.block_q = p.block_k = 64;
+  p.bwd_block_q = 32;
+  p.bwd_block_k = 64;
+  p.bwd_dim_padded = 96;
+  p.pass = plan::Pass::backward;
+  plan::Hardware hw;
+  hw.flops = 1e30;  // compute takes no time
+  hw.bandwidth = 1e9;
+  const std::int64_t n = 1000, kv = 2 * n * 2 * 96 * 2, dkv = 2 * n * 2 * 96 * 4;
+  const std::int64_t rows = 8 * 1024;  // 1000 queries padded to 32-row tiles, 8 heads
+  const std::int64_t qb = 2 * rows * 96 * 2 + 2 * rows * 4, dq = n * 8 * 96 * 4;
+  const auto ring = plan::predict<ZigzagPartition, RingSchedule>(p, FullMask{}, hw);
+  const auto burst = plan::predict<ZigzagPartition, BurstSchedule>(p, FullMask{}, hw);
+  REQUIRE(ring.valid);
+  REQUIRE(burst.valid);
+  for (int r = 0; r < P; ++r) {
+    CHECK(ring.ranks[std::size_t(r)].bytes_sent() == (P - 1) * kv + P * dkv);
+    CHECK(burst.ranks[std::size_t(r)].bytes_sent() == (P - 1) * qb + P * dq);
+  }
+  // Link-bound: a step's block and the previous step's partial share the
+  // link; the last partial goes home after the loop.
+  CHECK(ring.makespan_s == doctest::Approx(((P - 1) * (kv + dkv) + dkv) / 1e9));
+  CHECK(burst.makespan_s == doctest::Approx(((P - 1) * (qb + dq) + dq) / 1e9));
+  // A training step moves both passes' bytes; Ulysses' backward its all-to-alls.
+  p.pass = plan::Pass::training;
+  const auto both = plan::predict<ZigzagPartition, RingSchedule>(p, FullMask{}, hw);
+  const std::int64_t packed_kv = 2 * 1024 * 2 * 96 * 2;  // the forward's block, keys padded to 64
+  CHECK(both.ranks[0].bytes_sent() == ring.ranks[0].bytes_sent() + (P - 1) * packed_kv);
+  CHECK(both.peak_bytes() == ring.peak_bytes());  // the backward holds more
+}
+
+namespace {
+/// The KV ring under another name: predict_backward() treats it as a
+/// description of the user's (it keeps the history of step starts).
+struct UsersRing : RingSchedule {};
+}  // namespace
+
+TEST_CASE("planner: the backward model's shortcuts equal the descriptions") {
+  // The all-gather's steps without its O(s) slot() equal its description
+  // (every field but a send's receiver slot, which no count reads), and
+  // give the same buffers.
+  for (int P : {1, 2, 3, 5, 8}) {
+    const index_type N = index_type(P) * 96 + 5;
+    for (int m = 0; m < 3; ++m) {
+      const auto win = causal_window(40);
+      const ScheduleContext c = m == 0   ? schedule_context<ContiguousPartition>(CausalMask{}, N, P)
+                                : m == 1 ? schedule_context<ContiguousPartition>(win, N, P)
+                                         : schedule_context<ZigzagPartition>(FullMask{}, N, P);
+      for (int r = 0; r < P; ++r) {
+        int used = 0;
+        BackwardSlots a, b;
+        for (int s = 0; s < AllGatherSchedule::Backward::steps(c); ++s) {
+          BackwardStep x, y;
+          AllGatherSchedule::Backward::step(c, r, s, x);
+          plan::detail::allgather_backward_step(c, r, s, used, y);
+          INFO("P ", P, " mask ", m, " rank ", r, " step ", s);
+          CHECK(x.task.q_rank == y.task.q_rank);
+          CHECK(x.task.k_rank == y.task.k_rank);
+          CHECK(x.kv_slot == y.kv_slot);
+          CHECK(x.dkv_slot == y.dkv_slot);
+          REQUIRE(x.transfers.size() == y.transfers.size());
+          for (std::size_t i = 0; i < x.transfers.size(); ++i) {
+            const auto &t = x.transfers[i], &u = y.transfers[i];
+            CHECK(t.src == u.src);
+            CHECK(t.dst == u.dst);
+            CHECK(t.payload == u.payload);
+            CHECK(t.src_step == u.src_step);
+            CHECK(t.dst_step == u.dst_step);
+            CHECK(t.after_compute == u.after_compute);
+            CHECK(t.done_step == u.done_step);
+            CHECK(t.src_slot == u.src_slot);
+            if (t.dst == r) CHECK(t.dst_slot == u.dst_slot);
+            CHECK(t.add_to == u.add_to);
+          }
+          add_backward_slots(a, x, r, s);
+          add_backward_slots(b, y, r, s);
+        }
+        CHECK(a.kv == b.kv);
+        CHECK(a.kv_copy == b.kv_copy);
+        CHECK(a.dkv_out == b.dkv_out);
+        CHECK(a.dkv_in == b.dkv_in);
+      }
+    }
+  }
+  // The built-in rings need no history of step starts: a user's copy of the
+  // ring (which keeps it) times every step the same, link- and compute-bound.
+  for (double bw : {1e6, 1e12}) {
+    plan::Problem p = block_problem(6, 64);
+    p.N += 7;
+    p.pass = plan::Pass::backward;
+    plan::Hardware hw = unit_machine(64);
+    hw.bandwidth = bw;
+    hw.latency = 1e-3;
+    const auto a = plan::predict<ZigzagPartition, RingSchedule>(p, CausalMask{}, hw);
+    const auto b = plan::predict<ZigzagPartition, UsersRing>(p, CausalMask{}, hw);
+    REQUIRE(a.valid);
+    REQUIRE(b.valid);
+    CHECK(a.makespan_s == b.makespan_s);
+    for (std::size_t r = 0; r < a.ranks.size(); ++r)
+      for (std::size_t s = 0; s < a.ranks[r].steps.size(); ++s) {
+        CHECK(a.ranks[r].steps[s].start_s == b.ranks[r].steps[s].start_s);
+        CHECK(a.ranks[r].steps[s].end_s == b.ranks[r].steps[s].end_s);
+      }
+  }
+}
+
 TEST_CASE("planner: balanced beats the ring for causal, recommendation respects memory") {
   plan::Problem p =
       plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(65536, 8, 1, 8, 8, 128);

@@ -128,6 +128,19 @@ void check(Mpi& comm, const UCase& c, const Mask& mask, std::uint64_t seed) {
   CHECK(mine.steps[0].bytes_sent == fs.steps[0].bytes_sent);
   CHECK(mine.steps[0].tiles.full == fs.steps[0].tiles.full);
   CHECK(mine.steps[0].tiles.partial == fs.steps[0].tiles.partial);
+  // The backward: its all-to-alls' bytes, its peak workspace, its tiles.
+  plan::Problem pbb = pb;
+  pbb.pass = plan::Pass::backward;
+  const plan::Prediction prb = plan::predict_ulysses<Partition>(pbb, mask, plan::Hardware{});
+  REQUIRE(prb.valid);
+  const plan::RankPlan& back = prb.ranks[std::size_t(rank)];
+  CHECK(pbb.backward_block_q() == bs.block_q);
+  CHECK(pbb.backward_block_k() == bs.block_k);
+  CHECK(back.workspace_bytes == bs.workspace_bytes);
+  REQUIRE(back.steps.size() == 1);
+  CHECK(back.steps[0].bytes_sent == bs.steps[0].bytes_sent);
+  CHECK(back.steps[0].tiles.full == bs.steps[0].tiles.full);
+  CHECK(back.steps[0].tiles.partial == bs.steps[0].tiles.partial);
 }
 
 template <class S, class Partition>

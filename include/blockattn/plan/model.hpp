@@ -39,6 +39,16 @@ struct Hardware {
   /// reads the rank's whole KV shard). <= 0: unknown (decode predictions
   /// then count only compute and messages).
   double memory_bandwidth = 0;
+  /// The backward's rate on full tiles, FLOP/s counted as 10 D per pair (the
+  /// recomputed S, dV, dP, dQ, dK products); <= 0: `flops`, i.e. the
+  /// backward takes 2.5x the forward's time on the same tiles.
+  double backward_flops = 0;
+  /// The backward's partial tile time over its full tile's (<= 0: partial_tile_cost).
+  double backward_partial_tile_cost = 0;
+  double backward_rate() const { return backward_flops > 0 ? backward_flops : flops; }
+  double backward_partial_cost() const {
+    return backward_partial_tile_cost > 0 ? backward_partial_tile_cost : partial_tile_cost;
+  }
   bool same_node(int r, int s) const {
     return ranks_per_node > 0 && r / ranks_per_node == s / ranks_per_node;
   }
@@ -90,6 +100,23 @@ inline Hardware h100_cluster() {
   return hw;
 }
 
+/// What a prediction times: the forward call, the backward call (given O,
+/// LSE and dO: the gradients of one training step), or both in turn (a
+/// training step's attention: makespans add, memory is the larger of the two).
+enum class Pass : int { forward, backward, training };
+
+inline const char* pass_name(Pass p) {
+  switch (p) {
+    case Pass::forward:
+      return "forward";
+    case Pass::backward:
+      return "backward";
+    case Pass::training:
+      return "training";
+  }
+  return "pass";
+}
+
 /// The attention problem as the kernels see it.
 struct Problem {
   index_type N = 0;  // global sequence length
@@ -103,16 +130,24 @@ struct Problem {
   /// The longest local length (predict() sets it from the partition; every
   /// buffer that travels has this many rows); 0: N / P.
   index_type most = 0;
+  /// The backward kernels' tile sizes and padded head dim (0: the forward's).
+  int bwd_block_q = 0, bwd_block_k = 0, bwd_dim_padded = 0;
+  Pass pass =
+      Pass::forward;  // what predict(), predict_ulysses(), predict_hybrid() and compare() time
   index_type local() const { return most > 0 ? most : N / P; }
   int stored_dim() const { return dim_padded > 0 ? dim_padded : dim; }
   int accumulator_bytes() const { return compute_bytes > 0 ? compute_bytes : dtype_bytes; }
+  int backward_block_q() const { return bwd_block_q > 0 ? bwd_block_q : block_q; }
+  int backward_block_k() const { return bwd_block_k > 0 ? bwd_block_k : block_k; }
+  int backward_stored_dim() const { return bwd_dim_padded > 0 ? bwd_dim_padded : stored_dim(); }
   bool widens() const { return accumulator_bytes() != dtype_bytes; }
 };
 
 /// A Problem with the tile sizes and padded head dim that DistributedAttention
 /// uses for value type T on ExecSpace.
 template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace,
-          class Shape = DefaultTileShape<compute_t<T>, impl::is_host_space_v<ExecSpace>>>
+          class Shape = DefaultTileShape<compute_t<T>, impl::is_host_space_v<ExecSpace>>,
+          class BackwardShape = BackwardTileShape<compute_t<T>, impl::is_host_space_v<ExecSpace>>>
 Problem problem_for(index_type N, int P, int batch, int heads, int kv_heads, int dim) {
   Problem p;
   p.N = N;
@@ -128,6 +163,12 @@ Problem problem_for(index_type N, int P, int batch, int heads, int kv_heads, int
     p.block_q = S::block_q;
     p.block_k = S::block_k;
     p.dim_padded = impl::padded_head_dim<S, decltype(static_d)::value>(dim);
+  });
+  impl::with_shape_for<BackwardShape>(dim, [&](auto static_d, auto shape) {
+    using S = decltype(shape);
+    p.bwd_block_q = S::block_q;
+    p.bwd_block_k = S::block_k;
+    p.bwd_dim_padded = impl::padded_head_dim<S, decltype(static_d)::value>(dim);
   });
   return p;
 }
@@ -202,6 +243,7 @@ struct Prediction {
   double single_device_s = 0;  // the whole sequence on one rank, same kernel model
   double ring_makespan_s = 0;  // the contiguous ring on the same problem (set by compare)
   bool fits = true;
+  int passes = 1;  // 2 for a training step (the forward's steps, then the backward's)
   int steps() const { return ranks.empty() ? 0 : ranks[0].step_count; }
   /// Rank-steps without work.
   std::int64_t idle_steps() const {
@@ -210,10 +252,10 @@ struct Prediction {
     return n;
   }
   /// DistFlashAttn (arXiv:2310.03294) eq. (2): idle rank-steps over P^2 (the P steps of the
-  /// ring on P ranks).
+  /// ring on P ranks), per pass.
   double idle_step_fraction() const {
     const double P = double(ranks.size());
-    return double(idle_steps()) / (P * P);
+    return double(idle_steps()) / (P * P * passes);
   }
   /// 1 - (sum of compute time) / (P * makespan).
   double idle_time_fraction() const {

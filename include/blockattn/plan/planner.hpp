@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Cost model and planner for the distributed forward: per rank and step, the
+// Cost model and planner for the distributed forward, backward and training
+// step (Problem::pass; predict_backward for the backward): per rank and step, the
 // tiles the kernels compute (the kernels' own classifier, so the counts are
 // exact), the messages the schedule sends (the same sizes the run sends), and
 // a timing simulation of the double-buffered steps on given hardware (compute
@@ -1202,6 +1203,330 @@ Prediction predict_reference(const Problem& problem, const Mask& mask, const Har
   return pr;
 }
 
+namespace detail {
+
+inline std::int64_t round_up(std::int64_t n, int b) {
+  return (n + b - 1) / b * std::int64_t(b);
+}
+
+/// Bytes of one backward transfer's payload (the sizes the run's backward
+/// sends): K and V rows in the storage type; a packed query block (Q, dO
+/// rows padded to the backward's query tiles and head dim in the storage
+/// type, LSE and D in the compute type); dQ and dK/dV partials in the
+/// compute type.
+inline std::int64_t backward_payload_bytes(const Problem& p, Payload what) {
+  const std::int64_t b = p.batch, most = p.local(), s = p.dtype_bytes, cs = p.accumulator_bytes();
+  const std::int64_t rows = b * p.heads * round_up(most, p.backward_block_q());
+  switch (what) {
+    case Payload::kv:
+      return 2 * b * most * p.kv_heads * p.dim * s;
+    case Payload::q:
+      return 2 * rows * p.backward_stored_dim() * s + 2 * rows * cs;
+    case Payload::dq:
+      return b * most * p.heads * p.dim * cs;
+    case Payload::dkv:
+      return 2 * b * most * p.kv_heads * p.dim * cs;
+    case Payload::result:
+      break;
+  }
+  return 0;
+}
+
+/// The buffers of the backward of a rank holding `n` tokens, for
+/// backward_workspace_bytes(): the caller's gradients are taken to be
+/// LayoutRight Views of the storage type (16-bit ones get fp32 sums).
+inline BackwardBufferBytes backward_buffer_bytes(const Problem& p, index_type n) {
+  const std::int64_t b = p.batch, cs = p.accumulator_bytes(), dp = p.backward_stored_dim();
+  BackwardBufferBytes bb;
+  bb.kv = backward_payload_bytes(p, Payload::kv);
+  bb.q = backward_payload_bytes(p, Payload::q);
+  if (p.widens())
+    bb.widened_q = 2 * b * p.heads * round_up(p.local(), p.backward_block_q()) * dp * cs;
+  bb.keys = 3 * b * p.kv_heads * round_up(p.local(), p.backward_block_k()) * dp * cs;
+  bb.dq = backward_payload_bytes(p, Payload::dq);
+  bb.dkv = backward_payload_bytes(p, Payload::dkv);
+  if (p.widens()) bb.own = b * n * (p.heads + 2 * std::int64_t(p.kv_heads)) * p.dim * cs;
+  return bb;
+}
+
+/// Compute time of backward tiles: 10 D FLOPs per pair at Hardware::backward_rate(),
+/// a partial tile at Hardware::backward_partial_cost() of a full one.
+inline double backward_tile_seconds(const Problem& p, const Hardware& hw, const TileCounts& t) {
+  const double rate = hw.backward_rate();
+  if (rate <= 0) return 0;
+  const double per_tile =
+      10.0 * p.backward_block_q() * p.backward_block_k() * p.dim * double(p.batch) * p.heads;
+  return (double(t.full) + hw.backward_partial_cost() * double(t.partial)) * per_tile / rate;
+}
+
+/// The whole sequence on one rank, same kernel model, for p.pass.
+template <class Mask>
+double single_device_seconds(const Problem& p, const Mask& mask, const Hardware& hw) {
+  double t = 0;
+  if (p.pass != Pass::backward)
+    t += tile_seconds(p, hw, whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, false));
+  if (p.pass != Pass::forward)
+    t += backward_tile_seconds(
+        p, hw, whole_sequence_tiles(mask, p.N, p.backward_block_q(), p.backward_block_k(), false));
+  return t;
+}
+
+/// The caller's Views of a backward on a rank of the longest length: q, o,
+/// dO, dQ; k, v, dK, dV; LSE.
+inline std::int64_t backward_input_bytes(const Problem& p) {
+  return rows_bytes(p, 4 * p.heads + 4 * p.kv_heads, p.dim) + state_bytes(p);
+}
+
+/// AllGatherSchedule::Backward::step() in O(P) at step 0 and O(1) after:
+/// `used` counts the K/V slots `rank` filled at steps 1 .. s - 1 (call it for
+/// s = 0, 1, ... in turn); the description's slot() recounts them (O(s) per
+/// call, O(P^3) over a prediction). A send's dst_slot (the receiver's slot,
+/// which no count of the sender's buffers reads) is left 0.
+inline void allgather_backward_step(const ScheduleContext& c, int rank, int s, int& used,
+                                    BackwardStep& out) {
+  const int P = c.P, j = AllGatherSchedule::source(rank, s, P);
+  const int in = s == 0 ? 0 : c.empty(rank, j) ? -1 : ++used;
+  if (in >= 0) {
+    out.task = {rank, j};
+    out.kv_slot = in;
+    if (s > 0) out.dkv_slot = s % 2;
+  }
+  if (s == 0) {
+    int n = 0;
+    for (int t = 1; t < P; ++t) {
+      const int from = AllGatherSchedule::source(rank, t, P), to = (rank + t) % P;
+      if (!c.empty(rank, from))
+        out.transfers.push_back({from, rank, Payload::kv, 0, 0, false, t - 1, 0, ++n});
+      if (!c.empty(to, rank))
+        out.transfers.push_back({rank, to, Payload::kv, 0, 0, false, t - 1, 0, 0});
+    }
+    return;
+  }
+  const int i = s % 2;
+  if (in >= 0) out.transfers.push_back({rank, j, Payload::dkv, s, s, true, s + 1, i, i, -1});
+  const int from = (rank + s) % P;  // uses our block at its step s
+  if (!c.empty(from, rank))
+    out.transfers.push_back({from, rank, Payload::dkv, s, s, true, s + 1, i, i, -1});
+}
+
+/// A training step's attention from its forward and backward predictions:
+/// times, steps (the backward's after the forward's), bytes and FLOPs add up;
+/// the peak per rank is the larger of the two passes' (input_bytes: the
+/// backward's Views; workspace_bytes: the rest of that peak).
+inline Prediction training(Prediction f, const Prediction& b) {
+  if (!f.valid) return f;
+  if (!b.valid) return b;
+  const double shift = f.makespan_s;
+  for (std::size_t r = 0; r < f.ranks.size(); ++r) {
+    RankPlan& x = f.ranks[r];
+    const RankPlan& y = b.ranks[r];
+    for (StepPlan st : y.steps) {
+      st.start_s += shift;
+      st.end_s += shift;
+      x.steps.push_back(st);
+    }
+    const std::int64_t peak = std::max(x.peak_bytes(), y.peak_bytes());
+    x.step_count += y.step_count;
+    x.idle_step_count += y.idle_step_count;
+    x.compute_s += y.compute_s;
+    x.sent += y.sent;
+    x.network += y.network;
+    x.alltoall_bytes += y.alltoall_bytes;
+    x.alltoall_network_bytes += y.alltoall_network_bytes;
+    x.alltoall_s += y.alltoall_s;
+    x.input_bytes = y.input_bytes;
+    x.workspace_bytes = peak - y.input_bytes;
+  }
+  f.makespan_s += b.makespan_s;
+  f.single_device_s += b.single_device_s;
+  f.passes = 2;
+  f.fits = f.fits && b.fits;
+  return f;
+}
+
+}  // namespace detail
+
+/// Predicts the backward of one partition x mask x schedule: the steps of
+/// the schedule's backward description (Schedule::backward_type) with their
+/// tiles at the backward kernels' tile sizes (Problem::bwd_block_q, _k),
+/// priced at 10 D FLOPs per pair (Hardware::backward_rate()), its messages
+/// (K/V blocks, packed query blocks, dQ and dK/dV partials at the sizes the
+/// run sends) and workspace (backward_workspace_bytes(), RunStats'), timed as
+/// predict_reference() times a forward: a message starts when both sides have
+/// posted it and its links are free, in the order of readiness (ties: by
+/// step, then rank). Generated step by step: O(P) memory besides the start
+/// times (O(P x steps) doubles) and the steps kept (keep_steps).
+template <class Partition, class Schedule, class Mask>
+Prediction predict_backward(const Problem& problem, const Mask& mask, const Hardware& hw,
+                            bool count_pairs = false, int rank_stride = 1, bool keep_steps = true) {
+  using B = typename Schedule::backward_type;
+  Prediction pr;
+  pr.partition = Partition::name();
+  pr.schedule = Schedule::name();
+  const int P = problem.P;
+  static_assert(sizeof(impl::schedule_complete<Schedule>) > 0, "");
+  if (std::string why = detail::layout_why_not<Partition, Schedule, Mask>(problem.N, P);
+      !why.empty())
+    return detail::invalid(std::move(pr), std::move(why));
+  Problem p = problem;  // buffers sized for the longest rank, as the run's
+  p.most = max_local_length<Partition>(p.N, P);
+  const int bq = p.backward_block_q(), bk = p.backward_block_k();
+  detail::PairWork<Partition, Mask> w(mask, p.N, P, bq, bk, count_pairs);
+  if constexpr (Schedule::template supports<Partition, Mask>) {
+    std::string why;
+    if (std::is_same<Schedule, BalancedSchedule>::value && w.by_difference()) {
+      for (int j = 1; j < P && why.empty(); ++j)  // as predict()
+        if (!w.empty(0, j)) why = BalancedSchedule::reaches_later(0, j);
+    } else {
+      why = Schedule::template can_implement<Partition>(mask, p.N, P);
+    }
+    if (!why.empty()) return detail::invalid(std::move(pr), std::move(why));
+  }
+  ScheduleContext ctx;
+  ctx.P = P;
+  ctx.empty_pair = [&w](int q_rank, int k_rank) { return w.empty(q_rank, k_rank); };
+  ctx.reach = w.ring_reach();
+  const int steps = B::steps(ctx), total = steps + 1;
+  pr.ranks.resize(std::size_t(P));
+  const std::int64_t inputs = detail::backward_input_bytes(p);
+  const double pair_flops = 10.0 * bq * bk * p.dim * double(p.batch) * p.heads;
+  // A message waits in the bucket of the step that completes it; its
+  // receiver's post time (the start of dst_step) is filled in once that step
+  // has started on every rank. The built-in descriptions post no receive
+  // before the step that sends it, except the all-gather's at step 0 (whose
+  // start is 0): they need no history of step starts. Other descriptions
+  // keep it (P x steps doubles).
+  constexpr bool gather = std::is_same<Schedule, AllGatherSchedule>::value;
+  constexpr bool builtin = gather || std::is_same<Schedule, BalancedSchedule>::value ||
+                           impl::is_kv_ring_forward<Schedule>::value;
+  struct Pending {
+    int src, dst, src_step, dst_step;
+    std::int64_t bytes;
+    double src_post, dst_post;
+  };
+  std::vector<std::vector<Pending>> due(static_cast<std::size_t>(total));
+  std::vector<std::vector<std::pair<int, std::size_t>>> unresolved(static_cast<std::size_t>(total));
+  std::vector<double> history(builtin ? 0 : std::size_t(P) * std::size_t(total), 0.0),
+      done(std::size_t(P), 0.0), row(std::size_t(P), 0.0), out_free(std::size_t(P), 0.0),
+      in_free(std::size_t(P), 0.0);  // row: the starts of the current step
+  std::vector<BackwardSlots> slots(static_cast<std::size_t>(P));
+  std::vector<int> used(gather ? std::size_t(P) : 0, 0);  // the all-gather's K/V slots so far
+  std::vector<std::pair<double, const Pending*>> ready;
+  std::vector<Pending> gathered;
+  BackwardStep f;
+  for (auto& rp : pr.ranks) {
+    rp.input_bytes = inputs;
+    if (keep_steps) rp.steps.reserve(std::size_t(steps));
+  }
+  const std::int64_t kv_bytes = detail::backward_payload_bytes(p, Payload::kv);
+  for (int s = 0; s < total; ++s) {
+    for (int r = 0; r < P; ++r) {
+      RankPlan& rp = pr.ranks[std::size_t(r)];
+      const double t0 = done[std::size_t(r)];  // the end of step s - 1 (0 at the start)
+      row[std::size_t(r)] = t0;
+      if (!builtin) history[std::size_t(r) * total + std::size_t(s)] = t0;
+      if (s == steps) continue;
+      f.clear();
+      if constexpr (gather)
+        detail::allgather_backward_step(ctx, r, s, used[std::size_t(r)], f);
+      else
+        B::step(ctx, r, s, f);
+      add_backward_slots(slots[std::size_t(r)], f, r, s);
+      StepPlan st;
+      st.task = f.task;
+      if (!f.task.idle()) st.tiles = w(f.task.q_rank, f.task.k_rank);
+      st.flops = pair_flops * double(st.tiles.computed());
+      st.compute_s =
+          detail::backward_tile_seconds(p, hw, st.tiles) + (st.idle() ? 0.0 : hw.step_overhead);
+      st.start_s = t0;
+      done[std::size_t(r)] = t0 + st.compute_s;
+      for (const ScheduledTransfer& t : f.transfers) {
+        if (t.src != r || t.src_step != s) continue;
+        if (gather && t.payload == Payload::kv) continue;  // generated when due (below)
+        auto& bucket = due[std::size_t(std::min(t.done_step, steps))];
+        Pending m{t.src,
+                  t.dst,
+                  t.src_step,
+                  t.dst_step,
+                  detail::backward_payload_bytes(p, t.payload),
+                  t.after_compute ? done[std::size_t(r)] : t0,
+                  0.0};
+        if (t.dst_step >= s)
+          unresolved[std::size_t(t.dst_step)].push_back(
+              {std::min(t.done_step, steps), bucket.size()});
+        else if (!builtin)
+          m.dst_post = history[std::size_t(t.dst) * total + std::size_t(t.dst_step)];
+        bucket.push_back(m);
+      }
+      ++rp.step_count;
+      rp.idle_step_count += st.idle() ? 1 : 0;
+      rp.compute_s += st.compute_s;
+      if (keep_steps) rp.steps.push_back(st);
+    }
+    // Step s has started everywhere: the receivers' post times of step s.
+    for (const auto& [b, i] : unresolved[std::size_t(s)]) {
+      Pending& m = due[std::size_t(b)][i];
+      m.dst_post = row[std::size_t(m.dst)];
+    }
+    std::vector<std::pair<int, std::size_t>>().swap(unresolved[std::size_t(s)]);
+    // The all-gather's K/V of step s + 1, posted by both sides at step 0 (in
+    // the order its description lists them: by sender), completed by step s.
+    if constexpr (gather) {
+      gathered.clear();
+      if (s + 1 < steps)
+        for (int r = 0; r < P; ++r) {
+          const int to = (r + s + 1) % P;  // AllGatherSchedule::source(to, s + 1) == r
+          if (!ctx.empty(to, r)) gathered.push_back({r, to, 0, 0, kv_bytes, 0.0, 0.0});
+        }
+      auto& bucket = due[std::size_t(s)];
+      bucket.insert(bucket.begin(), gathered.begin(), gathered.end());
+    }
+    ready.clear();
+    for (const Pending& m : due[std::size_t(s)])
+      ready.push_back({std::max(m.src_post, m.dst_post), &m});
+    std::stable_sort(ready.begin(), ready.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (const auto& [at, m] : ready) {
+      const std::size_t a = std::size_t(m->src), b = std::size_t(m->dst);
+      const bool net = !hw.same_node(m->src * rank_stride, m->dst * rank_stride);
+      const double dt =
+          hw.transfer_seconds(m->src * rank_stride, m->dst * rank_stride, double(m->bytes));
+      const double fin = std::max({at, out_free[a], in_free[b]}) + dt;
+      out_free[a] = in_free[b] = fin;
+      done[a] = std::max(done[a], fin);
+      done[b] = std::max(done[b], fin);
+      RankPlan &ra = pr.ranks[a], &rb = pr.ranks[b];
+      ra.sent += m->bytes;
+      ra.network += net ? m->bytes : 0;
+      if (keep_steps && steps > 0) {
+        StepPlan& x = ra.steps[std::size_t(std::min(m->src_step, steps - 1))];
+        x.bytes_sent += m->bytes;
+        x.network_bytes += net ? m->bytes : 0;
+        x.comm_s += dt;
+        StepPlan& y = rb.steps[std::size_t(std::min(m->dst_step, steps - 1))];
+        y.bytes_received += m->bytes;
+        y.comm_s += dt;
+      }
+    }
+    std::vector<Pending>().swap(due[std::size_t(s)]);
+    // Step s ends here; the last one with what completes after the loop.
+    if (keep_steps && steps > 0 && s != steps - 1)
+      for (int r = 0; r < P; ++r)
+        pr.ranks[std::size_t(r)].steps[std::size_t(std::min(s, steps - 1))].end_s =
+            done[std::size_t(r)];
+  }
+  for (int r = 0; r < P; ++r) {
+    RankPlan& rp = pr.ranks[std::size_t(r)];
+    rp.workspace_bytes = backward_workspace_bytes(
+        slots[std::size_t(r)],
+        detail::backward_buffer_bytes(p, local_length<Partition>(p.N, P, r)));
+    pr.makespan_s = std::max(pr.makespan_s, done[std::size_t(r)]);
+  }
+  pr.single_device_s = detail::single_device_seconds(p, mask, hw);
+  pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
+  return pr;
+}
+
 /// Predicts one partition x mask x schedule: per rank and step the block
 /// pair, its tiles (the kernels' classifier), the messages of the schedule's
 /// description and their timing, as predict_reference() does, in O(P)
@@ -1213,9 +1538,22 @@ Prediction predict_reference(const Problem& problem, const Mask& mask, const Har
 /// of partial tiles). rank_stride: rank r of the prediction is rank r x
 /// rank_stride of the machine (HybridAttention's rings: the ranks of one
 /// member index). keep_steps: keep RankPlan::steps (else only the totals).
+/// Problem::pass: backward goes to predict_backward(), training adds the
+/// forward and the backward (detail::training()).
 template <class Partition, class Schedule, class Mask>
 Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
                    bool count_pairs = false, int rank_stride = 1, bool keep_steps = true) {
+  if (problem.pass != Pass::forward) {
+    Problem b = problem;
+    b.pass = Pass::backward;
+    Prediction back =
+        predict_backward<Partition, Schedule>(b, mask, hw, count_pairs, rank_stride, keep_steps);
+    if (problem.pass == Pass::backward) return back;
+    Problem f = problem;
+    f.pass = Pass::forward;
+    return detail::training(
+        predict<Partition, Schedule>(f, mask, hw, count_pairs, rank_stride, keep_steps), back);
+  }
   constexpr bool ring = impl::is_kv_ring_forward<Schedule>::value,
                  gather = std::is_same<Schedule, AllGatherSchedule>::value,
                  balanced = std::is_same<Schedule, BalancedSchedule>::value;
@@ -1284,6 +1622,14 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
 template <class Partition, class Mask>
 Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& hw,
                            bool count_pairs = false) {
+  if (p.pass == Pass::training) {
+    Problem f = p, b = p;
+    f.pass = Pass::forward;
+    b.pass = Pass::backward;
+    return detail::training(predict_ulysses<Partition>(f, mask, hw, count_pairs),
+                            predict_ulysses<Partition>(b, mask, hw, count_pairs));
+  }
+  const bool bwd = p.pass == Pass::backward;
   Prediction pr;
   pr.partition = Partition::name();
   pr.schedule = "ulysses";
@@ -1294,38 +1640,52 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
     return detail::invalid(std::move(pr), std::move(why));
   const UlyssesHeads u = UlyssesHeads::make(p.heads, p.kv_heads, P);
   const int cs = p.accumulator_bytes();
-  const std::int64_t keys_padded = (p.N + p.block_k - 1) / p.block_k * std::int64_t(p.block_k);
-  const std::int64_t packed =
-      2 * std::int64_t(p.batch) * u.kv_heads_per_rank * keys_padded * p.stored_dim() * cs;
+  const std::int64_t b = p.batch, hq = u.heads_per_rank, hk = u.kv_heads_per_rank;
+  const int bq = bwd ? p.backward_block_q() : p.block_q,
+            bk = bwd ? p.backward_block_k() : p.block_k;
+  // The local attention's packed buffers (compute type): the forward's K/V
+  // block; the backward's keys (K^T, V^T panels, K rows) and rows (Q, dO, LSE, D).
+  const std::int64_t keys_padded = detail::round_up(p.N, bk),
+                     rows_padded = detail::round_up(p.N, bq);
+  const std::int64_t packed = bwd ? (3 * hk * keys_padded * p.backward_stored_dim() +
+                                     2 * hq * rows_padded * (p.backward_stored_dim() + 1)) *
+                                        b * cs
+                                  : 2 * b * hk * keys_padded * p.stored_dim() * cs;
   // Chunks of the longest rank's tokens (every rank's when P divides N).
   Problem widest = p;
   widest.most = max_local_length<Partition>(p.N, P);
   const UlyssesForwardVolume vol =
-      ulysses_forward_volume(u, p.batch, p.N, p.dim, p.dtype_bytes, cs, packed, widest.most);
-  // Time: the all-to-alls in (Q, K, V) and out (O, LSE), P - 1 chunks each.
-  const std::int64_t n = widest.local(), chunk_row = std::int64_t(p.batch) * n * p.dim;
+      bwd ? ulysses_backward_volume(u, p.batch, p.N, p.dim, p.dtype_bytes, cs, cs, packed,
+                                    widest.most)
+          : ulysses_forward_volume(u, p.batch, p.N, p.dim, p.dtype_bytes, cs, packed, widest.most);
+  // Time: the all-to-alls in (Q, K, V; backward: and O, dO, LSE) and out (O,
+  // LSE; backward: dQ, dK, dV in the compute type), P - 1 chunks each.
+  const std::int64_t n = widest.local(), chunk_row = b * n * p.dim;
   const auto a2a = [&](std::int64_t chunk_bytes) {
     return detail::alltoall_seconds(hw, 0, P, 1, chunk_bytes);
   };
   const std::int64_t s = p.dtype_bytes;
-  const double in = a2a(chunk_row * u.heads_per_rank * s) +
-                    2 * a2a(chunk_row * u.kv_heads_per_rank * s),
-               out = a2a(chunk_row * u.heads_per_rank * s) +
-                     a2a(std::int64_t(p.batch) * n * u.heads_per_rank * cs);
+  const double lse_a2a = a2a(b * n * hq * cs);
+  const double in = (bwd ? 3 : 1) * a2a(chunk_row * hq * s) + 2 * a2a(chunk_row * hk * s) +
+                    (bwd ? lse_a2a : 0.0),
+               out = a2a(chunk_row * hq * s) + (bwd ? 2 * a2a(chunk_row * hk * cs) : lse_a2a);
   Problem local = p;
   local.heads = u.heads_per_rank;
   StepPlan st;
   st.task = BlockTask{};
-  st.tiles = detail::whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, count_pairs);
-  st.flops = 4.0 * double(st.tiles.computed()) * p.block_q * p.block_k * p.dim * p.batch *
-             u.heads_per_rank;
-  st.compute_s = detail::tile_seconds(local, hw, st.tiles) + hw.step_overhead;
+  st.tiles = detail::whole_sequence_tiles(mask, p.N, bq, bk, count_pairs);
+  st.flops = (bwd ? 10.0 : 4.0) * double(st.tiles.computed()) * bq * bk * p.dim * p.batch * hq;
+  st.compute_s = (bwd ? detail::backward_tile_seconds(local, hw, st.tiles)
+                      : detail::tile_seconds(local, hw, st.tiles)) +
+                 hw.step_overhead;
   st.comm_s = in + out;
   st.bytes_sent = st.bytes_received = vol.sent;
   st.start_s = 0;
   st.end_s = in + st.compute_s + out;
   const std::int64_t inputs =
-      detail::rows_bytes(widest, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(widest);
+      bwd ? detail::backward_input_bytes(widest)
+          : detail::rows_bytes(widest, 2 * p.heads + 2 * p.kv_heads, p.dim) +
+                detail::state_bytes(widest);
   pr.ranks.resize(std::size_t(P));
   for (int r = 0; r < P; ++r) {
     RankPlan& rp = pr.ranks[std::size_t(r)];
@@ -1337,8 +1697,7 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
     rp.add(st, true);
   }
   pr.makespan_s = st.end_s;
-  pr.single_device_s = detail::tile_seconds(
-      p, hw, detail::whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, false));
+  pr.single_device_s = detail::single_device_seconds(p, mask, hw);
   pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
   return pr;
 }
@@ -1358,6 +1717,15 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
 template <class Partition, class Schedule, class Mask>
 Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw, int ulysses,
                           bool count_pairs = false, bool keep_steps = true) {
+  if (p.pass == Pass::training) {
+    Problem f = p, b = p;
+    f.pass = Pass::forward;
+    b.pass = Pass::backward;
+    return detail::training(
+        predict_hybrid<Partition, Schedule>(f, mask, hw, ulysses, count_pairs, keep_steps),
+        predict_hybrid<Partition, Schedule>(b, mask, hw, ulysses, count_pairs, keep_steps));
+  }
+  const bool bwd = p.pass == Pass::backward;
   Prediction pr;
   pr.partition = Partition::name();
   pr.ulysses = ulysses;
@@ -1396,22 +1764,30 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
   const auto a2a = [&](std::int64_t chunk) {
     return detail::alltoall_seconds(hw, 0, ulysses, g.ring, chunk);
   };
-  const double in = a2a(chunk_row * u.heads_per_rank * s) +
-                    2 * a2a(chunk_row * u.kv_heads_per_rank * s),
+  // Backward: O, dO and LSE join Q, K, V on the way in; dQ, dK, dV go back
+  // in the storage type (the ring's gradients).
+  const double lse_a2a = a2a(std::int64_t(p.batch) * n * u.heads_per_rank * cs);
+  const double in = (bwd ? 3 : 1) * a2a(chunk_row * u.heads_per_rank * s) +
+                    2 * a2a(chunk_row * u.kv_heads_per_rank * s) + (bwd ? lse_a2a : 0.0),
                out = a2a(chunk_row * u.heads_per_rank * s) +
-                     a2a(std::int64_t(p.batch) * n * u.heads_per_rank * cs);
+                     (bwd ? 2 * a2a(chunk_row * u.kv_heads_per_rank * s) : lse_a2a);
   Problem widest = p;
   widest.most = n;
   const std::int64_t inputs =
-      detail::rows_bytes(widest, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(widest);
+      bwd ? detail::backward_input_bytes(widest)
+          : detail::rows_bytes(widest, 2 * p.heads + 2 * p.kv_heads, p.dim) +
+                detail::state_bytes(widest);
   pr.ranks.resize(std::size_t(P));
   for (int r = 0; r < P; ++r) {
     const RankPlan& rr = ring.ranks[std::size_t(g.group(r))];
     RankPlan& rp = pr.ranks[std::size_t(r)];
     const index_type Ng = group_tokens(g.group(r));
+    const index_type most = impl::EvenCut{Ng, ulysses}.length(0);
     const UlyssesForwardVolume vol =
-        ulysses_forward_volume(u, p.batch, Ng, p.dim, p.dtype_bytes, cs, rr.workspace_bytes,
-                               impl::EvenCut{Ng, ulysses}.length(0));
+        bwd ? ulysses_backward_volume(u, p.batch, Ng, p.dim, p.dtype_bytes, cs, p.dtype_bytes,
+                                      rr.workspace_bytes, most)
+            : ulysses_forward_volume(u, p.batch, Ng, p.dim, p.dtype_bytes, cs, rr.workspace_bytes,
+                                     most);
     rp.steps = rr.steps;
     rp.step_count = rr.step_count;
     rp.idle_step_count = rr.idle_step_count;
@@ -1435,14 +1811,14 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
     rp.alltoall_s = in + out;
   }
   pr.makespan_s = in + ring.makespan_s + out;
-  pr.single_device_s = detail::tile_seconds(
-      p, hw, detail::whole_sequence_tiles(mask, p.N, p.block_q, p.block_k, false));
+  pr.single_device_s = detail::single_device_seconds(p, mask, hw);
   pr.fits = hw.memory_bytes <= 0 || double(pr.peak_bytes()) <= hw.memory_bytes;
   return pr;
 }
 
 /// Every built-in combination for this mask: contiguous, striped and zigzag
-/// with the KV ring, contiguous with the balanced schedule (masks other than
+/// with the KV ring (and, when p.pass has a backward, zigzag with the Q ring:
+/// BurstSchedule), contiguous with the balanced schedule (masks other than
 /// full), zigzag with the all-gather (Llama 3's layout), and the head-parallel
 /// all-to-all (Ulysses; invalid when P does not divide the heads), and on
 /// two-level hardware (ranks_per_node > 0) the 2D hybrid for every group size
@@ -1456,6 +1832,9 @@ std::vector<Prediction> compare(const Problem& p, const Mask& mask, const Hardwa
       predict<ContiguousPartition, RingSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
   all.push_back(predict<StripedPartition, RingSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
   all.push_back(predict<ZigzagPartition, RingSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
+  // The Q ring's forward is the KV ring's; its backward moves the queries.
+  if (p.pass != Pass::forward)
+    all.push_back(predict<ZigzagPartition, BurstSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
   if constexpr (!std::is_same<Mask, FullMask>::value)
     all.push_back(
         predict<ContiguousPartition, BalancedSchedule>(p, mask, hw, count_pairs, 1, keep_steps));
