@@ -5,8 +5,9 @@
 //    kernel's rate on full tiles and the cost of a partial tile (forward on one
 //    local block, full and causal mask), the bandwidth of a ring exchange of
 //    one K/V block and the latency of a small message.
-// 2. Runs the distributed forward for every partition x schedule (causal mask
-//    by default): best of R of the slowest rank's time.
+// 2. Runs the distributed forward (--pass backward: the backward, whose
+//    calibration adds the backward on one local block) for every partition x
+//    schedule (causal mask by default): best of R of the slowest rank's time.
 // 3. Prints measured and predicted time and their ratio, and the measured and
 //    predicted speedups over the contiguous ring, all from this one run; and
 //    the busiest rank's compute time (StepStats::compute_seconds summed; the
@@ -14,6 +15,7 @@
 //    from the waits'.
 //
 //   blockattn_bench_plan [--n-local n] [--heads H] [--dim D] [--reps R] [--mask causal|window:W]
+//                        [--pass forward|backward]
 #include <blockattn/blockattn.hpp>
 #include <blockattn/calibrate.hpp>
 #include <blockattn/mpi_communicator.hpp>
@@ -47,16 +49,19 @@ struct Args {
   int n_local = 4096, heads = 1, dim = 128, reps = 10;
   std::string mask = "causal";
   index_type window = 0;  // --mask window:W
+  bool backward = false;  // --pass backward
 };
 
 const char* const usage_text = R"(usage: mpiexec -n P blockattn_bench_plan [flags]
-Calibrates the planner on this machine, runs the distributed forward for every
-partition x schedule and prints measured vs predicted time and speedups.
+Calibrates the planner on this machine, runs the distributed forward (or
+backward) for every partition x schedule and prints measured vs predicted time
+and speedups.
   --n-local n   tokens per rank [4096]
   --heads H     [1]
   --dim D       head dim [128]
   --reps R      best of R [10]
   --mask M      causal|window:W [causal]
+  --pass P      forward|backward [forward]
   --help, -h    this text
 Kokkos' flags (--kokkos-num-threads=N, ...) pass through. Exit status 2: a bad
 command line or an error the library reports (printed by rank 0).
@@ -67,7 +72,8 @@ std::string parse(int argc, char** argv, Args& a) {
   using blockattn_cli::read_int;
   for (int i = 1; i < argc; i += 2) {
     const std::string f = argv[i];
-    if (f != "--n-local" && f != "--heads" && f != "--dim" && f != "--reps" && f != "--mask")
+    if (f != "--n-local" && f != "--heads" && f != "--dim" && f != "--reps" && f != "--mask" &&
+        f != "--pass")
       return "unknown argument " + f + " (blockattn_bench_plan --help lists the flags)";
     if (i + 1 >= argc) return f + " needs a value";
     const std::string v = argv[i + 1];
@@ -80,7 +86,12 @@ std::string parse(int argc, char** argv, Args& a) {
       error = read_int(f, v, a.dim);
     else if (f == "--reps")
       error = read_int(f, v, a.reps);
-    else if (v == "causal")
+    else if (f == "--pass") {
+      if (v == "forward" || v == "backward")
+        a.backward = v == "backward";
+      else
+        error = f + ": expected forward or backward, got '" + v + "'";
+    } else if (v == "causal")
       a.mask = v;
     else if (v.rfind("window:", 0) == 0 && read_int(f, v.substr(7), a.window).empty())
       a.mask = v;
@@ -91,7 +102,7 @@ std::string parse(int argc, char** argv, Args& a) {
   return "";
 }
 
-/// One forward of a partition x schedule on its own local Views; returns the
+/// One forward (or backward) of a partition x schedule on its own local Views; returns the
 /// slowest rank's time and keeps the run's step count and the most bytes any
 /// rank sent; `predict` is the planner's view of the same run.
 struct Runner {
@@ -114,6 +125,15 @@ Runner runner_for(Comm& comm, const Args& a, std::shared_ptr<Attn> attn, Predict
   Kokkos::deep_copy(q, T(0.01) * T(comm.rank() + 1));
   Kokkos::deep_copy(k, T(0.02));
   Kokkos::deep_copy(v, T(1));
+  // The backward's inputs: this forward's O and LSE, dO = q; its gradients.
+  V4 dq, dk, dv;
+  if (a.backward) {
+    dq = V4("dq", 1, a.n_local, a.heads, a.dim);
+    dk = V4("dk", 1, a.n_local, a.heads, a.dim);
+    dv = V4("dv", 1, a.n_local, a.heads, a.dim);
+    attn->forward(q, k, v, o, lse);
+  }
+  const bool backward = a.backward;
   Comm* c = &comm;
   Runner r;
   r.partition = std::move(partition);
@@ -125,7 +145,8 @@ Runner runner_for(Comm& comm, const Args& a, std::shared_ptr<Attn> attn, Predict
   r.once = [=]() {
     c->barrier();
     const double t0 = now();
-    const RunStats s = attn->forward(q, k, v, o, lse);
+    const RunStats s =
+        backward ? attn->backward(q, k, v, o, lse, q, dq, dk, dv) : attn->forward(q, k, v, o, lse);
     Kokkos::fence();
     const double t = c->allreduce(now() - t0, ReduceOp::max);
     *steps = int(s.steps.size());
@@ -220,6 +241,7 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   const int P = comm.size();
   const index_type N = index_type(a.n_local) * P;
   plan::Problem pb = plan::problem_for<T>(N, P, 1, a.heads, a.heads, a.dim);
+  pb.pass = a.backward ? plan::Pass::backward : plan::Pass::forward;
   const double B = exchange_bandwidth(comm, std::size_t(plan::detail::packed_kv_bytes(pb)), a.reps);
   const double lat = small_message_latency(comm);
   // Round robin over the calibration and the combinations, best of R each:
@@ -230,6 +252,8 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   runners.push_back(make_runner<ContiguousPartition, RingSchedule>(comm, a, mask));
   runners.push_back(make_runner<StripedPartition, RingSchedule>(comm, a, mask));
   runners.push_back(make_runner<ZigzagPartition, RingSchedule>(comm, a, mask));
+  if (a.backward)  // the Q ring's forward is the KV ring's
+    runners.push_back(make_runner<ZigzagPartition, BurstSchedule>(comm, a, mask));
   if constexpr (!std::is_same<Mask, FullMask>::value)
     runners.push_back(make_runner<ContiguousPartition, BalancedSchedule>(comm, a, mask));
   runners.push_back(make_runner<ContiguousPartition, AllGatherSchedule>(comm, a, mask));
@@ -242,13 +266,19 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   std::vector<double> best(runners.size(), 1e300);
   plan::Calibration cal;
   cal.full_seconds = cal.causal_seconds = 1e300;
+  cal.backward_seconds = cal.backward_causal_seconds = a.backward ? 1e300 : 0.0;
   for (int r = 0; r <= a.reps; ++r) {
-    const plan::Calibration one = plan::calibrate<T>(a.n_local, a.heads, a.dim, 1);
+    const plan::Calibration one = plan::calibrate<T>(a.n_local, a.heads, a.dim, 1, {}, a.backward);
     cal.n = one.n;
     cal.heads = one.heads;
     cal.dim = one.dim;
     cal.full_seconds = std::min(cal.full_seconds, one.full_seconds);
     cal.causal_seconds = std::min(cal.causal_seconds, one.causal_seconds);
+    if (a.backward) {
+      cal.backward_seconds = std::min(cal.backward_seconds, one.backward_seconds);
+      cal.backward_causal_seconds =
+          std::min(cal.backward_causal_seconds, one.backward_causal_seconds);
+    }
     for (std::size_t i = 0; i < runners.size(); ++i) {
       const double t = runners[i].once();
       if (r > 0) best[i] = std::min(best[i], t);  // r = 0 warms up
@@ -257,10 +287,14 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   cal = plan::fit_calibration<T>(cal);
   const double F = comm.allreduce(cal.flops, ReduceOp::sum) / P;
   const double kappa = comm.allreduce(cal.partial_tile_cost, ReduceOp::sum) / P;
+  const double Fb = comm.allreduce(cal.backward_flops, ReduceOp::sum) / P;
+  const double kappa_b = comm.allreduce(cal.backward_partial_tile_cost, ReduceOp::sum) / P;
   plan::Hardware hw;
   hw.name = "this machine (calibrated)";
   hw.flops = F;
   hw.partial_tile_cost = kappa;
+  hw.backward_flops = Fb;
+  hw.backward_partial_tile_cost = kappa_b;
   hw.bandwidth = B;
   hw.latency = lat;
 
@@ -282,14 +316,21 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
 
   if (comm.rank() != 0) return;
   std::printf(
-      "P = %d ranks x %d thread(s), N = %lld (%d per rank), heads %d, D = %d, fp32, "
+      "%s: P = %d ranks x %d thread(s), N = %lld (%d per rank), heads %d, D = %d, fp32, "
       "mask %s, tiles %dx%d\n",
-      P, Kokkos::DefaultExecutionSpace().concurrency(), (long long)N, a.n_local, a.heads, a.dim,
-      a.mask.c_str(), pb.block_q, pb.block_k);
+      a.backward ? "backward" : "forward", P, Kokkos::DefaultExecutionSpace().concurrency(),
+      (long long)N, a.n_local, a.heads, a.dim, a.mask.c_str(),
+      a.backward ? pb.backward_block_q() : pb.block_q,
+      a.backward ? pb.backward_block_k() : pb.block_k);
   std::printf(
       "calibrated: F = %.1f GFLOP/s on full tiles, partial tile = %.2f full tiles, "
       "B = %.2f GB/s (ring exchange of one K/V block), latency %.1f us\n",
       F / 1e9, kappa, B / 1e9, lat * 1e6);
+  if (a.backward)
+    std::printf(
+        "calibrated: backward F = %.1f GFLOP/s on full tiles (10 D FLOPs per pair), partial "
+        "tile = %.2f full tiles\n",
+        Fb / 1e9, kappa_b);
   std::printf("%-11s %-16s %12s %12s %10s %13s %13s %11s %21s %19s\n", "partition", "schedule",
               "measured", "predicted", "pred/meas", "meas vs ring", "pred vs ring", "steps m/p",
               "max sent/rank m/p MB", "busy m/p ms");
@@ -303,13 +344,14 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
         r.busy * 1e3, r.predicted_busy * 1e3);
   for (const Row& r : rows)
     std::printf(
-        "{\"bench\":\"plan\",\"P\":%d,\"n_local\":%d,\"partition\":\"%s\",\"schedule\":"
+        "{\"bench\":\"plan\",\"pass\":\"%s\",\"P\":%d,\"n_local\":%d,\"partition\":\"%s\","
+        "\"schedule\":"
         "\"%s\",\"measured_s\":%.6g,\"predicted_s\":%.6g,\"ratio\":%.4f,\"steps\":%d,"
         "\"predicted_steps\":%d,\"max_sent\":%lld,\"predicted_max_sent\":%lld,\"busy_s\":%.6g,"
         "\"predicted_busy_s\":%.6g}\n",
-        P, a.n_local, r.partition.c_str(), r.schedule.c_str(), r.measured, r.predicted,
-        r.predicted / r.measured, r.steps, r.predicted_steps, (long long)r.sent,
-        (long long)r.predicted_sent, r.busy, r.predicted_busy);
+        a.backward ? "backward" : "forward", P, a.n_local, r.partition.c_str(), r.schedule.c_str(),
+        r.measured, r.predicted, r.predicted / r.measured, r.steps, r.predicted_steps,
+        (long long)r.sent, (long long)r.predicted_sent, r.busy, r.predicted_busy);
 }
 
 }  // namespace

@@ -160,6 +160,11 @@ if [ -d .mpi ]; then
       # Four heads (the query tiles spread over more teams than threads).
       step "bench_plan_np${np}_h4" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
         mpiexec -n $np --oversubscribe --bind-to none "$host/bench/blockattn_bench_plan" --heads 4
+      # The backward's model (a training step's other half; the Q ring joins).
+      step "bench_plan_np${np}_bwd" 60 env OMP_NUM_THREADS=$((16 / np)) OMP_PROC_BIND=false \
+        mpiexec -n $np --oversubscribe --bind-to none "$host/bench/blockattn_bench_plan" \
+        --pass backward --n-local 2048 --reps 3
+      tail -12 2>/dev/null "$logs/bench_plan_np${np}_bwd.log" >>"$out/session.log"
     done
   fi
 else

@@ -30,6 +30,9 @@ using namespace blockattn;
 /// The most ranks the planner takes: its models run in O(P) memory and, for
 /// the balanced schedule, O(P^2) time (about 2 s at P = 16384 on one core).
 constexpr int max_ranks = 32768;
+/// With a backward (--pass backward, training): its model is O(P x steps)
+/// time (about 18 s for a training step at P = 4096 on one core).
+constexpr int max_backward_ranks = 4096;
 
 struct Args {
   index_type n = 65536;
@@ -46,11 +49,14 @@ struct Args {
   bool decode = false;    // --decode: the decode step over a sharded KV cache of --n tokens
   int rows = 1;           // --rows: query rows per sequence of the decode step
   double memory_bandwidth = -1;
+  plan::Pass pass = plan::Pass::forward;  // --pass
+  double backward_flops = 0;              // --backward-flops
 };
 
 const char* const usage_text = R"(usage: blockattn_plan [flags]
-Predicts every partition x schedule of the distributed forward for one problem
-on given hardware and recommends the fastest that fits in memory.
+Predicts every partition x schedule of the distributed forward, backward or
+training step for one problem on given hardware and recommends the fastest that
+fits in memory.
 
 problem
   --n N                 global sequence length [65536]
@@ -62,14 +68,17 @@ problem
   --dtype T             fp32|fp64|bf16|fp16 [fp32]: storage type (K/V and Q travel in
                         it); bf16 / fp16 compute, merge and send partial results in fp32
   --mask M              full|causal|window:W [causal] (window: causal, W keys)
-  --tile BQxBK          tile sizes [the kernels' own: GPU shape for the GPU/TPU
+  --tile BQxBK          forward tile sizes [the kernels' own: GPU shape for the GPU/TPU
                         presets, host shape when calibrating]
+  --pass P              forward|backward|training [forward]: the forward call, the
+                        backward call (given O, LSE, dO), or both in turn (P <= 4096)
 hardware
   --hw HW               a100-nvlink|a100-ib|tpu-v3|tpu-v4|tpu-v5e|h100-cluster|calibrate
                         [calibrate: measures this machine's kernel and memcpy]
   --flops F             attention FLOP/s per rank on full tiles     (override the
-  --bandwidth B         bytes/s per rank and direction               preset or the
-  --latency S           seconds per message                          calibration)
+  --backward-flops F    the backward's, 10 D FLOPs per pair [F]      preset or the
+  --bandwidth B         bytes/s per rank and direction               calibration)
+  --latency S           seconds per message
   --memory BYTES        per rank; 0: unlimited
   --ranks-per-node R    two link levels (R > 0): ranks r, s with r/R == s/R use the
   --intra-bandwidth B   intra-node rates; with R > 0 the 2D hybrid (all-to-all in
@@ -180,6 +189,18 @@ Args parse(int argc, char** argv) {
       a.decode = true;
     else if (f == "--rows")
       check(read_int(f, val(), a.rows, 1, 4096));
+    else if (f == "--pass") {
+      const std::string v = val();
+      if (v == "forward")
+        a.pass = plan::Pass::forward;
+      else if (v == "backward")
+        a.pass = plan::Pass::backward;
+      else if (v == "training")
+        a.pass = plan::Pass::training;
+      else
+        usage("--pass: expected forward, backward or training, got '" + v + "'");
+    } else if (f == "--backward-flops")
+      check(read_real(f, val(), a.backward_flops, true));
     else if (f == "--memory-bandwidth")
       check(read_real(f, val(), a.memory_bandwidth, true));
     else if (f.rfind("--kokkos", 0) != 0)
@@ -213,9 +234,10 @@ Args parse(int argc, char** argv) {
     return std::find(given.begin(), given.end(), flag) != given.end();
   };
   if (a.balance >= 0) {
-    for (const char* f : {"--mask", "--steps", "--json", "--data", "--batch", "--heads",
-                          "--kv-heads", "--flops", "--bandwidth", "--latency", "--memory",
-                          "--ranks-per-node", "--intra-bandwidth", "--intra-latency"})
+    for (const char* f :
+         {"--mask", "--steps", "--json", "--data", "--batch", "--heads", "--kv-heads", "--flops",
+          "--bandwidth", "--latency", "--memory", "--ranks-per-node", "--intra-bandwidth",
+          "--intra-latency", "--pass", "--backward-flops"})
       if (has(f))
         usage(std::string(f) +
               " does not apply to --balance (causal packed documents, compute balance only; "
@@ -223,9 +245,13 @@ Args parse(int argc, char** argv) {
   } else if (has("--chunk")) {
     usage("--chunk applies to --balance only (the mask-aware layout's chunk)");
   }
+  if (a.pass != plan::Pass::forward && a.p > max_backward_ranks)
+    usage(std::string("--pass ") + plan::pass_name(a.pass) + ": expected --p <= " +
+          std::to_string(max_backward_ranks) + " (the backward's model walks every step of every " +
+          "rank: O(P x steps) time), got " + std::to_string(a.p));
   if (a.decode) {
-    for (const char* f :
-         {"--mask", "--steps", "--json", "--data", "--tile", "--balance", "--memory"})
+    for (const char* f : {"--mask", "--steps", "--json", "--data", "--tile", "--balance",
+                          "--memory", "--pass", "--backward-flops"})
       if (has(f))
         usage(std::string(f) +
               " does not apply to --decode (it takes --n, --p, --batch, --heads, --kv-heads, "
@@ -398,16 +424,23 @@ int run(const Args& a, const Mask& mask) {
   else if (a.hw == "calibrate") {
     gpu_like = false;
     const int n = int(std::min<index_type>(a.n / a.p, 4096));
-    const auto c =
-        a.dtype == 8 ? plan::calibrate<double>(n, 1, a.dim) : plan::calibrate<float>(n, 1, a.dim);
+    const bool backward = a.pass != plan::Pass::forward;
+    const auto c = a.dtype == 8 ? plan::calibrate<double>(n, 1, a.dim, 3, {}, backward)
+                                : plan::calibrate<float>(n, 1, a.dim, 3, {}, backward);
     hw = plan::calibrated_hardware(c, memcpy_bandwidth(std::size_t(64) << 20), 0.0);
     std::printf(
         "calibration: tile kernel %.1f GFLOP/s on full tiles, partial tile %.2f x a full "
         "one (n = %d, D = %d, %s, %d thread(s)); memcpy %.1f GB/s\n",
         c.flops / 1e9, c.partial_tile_cost, n, a.dim, a.dtype == 8 ? "fp64" : "fp32",
         Kokkos::DefaultExecutionSpace().concurrency(), hw.bandwidth / 1e9);
+    if (backward)
+      std::printf(
+          "calibration: backward %.1f GFLOP/s on full tiles (10 D FLOPs per pair), partial "
+          "tile %.2f x a full one\n",
+          c.backward_flops / 1e9, c.backward_partial_tile_cost);
   }
   if (a.flops > 0) hw.flops = a.flops;
+  if (a.backward_flops > 0) hw.backward_flops = a.backward_flops;
   if (a.bandwidth >= 0) hw.bandwidth = a.bandwidth;
   if (a.latency >= 0) hw.latency = a.latency;
   if (a.memory >= 0) hw.memory_bytes = a.memory;
@@ -419,17 +452,18 @@ int run(const Args& a, const Mask& mask) {
   if (a.decode) return run_decode(a, hw);
 
   plan::Problem pb =
-      gpu_like
-          ? plan::problem_for<float, Kokkos::DefaultExecutionSpace, DefaultTileShape<float, false>>(
-                a.n, a.p, a.batch, a.heads, a.kv_heads, a.dim)
-          : plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(a.n, a.p, a.batch, a.heads,
-                                                                        a.kv_heads, a.dim);
+      gpu_like ? plan::problem_for<float, Kokkos::DefaultExecutionSpace,
+                                   DefaultTileShape<float, false>, BackwardTileShape<float, false>>(
+                     a.n, a.p, a.batch, a.heads, a.kv_heads, a.dim)
+               : plan::problem_for<float, Kokkos::DefaultHostExecutionSpace>(
+                     a.n, a.p, a.batch, a.heads, a.kv_heads, a.dim);
   pb.dtype_bytes = a.dtype;
   pb.compute_bytes = a.dtype < 4 ? 4 : a.dtype;  // bf16 / fp16 compute (and merge) in fp32
   if (a.block_q > 0) {
     pb.block_q = a.block_q;
     pb.block_k = a.block_k;
   }
+  pb.pass = a.pass;
   if (a.balance >= 0) return run_balance(a, pb, hw);
   // The per-step outputs hold P x steps numbers per candidate (steps <= P).
   const double table = double(a.p) * double(a.p);
@@ -445,14 +479,21 @@ int run(const Args& a, const Mask& mask) {
 
   std::printf(
       "problem: N = %lld, P = %d, batch %d, heads %d (kv %d), D = %d, %s, mask %s, "
-      "tiles %dx%d\n",
+      "tiles %dx%d",
       (long long)a.n, a.p, a.batch, a.heads, a.kv_heads, a.dim, a.dtype_name.c_str(),
       a.mask.c_str(), pb.block_q, pb.block_k);
+  if (a.pass != plan::Pass::forward)
+    std::printf(" (backward %dx%d), %s", pb.backward_block_q(), pb.backward_block_k(),
+                plan::pass_name(a.pass));
+  std::printf("\n");
   std::printf(
       "hardware: %s, F = %.3g FLOP/s, partial tile %.2f, B = %.3g B/s, latency %.3g s, "
       "memory %s per rank\n",
       hw.name.c_str(), hw.flops, hw.partial_tile_cost, hw.bandwidth, hw.latency,
       hw.memory_bytes > 0 ? human(hw.memory_bytes).c_str() : "unlimited");
+  if (a.pass != plan::Pass::forward)
+    std::printf("          backward F = %.3g FLOP/s (10 D FLOPs per pair), partial tile %.2f\n",
+                hw.backward_rate(), hw.backward_partial_cost());
   if (hw.ranks_per_node > 0)
     std::printf("          %d ranks per node: B = %.3g B/s, latency %.3g s inside a node\n",
                 hw.ranks_per_node, hw.intra_bandwidth, hw.intra_latency);
@@ -503,14 +544,14 @@ int run(const Args& a, const Mask& mask) {
     for (const auto& x : all)
       if (x.valid)
         std::printf(
-            "{\"partition\":\"%s\",\"schedule\":\"%s\",\"makespan_s\":%.6g,"
+            "{\"pass\":\"%s\",\"partition\":\"%s\",\"schedule\":\"%s\",\"makespan_s\":%.6g,"
             "\"speedup_over_ring\":%.4f,\"speedup_over_single\":%.4f,"
             "\"idle_step_fraction\":%.4f,\"bytes_sent_per_rank\":%lld,"
             "\"network_bytes_per_rank\":%lld,\"peak_bytes_per_rank\":%lld,\"fits\":%s}\n",
-            x.partition.c_str(), x.schedule.c_str(), x.makespan_s, x.speedup_over_ring(),
-            x.speedup_over_single(), x.idle_step_fraction(), (long long)x.max_bytes_sent(),
-            (long long)x.max_network_bytes_sent(), (long long)x.peak_bytes(),
-            x.fits ? "true" : "false");
+            plan::pass_name(a.pass), x.partition.c_str(), x.schedule.c_str(), x.makespan_s,
+            x.speedup_over_ring(), x.speedup_over_single(), x.idle_step_fraction(),
+            (long long)x.max_bytes_sent(), (long long)x.max_network_bytes_sent(),
+            (long long)x.peak_bytes(), x.fits ? "true" : "false");
   if (!a.data.empty()) {
     // gnuplot data: one block per candidate (index i), rows "step rank work",
     // work in units of a full block of (N/P)^2 allowed pairs per (batch, head).
