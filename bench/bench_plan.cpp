@@ -266,7 +266,7 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
   std::vector<double> best(runners.size(), 1e300);
   plan::Calibration cal;
   cal.full_seconds = cal.causal_seconds = 1e300;
-  cal.backward_seconds = cal.backward_causal_seconds = a.backward ? 1e300 : 0.0;
+  cal.backward_seconds = cal.backward_window_seconds = a.backward ? 1e300 : 0.0;
   for (int r = 0; r <= a.reps; ++r) {
     const plan::Calibration one = plan::calibrate<T>(a.n_local, a.heads, a.dim, 1, {}, a.backward);
     cal.n = one.n;
@@ -276,8 +276,8 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
     cal.causal_seconds = std::min(cal.causal_seconds, one.causal_seconds);
     if (a.backward) {
       cal.backward_seconds = std::min(cal.backward_seconds, one.backward_seconds);
-      cal.backward_causal_seconds =
-          std::min(cal.backward_causal_seconds, one.backward_causal_seconds);
+      cal.backward_window_seconds =
+          std::min(cal.backward_window_seconds, one.backward_window_seconds);
     }
     for (std::size_t i = 0; i < runners.size(); ++i) {
       const double t = runners[i].once();

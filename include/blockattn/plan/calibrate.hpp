@@ -26,7 +26,7 @@ struct Calibration {
   double full_seconds = 0, causal_seconds = 0;
   double backward_flops = 0;  // the backward's on full tiles (10 D per pair); 0: not measured
   double backward_partial_tile_cost = 0;  // the backward's partial tile time / full tile time
-  double backward_seconds = 0, backward_causal_seconds = 0;  // its full and causal times
+  double backward_seconds = 0, backward_window_seconds = 0;  // full mask; window (see calibrate)
   int n = 0, heads = 0, dim = 0;
 };
 
@@ -50,13 +50,14 @@ Calibration fit_calibration(Calibration c) {
     const int bq = bs.backward_block_q(), bk = bs.backward_block_k();
     const double per = 10.0 * bq * bk * c.dim * double(c.heads);
     const TileCounts b = count_tiles(FullMask{}, c.n, c.n, bq, bk, {}, {}, false);
-    const TileCounts bc = count_tiles(CausalMask{}, c.n, c.n, bq, bk, {}, {}, false);
+    const TileCounts bw =
+        count_tiles(causal_window(std::min(bq, bk)), c.n, c.n, bq, bk, {}, {}, false);
     c.backward_flops = double(b.computed()) * per / c.backward_seconds;
     c.backward_partial_tile_cost = 1;
-    if (bc.partial > 0 && c.backward_causal_seconds > 0)
+    if (bw.partial > 0 && c.backward_window_seconds > 0)
       c.backward_partial_tile_cost =
-          std::max(0.05, (c.backward_causal_seconds * c.backward_flops / per - double(bc.full)) /
-                             double(bc.partial));
+          std::max(0.05, (c.backward_window_seconds * c.backward_flops / per - double(bw.full)) /
+                             double(bw.partial));
   }
   return c;
 }
@@ -64,9 +65,12 @@ Calibration fit_calibration(Calibration c) {
 /// Times attention_forward on (1, n, heads, dim) Views of T with a full and a
 /// causal mask (alternating, best of `reps` after one warm-up each) and fits
 ///   t = (full tiles + c * partial tiles) * 4 * block_q * block_k * dim * heads / F.
-/// With `backward`, also attention_backward with a full and a causal mask
+/// With `backward`, also attention_backward with a full mask and with a
+/// causal window of one tile's keys, every computed tile of which is partial
 /// (best of the same rounds): Hardware::backward_flops and
-/// backward_partial_tile_cost. Collective only in the sense that
+/// backward_partial_tile_cost. (A causal mask's partial tiles are a few
+/// percent of its tiles: fitted to it, the backward's partial cost came out
+/// anywhere from 0.24 to 1.75 between runs.) Collective only in the sense that
 /// every rank calling it at once measures the rate under the same load as a
 /// distributed run.
 template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace>
@@ -115,19 +119,22 @@ Calibration calibrate(int n, int heads, int dim, int reps = 3, const ExecSpace& 
   c.heads = heads;
   c.dim = dim;
   c.full_seconds = c.causal_seconds = 1e300;
-  c.backward_seconds = c.backward_causal_seconds = backward ? 1e300 : 0.0;
+  c.backward_seconds = c.backward_window_seconds = backward ? 1e300 : 0.0;
+  const Problem shape = problem_for<T, ExecSpace>(n, 1, 1, heads, heads, dim);
+  const SlidingWindowMask band =
+      causal_window(std::min(shape.backward_block_q(), shape.backward_block_k()));
   // Alternating, best of `reps` each after one warm-up: all see the same load.
   for (int r = 0; r <= reps; ++r) {
     const double tf = time_one(FullMask{});
     const double tc = time_one(CausalMask{});
     const double tb = backward ? time_backward(FullMask{}) : 0.0;
-    const double tbc = backward ? time_backward(CausalMask{}) : 0.0;
+    const double tbw = backward ? time_backward(band) : 0.0;
     if (r == 0) continue;
     c.full_seconds = std::min(c.full_seconds, tf);
     c.causal_seconds = std::min(c.causal_seconds, tc);
     if (backward) {
       c.backward_seconds = std::min(c.backward_seconds, tb);
-      c.backward_causal_seconds = std::min(c.backward_causal_seconds, tbc);
+      c.backward_window_seconds = std::min(c.backward_window_seconds, tbw);
     }
   }
   return fit_calibration<T, ExecSpace>(c);
