@@ -1277,6 +1277,25 @@ inline std::int64_t backward_input_bytes(const Problem& p) {
   return rows_bytes(p, 4 * p.heads + 4 * p.kv_heads, p.dim) + state_bytes(p);
 }
 
+/// Schedule::can_implement() for predict() and predict_backward(), from the
+/// pair table: for the balanced schedule with a mask tabled by difference,
+/// its first pair (i, j > i) that is not empty is (0, the nearest such j),
+/// since rank 0 meets every distance.
+template <class Partition, class Schedule, class Mask>
+std::string implement_why_not(const Mask& mask, index_type N, int P,
+                              const PairWork<Partition, Mask>& w) {
+  if constexpr (!Schedule::template supports<Partition, Mask>) {
+    return {};
+  } else {
+    if (std::is_same<Schedule, BalancedSchedule>::value && w.by_difference()) {
+      for (int j = 1; j < P; ++j)
+        if (!w.empty(0, j)) return BalancedSchedule::reaches_later(0, j);
+      return {};
+    }
+    return Schedule::template can_implement<Partition>(mask, N, P);
+  }
+}
+
 /// AllGatherSchedule::Backward::step() in O(P) at step 0 and O(1) after:
 /// `used` counts the K/V slots `rank` filled at steps 1 .. s - 1 (call it for
 /// s = 0, 1, ... in turn); the description's slot() recounts them (O(s) per
@@ -1354,8 +1373,9 @@ inline Prediction training(Prediction f, const Prediction& b) {
 /// run sends) and workspace (backward_workspace_bytes(), RunStats'), timed as
 /// predict_reference() times a forward: a message starts when both sides have
 /// posted it and its links are free, in the order of readiness (ties: by
-/// step, then rank). Generated step by step: O(P) memory besides the start
-/// times (O(P x steps) doubles) and the steps kept (keep_steps).
+/// step, then rank). Generated step by step: O(P) memory besides the steps
+/// kept (keep_steps) and, for a schedule other than the built-in ones, the
+/// history of step starts (O(P x steps) doubles).
 template <class Partition, class Schedule, class Mask>
 Prediction predict_backward(const Problem& problem, const Mask& mask, const Hardware& hw,
                             bool count_pairs = false, int rank_stride = 1, bool keep_steps = true) {
@@ -1372,16 +1392,9 @@ Prediction predict_backward(const Problem& problem, const Mask& mask, const Hard
   p.most = max_local_length<Partition>(p.N, P);
   const int bq = p.backward_block_q(), bk = p.backward_block_k();
   detail::PairWork<Partition, Mask> w(mask, p.N, P, bq, bk, count_pairs);
-  if constexpr (Schedule::template supports<Partition, Mask>) {
-    std::string why;
-    if (std::is_same<Schedule, BalancedSchedule>::value && w.by_difference()) {
-      for (int j = 1; j < P && why.empty(); ++j)  // as predict()
-        if (!w.empty(0, j)) why = BalancedSchedule::reaches_later(0, j);
-    } else {
-      why = Schedule::template can_implement<Partition>(mask, p.N, P);
-    }
-    if (!why.empty()) return detail::invalid(std::move(pr), std::move(why));
-  }
+  if (std::string why = detail::implement_why_not<Partition, Schedule>(mask, p.N, P, w);
+      !why.empty())
+    return detail::invalid(std::move(pr), std::move(why));
   ScheduleContext ctx;
   ctx.P = P;
   ctx.empty_pair = [&w](int q_rank, int k_rank) { return w.empty(q_rank, k_rank); };
@@ -1570,18 +1583,9 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
     Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
     p.most = max_local_length<Partition>(p.N, P);
     detail::PairWork<Partition, Mask> w(mask, p.N, P, p.block_q, p.block_k, count_pairs);
-    if constexpr (Schedule::template supports<Partition, Mask>) {
-      std::string why;
-      if (balanced && w.by_difference()) {
-        // can_implement()'s first pair (i, j > i) that is not empty: rank 0
-        // meets every distance, so it is (0, the nearest such j).
-        for (int j = 1; j < P && why.empty(); ++j)
-          if (!w.empty(0, j)) why = BalancedSchedule::reaches_later(0, j);
-      } else {
-        why = Schedule::template can_implement<Partition>(mask, p.N, P);
-      }
-      if (!why.empty()) return detail::invalid(std::move(pr), std::move(why));
-    }
+    if (std::string why = detail::implement_why_not<Partition, Schedule>(mask, p.N, P, w);
+        !why.empty())
+      return detail::invalid(std::move(pr), std::move(why));
     pr.ranks.resize(std::size_t(P));
     const std::int64_t inputs =
         detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
