@@ -328,6 +328,65 @@ TEST_SUITE("serve") {
                           64, MergeAlgorithm::tree, 81);
   }
 
+  TEST_CASE("KVCache: append places rows of any source layout in their slots") {
+    // Two appends to two sequences from LayoutLeft views (head_dim elements
+    // strided in memory, the other dimensions too) and from a LayoutRight
+    // subview: every value lands at its (sequence, slot, kv head, d) on the
+    // rank the placement names, bit for bit (distinct small integers).
+    Comm comm(MPI_COMM_WORLD);
+    const int P = comm.size(), S = 2, H = 3, D = 20, n0 = 5, n1 = 4;
+    const RoundRobinPlacement pl{2};
+    KVCache<float, ExecSpace, RoundRobinPlacement> cache(comm, S, pl.local_capacity(n0 + n1, P), H,
+                                                         D, pl);
+    auto value = [](int s, int t, int g, int d, bool key) {
+      return float(key ? 0 : 1 << 20) + float(s * 100000 + t * 1000 + g * 200 + d);
+    };
+    using Left = Kokkos::View<float****, Kokkos::LayoutLeft, MemSpace>;
+    Left kl("kl", S, n0, H, D), vl("vl", S, n0, H, D);
+    auto klh = Kokkos::create_mirror_view(kl), vlh = Kokkos::create_mirror_view(vl);
+    for (int s = 0; s < S; ++s)
+      for (int t = 0; t < n0; ++t)
+        for (int g = 0; g < H; ++g)
+          for (int d = 0; d < D; ++d) {
+            klh(s, t, g, d) = value(s, t, g, d, true);
+            vlh(s, t, g, d) = value(s, t, g, d, false);
+          }
+    Kokkos::deep_copy(kl, klh);
+    Kokkos::deep_copy(vl, vlh);
+    cache.append(ExecSpace{}, kl, vl);
+    // Sequence 1 only: n1 more tokens, rows 1 .. n1 of a LayoutRight view.
+    V4<float> kr("kr", 1, n1 + 1, H, D), vr("vr", 1, n1 + 1, H, D);
+    auto krh = Kokkos::create_mirror_view(kr), vrh = Kokkos::create_mirror_view(vr);
+    for (int t = 0; t < n1; ++t)
+      for (int g = 0; g < H; ++g)
+        for (int d = 0; d < D; ++d) {
+          krh(0, t + 1, g, d) = value(1, n0 + t, g, d, true);
+          vrh(0, t + 1, g, d) = value(1, n0 + t, g, d, false);
+        }
+    Kokkos::deep_copy(kr, krh);
+    Kokkos::deep_copy(vr, vrh);
+    const auto tail = Kokkos::make_pair(1, n1 + 1);
+    cache.append(ExecSpace{}, 1, Kokkos::subview(kr, Kokkos::ALL, tail, Kokkos::ALL, Kokkos::ALL),
+                 Kokkos::subview(vr, Kokkos::ALL, tail, Kokkos::ALL, Kokkos::ALL));
+    Kokkos::fence();
+    CHECK(cache.length(0) == n0);
+    CHECK(cache.length(1) == n0 + n1);
+    const auto kh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), cache.keys());
+    const auto vh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), cache.values());
+    int wrong = 0, seen = 0;
+    for (int s = 0; s < S; ++s)
+      for (int slot = 0; slot < cache.local_length(s); ++slot) {
+        const int t = int(pl.position(slot, comm.rank(), P));
+        for (int g = 0; g < H; ++g)
+          for (int d = 0; d < D; ++d, ++seen) {
+            wrong += kh(s, slot, g, d) != value(s, t, g, d, true);
+            wrong += vh(s, slot, g, d) != value(s, t, g, d, false);
+          }
+      }
+    CHECK(wrong == 0);
+    CHECK(seen == (cache.local_length(0) + cache.local_length(1)) * H * D);
+  }
+
   TEST_CASE("KVCache: a full shard and a configuration that differs throw on every rank") {
     Comm comm(MPI_COMM_WORLD);
     const int P = comm.size();
