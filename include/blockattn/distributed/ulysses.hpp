@@ -38,6 +38,7 @@
 #include <blockattn/distributed/impl/validate.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
+#include <blockattn/kernel/buffer_cache.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -161,8 +162,13 @@ UlyssesBuf4<T, ExecSpace> ulysses_to_heads(
   auto alloc = [](const char* label) {
     return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
   };
-  UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, m, hl, d),
-      recv(alloc("blockattn::ulysses_recv"), P, b, m, hl, d);
+  // The all-to-all's two buffers from the host buffer cache (fresh pages cost
+  // as much as the copies: about 40 % of the call's time was page faults);
+  // `full` outlives the call.
+  CallBuffers<ExecSpace> buffers(exec);
+  using B5 = UlyssesBuf5<T, ExecSpace>;
+  const B5 send = buffers.template view<B5>("blockattn::ulysses_send", P, b, m, hl, d),
+           recv = buffers.template view<B5>("blockattn::ulysses_recv", P, b, m, hl, d);
   UlyssesBuf4<T, ExecSpace> full(alloc("blockattn::ulysses_full"), b, N, hl, d);
   const std::int64_t chunk = std::int64_t(b) * m * hl * d;
   ulysses_rows(
@@ -179,7 +185,8 @@ UlyssesBuf4<T, ExecSpace> ulysses_to_heads(
       });
   sent += chunk * (P - 1) * std::int64_t(sizeof(T));
   live.add(ulysses_bytes(send) + ulysses_bytes(recv) + ulysses_bytes(full));
-  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return; `full` is the caller's
+  // send and recv: back to the host buffer cache on return; `full` is the caller's.
+  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));
   return full;
 }
 
@@ -196,9 +203,10 @@ UlyssesBuf3<typename L::non_const_value_type, ExecSpace> ulysses_lse_to_heads(
   auto alloc = [](const char* label) {
     return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
   };
-  Kokkos::View<C****, Kokkos::LayoutRight, typename ExecSpace::memory_space> send(
-      alloc("blockattn::ulysses_send"), P, b, hl, m),
-      recv(alloc("blockattn::ulysses_recv"), P, b, hl, m);
+  CallBuffers<ExecSpace> buffers(exec);
+  using B4 = Kokkos::View<C****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
+  const B4 send = buffers.template view<B4>("blockattn::ulysses_send", P, b, hl, m),
+           recv = buffers.template view<B4>("blockattn::ulysses_recv", P, b, hl, m);
   UlyssesBuf3<C, ExecSpace> full(alloc("blockattn::ulysses_lse"), b, hl, N);
   const std::int64_t chunk = std::int64_t(b) * hl * m;
   Kokkos::parallel_for(
@@ -219,7 +227,8 @@ UlyssesBuf3<typename L::non_const_value_type, ExecSpace> ulysses_lse_to_heads(
       });
   sent += chunk * (P - 1) * std::int64_t(sizeof(C));
   live.add(ulysses_bytes(send) + ulysses_bytes(recv) + ulysses_bytes(full));
-  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return; `full` is the caller's
+  // send and recv: back to the host buffer cache on return; `full` is the caller's.
+  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));
   return full;
 }
 
@@ -236,12 +245,11 @@ void ulysses_from_heads(Comm& comm, const ExecSpace& exec, const UlyssesBuf4<T, 
   using OS = typename Out::non_const_value_type;
   const int P = comm.size(), b = int(out.extent(0)), n = int(out.extent(1)), H = int(out.extent(2)),
             d = int(out.extent(3));
-  auto alloc = [](const char* label) {
-    return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
-  };
   const int m = where.rows();
-  UlyssesBuf5<T, ExecSpace> send(alloc("blockattn::ulysses_send"), P, b, m, hl, d),
-      recv(alloc("blockattn::ulysses_recv"), P, b, m, hl, d);
+  CallBuffers<ExecSpace> buffers(exec);
+  using B5 = UlyssesBuf5<T, ExecSpace>;
+  const B5 send = buffers.template view<B5>("blockattn::ulysses_send", P, b, m, hl, d),
+           recv = buffers.template view<B5>("blockattn::ulysses_recv", P, b, m, hl, d);
   const std::int64_t chunk = std::int64_t(b) * m * hl * d;
   ulysses_rows(
       "blockattn::ulysses_pack_back", exec, P, b, m, hl, d,
@@ -260,7 +268,7 @@ void ulysses_from_heads(Comm& comm, const ExecSpace& exec, const UlyssesBuf4<T, 
       });
   sent += chunk * (P - 1) * std::int64_t(sizeof(T));
   live.add(ulysses_bytes(send) + ulysses_bytes(recv));
-  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return
+  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // back to the cache on return
 }
 
 template <class Comm, class ExecSpace, class LFull, class L>
@@ -271,12 +279,10 @@ void ulysses_lse_from_heads(Comm& comm, const ExecSpace& exec, const LFull& full
                             std::int64_t& sent, UlyssesLive& live) {
   using C = typename L::non_const_value_type;
   const int P = comm.size(), b = int(lse.extent(0)), n = int(lse.extent(2)), m = where.rows();
-  auto alloc = [](const char* label) {
-    return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label));
-  };
-  Kokkos::View<C****, Kokkos::LayoutRight, typename ExecSpace::memory_space> send(
-      alloc("blockattn::ulysses_send"), P, b, hl, m),
-      recv(alloc("blockattn::ulysses_recv"), P, b, hl, m);
+  CallBuffers<ExecSpace> buffers(exec);
+  using B4 = Kokkos::View<C****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
+  const B4 send = buffers.template view<B4>("blockattn::ulysses_send", P, b, hl, m),
+           recv = buffers.template view<B4>("blockattn::ulysses_recv", P, b, hl, m);
   const std::int64_t chunk = std::int64_t(b) * hl * m;
   Kokkos::parallel_for(
       "blockattn::ulysses_pack_lse_back", UlyssesRange<ExecSpace>(exec, 0, chunk * P),
@@ -296,7 +302,7 @@ void ulysses_lse_from_heads(Comm& comm, const ExecSpace& exec, const LFull& full
       });
   sent += chunk * (P - 1) * std::int64_t(sizeof(C));
   live.add(ulysses_bytes(send) + ulysses_bytes(recv));
-  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // freed on return
+  live.sub(ulysses_bytes(send) + ulysses_bytes(recv));  // back to the cache on return
 }
 
 /// The all-to-all phases around a head-parallel compute, written once for
