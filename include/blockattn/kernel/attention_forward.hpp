@@ -36,7 +36,8 @@ void check_score_and_sinks(const char* fn, const Mask& mask, const ForwardOption
 }
 
 /// The masks whose GQA rows the host matrix engine packs (below): the
-/// built-in ones, whose kernels on TablePositions BlockAttn::kernels
+/// built-in ones (instantiate.hpp's BLOCKATTN_IMPL_BUILTIN: keep the two lists
+/// alike), whose kernels on TablePositions BlockAttn::kernels
 /// precompiles (a mask of yours would compile a second kernel in every file
 /// that calls the forward), and none with a score policy (a policy may depend
 /// on the query head, which packed rows do not keep).
@@ -74,7 +75,7 @@ void forward_on_positions(const ExecSpace& exec, const BlockExtents& e, const QV
 /// tile by its first and last rows' positions and mask each row by its own,
 /// which holds for non-decreasing maps), through position tables; o and lse
 /// are copied back and the sinks applied after. Each row's arithmetic is the
-/// unpacked row's: the same bits (tests/test_amx.cpp). Host spaces only.
+/// unpacked row's: the same bits (tests/test_half_attention.cpp). Host spaces only.
 template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class Mask, class Pos,
           class T>
 void forward_gqa_packed(const ExecSpace& exec, const BlockExtents& e, const QV& q, const KV& k,
