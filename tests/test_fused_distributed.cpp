@@ -4,7 +4,10 @@
 // with BLOCKATTN_ENABLE_CUDNN, binary blockattn_test_fused_distributed_cuda): K/V travel in rows,
 // own block pairs whose mask is band pieces run fused and merge into the softmax state, the rest
 // run on the kernels (after a relayout into their panels). Forward against the fp64 reference with
-// the fused bound, against the same call with portable_only, and the steps' paths counted.
+// the fused bound, against the same call with portable_only, and the steps' paths counted. The
+// backward likewise: own block pairs whose mask is band pieces on the provider (each piece's 16-bit
+// gradients added into the fp32 sums), against the fp64 gradients with the fused backward bound
+// (backward_bound below) and against portable_only within the kernels' bound.
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -12,6 +15,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "distributed_check.hpp"
 #include "forward_check.hpp"
@@ -28,6 +32,61 @@ using namespace blockattn;
 using namespace blockattn::test;
 
 namespace {
+
+/// Elementwise sums of the absolute terms of each gradient, in fp64 from the
+/// definition (P from the exact LSE, Delta from the O the forward returned):
+///   |dQ|_i = scale sum_j |dS_ij| |K_j|,  |dK|_j = scale sum_i |dS_ij| |Q_i|,
+///   |dV|_j = sum_i P_ij |dO_i|.
+/// Any partial sum of a gradient's terms (a block pair's, a band piece's) is
+/// at most this in magnitude, so rounding each piece's partial once adds at
+/// most u16 times it to the sum over the pieces: the fused backward's bound.
+ReferenceGrads absolute_terms(const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                              const HostTensor& dout, const HostTensor& o,
+                              const std::vector<double>& lse, const std::vector<char>& allowed,
+                              double scale) {
+  const int N = q.n, h = q.h, hkv = k.h, d = q.d, g = h / hkv;
+  ReferenceGrads a;
+  a.dq = HostTensor(1, N, h, d);
+  a.dk = HostTensor(1, N, hkv, d);
+  a.dv = HostTensor(1, N, hkv, d);
+  for (int x = 0; x < h; ++x)
+    for (int i = 0; i < N; ++i) {
+      const double l = lse[std::size_t(x) * std::size_t(N) + std::size_t(i)];
+      if (std::isinf(l)) continue;
+      double delta = 0.0;
+      for (int c = 0; c < d; ++c) delta += dout(0, i, x, c) * o(0, i, x, c);
+      for (int j = 0; j < N; ++j) {
+        if (!allowed[std::size_t(i) * std::size_t(N) + std::size_t(j)]) continue;
+        double s = 0.0, dp = 0.0;
+        for (int c = 0; c < d; ++c) {
+          s += q(0, i, x, c) * k(0, j, x / g, c);
+          dp += dout(0, i, x, c) * v(0, j, x / g, c);
+        }
+        const double p = std::exp(scale * s - l), ds = std::abs(p * (dp - delta));
+        for (int c = 0; c < d; ++c) {
+          a.dq(0, i, x, c) += scale * ds * std::abs(k(0, j, x / g, c));
+          a.dk(0, j, x / g, c) += scale * ds * std::abs(q(0, i, x, c));
+          a.dv(0, j, x / g, c) += p * std::abs(dout(0, i, x, c));
+        }
+      }
+    }
+  return a;
+}
+
+/// A rank's rows of a (1, n, heads, dim) View into the global tensor of every
+/// rank (summed over the ranks: each global row is one rank's).
+template <class View, class Map>
+HostTensor gather_rows(const View& x, const Map& map, int N) {
+  const int n = int(x.extent(1)), h = int(x.extent(2)), d = int(x.extent(3));
+  auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
+  HostTensor t(1, N, h, d);
+  for (int i = 0; i < n; ++i)
+    for (int a = 0; a < h; ++a)
+      for (int c = 0; c < d; ++c) t(0, int(map(i)), a, c) = double(float(xh(0, i, a, c)));
+  MPI_Allreduce(MPI_IN_PLACE, t.data.data(), int(t.data.size()), MPI_DOUBLE, MPI_SUM,
+                MPI_COMM_WORLD);
+  return t;
+}
 
 /// One schedule x partition x mask in bf16. The bound: the fp32 bound e32,
 /// one rounding of O, and the 16-bit rounding of each piece's normalised
@@ -98,6 +157,72 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused) {
   CHECK(finite);
   CHECK(eo <= bound);
   CHECK(el <= e32);
+
+  // The backward of the fused forward's O and LSE, fused and portable_only.
+  const HostTensor dout = rounded_to<S>(random_tensor(b, N, h, d, rng));
+  const R4 dol = right(local_rows<S, Partition>(dout, P, rank));
+  R4 dq("dq", b, n, h, d), dk("dk", b, n, hkv, d), dv("dv", b, n, hkv, d);
+  R4 dq_p("dq_p", b, n, h, d), dk_p("dk_p", b, n, hkv, d), dv_p("dv_p", b, n, hkv, d);
+  const RunStats bf = attn.backward(ql, kl, vl, o, lse, dol, dq, dk, dv);
+  const RunStats bp = attn.backward(ql, kl, vl, o, lse, dol, dq_p, dk_p, dv_p, opts);
+  Kokkos::fence();
+  const BlockPathCounts bfp = bf.paths(), bpp = bp.paths();
+  int bcomputed = 0;
+  for (const auto& st : bf.steps) bcomputed += st.computed ? 1 : 0;
+  CHECK(bfp.fused + bfp.portable == bcomputed);
+  CHECK(bpp.fused == 0);
+  CHECK(bpp.portable == bcomputed);
+  const long all_bfused = comm.allreduce(long(bfp.fused), ReduceOp::sum);
+  if (expect_fused >= 0) CHECK((all_bfused > 0) == (expect_fused > 0));
+  CHECK(bfp.fused_pieces >= bfp.fused);
+  if (bfp.fused > 0) CHECK(bf.fused_workspace_bytes > 0);
+
+  // fp64 gradients from the O the forward returned (what both backwards use).
+  const HostTensor og = gather_rows(o, map, N);
+  const ReferenceGrads gr = reference_backward(q, k, v, dout, mask, scale, 0, 0, &og);
+  std::vector<char> allowed(std::size_t(N) * std::size_t(N));
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j)
+      allowed[std::size_t(i) * std::size_t(N) + std::size_t(j)] = mask.allowed(i, j) ? 1 : 0;
+  const ReferenceGrads ab = absolute_terms(q, k, v, dout, og, ref.lse, allowed, scale);
+  // Bounds per element x of a gradient whose largest reference entry is L:
+  // the kernels (fp32, rounded once): 1e-4 L + u16 (|x| + L), as the
+  // single-device 16-bit tests; fused: plus 3 u16 |x|_abs (absolute_terms:
+  // each piece's partial rounded to 16 bits once, and a provider that rounds
+  // P and dS to 16 bits, as cuDNN does, up to twice more per term).
+  const auto worst = [&](const R4& got, const HostTensor& want, const HostTensor& abs_terms,
+                         bool fused_bound, bool& fin) {
+    auto gh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
+    const double L = largest(want);
+    double w = 0.0;
+    for (int i = 0; i < n; ++i)
+      for (int a = 0; a < int(got.extent(2)); ++a)
+        for (int c = 0; c < d; ++c) {
+          const double x = want(0, int(map(i)), a, c), y = double(float(gh(0, i, a, c)));
+          fin = fin && std::isfinite(y);
+          double bd = 1e-4 * L + u * (std::abs(x) + L);
+          if (fused_bound) bd += 3.0 * u * abs_terms(0, int(map(i)), a, c);
+          w = std::fmax(w, std::abs(y - x) / bd);
+        }
+    return w;
+  };
+  bool bfin = true;
+  const double wq = worst(dq, gr.dq, ab.dq, true, bfin), wk = worst(dk, gr.dk, ab.dk, true, bfin),
+               wv = worst(dv, gr.dv, ab.dv, true, bfin);
+  const double pq = worst(dq_p, gr.dq, ab.dq, false, bfin),
+               pk = worst(dk_p, gr.dk, ab.dk, false, bfin),
+               pv = worst(dv_p, gr.dv, ab.dv, false, bfin);
+  INFO("backward: fused pairs " << bfp.fused << " (pieces " << bfp.fused_pieces << "), portable "
+                                << bfp.portable << "; error / bound: dq " << wq << " dk " << wk
+                                << " dv " << wv << "; portable_only: dq " << pq << " dk " << pk
+                                << " dv " << pv);
+  CHECK(bfin);
+  CHECK(wq <= 1.0);
+  CHECK(wk <= 1.0);
+  CHECK(wv <= 1.0);
+  CHECK(pq <= 1.0);
+  CHECK(pk <= 1.0);
+  CHECK(pv <= 1.0);
 }
 
 }  // namespace

@@ -12,6 +12,11 @@
 //   fused_forward_piece(exec, e, piece, q, kv, part_o, part_lse, scale)
 //             the piece's rows of part_o (storage V) and part_lse (natural
 //             log); the caller merges them (SoftmaxState::merge_partial)
+//   rows = fused_query_rows(q, o, dout, lse)   a backward's own query rows as operands
+//   fused_backward_pair<ExecSpace, V>(exec, mask, qpos, kpos, e, rows, k, v, tq, tk, tv,
+//                                     dq, dk, dv, acc_dq, acc_dkv, scale, guard, pieces)
+//             a backward block pair on the provider: every band piece's
+//             gradients added into the pair's fp32 sums; false: the kernels
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -20,6 +25,9 @@
 #include <blockattn/kernel/fused.hpp>
 #include <blockattn/kernel/impl/flash_path.hpp>
 #include <blockattn/kernel/impl/fused_path.hpp>
+
+#include <array>
+#include <cstddef>
 
 namespace blockattn {
 
@@ -150,6 +158,95 @@ void fused_forward_piece(const ExecSpace& exec, const BlockExtents& e, const Ban
                          const PO& part_o, const PL& part_lse, float scale) {
   impl::FusedProvider<ExecSpace, V>::run(
       exec, fused_forward_call<ExecSpace>(e, piece, q, kv, part_o, part_lse, scale));
+}
+
+/// A distributed backward's own query rows as fused operands, from row 0:
+/// Q, O, dO (storage type) and the forward's LSE (fp32, natural log, over
+/// every key of the rows). `usable`: their head dims have unit strides.
+struct FusedQueryRows {
+  FusedTensor q, o, dout, lse;
+  bool usable = false;
+};
+
+template <class QV, class OV, class DOV, class LV>
+FusedQueryRows fused_query_rows(const QV& q, const OV& o, const DOV& dout, const LV& lse) {
+  FusedQueryRows r;
+  r.usable = impl::unit_head_stride(q, o, dout);
+  r.q = impl::fused_rows(q, 0);
+  r.o = impl::fused_rows(o, 0);
+  r.dout = impl::fused_rows(dout, 0);
+  r.lse = impl::fused_lse(lse, 0);
+  return r;
+}
+
+/// The backward of one block pair on the fused path: the own queries `rows`
+/// (e.queries of them) against the K/V block k, v (e.keys rows, storage V).
+/// The provider writes each band piece's dQ, dK, dV in the storage type into
+/// tq (query rows) and tk, tv (key rows), from the forward's O and LSE (so a
+/// pair's gradients are the exact partials of the whole softmax); they are
+/// added, widened, into dq, dk, dv (the pair's sums in the compute type),
+/// which are first zeroed unless acc_dq / acc_dkv. Each piece's gradients are
+/// thus rounded to 16 bits once before the fp32 sum over the pairs (the
+/// fused bound: docs/numerics.md). False, nothing done: the pair takes the
+/// kernels (no provider, not band pieces in cuDNN's form, a shape or stride
+/// the provider declines, or, with `guard` and a mask that hides keys of the
+/// pair, inf / NaN in v). `pieces`: the band pieces run.
+template <class ExecSpace, class V, class Mask, class QP, class KP, class KV, class VV, class TQ,
+          class TK, class GQ, class GK>
+bool fused_backward_pair(const ExecSpace& exec, const Mask& mask, const QP& qpos, const KP& kpos,
+                         const BlockExtents& e, const FusedQueryRows& rows, const KV& k,
+                         const VV& v, const TQ& tq, const TK& tk, const TK& tv, const GQ& dq,
+                         const GK& dk, const GK& dv, bool acc_dq, bool acc_dkv, float scale,
+                         bool guard, int& pieces) {
+  if constexpr (fused_available_v<ExecSpace, V>) {
+    if (!rows.usable || e.queries <= 0 || e.keys <= 0 || !impl::fused_shape_ok(e) ||
+        !impl::unit_head_stride(k, v, tq, tk, tv))
+      return false;
+    const BandSplit split = band_split(mask, qpos, e.queries, kpos, e.keys);
+    if (!split.expressible || split.count == 0) return false;
+    std::array<FusedBackwardCall, std::tuple_size<decltype(BandSplit::pieces)>::value> calls;
+    const std::size_t s = sizeof(V), f = sizeof(float);
+    for (int i = 0; i < split.count; ++i) {
+      const BandPiece& p = split.pieces[std::size_t(i)];
+      if (!cudnn_band(p).supported) return false;
+      FusedBackwardCall& c = calls[std::size_t(i)];
+      c.p = impl::fused_problem(e, p, impl::fused_type<V>(), scale);
+      c.q = impl::fused_offset(rows.q, p.row_begin, s);
+      c.o = impl::fused_offset(rows.o, p.row_begin, s);
+      c.dout = impl::fused_offset(rows.dout, p.row_begin, s);
+      c.lse = impl::fused_offset(rows.lse, p.row_begin, f);
+      c.k = impl::fused_rows(k, p.col_begin);
+      c.v = impl::fused_rows(v, p.col_begin);
+      c.dq = impl::fused_rows(tq, p.row_begin);
+      c.dk = impl::fused_rows(tk, p.col_begin);
+      c.dv = impl::fused_rows(tv, p.col_begin);
+      if (!impl::FusedProvider<ExecSpace, V>::supports(c)) return false;
+    }
+    if (guard && !pair_covers_all(mask, qpos, e.queries, kpos, e.keys) &&
+        impl::has_nonfinite(exec, v))
+      return false;
+    using TQs = typename GQ::non_const_value_type;
+    using TKs = typename GK::non_const_value_type;
+    if (!acc_dq) Kokkos::deep_copy(exec, dq, TQs(0));
+    if (!acc_dkv) {
+      Kokkos::deep_copy(exec, dk, TKs(0));
+      Kokkos::deep_copy(exec, dv, TKs(0));
+    }
+    for (int i = 0; i < split.count; ++i) {
+      const BandPiece& p = split.pieces[std::size_t(i)];
+      impl::FusedProvider<ExecSpace, V>::run(exec, calls[std::size_t(i)]);
+      impl::add_piece_rows(exec, dq, tq, p.row_begin, p.row_end);
+      impl::add_piece_rows(exec, dk, tk, p.col_begin, p.col_end);
+      impl::add_piece_rows(exec, dv, tv, p.col_begin, p.col_end);
+    }
+    pieces = split.count;
+    return true;
+  } else {
+    (void)exec, (void)mask, (void)qpos, (void)kpos, (void)e, (void)rows, (void)k, (void)v, (void)tq,
+        (void)tk, (void)tv, (void)dq, (void)dk, (void)dv, (void)acc_dq, (void)acc_dkv, (void)scale,
+        (void)guard, (void)pieces;
+    return false;
+  }
 }
 
 }  // namespace blockattn

@@ -12,6 +12,7 @@
 #include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/options.hpp>
 #include <blockattn/kernel/block_product.hpp>
+#include <blockattn/kernel/fused_block.hpp>
 #include <blockattn/schedule/context.hpp>
 #include <blockattn/schedule/schedule.hpp>
 
@@ -128,6 +129,20 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
              (same_memory(m_own[1], dk) ? 0 : own_dkv_bytes / 2) +
              (same_memory(m_own[2], dv) ? 0 : own_dkv_bytes / 2);
     stats.workspace_bytes = backward_workspace_bytes(slots, bb);
+    if constexpr (fused_available_v<ExecSpace, V>) {
+      // Own block pairs whose mask is band pieces: on the fused provider,
+      // from the caller's q, o, dout, lse; its 16-bit gradients of a piece in
+      // these buffers before they are added to the pair's sums.
+      m_rows = fused_query_rows(q, o, dout, lse);
+      if (!opts.portable_only && m_rows.usable) {
+        m_tq = buffer_like<V, ExecSpace>(dq, "blockattn::fused_dq");
+        m_tk = buffer_like<V, ExecSpace>(dk, "blockattn::fused_dk", most);
+        m_tv = buffer_like<V, ExecSpace>(dv, "blockattn::fused_dv", most);
+        stats.fused_workspace_bytes = bytes_of(m_tq) + bytes_of(m_tk) + bytes_of(m_tv);
+        m_fused = true;
+      }
+    }
+    m_guard_nonfinite = opts.guard_masked_nonfinite;
   }
 
   void set_plan(int steps) { m_arrive.assign(std::size_t(steps) + 1, {}); }
@@ -169,13 +184,20 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     (send ? st.bytes_sent : st.bytes_received) += b;
   }
 
-  bool compute(int s, const BackwardStep& f, std::vector<std::vector<request>>& due, StepStats&) {
+  bool compute(int s, const BackwardStep& f, std::vector<std::vector<request>>& due,
+               StepStats& st) {
     const BlockTask task = f.task;
     const bool computed = this->has_work(task);
     const B4 dqt = f.dq_slot >= 0 ? m_dq_out[std::size_t(f.dq_slot)] : m_own[0];
     const B4 dkt = f.dkv_slot >= 0 ? m_dkv_out[std::size_t(f.dkv_slot)][0] : m_own[1];
     const B4 dvt = f.dkv_slot >= 0 ? m_dkv_out[std::size_t(f.dkv_slot)][1] : m_own[2];
-    if (computed) {
+    const bool acc_dq = f.dq_slot < 0 && m_dq_written;
+    const bool acc_dkv = f.dkv_slot < 0 && m_dkv_written;
+    if (computed && task.q_rank == m_rank &&
+        fused(task, f.kv_slot, dqt, dkt, dvt, acc_dq, acc_dkv, st.fused_pieces)) {
+      st.path = BlockPath::fused;
+    } else if (computed) {
+      st.path = BlockPath::portable;
       if (m_packed != f.kv_slot) {
         m_keys.keys = int(m_c.lengths[std::size_t(task.k_rank)]);
         if (f.kv_slot == 0 && !m_kv_copy)
@@ -186,8 +208,8 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
         m_packed = f.kv_slot;
       }
       BackwardBlockOptions blk;
-      blk.accumulate_dq = f.dq_slot < 0 && m_dq_written;
-      blk.accumulate_dkv = f.dkv_slot < 0 && m_dkv_written;
+      blk.accumulate_dq = acc_dq;
+      blk.accumulate_dkv = acc_dkv;
       blk.operands_bf16 = std::is_same<V, bf16>::value;
       blk.host_matrix = m_host_matrix;
       const PackedQueries<T, mem>* rows = nullptr;
@@ -202,6 +224,8 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
       const auto pos = [&](int r) { return this->positions(r); };
       backward_block(m_exec, m_c.task(task.q_rank, task.k_rank), *rows, m_keys, dqt, dkt, dvt,
                      m_mask, pos(task.q_rank), pos(task.k_rank), m_scale, blk);
+    }
+    if (computed) {
       m_dq_written = m_dq_written || f.dq_slot < 0;
       m_dkv_written = m_dkv_written || f.dkv_slot < 0;
     } else if (!task.idle()) {
@@ -272,6 +296,29 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     int slot, add_to;
   };
 
+  /// The step's pair (own queries) on the fused provider
+  /// (fused_backward_pair); false: the kernels take it.
+  bool fused(const BlockTask& task, int kv_slot, const B4& dqt, const B4& dkt, const B4& dvt,
+             bool acc_dq, bool acc_dkv, int& pieces) {
+    if constexpr (fused_available_v<ExecSpace, V>) {
+      if (!m_fused) return false;
+      const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
+      const auto run = [&](const auto& k, const auto& v) {
+        return fused_backward_pair<ExecSpace, V>(m_exec, m_mask, this->positions(task.q_rank),
+                                                 this->positions(task.k_rank), te, m_rows, k, v,
+                                                 m_tq, m_tk, m_tv, dqt, dkt, dvt, acc_dq, acc_dkv,
+                                                 float(m_scale), m_guard_nonfinite, pieces);
+      };
+      if (kv_slot == 0 && !m_kv_copy) return run(m_k, m_v);  // the caller's k, v
+      const auto& kv = m_kv[std::size_t(kv_slot)];
+      return run(rows_of(kv[0], te.keys), rows_of(kv[1], te.keys));
+    } else {
+      (void)task, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq, (void)acc_dkv,
+          (void)pieces;
+      return false;
+    }
+  }
+
   /// A partial arriving home: the first one is copied, the next ones added.
   template <class In>
   void home(const B4& own, const In& in, bool& written) {
@@ -298,6 +345,10 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
   std::vector<std::vector<Arrival>> m_arrive;  // by the step they complete
   std::int64_t m_kv_bytes = 0, m_dkv_bytes = 0, m_q_bytes = 0, m_dq_bytes = 0;
   bool m_dq_written = false, m_dkv_written = false;
+  // The fused path (a provider built in for ExecSpace and V; not portable_only).
+  FusedQueryRows m_rows;                   // own q, o, dout, lse as the provider's operands
+  Buffer4<V, ExecSpace> m_tq, m_tk, m_tv;  // a piece's gradients in the storage type
+  bool m_fused = false, m_guard_nonfinite = true;
 };
 
 }  // namespace blockattn::impl

@@ -64,6 +64,13 @@ FusedTensor fused_rows(const View& x, index_type row0) {
   return t;
 }
 
+/// The operand t (rows from 0) from row row0 on: stride[2] is the sequence
+/// stride of both kinds of operand (fused_rows, fused_lse); `elem` its bytes.
+inline FusedTensor fused_offset(FusedTensor t, index_type row0, std::size_t elem) {
+  t.data = static_cast<const char*>(t.data) + std::int64_t(row0) * t.stride[2] * std::int64_t(elem);
+  return t;
+}
+
 /// Rows [row0, ...) of a (batch, heads, seq) LSE View.
 template <class View>
 FusedTensor fused_lse(const View& x, index_type row0) {
@@ -246,6 +253,22 @@ void zero_rows_outside(const ExecSpace& exec, const GV& g, index_type r0, index_
       KOKKOS_LAMBDA(int b, int i, int h) {
         if (i >= lo && i < hi) return;
         for (int d = 0; d < dim; ++d) g(b, i, h, d) = V(0.0f);
+      });
+}
+
+/// g(b, i, h, :) += G(t(b, i, h, :)) for the rows i in [r0, r1): a band
+/// piece's gradients (storage type, t) into a block pair's sums (g).
+template <class ExecSpace, class GV, class TV>
+void add_piece_rows(const ExecSpace& exec, const GV& g, const TV& t, index_type r0, index_type r1) {
+  using G = typename GV::non_const_value_type;
+  const int batch = int(g.extent(0)), heads = int(g.extent(2)), dim = int(g.extent(3));
+  if (r1 <= r0) return;
+  Kokkos::parallel_for(
+      "blockattn::fused_add_piece",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, int(r0), 0},
+                                                        {batch, int(r1), heads}),
+      KOKKOS_LAMBDA(int b, int i, int h) {
+        for (int d = 0; d < dim; ++d) g(b, i, h, d) += G(float(t(b, i, h, d)));
       });
 }
 
