@@ -4,6 +4,7 @@
 //
 //   mpiexec -n P blockattn_bench_steps [--n 16384] [--heads 16] [--dim 128]
 //                                      [--reps 5] [--dtype bf16] [--portable 0|1]
+//                                      [--pass forward|backward]
 //
 // Zigzag partition, causal mask, RingSchedule, B = 1, random inputs in
 // [-1, 1). Rank 0 first times attention_forward on the whole sequence (one
@@ -14,6 +15,8 @@
 // attention or BlockAttn's kernels) and how many band pieces went to cuDNN.
 // Ranks sharing one GPU (mpiexec -n 2 on one device) run their pairs
 // side by side, so the ring's call time is comparable to the one-call time.
+// --pass backward times the backward instead (one attention_backward; the
+// ring's backward after one forward), at 2.5x the forward's FLOPs.
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
@@ -62,7 +65,7 @@ namespace bench_steps {
 
 struct Args {
   int n = 16384, heads = 16, dim = 128, reps = 5, portable = 0;
-  std::string dtype = "bf16";
+  std::string dtype = "bf16", pass = "forward";
 };
 
 /// q, k, v of `len` tokens, uniform in [-1, 1) (seeded per rank).
@@ -88,7 +91,8 @@ void run(Comm& comm, const Args& a) {
   const int P = comm.size(), rank = comm.rank();
   const Exec exec;
   const double pairs = double(a.n) * (a.n + 1) / 2;  // causal
-  const double flops = 4.0 * a.dim * pairs * a.heads;
+  const bool bwd = a.pass == "backward";
+  const double flops = (bwd ? 2.5 : 1.0) * 4.0 * a.dim * pairs * a.heads;
 
   // One call on one device (rank 0), the whole sequence.
   double one_call = 0.0;
@@ -102,12 +106,24 @@ void run(Comm& comm, const Args& a) {
     fo.portable_only = a.portable != 0;
     fo.paths = &one_paths;
     blockattn::attention_forward(exec, q, k, v, o, lse, Mask{}, fo);  // warm-up
+    V4 dout, dq, dk, dv;
+    if (bwd) {
+      dout = V4("do", 1, a.n, a.heads, a.dim);
+      dq = V4("dq", 1, a.n, a.heads, a.dim);
+      dk = V4("dk", 1, a.n, a.heads, a.dim);
+      dv = V4("dv", 1, a.n, a.heads, a.dim);
+      fill(exec, std::vector<V4*>{&dout}, 12);
+      blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv, Mask{}, fo);
+    }
     exec.fence();
     one_call = 1e30;
     for (int r = 0; r < a.reps; ++r) {
       one_paths = {};
       const double t0 = now();
-      blockattn::attention_forward(exec, q, k, v, o, lse, Mask{}, fo);
+      if (bwd)
+        blockattn::attention_backward(exec, q, k, v, o, lse, dout, dq, dk, dv, Mask{}, fo);
+      else
+        blockattn::attention_forward(exec, q, k, v, o, lse, Mask{}, fo);
       exec.fence();
       one_call = std::min(one_call, now() - t0);
     }
@@ -124,13 +140,23 @@ void run(Comm& comm, const Args& a) {
   blockattn::DistributedOptions opts;
   opts.portable_only = a.portable != 0;
   attn.forward(q, k, v, o, lse, opts);  // warm-up (cuDNN graphs, workspace)
+  V4 dout, dq, dk, dv;
+  if (bwd) {
+    dout = V4("do", 1, len, a.heads, a.dim);
+    dq = V4("dq", 1, len, a.heads, a.dim);
+    dk = V4("dk", 1, len, a.heads, a.dim);
+    dv = V4("dv", 1, len, a.heads, a.dim);
+    fill(exec, std::vector<V4*>{&dout}, 200 + unsigned(rank));
+    attn.backward(q, k, v, o, lse, dout, dq, dk, dv, opts);  // warm-up
+  }
   exec.fence();
   double best = 1e30;
   blockattn::RunStats best_stats;
   for (int r = 0; r < a.reps; ++r) {
     comm.barrier();
     const double t0 = now();
-    blockattn::RunStats s = attn.forward(q, k, v, o, lse, opts);
+    blockattn::RunStats s = bwd ? attn.backward(q, k, v, o, lse, dout, dq, dk, dv, opts)
+                                : attn.forward(q, k, v, o, lse, opts);
     exec.fence();
     const double t = comm.allreduce(now() - t0, blockattn::ReduceOp::max);
     if (t < best) {
@@ -140,9 +166,9 @@ void run(Comm& comm, const Args& a) {
   }
   const int steps = int(best_stats.steps.size());
   if (rank == 0) {
-    std::printf("KV ring on %s, P = %d, zigzag, causal, %s, N = %d, H = %d, D = %d%s\n",
-                Exec::name(), P, blockattn::value_type_name<T>(), a.n, a.heads, a.dim,
-                a.portable ? ", BlockAttn's kernels only" : "");
+    std::printf("KV ring %s on %s, P = %d, zigzag, causal, %s, N = %d, H = %d, D = %d%s\n",
+                a.pass.c_str(), Exec::name(), P, blockattn::value_type_name<T>(), a.n, a.heads,
+                a.dim, a.portable ? ", BlockAttn's kernels only" : "");
     std::printf("%5s %12s %12s  %s\n", "step", "wall[ms]", "busy[ms]",
                 "path of each rank's pair: cudnn (band pieces), tensor (cores), ours");
   }
@@ -167,9 +193,9 @@ void run(Comm& comm, const Args& a) {
   }
   if (rank == 0) {
     std::printf(
-        "one call (rank 0, whole sequence): %.3f ms, %.1f TFLOP/s, paths: %lld ours, "
+        "one %s call (rank 0, whole sequence): %.3f ms, %.1f TFLOP/s, paths: %lld ours, "
         "%lld cuDNN (%lld pieces)\n",
-        one_call * 1e3, flops / one_call * 1e-12, (long long)one_paths.portable,
+        a.pass.c_str(), one_call * 1e3, flops / one_call * 1e-12, (long long)one_paths.portable,
         (long long)one_paths.fused, (long long)one_paths.fused_pieces);
     std::printf("ring call (slowest rank): %.3f ms, %.1f TFLOP/s; ring / one call = %.2f\n",
                 best * 1e3, flops / best * 1e-12, best / one_call);
@@ -191,6 +217,7 @@ busy time and the path (cuDNN or BlockAttn's kernels) of every rank's pair.
   --reps R       best of R [5]
   --dtype T      bf16|fp16|fp32 [bf16]
   --portable 0|1 1: BlockAttn's kernels only, never cuDNN [0]
+  --pass P       forward|backward (the backward after one forward) [forward]
   --help, -h     this text
 Kokkos' flags (--kokkos-device-id=N, ...) pass through. Exit status 2: a bad
 command line or an error the library reports (printed by rank 0).
@@ -215,7 +242,7 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc && error.empty(); ++i) {
       const std::string f = argv[i];
       if (f != "--n" && f != "--heads" && f != "--dim" && f != "--reps" && f != "--dtype" &&
-          f != "--portable")
+          f != "--portable" && f != "--pass")
         error = "unknown argument " + f + " (blockattn_bench_steps --help lists the flags)";
       else if (i + 1 >= argc)
         error = f + " needs a value";
@@ -229,7 +256,11 @@ int main(int argc, char** argv) {
         error = blockattn_cli::read_int(f, argv[++i], a.reps);
       else if (f == "--portable")
         error = blockattn_cli::read_int(f, argv[++i], a.portable, 0, 1);
-      else {
+      else if (f == "--pass") {
+        a.pass = argv[++i];
+        if (a.pass != "forward" && a.pass != "backward")
+          error = "--pass: expected forward or backward, got '" + a.pass + "'";
+      } else {
         a.dtype = argv[++i];
         if (a.dtype != "fp32" && a.dtype != "bf16" && a.dtype != "fp16")
           error = "--dtype: expected fp32, bf16 or fp16, got '" + a.dtype + "'";
