@@ -93,7 +93,7 @@ HostTensor gather_rows(const View& x, const Map& map, int N) {
 /// partial O before the fp32 merge, at most u16 max|V| (weights sum to 1):
 ///   e32 + u16 (max|O| + e32) + 2 u16 max|V|   (twice for margin; no P in it).
 template <class Partition, class Schedule, class Mask>
-void check(Mpi& comm, const Mask& mask, int N, int expect_fused) {
+void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_helpers = false) {
   using S = bf16;
   const int P = comm.size(), rank = comm.rank();
   const int b = 1, h = 4, hkv = 2, d = 64;
@@ -134,6 +134,17 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused) {
   const long all_fused = comm.allreduce(long(fp.fused), ReduceOp::sum);
   if (expect_fused >= 0) CHECK((all_fused > 0) == (expect_fused > 0));
   CHECK(fp.fused_pieces >= fp.fused);
+  // Helpers' tasks (another rank's queries, balanced schedule) run fused too.
+  long helpers = 0, helpers_fused = 0;
+  for (const auto& st : fused.steps)
+    if (st.computed && st.query_source != rank) {
+      ++helpers;
+      helpers_fused += st.path == BlockPath::fused ? 1 : 0;
+    }
+  if (expect_helpers) {
+    CHECK(comm.allreduce(helpers, ReduceOp::sum) > 0);
+    CHECK(comm.allreduce(helpers_fused, ReduceOp::sum) == comm.allreduce(helpers, ReduceOp::sum));
+  }
 
   const auto map = Partition::positions(N, P, rank);
   bool finite = true;
@@ -237,7 +248,7 @@ TEST_CASE("fused path under the distributed schedules (" BLOCKATTN_TEST_PROVIDER
   check<ContiguousPartition, RingSchedule>(comm, FullMask{}, N + 1, 1);  // uneven pieces
   // Prefix-LM: pairs that straddle the prefix take the kernels in the same call.
   check<ContiguousPartition, RingSchedule>(comm, PrefixLMMask{N / 3}, N, P > 1 ? 1 : 0);
-  // Helpers' tasks (another rank's queries) take the kernels.
-  check<ContiguousPartition, BalancedSchedule>(comm, CausalMask{}, N, 1);
+  // Helpers' tasks (another rank's queries): fused as well.
+  check<ContiguousPartition, BalancedSchedule>(comm, CausalMask{}, N, 1, P > 2);
   check<ContiguousPartition, AllGatherSchedule>(comm, CausalMask{}, N, 1);
 }

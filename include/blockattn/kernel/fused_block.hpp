@@ -12,6 +12,10 @@
 //   fused_forward_piece(exec, e, piece, q, kv, part_o, part_lse, scale)
 //             the piece's rows of part_o (storage V) and part_lse (natural
 //             log); the caller merges them (SoftmaxState::merge_partial)
+//   fused_forward_result<ExecSpace, V>(exec, mask, qpos, kpos, e, q, kv, part_o, part_lse,
+//                                      out_o, out_lse, scale, guard, pieces)
+//             a pair's whole normalised result (a helper's task: another
+//             rank's queries) on the provider, one band piece; false: the kernels
 //   rows = fused_query_rows(q, o, dout, lse)   a backward's own query rows as operands
 //   fused_backward_pair<ExecSpace, V>(exec, mask, qpos, kpos, e, rows, k, v, tq, tk, tv,
 //                                     dq, dk, dv, acc_dq, acc_dkv, scale, guard, pieces)
@@ -150,6 +154,15 @@ bool tensor_core_forward_pair(const ExecSpace& exec, const BlockExtents& e, cons
                              kpos, scale);
 }
 
+/// The normalised result of tensor_core_forward_pair (part_o in the storage
+/// type, part_lse) as a result in the compute type (out_o, out_lse).
+template <class ExecSpace, class PO, class PL, class OO, class OL>
+void tensor_core_result(const ExecSpace& exec, const BlockExtents& e, const PO& part_o,
+                        const PL& part_lse, const OO& out_o, const OL& out_lse) {
+  impl::fill_unseen_rows(exec, out_o, out_lse, 0, 0);
+  impl::widen_result(exec, out_o, out_lse, part_o, part_lse, e.queries);
+}
+
 /// Runs one piece (see fused_forward_call); part_lse rows outside every
 /// piece must hold -inf before the merge.
 template <class ExecSpace, class QV, class V, class PO, class PL>
@@ -158,6 +171,43 @@ void fused_forward_piece(const ExecSpace& exec, const BlockExtents& e, const Ban
                          const PO& part_o, const PL& part_lse, float scale) {
   impl::FusedProvider<ExecSpace, V>::run(
       exec, fused_forward_call<ExecSpace>(e, piece, q, kv, part_o, part_lse, scale));
+}
+
+/// A block pair's normalised result on the fused path, for rows that merge
+/// elsewhere (a helper's task: another rank's queries q, e.queries rows,
+/// against the packed block kv in its rows layout), when the pair is one band
+/// piece (what the balanced schedule's contiguous blocks give): it runs into
+/// part_o, part_lse (storage type, natural log) and is widened into out_o
+/// (compute type) and out_lse, which hold O = 0, LSE = -inf on the rows the
+/// piece does not cover. False, nothing done: the pair takes the kernels (see
+/// fused_pair; more than one piece; with `guard` and a mask that hides keys,
+/// inf / NaN in V).
+template <class ExecSpace, class V, class Mask, class QP, class KP, class QV, class PO, class PL,
+          class OO, class OL>
+bool fused_forward_result(const ExecSpace& exec, const Mask& mask, const QP& qpos, const KP& kpos,
+                          const BlockExtents& e, const QV& q,
+                          const PackedKV<V, typename ExecSpace::memory_space>& kv, const PO& part_o,
+                          const PL& part_lse, const OO& out_o, const OL& out_lse, float scale,
+                          bool guard, int& pieces) {
+  if constexpr (fused_available_v<ExecSpace, V>) {
+    const FusedPair pair =
+        fused_pair<ExecSpace, V>(mask, qpos, kpos, e, false, q, kv, part_o, part_lse, scale);
+    if (!pair.fused || pair.split.count != 1) return false;
+    if (guard && !pair_covers_all(mask, qpos, e.queries, kpos, e.keys) &&
+        packed_v_has_nonfinite(exec, kv))
+      return false;
+    using L = typename PL::non_const_value_type;
+    impl::fill_unseen_rows(exec, out_o, out_lse, 0, 0);       // every row: O = 0, LSE = -inf
+    Kokkos::deep_copy(exec, part_lse, -impl::infinity<L>());  // rows outside the piece
+    fused_forward_piece(exec, e, pair.split.pieces[0], q, kv, part_o, part_lse, scale);
+    impl::widen_result(exec, out_o, out_lse, part_o, part_lse, e.queries);
+    pieces = 1;
+    return true;
+  } else {
+    (void)exec, (void)mask, (void)qpos, (void)kpos, (void)e, (void)q, (void)kv, (void)part_o,
+        (void)part_lse, (void)out_o, (void)out_lse, (void)scale, (void)guard, (void)pieces;
+    return false;
+  }
 }
 
 /// A distributed backward's own query rows as fused operands, from row 0:

@@ -121,7 +121,8 @@ class ForwardSteps
     stats.workspace_bytes = forward_workspace_bytes(slots, b);
     if constexpr (fused_available_v<ExecSpace, V>) {
       if (!opts.portable_only) {  // the fused pieces' normalised partial results
-        m_part_o = buffer_like<V, ExecSpace>(o, "blockattn::fused_o");
+        // (rows of the longest rank: a helper's task on another rank's queries too)
+        m_part_o = buffer_like<V, ExecSpace>(o, "blockattn::fused_o", most);
         m_part_lse = lse_buffer("blockattn::fused_lse");
         stats.fused_workspace_bytes = bytes_of(m_part_o) + bytes_of(m_part_lse);
       }
@@ -172,6 +173,11 @@ class ForwardSteps
     const int kv_slot = m_comm ? f.kv_slot : 0;
     BlockPath own_path = BlockPath::fused;
     if (computed && task.q_rank == m_rank && fused(s, task, kv_slot, st.fused_pieces, own_path)) {
+      st.path = own_path;
+      m_exec.fence();
+      return true;
+    }
+    if (computed && task.q_rank != m_rank && helper_fused(f, kv_slot, st.fused_pieces, own_path)) {
       st.path = own_path;
       m_exec.fence();
       return true;
@@ -291,6 +297,38 @@ class ForwardSteps
       return true;
     } else {
       (void)s, (void)task, (void)kv_slot, (void)pieces, (void)path;
+      return false;
+    }
+  }
+
+  /// A helper's task (another rank's queries, which travelled) on the fused
+  /// path, or else on the tensor-core forward (path: BlockPath::matrix): the
+  /// pair's normalised result into its result slot, as the kernels would
+  /// leave it. False: the kernels take it.
+  bool helper_fused(const ForwardStep& f, int kv_slot, int& pieces, BlockPath& path) {
+    if constexpr (fused_available_v<ExecSpace, V>) {
+      if (m_portable_only || !m_comm) return false;
+      const BlockTask task = f.task;
+      const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
+      const PackedKV<V, mem>& kv = m_kv[std::size_t(kv_slot)];
+      const auto& q = m_qs[std::size_t(f.q_slot)];
+      const Result& out = m_hout[std::size_t(f.result_slot)];
+      const auto qp = this->positions(task.q_rank);
+      const auto kp = this->positions(task.k_rank);
+      if (fused_forward_result<ExecSpace, V>(m_exec, m_mask, qp, kp, te, q, kv, m_part_o,
+                                             m_part_lse, out.o, out.lse, float(m_scale),
+                                             m_guard_nonfinite, pieces)) {
+        path = BlockPath::fused;
+        return true;
+      }
+      if (!m_tensor_cores || !tensor_core_forward_pair(m_exec, te, q, kv, m_part_o, m_part_lse,
+                                                       m_mask, qp, kp, float(m_scale)))
+        return false;
+      tensor_core_result(m_exec, te, m_part_o, m_part_lse, out.o, out.lse);
+      path = BlockPath::matrix;
+      return true;
+    } else {
+      (void)f, (void)kv_slot, (void)pieces, (void)path;
       return false;
     }
   }

@@ -272,6 +272,27 @@ void add_piece_rows(const ExecSpace& exec, const GV& g, const TV& t, index_type 
       });
 }
 
+/// A normalised result of rows [0, rows) in the storage type (part_o;
+/// part_lse, natural log, -inf where no key was seen) as a result in the
+/// compute type (out_o, out_lse), whose rows with part_lse = -inf are left
+/// as they are (fill_unseen_rows: O = 0, LSE = -inf).
+template <class ExecSpace, class OO, class OL, class PO, class PL>
+void widen_result(const ExecSpace& exec, const OO& out_o, const OL& out_lse, const PO& part_o,
+                  const PL& part_lse, index_type rows) {
+  using T = typename OO::non_const_value_type;
+  const int batch = int(out_o.extent(0)), heads = int(out_o.extent(2)), dim = int(out_o.extent(3));
+  if (rows <= 0) return;
+  Kokkos::parallel_for(
+      "blockattn::fused_widen_result",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {batch, int(rows), heads}),
+      KOKKOS_LAMBDA(int b, int i, int h) {
+        const T lp = T(part_lse(b, h, i));
+        if (lp == -infinity<T>()) return;  // saw no key of this row
+        out_lse(b, h, i) = lp;
+        for (int d = 0; d < dim; ++d) out_o(b, i, h, d) = T(float(part_o(b, i, h, d)));
+      });
+}
+
 /// Whether every operand has a unit stride in the head dim (cuDNN's layout).
 template <class... Vs>
 bool unit_head_stride(const Vs&... v) {
