@@ -14,6 +14,7 @@
 #include <blockattn/mpi_communicator.hpp>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -93,7 +94,8 @@ HostTensor gather_rows(const View& x, const Map& map, int N) {
 /// partial O before the fp32 merge, at most u16 max|V| (weights sum to 1):
 ///   e32 + u16 (max|O| + e32) + 2 u16 max|V|   (twice for margin; no P in it).
 template <class Partition, class Schedule, class Mask>
-void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_helpers = false) {
+void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_helpers = false,
+           bool with_sinks = false) {
   using S = bf16;
   const int P = comm.size(), rank = comm.rank();
   const int b = 1, h = 4, hkv = 2, d = 64;
@@ -102,7 +104,17 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
                    k = rounded_to<S>(random_tensor(b, N, hkv, d, rng)),
                    v = rounded_to<S>(random_tensor(b, N, hkv, d, rng));
   const double scale = 1.0 / std::sqrt(double(d));
-  const ReferenceResult ref = reference_attention(q, k, v, mask, scale);
+  // Attention sinks (one logit per head; the -inf one: no sink) on O and LSE after the
+  // merges, and in the backward's P through the LSE.
+  const std::vector<double> sink_values{0.5, -1.0, 1.5, -std::numeric_limits<double>::infinity()};
+  const std::vector<double>* sv = with_sinks ? &sink_values : nullptr;
+  Kokkos::View<float*, MemSpace> sinks("sinks", h);
+  {
+    auto sh = Kokkos::create_mirror_view(sinks);
+    for (int x = 0; x < h; ++x) sh(x) = float(sink_values[std::size_t(x)]);
+    Kokkos::deep_copy(sinks, sh);
+  }
+  const ReferenceResult ref = reference_attention(q, k, v, mask, scale, 0, 0, sv);
   const int n = int(local_length<Partition>(N, P, rank));
   // [batch, seq, heads, dim] with the head dim contiguous (LayoutRight), as
   // cuDNN needs (Kokkos' default on GPUs is LayoutLeft: those calls take
@@ -119,8 +131,10 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
   R4 o("o", b, n, h, d), o_portable("o_portable", b, n, h, d);
   V3<float> lse("lse", b, h, n), lse_portable("lse_portable", b, h, n);
   DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
-  const RunStats fused = attn.forward(ql, kl, vl, o, lse);
-  DistributedOptions opts;
+  DistributedOptions with;  // the fused path (default), with or without sinks
+  if (with_sinks) with.sinks = sinks;
+  const RunStats fused = attn.forward(ql, kl, vl, o, lse, with);
+  DistributedOptions opts = with;
   opts.portable_only = true;
   const RunStats portable = attn.forward(ql, kl, vl, o_portable, lse_portable, opts);
   Kokkos::fence();
@@ -161,10 +175,11 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
     }
   const double e32 = tolerance<float>(ref, d, N), u = S::unit_roundoff;
   const double bound = e32 + u * (largest(ref.o) + e32) + 2 * u * largest(v);
-  INFO("rank " << rank << "/" << P << " " << std::string(Schedule::name()) << " + "
-               << std::string(Partition::name()) << ": fused pairs " << fp.fused << " (pieces "
-               << fp.fused_pieces << "), portable " << fp.portable << "; O err " << eo
-               << " (portable " << ep << ") bound " << bound << "; LSE err " << el);
+  INFO("rank " << rank << "/" << P << (with_sinks ? " sinks " : " ")
+               << std::string(Schedule::name()) << " + " << std::string(Partition::name())
+               << ": fused pairs " << fp.fused << " (pieces " << fp.fused_pieces << "), portable "
+               << fp.portable << "; O err " << eo << " (portable " << ep << ") bound " << bound
+               << "; LSE err " << el);
   CHECK(finite);
   CHECK(eo <= bound);
   CHECK(el <= e32);
@@ -174,7 +189,7 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
   const R4 dol = right(local_rows<S, Partition>(dout, P, rank));
   R4 dq("dq", b, n, h, d), dk("dk", b, n, hkv, d), dv("dv", b, n, hkv, d);
   R4 dq_p("dq_p", b, n, h, d), dk_p("dk_p", b, n, hkv, d), dv_p("dv_p", b, n, hkv, d);
-  const RunStats bf = attn.backward(ql, kl, vl, o, lse, dol, dq, dk, dv);
+  const RunStats bf = attn.backward(ql, kl, vl, o, lse, dol, dq, dk, dv, with);
   const RunStats bp = attn.backward(ql, kl, vl, o, lse, dol, dq_p, dk_p, dv_p, opts);
   Kokkos::fence();
   const BlockPathCounts bfp = bf.paths(), bpp = bp.paths();
@@ -190,7 +205,7 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
 
   // fp64 gradients from the O the forward returned (what both backwards use).
   const HostTensor og = gather_rows(o, map, N);
-  const ReferenceGrads gr = reference_backward(q, k, v, dout, mask, scale, 0, 0, &og);
+  const ReferenceGrads gr = reference_backward(q, k, v, dout, mask, scale, 0, 0, &og, sv);
   std::vector<char> allowed(std::size_t(N) * std::size_t(N));
   for (int i = 0; i < N; ++i)
     for (int j = 0; j < N; ++j)
@@ -243,6 +258,7 @@ TEST_CASE("fused path under the distributed schedules (" BLOCKATTN_TEST_PROVIDER
   const int P = comm.size();
   const int N = 24 * 2 * P;  // a multiple of 2P: every partition
   check<ZigzagPartition, RingSchedule>(comm, CausalMask{}, N, 1);
+  check<ZigzagPartition, RingSchedule>(comm, CausalMask{}, N, 1, false, true);  // sinks
   check<StripedPartition, RingSchedule>(comm, CausalMask{}, N, 1);
   check<ContiguousPartition, RingSchedule>(comm, causal_window(20), N, 1);
   check<ContiguousPartition, RingSchedule>(comm, FullMask{}, N + 1, 1);  // uneven pieces
