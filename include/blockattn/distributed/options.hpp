@@ -41,8 +41,10 @@ struct RunStats {
   std::vector<StepStats> steps;
   int block_q = 0, block_k = 0;      // tile sizes used
   std::int64_t workspace_bytes = 0;  // memory the schedule allocated on this rank
-  /// Besides workspace_bytes: the fused path's buffers (a pair's normalised O
-  /// and LSE), where a fused provider is built in (cuDNN; 16-bit storage).
+  /// Besides workspace_bytes: the fused path's buffers (forward: a pair's
+  /// normalised O and LSE, rows of the longest rank; backward: a band piece's
+  /// dQ, dK, dV in the storage type), where a fused provider is built in
+  /// (cuDNN; 16-bit storage) and not portable_only.
   std::int64_t fused_workspace_bytes = 0;
   /// HybridAttention: bytes this rank sent in the all-to-alls inside its group
   /// (the steps hold the ring's across groups), and their wall time.
