@@ -73,12 +73,17 @@ ReferenceResult reference_attention_table(const HostTensor& q, const HostTensor&
 ReferenceGrads reference_backward_table(const HostTensor& q, const HostTensor& k,
                                         const HostTensor& v, const HostTensor& dout,
                                         const ReferenceMask& mask, double scale,
-                                        const HostTensor* o_used,
-                                        const std::vector<double>* sinks) {
+                                        const HostTensor* o_used, const std::vector<double>* sinks,
+                                        bool terms) {
   ReferenceGrads g;
   g.dq = HostTensor(q.b, q.n, q.h, q.d);
   g.dk = HostTensor(k.b, k.n, k.h, k.d);
   g.dv = HostTensor(v.b, v.n, v.h, v.d);
+  if (terms) {
+    g.abs_dq = g.dq;
+    g.abs_dk = g.dk;
+    g.abs_dv = g.dv;
+  }
   const int group = q.h / k.h;
   std::vector<double> p(k.n), dp(k.n), raw(k.n);
   g.dsink.assign(std::size_t(q.h), 0.0);
@@ -115,6 +120,12 @@ ReferenceGrads reference_backward_table(const HostTensor& q, const HostTensor& k
             g.dq(b, i, h, x) += scale * ds * k(b, j, hk, x);
             g.dk(b, j, hk, x) += scale * ds * q(b, i, h, x);
           }
+          if (terms)
+            for (int x = 0; x < q.d; ++x) {
+              g.abs_dv(b, j, hk, x) += p[j] * std::abs(dout(b, i, h, x));
+              g.abs_dq(b, i, h, x) += scale * std::abs(ds * k(b, j, hk, x));
+              g.abs_dk(b, j, hk, x) += scale * std::abs(ds * q(b, i, h, x));
+            }
         }
       }
     }

@@ -57,14 +57,16 @@ ReferenceResult reference_attention(const HostTensor& q, const HostTensor& k, co
 /// dS = P o (dP - rowsum(P o dP)), dQ = scale dS K, dK = scale dS^T Q.
 /// With `o_used`, rowsum(P o dP) = rowsum(dO o O) is formed from that O
 /// instead (the O a 16-bit forward returned, rounded, as the kernels use it).
+/// With `terms`, also the sums of each gradient element's absolute terms
+/// (ReferenceGrads::abs_dq, abs_dk, abs_dv).
 template <class Mask>
 ReferenceGrads reference_backward(const HostTensor& q, const HostTensor& k, const HostTensor& v,
                                   const HostTensor& dout, const Mask& mask, double scale,
                                   index_type q_offset = 0, index_type k_offset = 0,
                                   const HostTensor* o_used = nullptr,
-                                  const std::vector<double>* sinks = nullptr) {
+                                  const std::vector<double>* sinks = nullptr, bool terms = false) {
   return reference_backward_table(q, k, v, dout, reference_mask(mask, q.n, k.n, q_offset, k_offset),
-                                  scale, o_used, sinks);
+                                  scale, o_used, sinks, terms);
 }
 
 }  // namespace blockattn::test

@@ -44,6 +44,12 @@ struct ReferenceResult {
 
 struct ReferenceGrads {
   HostTensor dq, dk, dv;
+  /// With `terms`: each element's sum of the absolute values of its terms,
+  /// |dQ|_i = scale sum_j |dS_ij| |K_j|, |dK|_j = scale sum_i |dS_ij| |Q_i|,
+  /// |dV|_j = sum_i P_ij |dO_i|: it bounds every partial sum of the terms
+  /// (a block pair's, a band piece's), so rounding each of those once adds
+  /// at most u times it (the fused backward's bound, docs/numerics.md).
+  HostTensor abs_dq, abs_dk, abs_dv;
   std::vector<double> dsink;  // dL/dsinks, per head (with sinks)
   double max_dot_condition = 0.0;
 };
@@ -64,6 +70,7 @@ ReferenceResult reference_attention_table(const HostTensor& q, const HostTensor&
 ReferenceGrads reference_backward_table(const HostTensor& q, const HostTensor& k,
                                         const HostTensor& v, const HostTensor& dout,
                                         const ReferenceMask& mask, double scale,
-                                        const HostTensor* o_used, const std::vector<double>* sinks);
+                                        const HostTensor* o_used, const std::vector<double>* sinks,
+                                        bool terms = false);
 
 }  // namespace blockattn::test

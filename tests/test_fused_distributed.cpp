@@ -34,46 +34,6 @@ using namespace blockattn::test;
 
 namespace {
 
-/// Elementwise sums of the absolute terms of each gradient, in fp64 from the
-/// definition (P from the exact LSE, Delta from the O the forward returned):
-///   |dQ|_i = scale sum_j |dS_ij| |K_j|,  |dK|_j = scale sum_i |dS_ij| |Q_i|,
-///   |dV|_j = sum_i P_ij |dO_i|.
-/// Any partial sum of a gradient's terms (a block pair's, a band piece's) is
-/// at most this in magnitude, so rounding each piece's partial once adds at
-/// most u16 times it to the sum over the pieces: the fused backward's bound.
-ReferenceGrads absolute_terms(const HostTensor& q, const HostTensor& k, const HostTensor& v,
-                              const HostTensor& dout, const HostTensor& o,
-                              const std::vector<double>& lse, const std::vector<char>& allowed,
-                              double scale) {
-  const int N = q.n, h = q.h, hkv = k.h, d = q.d, g = h / hkv;
-  ReferenceGrads a;
-  a.dq = HostTensor(1, N, h, d);
-  a.dk = HostTensor(1, N, hkv, d);
-  a.dv = HostTensor(1, N, hkv, d);
-  for (int x = 0; x < h; ++x)
-    for (int i = 0; i < N; ++i) {
-      const double l = lse[std::size_t(x) * std::size_t(N) + std::size_t(i)];
-      if (std::isinf(l)) continue;
-      double delta = 0.0;
-      for (int c = 0; c < d; ++c) delta += dout(0, i, x, c) * o(0, i, x, c);
-      for (int j = 0; j < N; ++j) {
-        if (!allowed[std::size_t(i) * std::size_t(N) + std::size_t(j)]) continue;
-        double s = 0.0, dp = 0.0;
-        for (int c = 0; c < d; ++c) {
-          s += q(0, i, x, c) * k(0, j, x / g, c);
-          dp += dout(0, i, x, c) * v(0, j, x / g, c);
-        }
-        const double p = std::exp(scale * s - l), ds = std::abs(p * (dp - delta));
-        for (int c = 0; c < d; ++c) {
-          a.dq(0, i, x, c) += scale * ds * std::abs(k(0, j, x / g, c));
-          a.dk(0, j, x / g, c) += scale * ds * std::abs(q(0, i, x, c));
-          a.dv(0, j, x / g, c) += p * std::abs(dout(0, i, x, c));
-        }
-      }
-    }
-  return a;
-}
-
 /// A rank's rows of a (1, n, heads, dim) View into the global tensor of every
 /// rank (summed over the ranks: each global row is one rank's).
 template <class View, class Map>
@@ -205,15 +165,11 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
 
   // fp64 gradients from the O the forward returned (what both backwards use).
   const HostTensor og = gather_rows(o, map, N);
-  const ReferenceGrads gr = reference_backward(q, k, v, dout, mask, scale, 0, 0, &og, sv);
-  std::vector<char> allowed(std::size_t(N) * std::size_t(N));
-  for (int i = 0; i < N; ++i)
-    for (int j = 0; j < N; ++j)
-      allowed[std::size_t(i) * std::size_t(N) + std::size_t(j)] = mask.allowed(i, j) ? 1 : 0;
-  const ReferenceGrads ab = absolute_terms(q, k, v, dout, og, ref.lse, allowed, scale);
+  // With each element's sum of absolute terms (ReferenceGrads::abs_dq, ...).
+  const ReferenceGrads gr = reference_backward(q, k, v, dout, mask, scale, 0, 0, &og, sv, true);
   // Bounds per element x of a gradient whose largest reference entry is L:
   // the kernels (fp32, rounded once): 1e-4 L + u16 (|x| + L), as the
-  // single-device 16-bit tests; fused: plus 3 u16 |x|_abs (absolute_terms:
+  // single-device 16-bit tests; fused: plus 3 u16 |x|_abs (the sum of x's absolute terms:
   // each piece's partial rounded to 16 bits once, and a provider that rounds
   // P and dS to 16 bits, as cuDNN does, up to twice more per term).
   const auto worst = [&](const R4& got, const HostTensor& want, const HostTensor& abs_terms,
@@ -233,11 +189,12 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
     return w;
   };
   bool bfin = true;
-  const double wq = worst(dq, gr.dq, ab.dq, true, bfin), wk = worst(dk, gr.dk, ab.dk, true, bfin),
-               wv = worst(dv, gr.dv, ab.dv, true, bfin);
-  const double pq = worst(dq_p, gr.dq, ab.dq, false, bfin),
-               pk = worst(dk_p, gr.dk, ab.dk, false, bfin),
-               pv = worst(dv_p, gr.dv, ab.dv, false, bfin);
+  const double wq = worst(dq, gr.dq, gr.abs_dq, true, bfin),
+               wk = worst(dk, gr.dk, gr.abs_dk, true, bfin),
+               wv = worst(dv, gr.dv, gr.abs_dv, true, bfin);
+  const double pq = worst(dq_p, gr.dq, gr.abs_dq, false, bfin),
+               pk = worst(dk_p, gr.dk, gr.abs_dk, false, bfin),
+               pv = worst(dv_p, gr.dv, gr.abs_dv, false, bfin);
   INFO("backward: fused pairs " << bfp.fused << " (pieces " << bfp.fused_pieces << "), portable "
                                 << bfp.portable << "; error / bound: dq " << wq << " dk " << wk
                                 << " dv " << wv << "; portable_only: dq " << pq << " dk " << pk
