@@ -49,6 +49,24 @@ HostTensor gather_rows(const View& x, const Map& map, int N) {
   return t;
 }
 
+/// The paths of one call (forward or backward) and of the same call with
+/// portable_only: every computed step counted once; none fused with
+/// portable_only; fused pairs on some rank exactly when `expect_fused` > 0
+/// (< 0: not checked). Returns the call's counts.
+BlockPathCounts check_paths(Mpi& comm, const RunStats& call, const RunStats& portable,
+                            int expect_fused) {
+  const BlockPathCounts fp = call.paths(), pp = portable.paths();
+  int computed = 0;
+  for (const auto& st : call.steps) computed += st.computed ? 1 : 0;
+  CHECK(fp.fused + fp.portable == computed);
+  CHECK(pp.fused == 0);
+  CHECK(pp.portable == computed);
+  const long all_fused = comm.allreduce(long(fp.fused), ReduceOp::sum);
+  if (expect_fused >= 0) CHECK((all_fused > 0) == (expect_fused > 0));
+  CHECK(fp.fused_pieces >= fp.fused);
+  return fp;
+}
+
 /// One schedule x partition x mask in bf16. The bound: the fp32 bound e32,
 /// one rounding of O, and the 16-bit rounding of each piece's normalised
 /// partial O before the fp32 merge, at most u16 max|V| (weights sum to 1):
@@ -99,15 +117,7 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
   const RunStats portable = attn.forward(ql, kl, vl, o_portable, lse_portable, opts);
   Kokkos::fence();
 
-  const BlockPathCounts fp = fused.paths(), pp = portable.paths();
-  int computed = 0;
-  for (const auto& s : fused.steps) computed += s.computed ? 1 : 0;
-  CHECK(fp.fused + fp.portable == computed);
-  CHECK(pp.fused == 0);
-  CHECK(pp.portable == computed);
-  const long all_fused = comm.allreduce(long(fp.fused), ReduceOp::sum);
-  if (expect_fused >= 0) CHECK((all_fused > 0) == (expect_fused > 0));
-  CHECK(fp.fused_pieces >= fp.fused);
+  const BlockPathCounts fp = check_paths(comm, fused, portable, expect_fused);
   // Helpers' tasks (another rank's queries, balanced schedule) run fused too.
   long helpers = 0, helpers_fused = 0;
   for (const auto& st : fused.steps)
@@ -152,15 +162,7 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
   const RunStats bf = attn.backward(ql, kl, vl, o, lse, dol, dq, dk, dv, with);
   const RunStats bp = attn.backward(ql, kl, vl, o, lse, dol, dq_p, dk_p, dv_p, opts);
   Kokkos::fence();
-  const BlockPathCounts bfp = bf.paths(), bpp = bp.paths();
-  int bcomputed = 0;
-  for (const auto& st : bf.steps) bcomputed += st.computed ? 1 : 0;
-  CHECK(bfp.fused + bfp.portable == bcomputed);
-  CHECK(bpp.fused == 0);
-  CHECK(bpp.portable == bcomputed);
-  const long all_bfused = comm.allreduce(long(bfp.fused), ReduceOp::sum);
-  if (expect_fused >= 0) CHECK((all_bfused > 0) == (expect_fused > 0));
-  CHECK(bfp.fused_pieces >= bfp.fused);
+  const BlockPathCounts bfp = check_paths(comm, bf, bp, expect_fused);
   if (bfp.fused > 0) CHECK(bf.fused_workspace_bytes > 0);
 
   // fp64 gradients from the O the forward returned (what both backwards use).
