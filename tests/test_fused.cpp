@@ -11,8 +11,11 @@
 
 #include <blockattn/blockattn.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "backend.hpp"
@@ -236,4 +239,103 @@ TEST_CASE("fused path: rows that see no key, and agreement with the portable pat
     bad += !(std::isinf(el.data()[i]) && el.data()[i] < 0);
   for (std::size_t i = 0; i < edk.span(); ++i) bad += float(edk.data()[i]) != 0.0f;
   CHECK(bad == 0);
+}
+
+// A travelled query slot carries D = rowsum(dO o O), not O; the fused
+// backward takes O only to form D, so it gets a proxy O
+// (impl::travelled_operands, used by fused_travelled_rows): every row's
+// sum over dO o proxy must give D back up to one rounding of the proxy to
+// the storage type (relative u16, plus the fp32 arithmetic: (dim + 4) 2^-24),
+// without overflow (|proxy| <= max|O|); a tiny D (below the type's normal
+// range) within half a subnormal spacing times max|dO| more; zero rows zero,
+// non-finite D or dO a NaN row; LSE back in the natural log.
+TEST_CASE_TEMPLATE("fused path: a travelled slot's proxy O gives its D back", S, bf16, fp16) {
+  const int rows = 40, dim = 12, padded = 16;
+  Kokkos::View<S****, Kokkos::LayoutRight, MemSpace> dout("dout", 1, 2, rows, padded),
+      proxy("proxy", 1, 2, rows, padded);
+  Kokkos::View<float***, Kokkos::LayoutRight, MemSpace> lse2("lse2", 1, 2, rows),
+      drow("drow", 1, 2, rows), lse("lse", 1, 2, rows);
+  auto hd = Kokkos::create_mirror_view(dout);
+  auto hl = Kokkos::create_mirror_view(lse2);
+  auto hr = Kokkos::create_mirror_view(drow);
+  std::mt19937_64 rng(77);
+  std::normal_distribution<double> g(0.0, 1.0);
+  const bool is_fp16 = std::is_same<S, fp16>::value;
+  std::vector<double> omax(std::size_t(2 * rows), 0.0);
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < rows; ++i) {
+      // Row kinds: 0 random; 1 some dO zero; 2 all dO zero; 3 a tiny D; 4 a
+      // large O (fp16: near its largest value); 5 NaN D; 6 inf in dO.
+      const int kind = i % 7;
+      const double big = is_fp16 ? 6.0e4 : 1.0e30;
+      float D = 0.0f;
+      double om = 0.0;
+      for (int d = 0; d < padded; ++d) {
+        float x = d < dim ? float(S(float(g(rng)))) : 0.0f;
+        if (kind == 1 && d % 3 == 0) x = 0.0f;
+        if (kind == 2) x = 0.0f;
+        const double o = kind == 4 ? big * (d % 2 ? 1.0 : -0.5) : g(rng);
+        const float os = float(S(float(o)));
+        if (d < dim) {
+          D += x * os;
+          om = std::max(om, std::abs(double(os)));
+        }
+        hd(0, h, i, d) = S(x);
+      }
+      if (kind == 3) D = is_fp16 ? 3.0e-6f : 1.0e-39f;
+      if (kind == 5) D = std::numeric_limits<float>::quiet_NaN();
+      if (kind == 6) hd(0, h, i, 5) = S(std::numeric_limits<float>::infinity());
+      omax[std::size_t(h * rows + i)] = kind == 3 ? 1.0 : om;
+      hr(0, h, i) = D;
+      hl(0, h, i) = i == rows - 1 ? -std::numeric_limits<float>::infinity()
+                                  : float(0.5 * i - 3.0) * 1.44269504f;
+    }
+  Kokkos::deep_copy(dout, hd);
+  Kokkos::deep_copy(lse2, hl);
+  Kokkos::deep_copy(drow, hr);
+  impl::travelled_operands(ExecSpace(), dout, lse2, drow, dim, proxy, lse);
+  auto hp = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), proxy);
+  auto hn = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  const double u = S::unit_roundoff, rel = u + (dim + 4) * std::ldexp(1.0, -24);
+  const double sub = is_fp16 ? std::ldexp(1.0, -25) : std::ldexp(1.0, -134);
+  int wrong = 0;
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < rows; ++i) {
+      const int kind = i % 7;
+      const double D = hr(0, h, i);
+      double sum = 0.0, m = 0.0, pmax = 0.0;
+      bool nan_row = true, padding_zero = true;
+      for (int d = 0; d < padded; ++d) {
+        const double p = float(hp(0, h, i, d)), x = float(hd(0, h, i, d));
+        nan_row = nan_row && std::isnan(p);
+        if (d >= dim) {
+          padding_zero = padding_zero && (p == 0.0 || kind >= 5);
+          continue;
+        }
+        sum += x * p;
+        m = std::max(m, std::abs(x));
+        pmax = std::max(pmax, std::abs(p));
+      }
+      if (kind >= 5) {
+        wrong += !nan_row;
+      } else {
+        const double err = std::abs(sum - D), bd = rel * std::abs(D) + (kind == 3 ? sub * m : 0.0);
+        wrong += !(err <= bd);
+        wrong += !(pmax <= omax[std::size_t(h * rows + i)] * (1.0 + std::ldexp(1.0, -20)));
+        wrong += !padding_zero;
+        if (kind == 2) wrong += pmax != 0.0;
+      }
+      const double l = hn(0, h, i);
+      if (i == rows - 1)
+        wrong += !(std::isinf(l) && l < 0);
+      else
+        wrong += !(std::abs(l - (0.5 * i - 3.0)) <= 1e-6);
+      if (wrong) {
+        INFO("head " << h << " row " << i << " kind " << kind << " D " << D << " sum " << sum
+                     << " |proxy| " << pmax << " lse " << l);
+        CHECK(wrong == 0);
+        return;
+      }
+    }
+  CHECK(wrong == 0);
 }

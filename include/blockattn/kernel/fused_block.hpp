@@ -17,6 +17,8 @@
 //             a pair's whole normalised result (a helper's task: another
 //             rank's queries) on the provider, one band piece; false: the kernels
 //   rows = fused_query_rows(q, o, dout, lse)   a backward's own query rows as operands
+//   rows = fused_travelled_rows(exec, slot, dim, o_proxy, lse)   a travelled query slot's
+//             (no O: a proxy O whose rowsum with dO is the slot's D)
 //   fused_backward_pair<ExecSpace, V>(exec, mask, qpos, kpos, e, rows, k, v, tq, tk, tv,
 //                                     dq, dk, dv, acc_dq, acc_dkv, scale, guard, pieces)
 //             a backward block pair on the provider: every band piece's
@@ -229,15 +231,38 @@ FusedQueryRows fused_query_rows(const QV& q, const OV& o, const DOV& dout, const
   return r;
 }
 
-/// The backward of one block pair on the fused path: the own queries `rows`
-/// (e.queries of them) against the K/V block k, v (e.keys rows, storage V).
-/// The provider writes each band piece's dQ, dK, dV in the storage type into
-/// tq (query rows) and tk, tv (key rows), from the forward's O and LSE (so a
-/// pair's gradients are the exact partials of the whole softmax); they are
-/// added, widened, into dq, dk, dv (the pair's sums in the compute type),
-/// which are first zeroed unless acc_dq / acc_dkv. Each piece's gradients are
-/// thus rounded to 16 bits once before the fp32 sum over the pairs (the
-/// fused bound: docs/numerics.md). False, nothing done: the pair takes the
+/// A travelled query slot (another rank's Q, dO, LSE log2 e and D =
+/// rowsum(dO o O) in the packed layout, as the Q ring and the balanced
+/// helpers carry them: O does not travel) as fused operands, from row 0. A
+/// fused backward takes O only to form D itself; it gets a proxy O whose
+/// rowsum with dO is the travelled D up to one 16-bit rounding
+/// (impl::travelled_operands), in o_proxy (storage V, the slot's dout
+/// extents), and the LSE in the natural log in lse (fp32, the slot's lse2
+/// extents). Enqueued on exec.
+template <class ExecSpace, class T, class MemorySpace, class V, class OP, class LN>
+FusedQueryRows fused_travelled_rows(const ExecSpace& exec,
+                                    const impl::PackedQueries<T, MemorySpace, V>& slot, int dim,
+                                    const OP& o_proxy, const LN& lse) {
+  impl::travelled_operands(exec, slot.dout, slot.lse2, slot.drow, dim, o_proxy, lse);
+  FusedQueryRows r;
+  r.usable = slot.q.stride(3) == 1 && o_proxy.stride(3) == 1;
+  r.q = impl::fused_packed_rows(slot.q, 0);
+  r.o = impl::fused_packed_rows(o_proxy, 0);
+  r.dout = impl::fused_packed_rows(slot.dout, 0);
+  r.lse = impl::fused_lse(lse, 0);
+  return r;
+}
+
+/// The backward of one block pair on the fused path: the queries `rows`
+/// (e.queries of them: own, or a travelled slot's) against the K/V block k,
+/// v (e.keys rows, storage V). The provider writes each band piece's dQ, dK,
+/// dV in the storage type into tq (query rows) and tk, tv (key rows), from
+/// the forward's O (or its proxy) and LSE (so a pair's gradients are the
+/// exact partials of the whole softmax); they are added, widened, into dq,
+/// dk, dv (the pair's sums in the compute type), which are first zeroed
+/// unless acc_dq / acc_dkv. Each piece's gradients are thus rounded to 16
+/// bits once before the fp32 sum over the pairs (the fused bound:
+/// docs/numerics.md). False, nothing done: the pair takes the
 /// kernels (no provider, not band pieces in cuDNN's form, a shape or stride
 /// the provider declines, or, with `guard` and a mask that hides keys of the
 /// pair, inf / NaN in v). `pieces`: the band pieces run.

@@ -10,6 +10,7 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/kernel/band.hpp>
 #include <blockattn/kernel/fused.hpp>
+#include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/validate.hpp>
 
@@ -290,6 +291,78 @@ void widen_result(const ExecSpace& exec, const OO& out_o, const OL& out_lse, con
         if (lp == -infinity<T>()) return;  // saw no key of this row
         out_lse(b, h, i) = lp;
         for (int d = 0; d < dim; ++d) out_o(b, i, h, d) = T(float(part_o(b, i, h, d)));
+      });
+}
+
+/// Rows [row0, ...) of a packed (batch, heads, seq, dim) View (a travelling
+/// query slot, kernel/impl/backward_pack.hpp) as a fused operand.
+template <class View>
+FusedTensor fused_packed_rows(const View& x, index_type row0) {
+  FusedTensor t;
+  t.data = x.data() + row0 * index_type(x.stride(2));
+  for (int a = 0; a < 4; ++a) t.stride[a] = std::int64_t(x.stride(a));
+  return t;
+}
+
+/// The smallest normal magnitude of the 16-bit storage type V.
+template <class V>
+KOKKOS_INLINE_FUNCTION constexpr float smallest_normal() {
+  return std::is_same<V, bf16>::value ? 1.17549435e-38f : 6.103515625e-05f;
+}
+
+/// A travelled query slot's operands for a fused backward, which takes O
+/// where the slot carries D = rowsum(dO o O) (fused_travelled_rows): per
+/// packed row (batch, head, row) of dout (storage V), lse (natural log) from
+/// lse2 (LSE log2 e), and a proxy O (storage V) whose rowsum with dO is D:
+/// o_proxy_d = sign(dO_d) D / sum_d |dO_d|. Every term dO_d o_proxy_d then
+/// has D's sign, so the provider's fp32 rowsum is D times (1 + theta), theta
+/// one rounding of the proxy to V (and the fp32 sum), and |o_proxy_d| <=
+/// max_d |O_d|: nothing overflows that O did not. Where that magnitude is
+/// below V's normal range (tiny D), the whole of D sits on the row's largest
+/// |dO_d| (at most dim times larger). Non-finite D or dO: a NaN row (the
+/// provider's D is then NaN, as it is from such an O); dO = 0: a zero row.
+template <class ExecSpace, class DV, class LV, class OV, class NV>
+void travelled_operands(const ExecSpace& exec, const DV& dout, const LV& lse2, const LV& drow,
+                        int dim, const OV& o_proxy, const NV& lse) {
+  using V = typename OV::non_const_value_type;
+  const int batch = int(dout.extent(0)), heads = int(dout.extent(1)), rows = int(dout.extent(2)),
+            padded_dim = int(dout.extent(3));
+  if (rows <= 0) return;
+  Kokkos::parallel_for(
+      "blockattn::fused_travelled_rows",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {batch, heads, rows}),
+      KOKKOS_LAMBDA(int b, int h, int i) {
+        lse(b, h, i) = float(lse2(b, h, i)) * ln2<float>;
+        const float D = float(drow(b, h, i));
+        float m = 0.0f;
+        int arg = 0;
+        for (int d = 0; d < dim; ++d) {
+          const float a = float(dout(b, h, i, d));
+          const float x = a < 0.0f ? -a : a;
+          if (x > m || !(x == x)) arg = d;
+          m = x > m || !(x == x) ? x : m;
+        }
+        const bool finite = D - D == 0.0f && m - m == 0.0f;
+        float n1 = 0.0f;  // sum |dO_d| / m, in [1, dim]
+        if (finite && m > 0.0f)
+          for (int d = 0; d < dim; ++d) {
+            const float a = float(dout(b, h, i, d));
+            n1 += (a < 0.0f ? -a : a) / m;
+          }
+        float r = finite && m > 0.0f ? D / (m * n1) : 0.0f;
+        const bool one = r != 0.0f && (r < 0.0f ? -r : r) < smallest_normal<V>();
+        if (one) r = D / m;
+        for (int d = 0; d < padded_dim; ++d) {
+          const float a = d < dim ? float(dout(b, h, i, d)) : 0.0f;
+          float y = 0.0f;
+          if (!finite)
+            y = quiet_nan<float>();
+          else if (one)
+            y = d == arg ? (a < 0.0f ? -r : r) : 0.0f;
+          else
+            y = a < 0.0f ? -r : (a > 0.0f ? r : 0.0f);
+          o_proxy(b, h, i, d) = V(y);
+        }
       });
 }
 
