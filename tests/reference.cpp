@@ -114,7 +114,14 @@ ReferenceGrads reference_backward_table(const HostTensor& q, const HostTensor& k
         for (int j = 0; j < k.n; ++j) {
           if (p[j] == 0.0) continue;
           double ds = p[j] * (dp[j] - drow);
-          if (mask.score_grad) ds *= mask.score_grad(raw[j], i, j, h);
+          // dS's two terms' absolute values (P dP and P D: a provider may
+          // form D from its own O, or from a proxy of it).
+          double ads = p[j] * (std::abs(dp[j]) + std::abs(drow));
+          if (mask.score_grad) {
+            const double f = mask.score_grad(raw[j], i, j, h);
+            ds *= f;
+            ads *= std::abs(f);
+          }
           for (int x = 0; x < q.d; ++x) {
             g.dv(b, j, hk, x) += p[j] * dout(b, i, h, x);
             g.dq(b, i, h, x) += scale * ds * k(b, j, hk, x);
@@ -123,8 +130,8 @@ ReferenceGrads reference_backward_table(const HostTensor& q, const HostTensor& k
           if (terms)
             for (int x = 0; x < q.d; ++x) {
               g.abs_dv(b, j, hk, x) += p[j] * std::abs(dout(b, i, h, x));
-              g.abs_dq(b, i, h, x) += scale * std::abs(ds * k(b, j, hk, x));
-              g.abs_dk(b, j, hk, x) += scale * std::abs(ds * q(b, i, h, x));
+              g.abs_dq(b, i, h, x) += scale * ads * std::abs(k(b, j, hk, x));
+              g.abs_dk(b, j, hk, x) += scale * ads * std::abs(q(b, i, h, x));
             }
         }
       }

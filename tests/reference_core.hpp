@@ -45,10 +45,12 @@ struct ReferenceResult {
 struct ReferenceGrads {
   HostTensor dq, dk, dv;
   /// With `terms`: each element's sum of the absolute values of its terms,
-  /// |dQ|_i = scale sum_j |dS_ij| |K_j|, |dK|_j = scale sum_i |dS_ij| |Q_i|,
-  /// |dV|_j = sum_i P_ij |dO_i|: it bounds every partial sum of the terms
-  /// (a block pair's, a band piece's), so rounding each of those once adds
-  /// at most u times it (the fused backward's bound, docs/numerics.md).
+  /// |dQ|_i = scale sum_j |dS|_ij |K_j|, |dK|_j = scale sum_i |dS|_ij |Q_i|,
+  /// |dV|_j = sum_i P_ij |dO_i|, with |dS|_ij = P_ij (|dP_ij| + |D_i|) (dS's
+  /// two terms, D = rowsum(dO o O)): it bounds every partial sum of the terms
+  /// (a block pair's, a band piece's), so rounding each of those once, or D
+  /// to a relative u, adds at most u times it (the fused backward's bound,
+  /// docs/numerics.md).
   HostTensor abs_dq, abs_dk, abs_dv;
   std::vector<double> dsink;  // dL/dsinks, per head (with sinks)
   double max_dot_condition = 0.0;

@@ -73,7 +73,7 @@ BlockPathCounts check_paths(Mpi& comm, const RunStats& call, const RunStats& por
 ///   e32 + u16 (max|O| + e32) + 2 u16 max|V|   (twice for margin; no P in it).
 template <class Partition, class Schedule, class Mask>
 void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_helpers = false,
-           bool with_sinks = false) {
+           bool with_sinks = false, bool travelled_backward = false) {
   using S = bf16;
   const int P = comm.size(), rank = comm.rank();
   const int b = 1, h = 4, hkv = 2, d = 64;
@@ -164,6 +164,19 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
   Kokkos::fence();
   const BlockPathCounts bfp = check_paths(comm, bf, bp, expect_fused);
   if (bfp.fused > 0) CHECK(bf.fused_workspace_bytes > 0);
+  // Pairs of travelled queries (Q ring, balanced helpers): fused too, from a
+  // proxy O (fused_travelled_rows), with every mask here a band.
+  long travelled = 0, travelled_fused = 0;
+  for (const auto& st : bf.steps)
+    if (st.computed && st.query_source != rank) {
+      ++travelled;
+      travelled_fused += st.path == BlockPath::fused ? 1 : 0;
+    }
+  if (travelled_backward) {
+    CHECK(comm.allreduce(travelled, ReduceOp::sum) > 0);
+    CHECK(comm.allreduce(travelled_fused, ReduceOp::sum) ==
+          comm.allreduce(travelled, ReduceOp::sum));
+  }
 
   // fp64 gradients from the O the forward returned (what both backwards use).
   const HostTensor og = gather_rows(o, map, N);
@@ -173,9 +186,10 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
   // the kernels (fp32, rounded once): 1e-4 L + u16 (|x| + L), as the
   // single-device 16-bit tests, plus 2 u16 L where the bf16 backward runs on
   // the host matrix engine (P and dS in bf16; test_half_distributed.cpp);
-  // fused: plus 3 u16 |x|_abs (the sum of x's absolute terms: each piece's
-  // partial rounded to 16 bits once, and a provider that rounds P and dS to
-  // 16 bits, as cuDNN does, up to twice more per term).
+  // fused: plus 4 u16 |x|_abs (the sum of x's absolute terms: each piece's
+  // partial rounded to 16 bits once, a provider that rounds P and dS to 16
+  // bits, as cuDNN does, up to twice more per term, and a travelled slot's D
+  // from a proxy O within one rounding: fused_travelled_rows).
   BackwardBlockOptions bf16_operands;
   bf16_operands.operands_bf16 = true;
   const bool engine = backward_uses_matrix<float, ExecSpace, Mask>(d, bf16_operands);
@@ -190,7 +204,7 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
           const double x = want(0, int(map(i)), a, c), y = double(float(gh(0, i, a, c)));
           fin = fin && std::isfinite(y);
           double bd = 1e-4 * L + u * (std::abs(x) + L) + (engine ? 2.0 * u * L : 0.0);
-          if (fused_bound) bd += 3.0 * u * abs_terms(0, int(map(i)), a, c);
+          if (fused_bound) bd += 4.0 * u * abs_terms(0, int(map(i)), a, c);
           w = std::fmax(w, std::abs(y - x) / bd);
         }
     return w;
@@ -229,6 +243,9 @@ TEST_CASE("fused path under the distributed schedules (" BLOCKATTN_TEST_PROVIDER
   // Prefix-LM: pairs that straddle the prefix take the kernels in the same call.
   check<ContiguousPartition, RingSchedule>(comm, PrefixLMMask{N / 3}, N, P > 1 ? 1 : 0);
   // Helpers' tasks (another rank's queries): fused as well.
-  check<ContiguousPartition, BalancedSchedule>(comm, CausalMask{}, N, 1, P > 2);
+  check<ContiguousPartition, BalancedSchedule>(comm, CausalMask{}, N, 1, P > 2, false, P > 2);
+  // BurstAttention: the Q ring's backward, every pair of travelled queries fused.
+  check<ZigzagPartition, BurstSchedule>(comm, CausalMask{}, N, 1, false, false, P > 1);
+  check<StripedPartition, BurstSchedule>(comm, CausalMask{}, N, 1, false, true, P > 1);
   check<ContiguousPartition, AllGatherSchedule>(comm, CausalMask{}, N, 1);
 }

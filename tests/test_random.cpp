@@ -549,15 +549,16 @@ TEST_CASE("random configurations against the fp64 reference") {
     bf16_operands.operands_bf16 = true;
     const bool g16 = c.type == 2 && backward_uses_matrix<float, ExecSpace>(c.d, bf16_operands);
     // The fused backward (cuDNN's pieces, each rounded to 16 bits before the
-    // fp32 sum, P and dS rounded inside): 3 u16 times the largest sum of an
-    // element's absolute terms (test_fused_distributed.cpp, docs/numerics.md).
+    // fp32 sum, P and dS rounded inside, travelled queries' D from a proxy O
+    // within one rounding): 4 u16 times the largest sum of an element's
+    // absolute terms (test_fused_distributed.cpp, docs/numerics.md).
     double abs_max = 0.0;
     if (fused_backward)
       for (const HostTensor* t : {&grads.abs_dq, &grads.abs_dk, &grads.abs_dv})
         for (double x : t->data) abs_max = std::max(abs_max, x);
     const double tol_o = round16(tol_f, omax) + (p16 ? 2.0 * u16 * vmax : 0.0),
                  tol_dg = round16(tol_g * gmax, gmax) + (g16 ? 2.0 * u16 * gmax : 0.0) +
-                          3.0 * u16 * abs_max;
+                          4.0 * u16 * abs_max;
     const bool ok = error.empty() && dist.pattern_ok && single.pattern_ok && dist.o <= tol_o &&
                     dist.lse <= tol_f && single.o <= tol_s && single.lse <= tol_s &&
                     dist.grad <= tol_dg && single.grad <= tol_g * gmax;

@@ -130,15 +130,25 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
              (same_memory(m_own[2], dv) ? 0 : own_dkv_bytes / 2);
     stats.workspace_bytes = backward_workspace_bytes(slots, bb);
     if constexpr (fused_available_v<ExecSpace, V>) {
-      // Own block pairs whose mask is band pieces: on the fused provider,
-      // from the caller's q, o, dout, lse; its 16-bit gradients of a piece in
-      // these buffers before they are added to the pair's sums.
+      // Block pairs whose mask is band pieces: on the fused provider, own
+      // queries from the caller's q, o, dout, lse, travelled ones from their
+      // slot with a proxy O and the LSE in the natural log
+      // (fused_travelled_rows); its 16-bit gradients of a piece in these
+      // buffers before they are added to the pair's sums.
       m_rows = fused_query_rows(q, o, dout, lse);
       if (!opts.portable_only && m_rows.usable) {
-        m_tq = buffer_like<V, ExecSpace>(dq, "blockattn::fused_dq");
+        m_tq = buffer_like<V, ExecSpace>(dq, "blockattn::fused_dq", most);
         m_tk = buffer_like<V, ExecSpace>(dk, "blockattn::fused_dk", most);
         m_tv = buffer_like<V, ExecSpace>(dv, "blockattn::fused_dv", most);
         stats.fused_workspace_bytes = bytes_of(m_tq) + bytes_of(m_tk) + bytes_of(m_tv);
+        if (slots.q > 1) {  // queries travel
+          const auto& d0 = m_qs[0].dout;
+          m_o_proxy = decltype(m_o_proxy)("blockattn::fused_o_proxy", d0.extent(0), d0.extent(1),
+                                          d0.extent(2), d0.extent(3));
+          m_lse_nat =
+              decltype(m_lse_nat)("blockattn::fused_lse", d0.extent(0), d0.extent(1), d0.extent(2));
+          stats.fused_workspace_bytes += bytes_of(m_o_proxy) + bytes_of(m_lse_nat);
+        }
         m_fused = true;
       }
     }
@@ -193,8 +203,8 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     const B4 dvt = f.dkv_slot >= 0 ? m_dkv_out[std::size_t(f.dkv_slot)][1] : m_own[2];
     const bool acc_dq = f.dq_slot < 0 && m_dq_written;
     const bool acc_dkv = f.dkv_slot < 0 && m_dkv_written;
-    if (computed && task.q_rank == m_rank &&
-        fused(task, f.kv_slot, dqt, dkt, dvt, acc_dq, acc_dkv, st.fused_pieces)) {
+    if (computed &&
+        fused(task, f.q_slot, f.kv_slot, dqt, dkt, dvt, acc_dq, acc_dkv, st.fused_pieces)) {
       st.path = BlockPath::fused;
     } else if (computed) {
       st.path = BlockPath::portable;
@@ -246,6 +256,7 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     for (const Arrival& a : m_arrive[std::size_t(s)]) {
       if (a.what == Payload::kv && a.slot == m_packed) m_packed = -1;  // a new block in the slot
       if (a.what == Payload::q && a.slot == m_widened) m_widened = -1;
+      if (a.what == Payload::q && a.slot == m_travelled) m_travelled = -1;
       if (a.what == Payload::dq) {
         const auto& in = m_dq_in[std::size_t(a.slot)];
         if (a.add_to >= 0)
@@ -296,25 +307,34 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     int slot, add_to;
   };
 
-  /// The step's pair (own queries) on the fused provider
-  /// (fused_backward_pair); false: the kernels take it.
-  bool fused(const BlockTask& task, int kv_slot, const B4& dqt, const B4& dkt, const B4& dvt,
-             bool acc_dq, bool acc_dkv, int& pieces) {
+  /// The step's pair on the fused provider (fused_backward_pair): own
+  /// queries from the caller's Views, travelled ones from query slot q_slot;
+  /// false: the kernels take it.
+  bool fused(const BlockTask& task, int q_slot, int kv_slot, const B4& dqt, const B4& dkt,
+             const B4& dvt, bool acc_dq, bool acc_dkv, int& pieces) {
     if constexpr (fused_available_v<ExecSpace, V>) {
       if (!m_fused) return false;
+      const bool own = task.q_rank == m_rank;
+      if (!own && m_o_proxy.size() == 0) return false;
+      if (!own && m_travelled != q_slot) {  // the slot's proxy O and natural LSE
+        m_trows = fused_travelled_rows(m_exec, m_qs[std::size_t(q_slot)], m_c.e.dim, m_o_proxy,
+                                       m_lse_nat);
+        m_travelled = q_slot;
+      }
       const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
+      const FusedQueryRows& rows = own ? m_rows : m_trows;
       const auto run = [&](const auto& k, const auto& v) {
         return fused_backward_pair<ExecSpace, V>(m_exec, m_mask, this->positions(task.q_rank),
-                                                 this->positions(task.k_rank), te, m_rows, k, v,
-                                                 m_tq, m_tk, m_tv, dqt, dkt, dvt, acc_dq, acc_dkv,
+                                                 this->positions(task.k_rank), te, rows, k, v, m_tq,
+                                                 m_tk, m_tv, dqt, dkt, dvt, acc_dq, acc_dkv,
                                                  float(m_scale), m_guard_nonfinite, pieces);
       };
       if (kv_slot == 0 && !m_kv_copy) return run(m_k, m_v);  // the caller's k, v
       const auto& kv = m_kv[std::size_t(kv_slot)];
       return run(rows_of(kv[0], te.keys), rows_of(kv[1], te.keys));
     } else {
-      (void)task, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq, (void)acc_dkv,
-          (void)pieces;
+      (void)task, (void)q_slot, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq,
+          (void)acc_dkv, (void)pieces;
       return false;
     }
   }
@@ -348,6 +368,12 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
   // The fused path (a provider built in for ExecSpace and V; not portable_only).
   FusedQueryRows m_rows;                   // own q, o, dout, lse as the provider's operands
   Buffer4<V, ExecSpace> m_tq, m_tk, m_tv;  // a piece's gradients in the storage type
+  // Travelled query slots: the slot m_trows describes (-1: none), its proxy O
+  // (storage type) and LSE in the natural log (fused_travelled_rows).
+  FusedQueryRows m_trows;
+  int m_travelled = -1;
+  Kokkos::View<V****, Kokkos::LayoutRight, mem> m_o_proxy;
+  Kokkos::View<float***, Kokkos::LayoutRight, mem> m_lse_nat;
   bool m_fused = false, m_guard_nonfinite = true;
 };
 
