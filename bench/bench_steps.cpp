@@ -4,7 +4,7 @@
 //
 //   mpiexec -n P blockattn_bench_steps [--n 16384] [--heads 16] [--dim 128]
 //                                      [--reps 5] [--dtype bf16] [--portable 0|1]
-//                                      [--pass forward|backward]
+//                                      [--pass forward|backward] [--schedule ring|burst]
 //
 // Zigzag partition, causal mask, RingSchedule, B = 1, random inputs in
 // [-1, 1). Rank 0 first times attention_forward on the whole sequence (one
@@ -16,7 +16,9 @@
 // Ranks sharing one GPU (mpiexec -n 2 on one device) run their pairs
 // side by side, so the ring's call time is comparable to the one-call time.
 // --pass backward times the backward instead (one attention_backward; the
-// ring's backward after one forward), at 2.5x the forward's FLOPs.
+// ring's backward after one forward), at 2.5x the forward's FLOPs;
+// --schedule burst takes BurstSchedule (the same KV ring forward, a Q ring
+// backward: the pairs of travelled queries).
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
@@ -65,7 +67,7 @@ namespace bench_steps {
 
 struct Args {
   int n = 16384, heads = 16, dim = 128, reps = 5, portable = 0;
-  std::string dtype = "bf16", pass = "forward";
+  std::string dtype = "bf16", pass = "forward", schedule = "ring";
 };
 
 /// q, k, v of `len` tokens, uniform in [-1, 1) (seeded per rank).
@@ -85,7 +87,7 @@ void fill(const Exec& exec, const std::vector<V4*>& views, unsigned seed) {
   }
 }
 
-template <class T>
+template <class T, class Schedule>
 void run(Comm& comm, const Args& a) {
   using V4 = Kokkos::View<T****, Kokkos::LayoutRight, Exec::memory_space>;
   const int P = comm.size(), rank = comm.rank();
@@ -136,7 +138,7 @@ void run(Comm& comm, const Args& a) {
       o("o", 1, len, a.heads, a.dim);
   V3 lse("lse", 1, a.heads, len);
   fill(exec, std::vector<V4*>{&q, &k, &v}, 100 + unsigned(rank));
-  blockattn::DistributedAttention<Part, Mask, blockattn::RingSchedule, Comm> attn(comm);
+  blockattn::DistributedAttention<Part, Mask, Schedule, Comm> attn(comm);
   blockattn::DistributedOptions opts;
   opts.portable_only = a.portable != 0;
   attn.forward(q, k, v, o, lse, opts);  // warm-up (cuDNN graphs, workspace)
@@ -166,9 +168,10 @@ void run(Comm& comm, const Args& a) {
   }
   const int steps = int(best_stats.steps.size());
   if (rank == 0) {
-    std::printf("KV ring %s on %s, P = %d, zigzag, causal, %s, N = %d, H = %d, D = %d%s\n",
-                a.pass.c_str(), Exec::name(), P, blockattn::value_type_name<T>(), a.n, a.heads,
-                a.dim, a.portable ? ", BlockAttn's kernels only" : "");
+    std::printf("%s %s on %s, P = %d, zigzag, causal, %s, N = %d, H = %d, D = %d%s\n",
+                bwd && a.schedule == "burst" ? "Q ring" : "KV ring", a.pass.c_str(), Exec::name(),
+                P, blockattn::value_type_name<T>(), a.n, a.heads, a.dim,
+                a.portable ? ", BlockAttn's kernels only" : "");
     std::printf("%5s %12s %12s  %s\n", "step", "wall[ms]", "busy[ms]",
                 "path of each rank's pair: cudnn (band pieces), tensor (cores), ours");
   }
@@ -207,7 +210,7 @@ void run(Comm& comm, const Args& a) {
 namespace {
 
 const char* const usage_text = R"(usage: mpiexec -n P blockattn_bench_steps [flags]
-A KV ring's per-step times next to one call: zigzag partition, causal mask,
+A ring's per-step times next to one call: zigzag partition, causal mask,
 B = 1, random inputs. Rank 0 times attention_forward on the whole sequence,
 then all ranks time the ring (best of R); per step the slowest rank's wall and
 busy time and the path (cuDNN or BlockAttn's kernels) of every rank's pair.
@@ -218,6 +221,7 @@ busy time and the path (cuDNN or BlockAttn's kernels) of every rank's pair.
   --dtype T      bf16|fp16|fp32 [bf16]
   --portable 0|1 1: BlockAttn's kernels only, never cuDNN [0]
   --pass P       forward|backward (the backward after one forward) [forward]
+  --schedule S   ring|burst (RingSchedule; BurstSchedule: a Q ring backward) [ring]
   --help, -h     this text
 Kokkos' flags (--kokkos-device-id=N, ...) pass through. Exit status 2: a bad
 command line or an error the library reports (printed by rank 0).
@@ -242,7 +246,7 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc && error.empty(); ++i) {
       const std::string f = argv[i];
       if (f != "--n" && f != "--heads" && f != "--dim" && f != "--reps" && f != "--dtype" &&
-          f != "--portable" && f != "--pass")
+          f != "--portable" && f != "--pass" && f != "--schedule")
         error = "unknown argument " + f + " (blockattn_bench_steps --help lists the flags)";
       else if (i + 1 >= argc)
         error = f + " needs a value";
@@ -256,7 +260,11 @@ int main(int argc, char** argv) {
         error = blockattn_cli::read_int(f, argv[++i], a.reps);
       else if (f == "--portable")
         error = blockattn_cli::read_int(f, argv[++i], a.portable, 0, 1);
-      else if (f == "--pass") {
+      else if (f == "--schedule") {
+        a.schedule = argv[++i];
+        if (a.schedule != "ring" && a.schedule != "burst")
+          error = "--schedule: expected ring or burst, got '" + a.schedule + "'";
+      } else if (f == "--pass") {
         a.pass = argv[++i];
         if (a.pass != "forward" && a.pass != "backward")
           error = "--pass: expected forward or backward, got '" + a.pass + "'";
@@ -273,12 +281,19 @@ int main(int argc, char** argv) {
       if (rank == 0) std::fprintf(stderr, "blockattn_bench_steps: %s\n", error.c_str());
       return 2;
     }
-    if (a.dtype == "bf16")
-      bench_steps::run<blockattn::bf16>(comm, a);
-    else if (a.dtype == "fp16")
-      bench_steps::run<blockattn::fp16>(comm, a);
+    const auto with = [&](auto schedule) {
+      using Sched = decltype(schedule);
+      if (a.dtype == "bf16")
+        bench_steps::run<blockattn::bf16, Sched>(comm, a);
+      else if (a.dtype == "fp16")
+        bench_steps::run<blockattn::fp16, Sched>(comm, a);
+      else
+        bench_steps::run<float, Sched>(comm, a);
+    };
+    if (a.schedule == "burst")
+      with(blockattn::BurstSchedule{});
     else
-      bench_steps::run<float>(comm, a);
+      with(blockattn::RingSchedule{});
     return 0;
   });
   Kokkos::finalize();

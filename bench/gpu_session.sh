@@ -142,6 +142,11 @@ if [ -d .mpi ]; then
       "$cuda/bench/blockattn_bench_steps" --n 16384 --heads 16 --dim 128 --reps 3 --dtype bf16 \
       --pass backward
     cat 2>/dev/null "$logs/steps_backward_np2.log" >>"$out/session.log"
+    # The Q ring's backward: travelled queries on cuDNN through a proxy O.
+    step steps_burst_backward_np2 60 mpiexec -n 2 --oversubscribe --bind-to none \
+      "$cuda/bench/blockattn_bench_steps" --n 16384 --heads 16 --dim 128 --reps 3 --dtype bf16 \
+      --pass backward --schedule burst
+    cat 2>/dev/null "$logs/steps_burst_backward_np2.log" >>"$out/session.log"
   fi
   if [ -x "$cuda/tests/blockattn_test_fused_distributed_cuda" ]; then
     for np in 1 2 3 4; do
