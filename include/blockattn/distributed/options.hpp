@@ -43,8 +43,9 @@ struct RunStats {
   std::int64_t workspace_bytes = 0;  // memory the schedule allocated on this rank
   /// Besides workspace_bytes: the fused path's buffers (forward: a pair's
   /// normalised O and LSE, rows of the longest rank; backward: a band piece's
-  /// dQ, dK, dV in the storage type), where a fused provider is built in
-  /// (cuDNN; 16-bit storage) and not portable_only.
+  /// dQ, dK, dV in the storage type, and where queries travel a slot's proxy
+  /// O and natural-log LSE), where a fused provider is built in (cuDNN;
+  /// 16-bit storage) and not portable_only.
   std::int64_t fused_workspace_bytes = 0;
   /// HybridAttention: bytes this rank sent in the all-to-alls inside its group
   /// (the steps hold the ring's across groups), and their wall time.
