@@ -73,7 +73,7 @@ BlockPathCounts check_paths(Mpi& comm, const RunStats& call, const RunStats& por
 ///   e32 + u16 (max|O| + e32) + 2 u16 max|V|   (twice for margin; no P in it).
 template <class Partition, class Schedule, class Mask>
 void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_helpers = false,
-           bool with_sinks = false, bool travelled_backward = false) {
+           bool with_sinks = false, bool travelled_backward = false, bool tc_backward = false) {
   using S = bf16;
   const int P = comm.size(), rank = comm.rank();
   const int b = 1, h = 4, hkv = 2, d = 64;
@@ -159,7 +159,11 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
   const R4 dol = right(local_rows<S, Partition>(dout, P, rank));
   R4 dq("dq", b, n, h, d), dk("dk", b, n, hkv, d), dv("dv", b, n, hkv, d);
   R4 dq_p("dq_p", b, n, h, d), dk_p("dk_p", b, n, hkv, d), dv_p("dv_p", b, n, hkv, d);
-  const RunStats bf = attn.backward(ql, kl, vl, o, lse, dol, dq, dk, dv, with);
+  // tc_backward: the pairs cuDNN does not take on the tensor-core backward
+  // where it is compiled (CUDA), on the kernels elsewhere.
+  DistributedOptions bwith = with;
+  bwith.tensor_core_backward = tc_backward;
+  const RunStats bf = attn.backward(ql, kl, vl, o, lse, dol, dq, dk, dv, bwith);
   const RunStats bp = attn.backward(ql, kl, vl, o, lse, dol, dq_p, dk_p, dv_p, opts);
   Kokkos::fence();
   const BlockPathCounts bfp = check_paths(comm, bf, bp, expect_fused);
@@ -172,6 +176,10 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
       ++travelled;
       travelled_fused += st.path == BlockPath::fused ? 1 : 0;
     }
+  if (tc_backward && tensor_core_backward_available_v<ExecSpace, S, Mask>)
+    CHECK(comm.allreduce(long(bfp.matrix), ReduceOp::sum) > 0);
+  else
+    CHECK(bfp.matrix == 0);
   if (travelled_backward) {
     CHECK(comm.allreduce(travelled, ReduceOp::sum) > 0);
     CHECK(comm.allreduce(travelled_fused, ReduceOp::sum) ==
@@ -242,6 +250,12 @@ TEST_CASE("fused path under the distributed schedules (" BLOCKATTN_TEST_PROVIDER
   check<ContiguousPartition, RingSchedule>(comm, FullMask{}, N + 1, 1);  // uneven pieces
   // Prefix-LM: pairs that straddle the prefix take the kernels in the same call.
   check<ContiguousPartition, RingSchedule>(comm, PrefixLMMask{N / 3}, N, P > 1 ? 1 : 0);
+  // The same and a Q ring with the tensor-core backward asked for: on CUDA
+  // the pairs that straddle the prefix (own and travelled queries) take it.
+  check<ContiguousPartition, RingSchedule>(comm, PrefixLMMask{N / 3}, N, P > 1 ? 1 : 0, false,
+                                           false, false, true);
+  check<ZigzagPartition, BurstSchedule>(comm, PrefixLMMask{N / 3}, N, -1, false, false, false,
+                                        true);
   // Helpers' tasks (another rank's queries): fused as well.
   check<ContiguousPartition, BalancedSchedule>(comm, CausalMask{}, N, 1, P > 2, false, P > 2);
   // BurstAttention: the Q ring's backward, every pair of travelled queries fused.

@@ -105,6 +105,13 @@ struct DistributedOptions {
   /// reads): own block pairs that cuDNN does not take run on the tensor-core
   /// forward (see ForwardOptions::tensor_cores); false: the fp32 kernels.
   bool tensor_cores = true;
+  /// 16-bit storage on CUDA (with tensor_cores): the backward's block pairs
+  /// that cuDNN does not take (any mask on the pairs' global positions; own
+  /// queries, and travelled ones through a proxy O) on BlockAttn's
+  /// tensor-core backward (see ForwardOptions::tensor_core_backward; finite
+  /// inputs, head dims 64 and 128). Off by default: it has not yet run on a
+  /// GPU.
+  bool tensor_core_backward = false;
   /// Block pairs that cuDNN takes, when the mask hides keys: check the K/V
   /// block's V for inf / NaN first (see ForwardOptions::guard_masked_nonfinite).
   bool guard_masked_nonfinite = true;

@@ -23,6 +23,10 @@
 //                                     dq, dk, dv, acc_dq, acc_dkv, scale, guard, pieces)
 //             a backward block pair on the provider: every band piece's
 //             gradients added into the pair's fp32 sums; false: the kernels
+//   tensor_core_backward_pair(exec, mask, qpos, kpos, e, q, o, dout, lse, k, v, tq, tk, tv,
+//                             dq, dk, dv, acc_dq, acc_dkv, scale)
+//             the same for any mask on BlockAttn's tensor-core backward
+//             (CUDA; ForwardOptions/DistributedOptions::tensor_core_backward)
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -34,6 +38,7 @@
 
 #include <array>
 #include <cstddef>
+#include <utility>
 
 namespace blockattn {
 
@@ -251,6 +256,86 @@ FusedQueryRows fused_travelled_rows(const ExecSpace& exec,
   r.dout = impl::fused_packed_rows(slot.dout, 0);
   r.lse = impl::fused_lse(lse, 0);
   return r;
+}
+
+/// Rows [0, n) of a (batch, seq, heads, dim) View, or of a packed
+/// (batch, heads, seq, dim_padded) query slot's rows seen in (batch, seq,
+/// heads, dim) order (`packed`), as an unmanaged strided View: the operands
+/// of tensor_core_backward_pair.
+template <class V, class MemorySpace>
+using StridedRows = Kokkos::View<const V****, Kokkos::LayoutStride, MemorySpace,
+                                 Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+template <class View>
+auto strided_rows(const View& x, index_type n, bool packed = false, int dim = 0) {
+  using V = typename View::non_const_value_type;
+  const Kokkos::LayoutStride l =
+      packed ? Kokkos::LayoutStride(x.extent(0), x.stride(0), std::size_t(n), x.stride(2),
+                                    x.extent(1), x.stride(1), std::size_t(dim), x.stride(3))
+             : Kokkos::LayoutStride(x.extent(0), x.stride(0), std::size_t(n), x.stride(1),
+                                    x.extent(2), x.stride(2), x.extent(3), x.stride(3));
+  return StridedRows<V, typename View::memory_space>(x.data(), l);
+}
+
+/// Rows [0, n) of a (batch, heads, seq) LSE View as an unmanaged strided View.
+template <class View>
+auto strided_lse(const View& x, index_type n) {
+  using L = typename View::non_const_value_type;
+  const Kokkos::LayoutStride l(x.extent(0), x.stride(0), x.extent(1), x.stride(1), std::size_t(n),
+                               x.stride(2));
+  return Kokkos::View<const L***, Kokkos::LayoutStride, typename View::memory_space,
+                      Kokkos::MemoryTraits<Kokkos::Unmanaged>>(x.data(), l);
+}
+
+/// Whether BlockAttn's tensor-core backward is compiled for ExecSpace,
+/// storage V and Mask (CUDA, 16-bit, no score policy).
+template <class ExecSpace, class V, class Mask>
+constexpr bool tensor_core_backward_available_v = impl::flash_enabled<ExecSpace, V, Mask>();
+
+/// The backward of one block pair on BlockAttn's tensor-core backward
+/// (CUDA, 16-bit; kernel/impl/flash_path.hpp flash_backward), for pairs the
+/// fused provider does not take (any mask on the pair's global positions):
+/// the queries q, o (a travelled slot: its proxy O, fused_travelled_rows),
+/// dout (e.queries rows, storage V) and lse (natural log) against the K/V
+/// block k, v (e.keys rows). The pair's 16-bit dQ, dK, dV go into tq, tk,
+/// tv and are added, widened, into dq, dk, dv (the pair's sums in the
+/// compute type), first zeroed unless acc_dq / acc_dkv: one rounding to 16
+/// bits per pair, as a fused piece's. False, nothing done: the pair takes
+/// the kernels (not compiled for ExecSpace, V, Mask; a head dim, stride or
+/// alignment the kernel declines; inf / NaN in an operand).
+template <class ExecSpace, class Mask, class QP, class KP, class QV, class OV, class DOV, class LV,
+          class KV, class VV, class TQ, class TK, class GQ, class GK>
+bool tensor_core_backward_pair(const ExecSpace& exec, const Mask& mask, const QP& qpos,
+                               const KP& kpos, const BlockExtents& e, const QV& q, const OV& o,
+                               const DOV& dout, const LV& lse, const KV& k, const VV& v,
+                               const TQ& tq, const TK& tk, const TK& tv, const GQ& dq, const GK& dk,
+                               const GK& dv, bool acc_dq, bool acc_dkv, float scale) {
+  using V = typename TQ::non_const_value_type;
+  if constexpr (tensor_core_backward_available_v<ExecSpace, V, Mask>) {
+    if (e.queries <= 0 || e.keys <= 0) return false;
+    const auto rows = [](const auto& x, index_type n) {
+      return Kokkos::subview(x, Kokkos::ALL, std::make_pair(index_type(0), n), Kokkos::ALL,
+                             Kokkos::ALL);
+    };
+    if (!impl::flash_backward(exec, e, q, k, v, o, lse, dout, rows(tq, e.queries), rows(tk, e.keys),
+                              rows(tv, e.keys), mask, qpos, kpos, scale))
+      return false;
+    using TQs = typename GQ::non_const_value_type;
+    using TKs = typename GK::non_const_value_type;
+    if (!acc_dq) Kokkos::deep_copy(exec, dq, TQs(0));
+    if (!acc_dkv) {
+      Kokkos::deep_copy(exec, dk, TKs(0));
+      Kokkos::deep_copy(exec, dv, TKs(0));
+    }
+    impl::add_piece_rows(exec, dq, tq, 0, e.queries);
+    impl::add_piece_rows(exec, dk, tk, 0, e.keys);
+    impl::add_piece_rows(exec, dv, tv, 0, e.keys);
+    return true;
+  } else {
+    (void)exec, (void)mask, (void)qpos, (void)kpos, (void)e, (void)q, (void)o, (void)dout,
+        (void)lse, (void)k, (void)v, (void)tq, (void)tk, (void)tv, (void)dq, (void)dk, (void)dv,
+        (void)acc_dq, (void)acc_dkv, (void)scale;
+    return false;
+  }
 }
 
 /// The backward of one block pair on the fused path: the queries `rows`

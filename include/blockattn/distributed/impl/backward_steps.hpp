@@ -129,14 +129,25 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
              (same_memory(m_own[1], dk) ? 0 : own_dkv_bytes / 2) +
              (same_memory(m_own[2], dv) ? 0 : own_dkv_bytes / 2);
     stats.workspace_bytes = backward_workspace_bytes(slots, bb);
-    if constexpr (fused_available_v<ExecSpace, V>) {
+    if constexpr (fused_available_v<ExecSpace, V> ||
+                  tensor_core_backward_available_v<ExecSpace, V, Mask>) {
       // Block pairs whose mask is band pieces: on the fused provider, own
       // queries from the caller's q, o, dout, lse, travelled ones from their
       // slot with a proxy O and the LSE in the natural log
       // (fused_travelled_rows); its 16-bit gradients of a piece in these
-      // buffers before they are added to the pair's sums.
+      // buffers before they are added to the pair's sums. Other pairs, when
+      // asked for, on the tensor-core backward from the same operands.
       m_rows = fused_query_rows(q, o, dout, lse);
-      if (!opts.portable_only && m_rows.usable) {
+      m_fused = fused_available_v<ExecSpace, V> && !opts.portable_only && m_rows.usable;
+      m_tc = tensor_core_backward_available_v<ExecSpace, V, Mask> && opts.tensor_cores &&
+             opts.tensor_core_backward && !opts.portable_only;
+      if (m_tc) {
+        m_q_rows = strided_rows(q, e.queries);
+        m_o_rows = strided_rows(o, e.queries);
+        m_do_rows = strided_rows(dout, e.queries);
+        m_lse_rows = strided_lse(lse, e.queries);
+      }
+      if (m_fused || m_tc) {
         m_tq = buffer_like<V, ExecSpace>(dq, "blockattn::fused_dq", most);
         m_tk = buffer_like<V, ExecSpace>(dk, "blockattn::fused_dk", most);
         m_tv = buffer_like<V, ExecSpace>(dv, "blockattn::fused_dv", most);
@@ -149,7 +160,6 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
               decltype(m_lse_nat)("blockattn::fused_lse", d0.extent(0), d0.extent(1), d0.extent(2));
           stats.fused_workspace_bytes += bytes_of(m_o_proxy) + bytes_of(m_lse_nat);
         }
-        m_fused = true;
       }
     }
     m_guard_nonfinite = opts.guard_masked_nonfinite;
@@ -206,6 +216,8 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     if (computed &&
         fused(task, f.q_slot, f.kv_slot, dqt, dkt, dvt, acc_dq, acc_dkv, st.fused_pieces)) {
       st.path = BlockPath::fused;
+    } else if (computed && tensor_core(task, f.q_slot, f.kv_slot, dqt, dkt, dvt, acc_dq, acc_dkv)) {
+      st.path = BlockPath::matrix;
     } else if (computed) {
       st.path = BlockPath::portable;
       if (m_packed != f.kv_slot) {
@@ -315,12 +327,7 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     if constexpr (fused_available_v<ExecSpace, V>) {
       if (!m_fused) return false;
       const bool own = task.q_rank == m_rank;
-      if (!own && m_o_proxy.size() == 0) return false;
-      if (!own && m_travelled != q_slot) {  // the slot's proxy O and natural LSE
-        m_trows = fused_travelled_rows(m_exec, m_qs[std::size_t(q_slot)], m_c.e.dim, m_o_proxy,
-                                       m_lse_nat);
-        m_travelled = q_slot;
-      }
+      if (!own && !travelled(q_slot)) return false;
       const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
       const FusedQueryRows& rows = own ? m_rows : m_trows;
       const auto run = [&](const auto& k, const auto& v) {
@@ -335,6 +342,54 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     } else {
       (void)task, (void)q_slot, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq,
           (void)acc_dkv, (void)pieces;
+      return false;
+    }
+  }
+
+  /// Query slot q_slot's proxy O and natural-log LSE (fused_travelled_rows),
+  /// computed once per arrival; false: no buffers for them.
+  bool travelled(int q_slot) {
+    if (m_o_proxy.size() == 0) return false;
+    if (m_travelled != q_slot) {
+      m_trows =
+          fused_travelled_rows(m_exec, m_qs[std::size_t(q_slot)], m_c.e.dim, m_o_proxy, m_lse_nat);
+      m_travelled = q_slot;
+    }
+    return true;
+  }
+
+  /// The step's pair on the tensor-core backward (tensor_core_backward_pair;
+  /// DistributedOptions::tensor_core_backward): own queries from the
+  /// caller's Views, travelled ones from query slot q_slot with its proxy O;
+  /// false: the kernels take it.
+  bool tensor_core(const BlockTask& task, int q_slot, int kv_slot, const B4& dqt, const B4& dkt,
+                   const B4& dvt, bool acc_dq, bool acc_dkv) {
+    if constexpr (tensor_core_backward_available_v<ExecSpace, V, Mask>) {
+      if (!m_tc) return false;
+      const bool own = task.q_rank == m_rank;
+      if (!own && !travelled(q_slot)) return false;
+      const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
+      const int dim = m_c.e.dim;
+      const auto& slot = m_qs[std::size_t(q_slot)];
+      const auto run = [&](const auto& k, const auto& v) {
+        const auto qp = this->positions(task.q_rank);
+        const auto kp = this->positions(task.k_rank);
+        if (own)
+          return tensor_core_backward_pair(m_exec, m_mask, qp, kp, te, m_q_rows, m_o_rows,
+                                           m_do_rows, m_lse_rows, k, v, m_tq, m_tk, m_tv, dqt, dkt,
+                                           dvt, acc_dq, acc_dkv, float(m_scale));
+        return tensor_core_backward_pair(
+            m_exec, m_mask, qp, kp, te, strided_rows(slot.q, te.queries, true, dim),
+            strided_rows(m_o_proxy, te.queries, true, dim),
+            strided_rows(slot.dout, te.queries, true, dim), strided_lse(m_lse_nat, te.queries), k,
+            v, m_tq, m_tk, m_tv, dqt, dkt, dvt, acc_dq, acc_dkv, float(m_scale));
+      };
+      if (kv_slot == 0 && !m_kv_copy) return run(m_k, m_v);  // the caller's k, v
+      const auto& kv = m_kv[std::size_t(kv_slot)];
+      return run(rows_of(kv[0], te.keys), rows_of(kv[1], te.keys));
+    } else {
+      (void)task, (void)q_slot, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq,
+          (void)acc_dkv;
       return false;
     }
   }
@@ -374,6 +429,12 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
   int m_travelled = -1;
   Kokkos::View<V****, Kokkos::LayoutRight, mem> m_o_proxy;
   Kokkos::View<float***, Kokkos::LayoutRight, mem> m_lse_nat;
+  // The tensor-core backward (DistributedOptions::tensor_core_backward): the
+  // caller's q, o, dout, lse rows as strided Views.
+  bool m_tc = false;
+  StridedRows<V, mem> m_q_rows, m_o_rows, m_do_rows;
+  Kokkos::View<const T***, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>
+      m_lse_rows;
   bool m_fused = false, m_guard_nonfinite = true;
 };
 
