@@ -302,6 +302,10 @@ TEST_CASE("a configuration that differs on one rank throws the same error on eve
     opts.portable_only = odd;
     msg = error_of([&] { forward_backward(a, c, opts); });
     check_everywhere(comm, msg, "options.portable_only differs between ranks");
+    opts = {};
+    opts.tensor_core_backward = odd;
+    msg = error_of([&] { forward_backward(a, c, opts); });
+    check_everywhere(comm, msg, "options.tensor_core_backward differs between ranks");
   }
   // The same objects work again afterwards: nothing is left pending.
   Attn<RingSchedule> a(comm);
