@@ -16,6 +16,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "distributed_check.hpp"
@@ -65,6 +66,18 @@ BlockPathCounts check_paths(Mpi& comm, const RunStats& call, const RunStats& por
   if (expect_fused >= 0) CHECK((all_fused > 0) == (expect_fused > 0));
   CHECK(fp.fused_pieces >= fp.fused);
   return fp;
+}
+
+/// The computed steps of a call on another rank's queries, and how many of
+/// them ran fused.
+std::pair<long, long> foreign_steps(const RunStats& call, int rank) {
+  long all = 0, fused = 0;
+  for (const auto& st : call.steps)
+    if (st.computed && st.query_source != rank) {
+      ++all;
+      fused += st.path == BlockPath::fused ? 1 : 0;
+    }
+  return {all, fused};
 }
 
 /// One schedule x partition x mask in bf16. The bound: the fp32 bound e32,
@@ -119,12 +132,7 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
 
   const BlockPathCounts fp = check_paths(comm, fused, portable, expect_fused);
   // Helpers' tasks (another rank's queries, balanced schedule) run fused too.
-  long helpers = 0, helpers_fused = 0;
-  for (const auto& st : fused.steps)
-    if (st.computed && st.query_source != rank) {
-      ++helpers;
-      helpers_fused += st.path == BlockPath::fused ? 1 : 0;
-    }
+  const auto [helpers, helpers_fused] = foreign_steps(fused, rank);
   if (expect_helpers) {
     CHECK(comm.allreduce(helpers, ReduceOp::sum) > 0);
     CHECK(comm.allreduce(helpers_fused, ReduceOp::sum) == comm.allreduce(helpers, ReduceOp::sum));
@@ -170,12 +178,7 @@ void check(Mpi& comm, const Mask& mask, int N, int expect_fused, bool expect_hel
   if (bfp.fused > 0) CHECK(bf.fused_workspace_bytes > 0);
   // Pairs of travelled queries (Q ring, balanced helpers): fused too, from a
   // proxy O (fused_travelled_rows), with every mask here a band.
-  long travelled = 0, travelled_fused = 0;
-  for (const auto& st : bf.steps)
-    if (st.computed && st.query_source != rank) {
-      ++travelled;
-      travelled_fused += st.path == BlockPath::fused ? 1 : 0;
-    }
+  const auto [travelled, travelled_fused] = foreign_steps(bf, rank);
   if (tc_backward && tensor_core_backward_available_v<ExecSpace, S, Mask>)
     CHECK(comm.allreduce(long(bfp.matrix), ReduceOp::sum) > 0);
   else

@@ -319,13 +319,7 @@ bool tensor_core_backward_pair(const ExecSpace& exec, const Mask& mask, const QP
     if (!impl::flash_backward(exec, e, q, k, v, o, lse, dout, rows(tq, e.queries), rows(tk, e.keys),
                               rows(tv, e.keys), mask, qpos, kpos, scale))
       return false;
-    using TQs = typename GQ::non_const_value_type;
-    using TKs = typename GK::non_const_value_type;
-    if (!acc_dq) Kokkos::deep_copy(exec, dq, TQs(0));
-    if (!acc_dkv) {
-      Kokkos::deep_copy(exec, dk, TKs(0));
-      Kokkos::deep_copy(exec, dv, TKs(0));
-    }
+    impl::clear_pair_sums(exec, dq, dk, dv, acc_dq, acc_dkv);
     impl::add_piece_rows(exec, dq, tq, 0, e.queries);
     impl::add_piece_rows(exec, dk, tk, 0, e.keys);
     impl::add_piece_rows(exec, dv, tv, 0, e.keys);
@@ -385,13 +379,7 @@ bool fused_backward_pair(const ExecSpace& exec, const Mask& mask, const QP& qpos
     if (guard && !pair_covers_all(mask, qpos, e.queries, kpos, e.keys) &&
         impl::has_nonfinite(exec, v))
       return false;
-    using TQs = typename GQ::non_const_value_type;
-    using TKs = typename GK::non_const_value_type;
-    if (!acc_dq) Kokkos::deep_copy(exec, dq, TQs(0));
-    if (!acc_dkv) {
-      Kokkos::deep_copy(exec, dk, TKs(0));
-      Kokkos::deep_copy(exec, dv, TKs(0));
-    }
+    impl::clear_pair_sums(exec, dq, dk, dv, acc_dq, acc_dkv);
     for (int i = 0; i < split.count; ++i) {
       const BandPiece& p = split.pieces[std::size_t(i)];
       impl::FusedProvider<ExecSpace, V>::run(exec, calls[std::size_t(i)]);

@@ -336,14 +336,21 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
                                                  m_tk, m_tv, dqt, dkt, dvt, acc_dq, acc_dkv,
                                                  float(m_scale), m_guard_nonfinite, pieces);
       };
-      if (kv_slot == 0 && !m_kv_copy) return run(m_k, m_v);  // the caller's k, v
-      const auto& kv = m_kv[std::size_t(kv_slot)];
-      return run(rows_of(kv[0], te.keys), rows_of(kv[1], te.keys));
+      return with_kv(kv_slot, te, run);
     } else {
       (void)task, (void)q_slot, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq,
           (void)acc_dkv, (void)pieces;
       return false;
     }
+  }
+
+  /// run(k, v) on K/V slot kv_slot's te.keys rows (slot 0 without a copy:
+  /// the caller's k, v).
+  template <class Run>
+  bool with_kv(int kv_slot, const BlockExtents& te, const Run& run) {
+    if (kv_slot == 0 && !m_kv_copy) return run(m_k, m_v);
+    const auto& kv = m_kv[std::size_t(kv_slot)];
+    return run(rows_of(kv[0], te.keys), rows_of(kv[1], te.keys));
   }
 
   /// Query slot q_slot's proxy O and natural-log LSE (fused_travelled_rows),
@@ -384,9 +391,7 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
             strided_rows(slot.dout, te.queries, true, dim), strided_lse(m_lse_nat, te.queries), k,
             v, m_tq, m_tk, m_tv, dqt, dkt, dvt, acc_dq, acc_dkv, float(m_scale));
       };
-      if (kv_slot == 0 && !m_kv_copy) return run(m_k, m_v);  // the caller's k, v
-      const auto& kv = m_kv[std::size_t(kv_slot)];
-      return run(rows_of(kv[0], te.keys), rows_of(kv[1], te.keys));
+      return with_kv(kv_slot, te, run);
     } else {
       (void)task, (void)q_slot, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq,
           (void)acc_dkv;

@@ -273,6 +273,20 @@ void add_piece_rows(const ExecSpace& exec, const GV& g, const TV& t, index_type 
       });
 }
 
+/// A pair's gradient sums before its 16-bit partials are added
+/// (add_piece_rows): zeroed, unless the pair accumulates into them.
+template <class ExecSpace, class GQ, class GK>
+void clear_pair_sums(const ExecSpace& exec, const GQ& dq, const GK& dk, const GK& dv, bool acc_dq,
+                     bool acc_dkv) {
+  using TQ = typename GQ::non_const_value_type;
+  using TK = typename GK::non_const_value_type;
+  if (!acc_dq) Kokkos::deep_copy(exec, dq, TQ(0));
+  if (!acc_dkv) {
+    Kokkos::deep_copy(exec, dk, TK(0));
+    Kokkos::deep_copy(exec, dv, TK(0));
+  }
+}
+
 /// A normalised result of rows [0, rows) in the storage type (part_o;
 /// part_lse, natural log, -inf where no key was seen) as a result in the
 /// compute type (out_o, out_lse), whose rows with part_lse = -inf are left
