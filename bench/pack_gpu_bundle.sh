@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Packs what bench/gpu_session.sh runs into one compressed bundle under the
-# device tool's 64 MiB carry limit (device code makes the CUDA test binaries
-# ~40 MB each; stripped and gzipped ~17 MB).
+# device tool's 64 MiB carry limit. Configure the CUDA build with
+# -DBLOCKATTN_CUDA_NO_PTX=ON: sm_90 machine code without PTX xz-compresses to
+# about a third of Kokkos' default (PTX and machine code in nvcc's compressed
+# fatbinary), which is what makes every binary fit (docs/gpu.md).
 #
 #   bench/pack_gpu_bundle.sh <cuda build dir> [<host build dir>] [<Open MPI dpkg -x dir>]
 #
@@ -11,12 +13,17 @@
 # blockattn_bench_gpu, blockattn_bench_decode, blockattn_bench_score and
 # blockattn_bench_steps (the last two not in `all`:
 # make it by name), the host build's
-# blockattn_bench_plan and blockattn_bench_serve, and Open MPI.
+# blockattn_bench_plan, blockattn_bench_serve and blockattn_bench_decode (prefill
+# on 16 cores), and Open MPI.
 # Then: run(carry [".gpu"], command "bash bench/gpu_session.sh").
-# SKIP="name ...": leave those binaries out (e.g. SKIP="blockattn_test_random_cuda
-# blockattn_bench_score" when the bundle would pass the carry limit: it says so).
+# SKIP="name ...": leave those binaries out (if the bundle would pass the carry
+# limit: it says so).
 set -euo pipefail
 cuda=${1:?usage: pack_gpu_bundle.sh <cuda build dir> [<host build dir>] [<mpi dir>]}
+if ! grep -qs '^BLOCKATTN_CUDA_NO_PTX:BOOL=ON' "$cuda/CMakeCache.txt"; then
+  echo "note: $cuda is not configured with -DBLOCKATTN_CUDA_NO_PTX=ON: its PTX makes the" \
+    "bundle about three times larger than it needs to be" >&2
+fi
 host=${2:-}
 mpi=${3:-}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,7 +37,7 @@ for f in tests/blockattn_test_cuda tests/blockattn_test_distributed_cuda tests/b
   if [[ " ${SKIP:-} " == *" $(basename "$f") "* ]]; then echo "left out $f (SKIP)"; continue; fi
   if [ -x "$cuda/$f" ]; then strip -o "$stage/build-cuda/$f" "$cuda/$f"; else echo "missing $cuda/$f"; fi
 done
-for f in bench/blockattn_bench_plan bench/blockattn_bench_serve; do
+for f in bench/blockattn_bench_plan bench/blockattn_bench_serve bench/blockattn_bench_decode; do
   if [ -n "$host" ] && [ -x "$host/$f" ]; then strip -o "$stage/build-host/$f" "$host/$f"; fi
 done
 # The host build's shared Kokkos (Debian's Kokkos 3.4 build is shared).
