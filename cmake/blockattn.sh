@@ -33,6 +33,9 @@
 #                                          nvidia-cudnn-frontend) into .deps/cudnn-frontend,
 #                                          for a CUDA build (BLOCKATTN_ENABLE_CUDNN);
 #                                          done by every command when KOKKOS_ROOT has CUDA
+#                                          (with cuobjdump, nvdisasm from PyPI into .deps/cuobjdump
+#                                          where the toolkit has none: the `cuda` label's
+#                                          machine-code check)
 #
 # Every command first makes sure the dependencies are there (idempotent: when
 # nothing is missing this takes a second): Debian packages through apt-get, and
@@ -167,6 +170,39 @@ for n in z.namelist():
   rm -rf "$tmp"
 }
 
+# cuobjdump and nvdisasm (which its -sass runs) for the `cuda` label's
+# machine-code check (tests/check_flash_sass.sh), from PyPI's
+# nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm of nvcc's major version when
+# the toolkit has none (a minimal toolkit); without them that check says
+# skipped.
+install_cuobjdump() {
+  local dest=$deps/cuobjdump
+  [ -x "$dest/bin/cuobjdump" ] && [ -x "$dest/bin/nvdisasm" ] && return 0
+  local nvcc major tmp tool
+  nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  [ -x "$nvcc" ] || return 0
+  [ -x "$(dirname "$nvcc")/cuobjdump" ] && [ -x "$(dirname "$nvcc")/nvdisasm" ] && return 0
+  major=$("$nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+  [ -n "$major" ] || return 0
+  log "installing cuobjdump and nvdisasm (PyPI, CUDA $major) into $dest"
+  mkdir -p "$dest/bin"
+  for tool in cuobjdump nvdisasm; do
+    tmp=$(mktemp -d)
+    if python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" \
+      "nvidia-cuda-$tool>=$major,<$((major + 1))"; then
+      python3 -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for n in z.namelist():
+    if n.endswith("/bin/" + sys.argv[3]):
+        open(sys.argv[2], "wb").write(z.read(n))' "$tmp"/nvidia_cuda_"$tool"-*.whl "$dest/bin/$tool" "$tool"
+      chmod +x "$dest/bin/$tool"
+    else
+      log "no nvidia-cuda-$tool for CUDA $major on PyPI: the machine-code check will skip"
+    fi
+    rm -rf "$tmp"
+  done
+}
+
 # Whether the Kokkos in use has the CUDA backend.
 kokkos_has_cuda() {
   local k=${KOKKOS_ROOT:-$kokkos_prefix}
@@ -176,7 +212,10 @@ kokkos_has_cuda() {
 ensure_deps() {
   install_packages
   if [ -z "${KOKKOS_ROOT:-}" ]; then build_kokkos; fi
-  if kokkos_has_cuda; then install_cudnn_frontend; fi
+  if kokkos_has_cuda; then
+    install_cudnn_frontend
+    install_cuobjdump
+  fi
 }
 
 configure() {

@@ -11,12 +11,18 @@
 # bytes: their LDL/STL counts are printed, not failed.
 # A refactor that loses the tensor cores fails here, not only in a timing.
 #   check_flash_sass.sh <cuobjdump> <binary>
-# Exit 77 (skipped) without cuobjdump.
+# Exit 77 (skipped) without cuobjdump, or without the nvdisasm its -sass runs
+# (looked for next to cuobjdump, then on PATH).
 set -eu
 cuobjdump=$1
 exe=$2
 if [ ! -x "$cuobjdump" ]; then
   echo "no cuobjdump ($cuobjdump): skipped"
+  exit 77
+fi
+PATH="$(dirname "$cuobjdump"):$PATH"
+if ! command -v nvdisasm >/dev/null; then
+  echo "no nvdisasm (next to $cuobjdump or on PATH; cuobjdump -sass runs it): skipped"
   exit 77
 fi
 tmp=$(mktemp -d)
