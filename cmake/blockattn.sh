@@ -154,20 +154,35 @@ build_kokkos() {
   touch "$kokkos_prefix/.complete"
 }
 
+# pypi_extract <requirement> <dest> <regex>: PyPI's wheel of <requirement>
+# (no dependencies), each member whose name matches the Python regex written
+# to <dest>/<the name from the match on>; fails if pip finds no such wheel.
+pypi_extract() {
+  local tmp rc=0
+  tmp=$(mktemp -d)
+  if python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "$1"; then
+    mkdir -p "$2"
+    python3 -c 'import os, re, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for n in z.namelist():
+    m = re.search(sys.argv[3], n)
+    if m and not n.endswith("/"):
+        out = os.path.join(sys.argv[2], n[m.start():])
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        open(out, "wb").write(z.read(n))' "$tmp"/*.whl "$2" "$3"
+  else
+    rc=1
+  fi
+  rm -rf "$tmp"
+  return $rc
+}
+
 # cuDNN's frontend (header-only) from PyPI's wheel, for BlockAttn::cudnn.
 install_cudnn_frontend() {
   local dest=$deps/cudnn-frontend
   [ -f "$dest/include/cudnn_frontend.h" ] && return 0
   log "installing cuDNN's frontend headers (PyPI nvidia-cudnn-frontend) into $dest"
-  local tmp
-  tmp=$(mktemp -d)
-  python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" nvidia-cudnn-frontend
-  mkdir -p "$dest"
-  python3 -c 'import sys, zipfile
-z = zipfile.ZipFile(sys.argv[1])
-for n in z.namelist():
-    if n.startswith("include/"): z.extract(n, sys.argv[2])' "$tmp"/nvidia_cudnn_frontend-*.whl "$dest"
-  rm -rf "$tmp"
+  pypi_extract nvidia-cudnn-frontend "$dest" '^include/'
 }
 
 # cuobjdump and nvdisasm (which its -sass runs) for the `cuda` label's
@@ -178,28 +193,19 @@ for n in z.namelist():
 install_cuobjdump() {
   local dest=$deps/cuobjdump
   [ -x "$dest/bin/cuobjdump" ] && [ -x "$dest/bin/nvdisasm" ] && return 0
-  local nvcc major tmp tool
+  local nvcc major tool
   nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   [ -x "$nvcc" ] || return 0
   [ -x "$(dirname "$nvcc")/cuobjdump" ] && [ -x "$(dirname "$nvcc")/nvdisasm" ] && return 0
   major=$("$nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
   [ -n "$major" ] || return 0
   log "installing cuobjdump and nvdisasm (PyPI, CUDA $major) into $dest"
-  mkdir -p "$dest/bin"
   for tool in cuobjdump nvdisasm; do
-    tmp=$(mktemp -d)
-    if python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" \
-      "nvidia-cuda-$tool>=$major,<$((major + 1))"; then
-      python3 -c 'import sys, zipfile
-z = zipfile.ZipFile(sys.argv[1])
-for n in z.namelist():
-    if n.endswith("/bin/" + sys.argv[3]):
-        open(sys.argv[2], "wb").write(z.read(n))' "$tmp"/nvidia_cuda_"$tool"-*.whl "$dest/bin/$tool" "$tool"
+    if pypi_extract "nvidia-cuda-$tool>=$major,<$((major + 1))" "$dest" "bin/$tool\$"; then
       chmod +x "$dest/bin/$tool"
     else
       log "no nvidia-cuda-$tool for CUDA $major on PyPI: the machine-code check will skip"
     fi
-    rm -rf "$tmp"
   done
 }
 
