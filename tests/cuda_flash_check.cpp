@@ -30,6 +30,12 @@
 //
 // Then the fp32 tensor-core forward (cuda_flash_f32.hpp), its cases and
 // bounds in cuda_flash_f32_check.cpp.
+//
+// The same program runs without a GPU as blockattn_flash_emulated (ctest
+// flash_emulated*): compiled for the host with BLOCKATTN_CUDA_EMULATION
+// against tests/cuda_emu, which runs the kernels' source on a model of warps,
+// ldmatrix, mma.sync, cp.async and barriers (cuda_emu/cuda_emu.hpp); checks
+// only there (its times are not a GPU's).
 #include <blockattn/kernel/impl/cuda_flash.hpp>
 #include <blockattn/kernel/impl/cuda_flash_backward.hpp>
 #include <blockattn/policy/document_mask.hpp>
@@ -609,6 +615,13 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+#if defined(BLOCKATTN_CUDA_EMULATION)
+  if (do_bench) {
+    std::fprintf(stderr, "blockattn_flash_check: --bench: the emulator's times are not a GPU's\n");
+    return 2;
+  }
+  std::printf("the kernels on the host emulator of tests/cuda_emu, not on a GPU\n");
+#endif
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("no CUDA device: skipped\n");

@@ -28,7 +28,9 @@
 // Output: normalised O (storage type) and LSE (fp32, natural log) of every
 // row; rows that see no key get O = 0 and LSE = -inf.
 //
-// Compiled only in nvcc's passes with Kokkos' CUDA backend.
+// Compiled only in nvcc's passes with Kokkos' CUDA backend, or on the host
+// with BLOCKATTN_CUDA_EMULATION (tests/cuda_emu: the kernels' source run and
+// checked on a CPU; the PTX wrappers below then come from cuda_emu_ptx.hpp).
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -38,7 +40,7 @@
 
 #include <cstdint>
 
-#if defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)
+#if (defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)) || defined(BLOCKATTN_CUDA_EMULATION)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -46,6 +48,20 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+
+// kernel<<<grid, block, bytes, stream>>>, and a kernel's dynamic shared
+// memory (128-byte aligned), in nvcc's passes and in the emulator.
+#if defined(BLOCKATTN_CUDA_EMULATION)
+#include <cuda_emu_ptx.hpp>
+#define BLOCKATTN_CUDA_LAUNCH(kernel, grid, block, bytes, stream) \
+  ::blockattn_cuda_emu::launch(kernel, grid, block, bytes, stream)
+#define BLOCKATTN_DYNAMIC_SHARED(type, name) \
+  type* const name = static_cast<type*>(::blockattn_cuda_emu::dynamic_shared())
+#else
+#define BLOCKATTN_CUDA_LAUNCH(kernel, grid, block, bytes, stream) \
+  kernel<<<grid, block, bytes, stream>>>
+#define BLOCKATTN_DYNAMIC_SHARED(type, name) extern __shared__ __align__(128) type name[]
+#endif
 
 namespace blockattn::impl::flash {
 
@@ -120,6 +136,7 @@ constexpr int smem_bytes(int D, Variant v) {
   return (block_m(v) + 2 * block_n) * D * 2;
 }
 
+#if !defined(BLOCKATTN_CUDA_EMULATION)  // cuda_emu_ptx.hpp
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -166,6 +183,8 @@ __device__ __forceinline__ void mma16816(float c[4], const std::uint32_t a[4], s
   }
 }
 
+#endif  // !BLOCKATTN_CUDA_EMULATION
+
 /// Two floats as a packed pair of the storage type (lo in the low half).
 template <bool IsBf16>
 __device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
@@ -178,11 +197,13 @@ __device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
   }
 }
 
+#if !defined(BLOCKATTN_CUDA_EMULATION)  // cuda_emu_ptx.hpp
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+#endif
 
 /// Loads rows [row0, row0 + TileRows) of a (rows x D) operand into a
 /// swizzled tile; rows at or past `rows` are zero-filled.
@@ -478,7 +499,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
   static_assert(!QInRegs || MT == 1, "Q in registers: one m-tile per warp");
   constexpr int BM = block_m_of(MT);  // query rows of the CTA
-  extern __shared__ __align__(128) std::uint16_t smem[];
+  BLOCKATTN_DYNAMIC_SHARED(std::uint16_t, smem);
   std::uint16_t* sq = smem;
   std::uint16_t* sk = smem + BM * D;
   std::uint16_t* sv = sk + block_n * D;
@@ -704,7 +725,7 @@ cudaError_t forward(const Args& a, int dim, const Mask& mask, const QPos& qpos, 
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
-    kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
+    BLOCKATTN_CUDA_LAUNCH(kernel, grid, threads, bytes, stream)(a, mask, qpos, kpos);
     return cudaGetLastError();
   };
   if constexpr (all_variants) {

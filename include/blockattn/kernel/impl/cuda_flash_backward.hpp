@@ -26,12 +26,13 @@
 // NaN where the contract wants none); rows whose LSE is -inf (they see no
 // key) get zero gradients.
 //
-// Compiled only in nvcc's passes with Kokkos' CUDA backend.
+// Compiled only in nvcc's passes with Kokkos' CUDA backend, or on the host
+// with BLOCKATTN_CUDA_EMULATION (cuda_flash.hpp).
 #pragma once
 
 #include <blockattn/kernel/impl/cuda_flash.hpp>
 
-#if defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)
+#if (defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)) || defined(BLOCKATTN_CUDA_EMULATION)
 
 namespace blockattn::impl::flash {
 
@@ -165,7 +166,7 @@ template <int D, bool IsBf16, class Mask, class QPos, class KPos>
 __global__ void __launch_bounds__(threads, 2)
     dkdv_kernel(const BackwardArgs a, const Mask mask, const QPos qpos, const KPos kpos) {
   static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
-  extern __shared__ __align__(128) std::uint16_t smem[];
+  BLOCKATTN_DYNAMIC_SHARED(std::uint16_t, smem);
   std::uint16_t* sk = smem;
   std::uint16_t* sv = sk + block_n * D;
   // Buffer i of Q at sq + i * tile, of dO at sdo + i * tile (offsets, not a
@@ -298,7 +299,7 @@ template <int D, bool IsBf16, class Mask, class QPos, class KPos>
 __global__ void __launch_bounds__(threads, 2)
     dq_kernel(const BackwardArgs a, const Mask mask, const QPos qpos, const KPos kpos) {
   static_assert(D % 16 == 0 && D <= 256, "head dim: a multiple of 16 up to 256");
-  extern __shared__ __align__(128) std::uint16_t smem[];
+  BLOCKATTN_DYNAMIC_SHARED(std::uint16_t, smem);
   std::uint16_t* sq = smem;
   std::uint16_t* sdo = sq + bwd_rows * D;
   // Buffer i of K at sk + i * kv_buf, of V at sv + i * kv_buf.
@@ -441,7 +442,8 @@ cudaError_t backward(const BackwardArgs& a, int dim, const Mask& mask, const QPo
     if (a.queries > 0) {
       constexpr int rows_per_cta = threads / (D / 8);
       const dim3 grid((a.queries + rows_per_cta - 1) / rows_per_cta, a.heads, a.batch);
-      delta_kernel<D, IsBf16><<<grid, threads, 0, stream>>>(a);
+      auto* const delta = delta_kernel<D, IsBf16>;
+      BLOCKATTN_CUDA_LAUNCH(delta, grid, threads, 0, stream)(a);
       const cudaError_t e = cudaGetLastError();
       if (e != cudaSuccess) return e;
     }
@@ -450,7 +452,7 @@ cudaError_t backward(const BackwardArgs& a, int dim, const Mask& mask, const QPo
       cudaError_t e =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
       if (e != cudaSuccess) return e;
-      kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
+      BLOCKATTN_CUDA_LAUNCH(kernel, grid, threads, bytes, stream)(a, mask, qpos, kpos);
       return cudaGetLastError();
     };
     if (a.keys > 0) {

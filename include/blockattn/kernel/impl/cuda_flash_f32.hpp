@@ -33,13 +33,14 @@
 // Output: normalised O (fp32) and LSE (natural log); rows that see no key get
 // O = 0 and LSE = -inf.
 //
-// Compiled only in nvcc's passes with Kokkos' CUDA backend.
+// Compiled only in nvcc's passes with Kokkos' CUDA backend, or on the host
+// with BLOCKATTN_CUDA_EMULATION (cuda_flash.hpp).
 #pragma once
 
 #include <blockattn/kernel/impl/cuda_flash.hpp>
 #include <blockattn/kernel/impl/flash_frag.hpp>
 
-#if defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)
+#if (defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)) || defined(BLOCKATTN_CUDA_EMULATION)
 
 namespace blockattn::impl::flash {
 
@@ -50,11 +51,14 @@ constexpr int smem_bytes_f32(int D) {
   return (f32_block_m + 2 * block_n) * D * 4;
 }
 
+#if !defined(BLOCKATTN_CUDA_EMULATION)  // cuda_emu_ptx.hpp
 __device__ __forceinline__ std::uint32_t to_tf32(float x) {
   std::uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
   return r;
 }
+
+#endif
 
 /// x as TF32: big, and with Passes == 3 also small = tf32(x - big).
 template <int Passes>
@@ -66,6 +70,7 @@ __device__ __forceinline__ void split_tf32(float x, std::uint32_t& big, std::uin
     small = 0u;
 }
 
+#if !defined(BLOCKATTN_CUDA_EMULATION)  // cuda_emu_ptx.hpp
 /// c += a b, m16n8k8, TF32 operands, fp32 accumulation.
 __device__ __forceinline__ void mma1688(float c[4], const std::uint32_t a[4], std::uint32_t b0,
                                         std::uint32_t b1) {
@@ -75,6 +80,8 @@ __device__ __forceinline__ void mma1688(float c[4], const std::uint32_t a[4], st
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+#endif
 
 /// c += a b from split operands: the small terms first (Passes == 3), then
 /// big_a big_b.
@@ -111,7 +118,7 @@ __global__ void __launch_bounds__(threads, 2)
   static_assert(D % 8 == 0 && D <= 128, "head dim: a multiple of 8 up to 128");
   static_assert(Passes == 1 || Passes == 3, "TF32 products: 1 or 3 per product");
   constexpr int BM = f32_block_m;
-  extern __shared__ __align__(128) float smem_f32[];
+  BLOCKATTN_DYNAMIC_SHARED(float, smem_f32);
   float* sq = smem_f32;
   float* sk = smem_f32 + BM * D;
   float* sv = sk + block_n * D;
@@ -274,7 +281,7 @@ cudaError_t forward_f32(const Args& a, int dim, const Mask& mask, const QPos& qp
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
-    kernel<<<grid, threads, bytes, stream>>>(a, mask, qpos, kpos);
+    BLOCKATTN_CUDA_LAUNCH(kernel, grid, threads, bytes, stream)(a, mask, qpos, kpos);
     return cudaGetLastError();
   };
   if (dim == 64) return launch(forward_f32_kernel<64, Passes, Mask, QPos, KPos>);
