@@ -473,9 +473,9 @@ const double* warp_mma_product(const unsigned char* slots, Op op) {
   if (wp.product_ready[ph]) return wp.product[ph];
   const bool tf32 = op == Op::mma_tf32;
   const int K = tf32 ? 8 : 16;
-  // A (16 x K) row-major and B (K x 8) transposed, in fp64 (exact).
-  double A[16][16], Bt[8][16];
-  auto half = [op](std::uint32_t reg, int hi) -> double {
+  // A (16 x K) and B (K x 8), row-major, in fp64 (exact).
+  double A[16][16], B[16][8];
+  auto value = [op](std::uint32_t reg, int hi) -> double {
     const std::uint16_t h = std::uint16_t(hi ? reg >> 16 : reg & 0xffffu);
     if (op == Op::mma_bf16) return double(blockattn::impl::bits_float(std::uint32_t(h) << 16));
     return double(blockattn::impl::fp16_to_float(h));
@@ -492,25 +492,26 @@ const double* warp_mma_product(const unsigned char* slots, Op op) {
       A[g + 8][t] = tf(in[1]);
       A[g][t + 4] = tf(in[2]);
       A[g + 8][t + 4] = tf(in[3]);
-      Bt[g][t] = tf(in[4]);
-      Bt[g][t + 4] = tf(in[5]);
+      B[t][g] = tf(in[4]);
+      B[t + 4][g] = tf(in[5]);
     } else {
       for (int h = 0; h < 2; ++h) {
-        A[g][2 * t + h] = half(in[0], h);
-        A[g + 8][2 * t + h] = half(in[1], h);
-        A[g][2 * t + 8 + h] = half(in[2], h);
-        A[g + 8][2 * t + 8 + h] = half(in[3], h);
-        Bt[g][2 * t + h] = half(in[4], h);
-        Bt[g][2 * t + 8 + h] = half(in[5], h);
+        A[g][2 * t + h] = value(in[0], h);
+        A[g + 8][2 * t + h] = value(in[1], h);
+        A[g][2 * t + 8 + h] = value(in[2], h);
+        A[g + 8][2 * t + 8 + h] = value(in[3], h);
+        B[2 * t + h][g] = value(in[4], h);
+        B[2 * t + 8 + h][g] = value(in[5], h);
       }
     }
   }
-  for (int r = 0; r < 16; ++r)
-    for (int n = 0; n < 8; ++n) {
-      double s = 0.0;
-      for (int k = 0; k < K; ++k) s += A[r][k] * Bt[n][k];
-      wp.product[ph][r * 8 + n] = s;
-    }
+  // Each element summed over k in order; rows and columns are independent
+  // chains (the compiler keeps them in vector registers).
+  double acc[16][8] = {};
+  for (int k = 0; k < K; ++k)
+    for (int r = 0; r < 16; ++r)
+      for (int n = 0; n < 8; ++n) acc[r][n] += A[r][k] * B[k][n];
+  std::memcpy(wp.product[ph], acc, sizeof acc);
   wp.product_ready[ph] = true;
   return wp.product[ph];
 }
