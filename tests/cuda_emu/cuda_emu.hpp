@@ -30,10 +30,11 @@
 //   * mma.sync sums the exact products in fp64 and rounds once into the fp32
 //     accumulator (the hardware's fp32 accumulation differs in the last bits);
 //     .tf32 operands drop their 13 low mantissa bits; ex2.approx is exp2f;
-//   * a launch checks its configuration (block size a multiple of 32, at most
-//     1024; dynamic shared memory at most 48 KiB unless the kernel's
+//   * a launch checks its configuration (at most 1024 threads per block, the
+//     grid's limits; dynamic shared memory at most 48 KiB unless the kernel's
 //     cudaFuncAttributeMaxDynamicSharedMemorySize allows more, at most 227 KiB)
-//     and fails as CUDA does (cudaGetLastError);
+//     and fails as CUDA does (cudaGetLastError); a block of partial warps
+//     aborts (not emulated);
 //   * launches run synchronously; streams and events are accepted, event
 //     times are host times (meaningless as GPU speed).
 // BLOCKATTN_CUDA_EMU_SHUFFLE=<seed>: an adversarial schedule, seeded: the warps
