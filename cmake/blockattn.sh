@@ -284,8 +284,8 @@ case "$cmd" in
     ensure_deps
     # The examples and tools at -O1, the benchmarks at -O0: ctest runs their
     # command lines and small examples, not their speed (CMakeLists.txt,
-    # BLOCKATTN_APPS_OPT, BLOCKATTN_BENCH_OPT); the test files at -O0, the
-    # precompiled kernels at -O2 (tests/CMakeLists.txt, BLOCKATTN_TEST_OPT), the
+    # BLOCKATTN_APPS_OPT, BLOCKATTN_BENCH_OPT); the test files at -O0
+    # (tests/CMakeLists.txt, BLOCKATTN_TEST_OPT), the precompiled kernels and the
     # test targets with kernels of their own at -O1 (BLOCKATTN_TEST_KERNEL_OPT).
     configure -DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_BENCH_OPT=-O0 -DBLOCKATTN_TEST_OPT=-O0 \
       -DBLOCKATTN_TEST_KERNEL_OPT=-O1
