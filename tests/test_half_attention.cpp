@@ -122,7 +122,14 @@ V4<T> make_view(const HostTensor& t, const char* name) {
   return v;
 }
 
-enum class Layout { right, strided };
+/// right: LayoutRight Views; strided: sub-views of larger LayoutRight
+/// allocations; left: LayoutLeft Views (the head dim strided: no tensor-core
+/// or fused kernel takes them).
+enum class Layout { right, strided, left };
+
+const char* layout_name(Layout layout) {
+  return layout == Layout::right ? "right" : layout == Layout::strided ? "strided" : "left";
+}
 
 /// Forward in S: O within the bound of one rounding of an fp32 result, LSE
 /// within the fp32 bound, masked rows exact; and bitwise the fp32 forward on
@@ -150,6 +157,17 @@ ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::ui
     attention_forward(ExecSpace{}, qd, kd, vd, od, ld, mask, opts);
     o16 = download(od);
     lse16 = to_host(ld);
+  } else if (layout == Layout::left) {
+    using VL = Kokkos::View<S****, Kokkos::LayoutLeft, MemSpace>;
+    VL ql("q", s.b, s.nq, s.h, s.d), kl("k", s.b, s.nk, s.hkv, s.d), vl("v", s.b, s.nk, s.hkv, s.d),
+        ol("o", s.b, s.nq, s.h, s.d);
+    Kokkos::View<float***, Kokkos::LayoutLeft, MemSpace> ll("lse", s.b, s.h, s.nq);
+    Kokkos::deep_copy(ql, qd);
+    Kokkos::deep_copy(kl, kd);
+    Kokkos::deep_copy(vl, vd);
+    attention_forward(ExecSpace{}, ql, kl, vl, ol, ll, mask, opts);
+    o16 = download(ol);
+    lse16 = to_host(ll);
   } else {
     // Strided sub-views of larger allocations, inputs and outputs.
     const auto all = Kokkos::ALL;
@@ -188,8 +206,10 @@ ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::ui
   const bool fused = paths.fused > 0, matrix = paths.matrix > 0;
   CHECK(paths.fused + paths.portable == 1);
   // The matrix engine takes exactly the bf16 calls of host spaces where it
-  // runs (and where the host kernels are the AVX-512 ones).
-  if (impl::is_host_space_v<ExecSpace>) {
+  // runs (and where the host kernels are the AVX-512 ones). Where the
+  // tensor-core forward is built (CUDA; Kokkos::Serial under the emulator,
+  // whose test turns the host engine off) it is that forward.
+  if (!impl::flash_enabled<ExecSpace, S, Mask>()) {
     CHECK(matrix == (std::is_same<S, bf16>::value && matrix_expected(opts.host_matrix)));
   } else {
     // CUDA: the tensor-core forward takes what cuDNN does not, where its
@@ -197,6 +217,7 @@ ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::ui
     const bool tc = tensor_core_expected<S, Mask>(s, fused, opts);
     CHECK((!matrix || tc));
     if (layout == Layout::right) CHECK(matrix == tc);
+    if (layout == Layout::left) CHECK(!matrix);  // declined: the head dim is strided
   }
   fused_tally.fused += fused ? 1 : 0;
   fused_tally.matrix += matrix ? 1 : 0;
@@ -204,7 +225,7 @@ ErrorReport run_forward(const Shape& s, const Mask& mask, Layout layout, std::ui
   bool finite = true;
   // 16-bit P (fused providers, AMX): the fused bound.
   const double ratio = worst_ratio<S>(o16, ref.o, e32, finite, fused || matrix, max_abs(v));
-  INFO(value_type_name<S>(), " ", describe(s), (layout == Layout::right ? " right" : " strided"),
+  INFO(value_type_name<S>(), " ", describe(s), " ", layout_name(layout),
        (fused    ? " fused"
         : matrix ? " matrix"
                  : " portable"),
@@ -386,6 +407,11 @@ TEST_CASE_TEMPLATE("16-bit forward: every mask and layout, within one rounding o
   const ErrorReport e =
       run_forward<S>({1, 180, 70, 2, 1, 64}, CausalMask{}, Layout::strided, 9, opts);
   CHECK(e.masked_rows == 2 * 100);
+  // LayoutLeft Views (a GPU's default layout) at head dims the tensor-core
+  // forward would take in LayoutRight.
+  run_forward<S>({1, 70, 45, 2, 1, 64}, CausalMask{}, Layout::left, 11);
+  const Documents<MemSpace> docs(document_offsets(97));
+  run_forward<S>({1, 97, 97, 4, 2, 128}, docs.mask(), Layout::left, 12);
 }
 
 TEST_CASE_TEMPLATE("16-bit backward: every mask, within one rounding of fp32", S, bf16, fp16) {

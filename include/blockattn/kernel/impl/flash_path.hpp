@@ -30,15 +30,35 @@
 
 #if defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)
 #define BLOCKATTN_FLASH_CUDA 1
+#elif defined(BLOCKATTN_CUDA_EMULATION) && defined(KOKKOS_ENABLE_SERIAL)
+// Tests only (tests/cuda_emu, on the include path): the kernels behind
+// Kokkos::Serial, run by the host emulator of their CUDA subset, so that this
+// file's path (operands, strides, fallbacks) runs in CI as it does on a GPU.
+#define BLOCKATTN_FLASH_CUDA 1
 #endif
 
 namespace blockattn::impl {
+
+#if defined(BLOCKATTN_FLASH_CUDA)
+#if defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)
+/// The execution space the tensor-core kernels run behind, and its stream.
+using flash_space = Kokkos::Cuda;
+inline cudaStream_t flash_stream(const Kokkos::Cuda& exec) {
+  return exec.cuda_stream();
+}
+#else
+using flash_space = Kokkos::Serial;
+inline cudaStream_t flash_stream(const Kokkos::Serial&) {
+  return nullptr;
+}
+#endif
+#endif
 
 /// Whether the tensor-core forward is compiled for (ExecSpace, storage V, Mask).
 template <class ExecSpace, class V, class Mask>
 constexpr bool flash_enabled() {
 #if defined(BLOCKATTN_FLASH_CUDA)
-  return std::is_same<ExecSpace, Kokkos::Cuda>::value && is_half_storage_v<V> &&
+  return std::is_same<ExecSpace, flash_space>::value && is_half_storage_v<V> &&
          !has_score_mod_v<Mask>;
 #else
   return false;
@@ -72,7 +92,7 @@ inline flash::Variant flash_variant() {
 template <class ExecSpace, class V, class Mask>
 constexpr bool flash_f32_enabled() {
 #if defined(BLOCKATTN_FLASH_CUDA)
-  return std::is_same<ExecSpace, Kokkos::Cuda>::value && std::is_same<V, float>::value &&
+  return std::is_same<ExecSpace, flash_space>::value && std::is_same<V, float>::value &&
          !has_score_mod_v<Mask>;
 #else
   return false;
@@ -152,7 +172,7 @@ bool flash_forward(const ExecSpace& exec, const BlockExtents& e, const FlashOper
     a.variant = flash_variant();
     if (!flash::supports(a, e.dim)) return false;
     const cudaError_t err = flash::forward<std::is_same<V, bf16>::value>(
-        a, e.dim, mask, canonical_positions(qpos), canonical_positions(kpos), exec.cuda_stream());
+        a, e.dim, mask, canonical_positions(qpos), canonical_positions(kpos), flash_stream(exec));
     if (err != cudaSuccess)
       throw std::runtime_error(std::string("blockattn: the tensor-core forward's launch failed: ") +
                                cudaGetErrorString(err));
@@ -197,8 +217,8 @@ bool flash_forward_f32(const ExecSpace& exec, const BlockExtents& e, const QV& q
     const auto qp = canonical_positions(qpos);
     const auto kp = canonical_positions(kpos);
     const cudaError_t err = mode == Fp32TensorCores::tf32x3
-                                ? flash::forward_f32<3>(a, e.dim, mask, qp, kp, exec.cuda_stream())
-                                : flash::forward_f32<1>(a, e.dim, mask, qp, kp, exec.cuda_stream());
+                                ? flash::forward_f32<3>(a, e.dim, mask, qp, kp, flash_stream(exec))
+                                : flash::forward_f32<1>(a, e.dim, mask, qp, kp, flash_stream(exec));
     if (err != cudaSuccess)
       throw std::runtime_error(
           std::string("blockattn: the fp32 tensor-core forward's launch failed: ") +
@@ -265,7 +285,7 @@ bool flash_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, c
         std::size_t(e.batch) * e.heads * e.queries);
     a.delta = delta.data();
     const cudaError_t err = flash::backward<std::is_same<V, bf16>::value>(
-        a, e.dim, mask, canonical_positions(qpos), canonical_positions(kpos), exec.cuda_stream());
+        a, e.dim, mask, canonical_positions(qpos), canonical_positions(kpos), flash_stream(exec));
     if (err != cudaSuccess)
       throw std::runtime_error(
           std::string("blockattn: the tensor-core backward's launch failed: ") +
