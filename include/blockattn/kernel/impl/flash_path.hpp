@@ -28,30 +28,25 @@
 #include <string>
 #include <type_traits>
 
+namespace blockattn::impl {
+
+// The execution space the tensor-core kernels run behind, and its stream;
+// BLOCKATTN_FLASH_CUDA where there is one.
 #if defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)
 #define BLOCKATTN_FLASH_CUDA 1
+using flash_space = Kokkos::Cuda;
+inline cudaStream_t flash_stream(const Kokkos::Cuda& exec) {
+  return exec.cuda_stream();
+}
 #elif defined(BLOCKATTN_CUDA_EMULATION) && defined(KOKKOS_ENABLE_SERIAL)
 // Tests only (tests/cuda_emu, on the include path): the kernels behind
 // Kokkos::Serial, run by the host emulator of their CUDA subset, so that this
 // file's path (operands, strides, fallbacks) runs in CI as it does on a GPU.
 #define BLOCKATTN_FLASH_CUDA 1
-#endif
-
-namespace blockattn::impl {
-
-#if defined(BLOCKATTN_FLASH_CUDA)
-#if defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)
-/// The execution space the tensor-core kernels run behind, and its stream.
-using flash_space = Kokkos::Cuda;
-inline cudaStream_t flash_stream(const Kokkos::Cuda& exec) {
-  return exec.cuda_stream();
-}
-#else
 using flash_space = Kokkos::Serial;
 inline cudaStream_t flash_stream(const Kokkos::Serial&) {
   return nullptr;
 }
-#endif
 #endif
 
 /// Whether the tensor-core forward is compiled for (ExecSpace, storage V, Mask).
