@@ -17,7 +17,11 @@
 // built-in partition once: 13 + 4 + 4 + 4 instantiations of DistributedAttention instead of 4 x 13.
 // The sanitizer build (BLOCKATTN_RANDOM_TWO_TYPES) draws fp32 and bf16 only. Every configuration
 // goes through this small fixed set of instantiations, so the number of configurations costs run
-// time, not compile time.
+// time, not compile time. Half the 16-bit configurations ask for the tensor-core backward
+// (DistributedOptions::tensor_core_backward). The run reports which implementation computed
+// the block pairs (kernels, fused provider, matrix engine); where the tensor-core kernels are
+// built in (CUDA with cuDNN; ctest random_flash: the host emulator, BLOCKATTN_CUDA_EMULATION,
+// with the emulated fused provider) some pairs must have run on them.
 //
 //   BLOCKATTN_RANDOM_SEED   first seed (default 20261122 + 100000 P); configuration i
 //                           uses seed + i, the same on every rank
@@ -144,6 +148,7 @@ struct Config {
   int type = 0;                             // 0 fp64, 1 fp32, 2 bf16, 3 fp16
   int b = 1, N = 1, h = 1, hkv = 1, d = 8;  // N: global length, any (ranks may hold none)
   index_type q_offset = 0, k_offset = 0;    // single-device call
+  bool tensor_core_backward = false;        // DistributedOptions::tensor_core_backward
   RandomMask mask;
   std::shared_ptr<const Documents<MemSpace>> documents;  // mask kind 4
 
@@ -154,7 +159,8 @@ struct Config {
     std::ostringstream s;
     s << "seed " << seed << ": P=" << P << " " << parts[partition] << " " << scheds[schedule] << " "
       << types[type] << " B=" << b << " N=" << N << " H=" << h << " Hkv=" << hkv << " D=" << d
-      << " mask=" << mask.describe() << " offsets=(" << q_offset << ", " << k_offset << ")";
+      << " mask=" << mask.describe() << " offsets=(" << q_offset << ", " << k_offset << ")"
+      << (tensor_core_backward ? " tensor_core_backward" : "");
     return s.str();
   }
 };
@@ -257,6 +263,10 @@ Config draw(std::uint64_t seed, int P) {
   }
   c.q_offset = pick(-50, 50);
   c.k_offset = pick(-50, 50);
+  // Drawn last (the draws above stay those of earlier seeds): half the 16-bit
+  // configurations ask for the tensor-core backward (CUDA with cuDNN and the
+  // emulated build take it; elsewhere the option changes nothing).
+  c.tensor_core_backward = c.type >= 2 && pick(0, 1) == 1;
   return c;
 }
 
@@ -291,6 +301,7 @@ HostTensor rounded(HostTensor t, int type) {
 struct Errors {
   double o = 0, lse = 0, grad = 0;
   bool pattern_ok = true;  // non-finite exactly where the reference has them (LSE = -inf)
+  BlockPathCounts forward, backward;  // distributed: which implementation computed the pairs
 };
 
 /// Compares rows [rows] of `got` (this rank's local rows at global positions
@@ -328,11 +339,15 @@ Errors run_distributed(Mpi& comm, const Partition& part, const Config& c, const 
   to_local(part, ExecSpace{}, P, rank, gv, vl);
   to_local(part, ExecSpace{}, P, rank, gdo, dol);
   DistributedAttention<Partition, RandomMask, Schedule, Mpi, ExecSpace> attn(comm, part, c.mask);
-  attn.forward(ql, kl, vl, ol, ll);
-  attn.backward(ql, kl, vl, ol, ll, dol, dq, dk, dv);
+  const RunStats fs = attn.forward(ql, kl, vl, ol, ll);
+  DistributedOptions bopts;
+  bopts.tensor_core_backward = c.tensor_core_backward;
+  const RunStats bs = attn.backward(ql, kl, vl, ol, ll, dol, dq, dk, dv, bopts);
   Kokkos::fence();
   const auto map = part.positions(N, P, rank);
   Errors e;
+  e.forward = fs.paths();
+  e.backward = bs.paths();
   compare4(ol, ref.o, map, e.o, e.pattern_ok);
   auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ll);
   for (int b = 0; b < c.b; ++b)
@@ -453,6 +468,12 @@ Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTen
   }
 }
 
+#if defined(BLOCKATTN_CUDA_EMULATION)
+constexpr const char* test_binary = "blockattn_test_random_flash";
+#else
+constexpr const char* test_binary = "blockattn_test_random";
+#endif
+
 std::uint64_t env_or(const char* name, std::uint64_t fallback) {
   const char* s = std::getenv(name);
   return s && *s ? std::strtoull(s, nullptr, 10) : fallback;
@@ -466,6 +487,7 @@ TEST_CASE("random configurations against the fp64 reference") {
   const std::uint64_t first = env_or("BLOCKATTN_RANDOM_SEED", 20261122 + 100000 * std::uint64_t(P));
   const std::uint64_t count = env_or("BLOCKATTN_RANDOM_COUNT", 120);
   std::int64_t failed = 0;
+  BlockPathCounts forward_paths, backward_paths;
   for (std::uint64_t i = 0; i < count; ++i) {
     const std::uint64_t seed = first + i;
     const bool single_here = int(i % std::uint64_t(P)) == comm.rank();
@@ -481,7 +503,11 @@ TEST_CASE("random configurations against the fp64 reference") {
     // 16-bit storage where a fused provider is built in (cuDNN): the distributed backward's
     // own band pieces are rounded to 16 bits each before their fp32 sum, so the bound needs
     // each element's sum of absolute terms (ReferenceGrads::abs_dq, ...).
-    const bool fused_backward = c.type >= 2 && fused_available_v<ExecSpace, bf16>;
+    // The tensor-core backward rounds P and dS to 16 bits as cuDNN does: the same bound.
+    const bool fused_backward =
+        c.type >= 2 &&
+        (fused_available_v<ExecSpace, bf16> ||
+         (c.tensor_core_backward && tensor_core_backward_available_v<ExecSpace, bf16, RandomMask>));
     const auto grads = test::reference_backward(q, k, v, dout, c.mask, scale, 0, 0, nullptr,
                                                 nullptr, fused_backward);
     test::ReferenceResult ref_off;
@@ -514,6 +540,8 @@ TEST_CASE("random configurations against the fp64 reference") {
     } catch (const std::exception& e) {
       error = e.what();
     }
+    forward_paths += dist.forward;
+    backward_paths += dist.backward;
     double gmax = 1e-300;
     const HostTensor* all[] = {&grads.dq,     &grads.dk,     &grads.dv,
                                &grads_off.dq, &grads_off.dk, &grads_off.dv};
@@ -571,12 +599,29 @@ TEST_CASE("random configurations against the fp64 reference") {
         << single.grad / gmax << " pattern " << single.pattern_ok << "; tolerances " << tol_o
         << " / " << tol_f << " / " << tol_s << " / " << tol_dg << (error.empty() ? "" : "; threw: ")
         << error << "\n  reproduce: BLOCKATTN_RANDOM_SEED=" << seed
-        << " BLOCKATTN_RANDOM_COUNT=1 mpiexec -n " << P
-        << " --oversubscribe build/tests/blockattn_test_random";
+        << " BLOCKATTN_RANDOM_COUNT=1 mpiexec -n " << P << " --oversubscribe build/tests/"
+        << test_binary;
       FAIL_CHECK(s.str());
     }
   }
   // Every rank ran the same configurations; report the total once.
   CHECK(comm.allreduce(failed, ReduceOp::sum) == 0);
-  if (comm.rank() == 0) MESSAGE(count, " random configurations at P = ", P);
+  // Which implementation computed the block pairs, over every configuration
+  // and rank. Where the tensor-core forward is built in (CUDA with cuDNN, and
+  // the emulated build), the 16-bit pairs cuDNN does not take (RandomMask has
+  // no band member: cuDNN takes only pieces its classify() calls full) at
+  // head dims 64 and 128 must have reached it; the
+  // tensor-core backward too, where it is built in and some asked for it.
+  auto total = [&](std::int64_t x) { return comm.allreduce(x, ReduceOp::sum); };
+  const std::int64_t f_all = total(forward_paths.portable + forward_paths.fused),
+                     f_fused = total(forward_paths.fused), f_matrix = total(forward_paths.matrix),
+                     b_all = total(backward_paths.portable + backward_paths.fused),
+                     b_fused = total(backward_paths.fused), b_matrix = total(backward_paths.matrix);
+  if (comm.rank() == 0)
+    MESSAGE(count, " random configurations at P = ", P, "; forward block pairs: ", f_all, " (",
+            f_fused, " fused, ", f_matrix, " on a matrix engine), backward: ", b_all, " (", b_fused,
+            " fused, ", b_matrix, " on a matrix engine)");
+  if (impl::flash_enabled<ExecSpace, bf16, RandomMask>() && fused_available_v<ExecSpace, bf16>)
+    CHECK(f_matrix > 0);
+  if (tensor_core_backward_available_v<ExecSpace, bf16, RandomMask>) CHECK(b_matrix > 0);
 }
