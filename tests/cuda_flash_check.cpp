@@ -5,6 +5,8 @@
 //   blockattn_flash_check                 every check case; exit 0 / 1, 77 without a GPU
 //   blockattn_flash_check --bench [--torch FILE] [--reps R]   (forward, "bwd" rows, then fp32)
 //   --variant regs|smem|wide   only that kernel variant (default: all three)
+//   --half bf16|fp16           the 16-bit forward and backward cases of that type only
+//                              (default: both; the fp32 cases run either way)
 //
 // Checks: bf16 and fp16, head dims 64 and 128, GQA, lengths that are not
 // multiples of the tiles, position maps with offsets and two pieces (a
@@ -593,6 +595,7 @@ int main(int argc, char** argv) {
   bool do_bench = false;
   std::string torch_file;
   int reps = 20;
+  bool bf16 = true, fp16 = true;  // --half
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--bench")
@@ -610,6 +613,15 @@ int main(int argc, char** argv) {
         return 2;
       }
       variants = {fv};
+    } else if (f == "--half" && i + 1 < argc) {
+      const std::string t = argv[++i];
+      if (t != "bf16" && t != "fp16") {
+        std::fprintf(stderr, "blockattn_flash_check: --half: expected bf16 or fp16, got %s\n",
+                     t.c_str());
+        return 2;
+      }
+      bf16 = t == "bf16";
+      fp16 = !bf16;
     } else {
       std::fprintf(stderr, "blockattn_flash_check: unknown argument %s\n", f.c_str());
       return 2;
@@ -637,15 +649,15 @@ int main(int argc, char** argv) {
     variant = fv;
     std::printf("-- variant %s\n", flash::variant_name(fv));
     for (int dim : {64, 128}) {
-      failed += check_all<true>(dim);
-      failed += check_all<false>(dim);
+      if (bf16) failed += check_all<true>(dim);
+      if (fp16) failed += check_all<false>(dim);
     }
   }
   // The backward after the forward (a fault in it would end the process).
   std::printf("-- backward\n");
   for (int dim : {64, 128}) {
-    failed += check_backward_all<true>(dim);
-    failed += check_backward_all<false>(dim);
+    if (bf16) failed += check_backward_all<true>(dim);
+    if (fp16) failed += check_backward_all<false>(dim);
   }
   std::printf("-- fp32 (cuda_flash_f32.hpp: tf32x3, tf32)\n");
   failed += check_f32_all();

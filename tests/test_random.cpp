@@ -21,11 +21,15 @@
 // (DistributedOptions::tensor_core_backward). The run reports which implementation computed
 // the block pairs (kernels, fused provider, matrix engine); where the tensor-core kernels are
 // built in (CUDA with cuDNN; ctest random_flash: the host emulator, BLOCKATTN_CUDA_EMULATION,
-// with the emulated fused provider) some pairs must have run on them.
+// with the emulated fused provider) some pairs must have run on them, unless the run asks for
+// BlockAttn's kernels alone (BLOCKATTN_RANDOM_PORTABLE: ctest random, the same binary).
 //
-//   BLOCKATTN_RANDOM_SEED   first seed (default 20261122 + 100000 P); configuration i
-//                           uses seed + i, the same on every rank
-//   BLOCKATTN_RANDOM_COUNT  configurations per run (default 120)
+//   BLOCKATTN_RANDOM_SEED      first seed (default 20261122 + 100000 P); configuration i
+//                              uses seed + i, the same on every rank
+//   BLOCKATTN_RANDOM_COUNT     configurations per run (default 120)
+//   BLOCKATTN_RANDOM_PORTABLE  1: every block pair on BlockAttn's kernels (portable_only in
+//                              the distributed and single-device options), never a fused
+//                              provider or the tensor-core kernels; the bounds are the kernels'
 // The single-device check of configuration i runs on rank i mod P.
 //
 // A failure prints the seed and a one-line reproducer.
@@ -149,6 +153,7 @@ struct Config {
   int b = 1, N = 1, h = 1, hkv = 1, d = 8;  // N: global length, any (ranks may hold none)
   index_type q_offset = 0, k_offset = 0;    // single-device call
   bool tensor_core_backward = false;        // DistributedOptions::tensor_core_backward
+  bool portable_only = false;  // BLOCKATTN_RANDOM_PORTABLE (not drawn: the same in every config)
   RandomMask mask;
   std::shared_ptr<const Documents<MemSpace>> documents;  // mask kind 4
 
@@ -160,7 +165,8 @@ struct Config {
     s << "seed " << seed << ": P=" << P << " " << parts[partition] << " " << scheds[schedule] << " "
       << types[type] << " B=" << b << " N=" << N << " H=" << h << " Hkv=" << hkv << " D=" << d
       << " mask=" << mask.describe() << " offsets=(" << q_offset << ", " << k_offset << ")"
-      << (tensor_core_backward ? " tensor_core_backward" : "");
+      << (tensor_core_backward ? " tensor_core_backward" : "")
+      << (portable_only ? " portable_only" : "");
     return s.str();
   }
 };
@@ -339,8 +345,11 @@ Errors run_distributed(Mpi& comm, const Partition& part, const Config& c, const 
   to_local(part, ExecSpace{}, P, rank, gv, vl);
   to_local(part, ExecSpace{}, P, rank, gdo, dol);
   DistributedAttention<Partition, RandomMask, Schedule, Mpi, ExecSpace> attn(comm, part, c.mask);
-  const RunStats fs = attn.forward(ql, kl, vl, ol, ll);
+  DistributedOptions fopts;
+  fopts.portable_only = c.portable_only;
+  const RunStats fs = attn.forward(ql, kl, vl, ol, ll, fopts);
   DistributedOptions bopts;
+  bopts.portable_only = c.portable_only;
   bopts.tensor_core_backward = c.tensor_core_backward;
   const RunStats bs = attn.backward(ql, kl, vl, ol, ll, dol, dq, dk, dv, bopts);
   Kokkos::fence();
@@ -378,6 +387,7 @@ Errors run_single(const Config& c, const HostTensor& q, const HostTensor& k, con
   ForwardOptions opts;
   opts.q_offset = c.q_offset;
   opts.k_offset = c.k_offset;
+  opts.portable_only = c.portable_only;
   attention_forward(ExecSpace{}, tq, tk, tv, o, l, c.mask, opts);
   attention_backward(ExecSpace{}, tq, tk, tv, o, l, tdo, dq, dk, dv, c.mask, opts);
   Kokkos::fence();
@@ -468,10 +478,9 @@ Errors run_config(Mpi& comm, const Config& c, const HostTensor& q, const HostTen
   }
 }
 
-#if defined(BLOCKATTN_CUDA_EMULATION)
-constexpr const char* test_binary = "blockattn_test_random_flash";
-#else
-constexpr const char* test_binary = "blockattn_test_random";
+// The reproducer's binary (tests/CMakeLists.txt names the device backends' own).
+#ifndef BLOCKATTN_RANDOM_BINARY
+#define BLOCKATTN_RANDOM_BINARY "blockattn_test_random"
 #endif
 
 std::uint64_t env_or(const char* name, std::uint64_t fallback) {
@@ -486,12 +495,14 @@ TEST_CASE("random configurations against the fp64 reference") {
   const int P = comm.size();
   const std::uint64_t first = env_or("BLOCKATTN_RANDOM_SEED", 20261122 + 100000 * std::uint64_t(P));
   const std::uint64_t count = env_or("BLOCKATTN_RANDOM_COUNT", 120);
+  const bool portable = env_or("BLOCKATTN_RANDOM_PORTABLE", 0) != 0;
   std::int64_t failed = 0;
   BlockPathCounts forward_paths, backward_paths;
   for (std::uint64_t i = 0; i < count; ++i) {
     const std::uint64_t seed = first + i;
     const bool single_here = int(i % std::uint64_t(P)) == comm.rank();
-    const Config c = draw(seed, P);
+    Config c = draw(seed, P);
+    c.portable_only = portable;
     const int N = c.N;
     std::mt19937_64 rng(seed ^ 0x5DEECE66Dull);
     const HostTensor q = rounded(test::random_tensor(c.b, N, c.h, c.d, rng), c.type),
@@ -505,7 +516,7 @@ TEST_CASE("random configurations against the fp64 reference") {
     // each element's sum of absolute terms (ReferenceGrads::abs_dq, ...).
     // The tensor-core backward rounds P and dS to 16 bits as cuDNN does: the same bound.
     const bool fused_backward =
-        c.type >= 2 &&
+        c.type >= 2 && !portable &&
         (fused_available_v<ExecSpace, bf16> ||
          (c.tensor_core_backward && tensor_core_backward_available_v<ExecSpace, bf16, RandomMask>));
     const auto grads = test::reference_backward(q, k, v, dout, c.mask, scale, 0, 0, nullptr,
@@ -570,7 +581,7 @@ TEST_CASE("random configurations against the fp64 reference") {
     // u16 max|V| more, twice that for margin (the fused bound of
     // test_half_attention.cpp, docs/numerics.md).
     const bool p16 = (c.type == 2 && forward_uses_matrix<float, bf16, ExecSpace>(c.d)) ||
-                     (c.type >= 2 && fused_available_v<ExecSpace, bf16>);
+                     (c.type >= 2 && !portable && fused_available_v<ExecSpace, bf16>);
     // The bf16 backward on the host matrix engine rounds P and dS to bf16
     // before the gradient products: u16 max|g| more, twice that for margin.
     BackwardBlockOptions bf16_operands;
@@ -598,9 +609,9 @@ TEST_CASE("random configurations against the fp64 reference") {
         << "; single device: o " << single.o << " lse " << single.lse << " grad "
         << single.grad / gmax << " pattern " << single.pattern_ok << "; tolerances " << tol_o
         << " / " << tol_f << " / " << tol_s << " / " << tol_dg << (error.empty() ? "" : "; threw: ")
-        << error << "\n  reproduce: BLOCKATTN_RANDOM_SEED=" << seed
-        << " BLOCKATTN_RANDOM_COUNT=1 mpiexec -n " << P << " --oversubscribe build/tests/"
-        << test_binary;
+        << error << "\n  reproduce: BLOCKATTN_RANDOM_SEED=" << seed << " BLOCKATTN_RANDOM_COUNT=1"
+        << (portable ? " BLOCKATTN_RANDOM_PORTABLE=1" : "") << " mpiexec -n " << P
+        << " --oversubscribe build/tests/" << BLOCKATTN_RANDOM_BINARY;
       FAIL_CHECK(s.str());
     }
   }
@@ -612,16 +623,23 @@ TEST_CASE("random configurations against the fp64 reference") {
   // no band member: cuDNN takes only pieces its classify() calls full) at
   // head dims 64 and 128 must have reached it; the
   // tensor-core backward too, where it is built in and some asked for it.
+  // BLOCKATTN_RANDOM_PORTABLE: none on a fused provider.
   auto total = [&](std::int64_t x) { return comm.allreduce(x, ReduceOp::sum); };
   const std::int64_t f_all = total(forward_paths.portable + forward_paths.fused),
                      f_fused = total(forward_paths.fused), f_matrix = total(forward_paths.matrix),
                      b_all = total(backward_paths.portable + backward_paths.fused),
                      b_fused = total(backward_paths.fused), b_matrix = total(backward_paths.matrix);
   if (comm.rank() == 0)
-    MESSAGE(count, " random configurations at P = ", P, "; forward block pairs: ", f_all, " (",
+    MESSAGE(count, " random configurations at P = ", P,
+            std::string(portable ? ", kernels only" : ""), "; forward block pairs: ", f_all, " (",
             f_fused, " fused, ", f_matrix, " on a matrix engine), backward: ", b_all, " (", b_fused,
             " fused, ", b_matrix, " on a matrix engine)");
-  if (impl::flash_enabled<ExecSpace, bf16, RandomMask>() && fused_available_v<ExecSpace, bf16>)
-    CHECK(f_matrix > 0);
-  if (tensor_core_backward_available_v<ExecSpace, bf16, RandomMask>) CHECK(b_matrix > 0);
+  if (portable) {
+    CHECK(f_fused == 0);
+    CHECK(b_fused == 0);
+  } else {
+    if (impl::flash_enabled<ExecSpace, bf16, RandomMask>() && fused_available_v<ExecSpace, bf16>)
+      CHECK(f_matrix > 0);
+    if (tensor_core_backward_available_v<ExecSpace, bf16, RandomMask>) CHECK(b_matrix > 0);
+  }
 }
