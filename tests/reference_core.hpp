@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // fp64 naive attention on the host, the oracle of every test: its loops, over
-// a mask tabulated by reference.hpp. Compiled once, at -O2, in reference.cpp
-// (the blockattn_test_reference library), so that it runs at full speed in
-// test files built at -O0 (BLOCKATTN_TEST_OPT); no BlockAttn header here.
+// a mask tabulated by reference.hpp. Compiled once, at -O3 without
+// floating-point contraction, in reference.cpp (the blockattn_test_reference
+// library), so that it runs at full speed in test files built at -O0
+// (BLOCKATTN_TEST_OPT) and rounds every product before its sum on every
+// compiler and ISA; no BlockAttn header here.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +27,11 @@ struct HostTensor {
   double operator()(int i, int j, int k, int l) const {
     return data[((std::size_t(i) * n + j) * h + k) * d + l];
   }
+  /// The d values of (i, j, k), contiguous.
+  const double* row(int i, int j, int k) const {
+    return data.data() + ((std::size_t(i) * n + j) * h + k) * d;
+  }
+  double* row(int i, int j, int k) { return data.data() + ((std::size_t(i) * n + j) * h + k) * d; }
 };
 
 inline HostTensor random_tensor(int b, int n, int h, int d, std::mt19937_64& rng,
