@@ -484,6 +484,9 @@ void bench(const std::string& torch_file, int reps) {
   const int H = 16, D = 128;
   std::printf("tensor-core forward (cuda_flash.hpp), bf16, B = 1, H = %d, D = %d, median of %d\n",
               H, D, reps);
+  std::printf(
+      "(hbh, bhbh: the wide forward and the backward with Args::cta_group = 1, their CTAs\n"
+      " unit by unit as before cta_order.hpp; the other rows in its order)\n");
   std::printf("%-9s %-4s %6s %10s %12s %12s %10s\n", "mask", "Q", "N", "ms", "TFLOP/s", "torch",
               "ours/pt");
   for (int n : {4096, 8192, 16384}) {
@@ -503,32 +506,35 @@ void bench(const std::string& torch_file, int reps) {
     const DocumentMask& dm = docs.mask;
     const double doc_pairs = docs.pairs;
     for (const flash::Variant fv : variants)
-      for (int mk = 0; mk < 3; ++mk) {
-        a.variant = fv;
-        const char* qv = flash::variant_name(fv);
-        const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
-        const double pairs = mk == 0   ? double(n) * n
-                             : mk == 1 ? double(n) * (n + 1) / 2
-                                       : doc_pairs;
-        const double ms = median_ms(reps, [&] {
-          if (mk == 0)
-            CUDA_OK(flash::forward<true>(a, D, FullMask{}, at0, at0, nullptr));
-          else if (mk == 1)
-            CUDA_OK(flash::forward<true>(a, D, CausalMask{}, at0, at0, nullptr));
+      for (int mk = 0; mk < 3; ++mk)
+        for (int group : {0, 1}) {  // cta_order.hpp's order; unit by unit (masks but full)
+          if (group == 1 && (mk == 0 || fv != flash::Variant::wide)) continue;
+          a.variant = fv;
+          a.cta_group = group;
+          const char* qv = group == 1 ? "hbh" : flash::variant_name(fv);
+          const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
+          const double pairs = mk == 0   ? double(n) * n
+                               : mk == 1 ? double(n) * (n + 1) / 2
+                                         : doc_pairs;
+          const double ms = median_ms(reps, [&] {
+            if (mk == 0)
+              CUDA_OK(flash::forward<true>(a, D, FullMask{}, at0, at0, nullptr));
+            else if (mk == 1)
+              CUDA_OK(flash::forward<true>(a, D, CausalMask{}, at0, at0, nullptr));
+            else
+              CUDA_OK(flash::forward<true>(a, D, dm, at0, at0, nullptr));
+          });
+          CUDA_OK(cudaDeviceSynchronize());
+          const double tf = 4.0 * D * pairs * H / (ms * 1e-3) * 1e-12;
+          const auto it = torch.find("fwd/" + std::to_string(n) + "/" + std::to_string(D) + "/" +
+                                     (mk == 1 ? "causal" : "full") + "/bf16");
+          if (it != torch.end() && mk < 2)
+            std::printf("%-9s %-4s %6d %10.3f %12.1f %8.1f %-4s %6.2f\n", name, qv, n, ms, tf,
+                        it->second.first, it->second.second.c_str(), tf / it->second.first);
           else
-            CUDA_OK(flash::forward<true>(a, D, dm, at0, at0, nullptr));
-        });
-        CUDA_OK(cudaDeviceSynchronize());
-        const double tf = 4.0 * D * pairs * H / (ms * 1e-3) * 1e-12;
-        const auto it = torch.find("fwd/" + std::to_string(n) + "/" + std::to_string(D) + "/" +
-                                   (mk == 1 ? "causal" : "full") + "/bf16");
-        if (it != torch.end() && mk < 2)
-          std::printf("%-9s %-4s %6d %10.3f %12.1f %8.1f %-4s %6.2f\n", name, qv, n, ms, tf,
-                      it->second.first, it->second.second.c_str(), tf / it->second.first);
-        else
-          std::printf("%-9s %-4s %6d %10.3f %12.1f %12s %10s%s\n", name, qv, n, ms, tf, "-", "-",
-                      mk == 2 ? "  (TFLOP/s of the allowed pairs: long-tailed documents)" : "");
-      }
+            std::printf("%-9s %-4s %6d %10.3f %12.1f %12s %10s%s\n", name, qv, n, ms, tf, "-", "-",
+                        mk == 2 ? "  (TFLOP/s of the allowed pairs: long-tailed documents)" : "");
+        }
     // The tensor-core backward (cuda_flash_backward.hpp) from the wide
     // forward's O and LSE; TFLOP/s counted as 2.5x the forward's, as PyTorch's.
     DeviceBuffer<std::uint16_t> g(count), gq(count), gk(count), gv(count);
@@ -556,32 +562,40 @@ void bench(const std::string& torch_file, int reps) {
     ba.queries = ba.keys = n;
     ba.scale = a.scale;
     a.variant = flash::Variant::wide;
-    for (int mk = 0; mk < 3; ++mk) {
-      const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
-      const double pairs = mk == 0 ? double(n) * n : mk == 1 ? double(n) * (n + 1) / 2 : doc_pairs;
-      auto run = [&](bool fwd) {
-        if (mk == 0)
-          CUDA_OK(fwd ? flash::forward<true>(a, D, FullMask{}, at0, at0, nullptr)
-                      : flash::backward<true>(ba, D, FullMask{}, at0, at0, nullptr));
-        else if (mk == 1)
-          CUDA_OK(fwd ? flash::forward<true>(a, D, CausalMask{}, at0, at0, nullptr)
-                      : flash::backward<true>(ba, D, CausalMask{}, at0, at0, nullptr));
+    a.cta_group = 0;
+    for (int mk = 0; mk < 3; ++mk)
+      for (int group : {0, 1}) {
+        if (group == 1 && mk == 0) continue;
+        ba.cta_group = group;
+        const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
+        const double pairs = mk == 0   ? double(n) * n
+                             : mk == 1 ? double(n) * (n + 1) / 2
+                                       : doc_pairs;
+        auto run = [&](bool fwd) {
+          if (mk == 0)
+            CUDA_OK(fwd ? flash::forward<true>(a, D, FullMask{}, at0, at0, nullptr)
+                        : flash::backward<true>(ba, D, FullMask{}, at0, at0, nullptr));
+          else if (mk == 1)
+            CUDA_OK(fwd ? flash::forward<true>(a, D, CausalMask{}, at0, at0, nullptr)
+                        : flash::backward<true>(ba, D, CausalMask{}, at0, at0, nullptr));
+          else
+            CUDA_OK(fwd ? flash::forward<true>(a, D, dm, at0, at0, nullptr)
+                        : flash::backward<true>(ba, D, dm, at0, at0, nullptr));
+        };
+        run(true);
+        const double ms = median_ms(reps, [&] { run(false); });
+        CUDA_OK(cudaDeviceSynchronize());
+        const double tf = 2.5 * 4.0 * D * pairs * H / (ms * 1e-3) * 1e-12;
+        const auto it = torch.find("bwd/" + std::to_string(n) + "/" + std::to_string(D) + "/" +
+                                   (mk == 1 ? "causal" : "full") + "/bf16");
+        if (it != torch.end() && mk < 2)
+          std::printf("%-9s %-4s %6d %10.3f %12.1f %8.1f %-4s %6.2f\n", name,
+                      group == 1 ? "bhbh" : "bwd", n, ms, tf, it->second.first,
+                      it->second.second.c_str(), tf / it->second.first);
         else
-          CUDA_OK(fwd ? flash::forward<true>(a, D, dm, at0, at0, nullptr)
-                      : flash::backward<true>(ba, D, dm, at0, at0, nullptr));
-      };
-      run(true);
-      const double ms = median_ms(reps, [&] { run(false); });
-      CUDA_OK(cudaDeviceSynchronize());
-      const double tf = 2.5 * 4.0 * D * pairs * H / (ms * 1e-3) * 1e-12;
-      const auto it = torch.find("bwd/" + std::to_string(n) + "/" + std::to_string(D) + "/" +
-                                 (mk == 1 ? "causal" : "full") + "/bf16");
-      if (it != torch.end() && mk < 2)
-        std::printf("%-9s %-4s %6d %10.3f %12.1f %8.1f %-4s %6.2f\n", name, "bwd", n, ms, tf,
-                    it->second.first, it->second.second.c_str(), tf / it->second.first);
-      else
-        std::printf("%-9s %-4s %6d %10.3f %12.1f %12s %10s\n", name, "bwd", n, ms, tf, "-", "-");
-    }
+          std::printf("%-9s %-4s %6d %10.3f %12.1f %12s %10s\n", name, group == 1 ? "bhbh" : "bwd",
+                      n, ms, tf, "-", "-");
+      }
   }
 }
 

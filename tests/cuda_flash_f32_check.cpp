@@ -221,6 +221,9 @@ void bench_f32(const std::string& torch_file, int reps) {
       "fp32 tensor-core forward (cuda_flash_f32.hpp), B = 1, H = %d, D = %d, median of "
       "%d\n",
       H, D, reps);
+  std::printf(
+      "(x3-hbh: tf32x3 with Args::cta_group = 1, its CTAs unit by unit as before\n"
+      " cta_order.hpp; the other rows in its order)\n");
   std::printf("%-9s %-6s %6s %10s %12s %12s %10s\n", "mask", "mode", "N", "ms", "TFLOP/s",
               "torch fp32", "ours/pt");
   for (int n : {4096, 8192, 16384}) {
@@ -233,40 +236,43 @@ void bench_f32(const std::string& torch_file, int reps) {
       for (auto& x : host) x = u(rng);
       CUDA_OK(cudaMemcpy(buf->p, host.data(), count * 4, cudaMemcpyHostToDevice));
     }
-    const flash::Args a = contiguous_args({1, H, H, n, n, D}, q.p, k.p, v.p, o.p, lse.p);
+    flash::Args a = contiguous_args({1, H, H, n, n, D}, q.p, k.p, v.p, o.p, lse.p);
     const OffsetPositions at0{0};
     const LongTailedDocs docs(n);
     const DocumentMask& dm = docs.mask;
     const double doc_pairs = docs.pairs;
     for (int mode : {3, 1})
-      for (int mk = 0; mk < 3; ++mk) {
-        auto run = [&] {
-          if (mode == 3) {
-            if (mk == 0) CUDA_OK(flash::forward_f32<3>(a, D, FullMask{}, at0, at0, nullptr));
-            if (mk == 1) CUDA_OK(flash::forward_f32<3>(a, D, CausalMask{}, at0, at0, nullptr));
-            if (mk == 2) CUDA_OK(flash::forward_f32<3>(a, D, dm, at0, at0, nullptr));
-          } else {
-            if (mk == 0) CUDA_OK(flash::forward_f32<1>(a, D, FullMask{}, at0, at0, nullptr));
-            if (mk == 1) CUDA_OK(flash::forward_f32<1>(a, D, CausalMask{}, at0, at0, nullptr));
-            if (mk == 2) CUDA_OK(flash::forward_f32<1>(a, D, dm, at0, at0, nullptr));
-          }
-        };
-        const double ms = median_ms(reps, run);
-        const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
-        const double pairs = mk == 0   ? double(n) * n
-                             : mk == 1 ? double(n) * (n + 1) / 2
-                                       : doc_pairs;
-        const double tf = 4.0 * D * pairs * H / (ms * 1e-3) * 1e-12;
-        const auto it = torch.find("fwd/" + std::to_string(n) + "/" + std::to_string(D) + "/" +
-                                   (mk == 1 ? "causal" : "full") + "/fp32");
-        const char* mode_name = mode == 3 ? "tf32x3" : "tf32";
-        if (it != torch.end() && mk < 2)
-          std::printf("%-9s %-6s %6d %10.3f %12.1f %8.1f %-4s %6.2f\n", name, mode_name, n, ms, tf,
-                      it->second.first, it->second.second.c_str(), tf / it->second.first);
-        else
-          std::printf("%-9s %-6s %6d %10.3f %12.1f %12s %10s%s\n", name, mode_name, n, ms, tf, "-",
-                      "-",
-                      mk == 2 ? "  (TFLOP/s of the allowed pairs: long-tailed documents)" : "");
-      }
+      for (int mk = 0; mk < 3; ++mk)
+        for (int group : {0, 1}) {  // cta_order.hpp's order; unit by unit (tf32x3, masks)
+          if (group == 1 && (mk == 0 || mode != 3)) continue;
+          a.cta_group = group;
+          auto run = [&] {
+            if (mode == 3) {
+              if (mk == 0) CUDA_OK(flash::forward_f32<3>(a, D, FullMask{}, at0, at0, nullptr));
+              if (mk == 1) CUDA_OK(flash::forward_f32<3>(a, D, CausalMask{}, at0, at0, nullptr));
+              if (mk == 2) CUDA_OK(flash::forward_f32<3>(a, D, dm, at0, at0, nullptr));
+            } else {
+              if (mk == 0) CUDA_OK(flash::forward_f32<1>(a, D, FullMask{}, at0, at0, nullptr));
+              if (mk == 1) CUDA_OK(flash::forward_f32<1>(a, D, CausalMask{}, at0, at0, nullptr));
+              if (mk == 2) CUDA_OK(flash::forward_f32<1>(a, D, dm, at0, at0, nullptr));
+            }
+          };
+          const double ms = median_ms(reps, run);
+          const char* name = mk == 0 ? "full" : mk == 1 ? "causal" : "documents";
+          const double pairs = mk == 0   ? double(n) * n
+                               : mk == 1 ? double(n) * (n + 1) / 2
+                                         : doc_pairs;
+          const double tf = 4.0 * D * pairs * H / (ms * 1e-3) * 1e-12;
+          const auto it = torch.find("fwd/" + std::to_string(n) + "/" + std::to_string(D) + "/" +
+                                     (mk == 1 ? "causal" : "full") + "/fp32");
+          const char* mode_name = group == 1 ? "x3-hbh" : mode == 3 ? "tf32x3" : "tf32";
+          if (it != torch.end() && mk < 2)
+            std::printf("%-9s %-6s %6d %10.3f %12.1f %8.1f %-4s %6.2f\n", name, mode_name, n, ms,
+                        tf, it->second.first, it->second.second.c_str(), tf / it->second.first);
+          else
+            std::printf("%-9s %-6s %6d %10.3f %12.1f %12s %10s%s\n", name, mode_name, n, ms, tf,
+                        "-", "-",
+                        mk == 2 ? "  (TFLOP/s of the allowed pairs: long-tailed documents)" : "");
+        }
   }
 }

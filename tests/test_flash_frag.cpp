@@ -9,12 +9,17 @@
 // both checked here for head dims 64 and 128 against plain loops, exactly
 // (small integers: every sum is exact in fp32). The same for the fp32
 // kernel's mma.sync.m16n8k8 (.tf32) products (cuda_flash_f32.hpp), whose
-// P V reads V by 32-bit loads in a permuted key order. No GPU needed.
+// P V reads V by 32-bit loads in a permuted key order. And the order in
+// which the kernels' CTAs start (kernel/impl/cta_order.hpp). No GPU needed.
 #include <doctest/doctest.h>
 
+#include <blockattn/kernel/impl/cta_order.hpp>
 #include <blockattn/kernel/impl/flash_frag.hpp>
 
+#include <algorithm>
 #include <array>
+#include <functional>
+#include <queue>
 #include <set>
 #include <vector>
 
@@ -422,4 +427,203 @@ TEST_CASE("tensor-core fragments, fp32 (m16n8k8): shared-memory reads free of ba
   CHECK(conflicts32<128>(flash::ldsm_b) == 0);
   CHECK(pv_conflicts32<64>() == 0);
   CHECK(pv_conflicts32<128>() == 0);
+}
+
+// ---- The CTAs' order (cta_order.hpp) ------------------------------------------
+
+TEST_CASE("CTA order: FastDiv divides exactly") {
+  std::vector<int> ds, ns;
+  for (int d = 1; d <= 300; ++d) ds.push_back(d);
+  for (int e = 9; e <= 30; ++e)
+    for (int o : {-1, 0, 1}) ds.push_back((1 << e) + o);
+  ds.push_back(0x7fffffff);
+  for (int n = 0; n <= 2000; ++n) ns.push_back(n);
+  for (int e = 11; e <= 30; ++e)
+    for (int o : {-3, -1, 0, 1, 7}) ns.push_back((1 << e) + o);
+  ns.push_back(0x7ffffffe);
+  ns.push_back(0x7fffffff);
+  long long bad = 0;
+  for (int d : ds) {
+    const flash::FastDiv f(d);
+    for (int n : ns) bad += f.div(n) != n / d;
+    for (int k : {1, 2, 3, 1000, 65535})  // multiples of d and their neighbours
+      for (int o : {-1, 0, 1}) {
+        const long long n = static_cast<long long>(k) * d + o;
+        if (n >= 0 && n <= 0x7fffffff) bad += f.div(int(n)) != int(n) / d;
+      }
+  }
+  CHECK(bad == 0);
+}
+
+namespace {
+/// The CTAs of an order in the order a GPU starts them (x fastest, then y,
+/// then z; launch after launch): (block, batch, head), idle ones skipped.
+std::vector<flash::CtaTile> started(flash::CtaOrder o, bool longest_last, int* idle = nullptr) {
+  std::vector<flash::CtaTile> out;
+  for (o.rank_offset = 0; o.rank_offset < o.blocks; o.rank_offset += flash::max_ranks) {
+    const flash::CtaGrid g = flash::cta_grid_extents(o);
+    for (int z = 0; z < g.z; ++z)
+      for (int y = 0; y < g.y; ++y)
+        for (int x = 0; x < g.x; ++x) {
+          const flash::CtaTile c = flash::cta_tile(o, x, y, z, longest_last);
+          if (c.live)
+            out.push_back(c);
+          else if (idle)
+            ++*idle;
+        }
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE(
+    "CTA order: every (block, batch, head) once, groups of consecutive units, longest first") {
+  for (int blocks : {1, 2, 3, 7, 32})
+    for (int batch : {1, 2, 3})
+      for (int heads : {1, 2, 5, 16})
+        for (int group = 1; group <= batch * heads; ++group)
+          for (bool last : {true, false}) {
+            CAPTURE(blocks);
+            CAPTURE(batch);
+            CAPTURE(heads);
+            CAPTURE(group);
+            CAPTURE(last);
+            flash::CtaOrder o;
+            REQUIRE(flash::cta_order(blocks, batch, heads, group, o));
+            int idle = 0;
+            const std::vector<flash::CtaTile> cs = started(o, last, &idle);
+            const int units = batch * heads;
+            std::vector<int> seen(std::size_t(blocks) * units, 0);
+            int bad_range = 0, bad_group = 0, bad_rank = 0, prev_group = -1, prev_rank = -1;
+            for (const flash::CtaTile& c : cs) {
+              if (c.block < 0 || c.block >= blocks || c.batch < 0 || c.batch >= batch ||
+                  c.head < 0 || c.head >= heads) {
+                ++bad_range;
+                continue;
+              }
+              const int unit = c.batch * heads + c.head;
+              ++seen[std::size_t(unit) * blocks + c.block];
+              // Groups in order, each a run of consecutive units; ranks
+              // non-decreasing within a group.
+              const int g = unit / group, rank = last ? blocks - 1 - c.block : c.block;
+              if (g < prev_group) ++bad_group;
+              if (g == prev_group && rank < prev_rank) ++bad_rank;
+              if (g != prev_group) prev_rank = -1;
+              prev_group = g;
+              prev_rank = rank;
+            }
+            CHECK(bad_range == 0);
+            CHECK(bad_group == 0);
+            CHECK(bad_rank == 0);
+            CHECK(std::count(seen.begin(), seen.end(), 1) == blocks * units);
+            // Idle places: only the last group's missing units, in each rank.
+            CHECK(idle == ((units + group - 1) / group * group - units) * blocks);
+          }
+}
+
+TEST_CASE("CTA order: a group of 1 is the unit-by-unit order (longest block of each unit first)") {
+  const int blocks = 5, batch = 2, heads = 3;
+  flash::CtaOrder o;
+  REQUIRE(flash::cta_order(blocks, batch, heads, 1, o));
+  const std::vector<flash::CtaTile> cs = started(o, true), ds = started(o, false);
+  REQUIRE(cs.size() == std::size_t(blocks * batch * heads));
+  for (int i = 0; i < int(cs.size()); ++i) {
+    CHECK(cs[std::size_t(i)].batch * heads + cs[std::size_t(i)].head == i / blocks);
+    CHECK(cs[std::size_t(i)].block == blocks - 1 - i % blocks);
+    CHECK(ds[std::size_t(i)].block == i % blocks);
+  }
+}
+
+TEST_CASE("CTA order: CUDA's grid limits (65535 in y and z)") {
+  // More ranks than a grid's y: several launches, every block once.
+  flash::CtaOrder o;
+  REQUIRE(flash::cta_order(70000, 1, 2, 2, o));
+  const std::vector<flash::CtaTile> cs = started(o, true);
+  CHECK(cs.size() == std::size_t(140000));
+  std::vector<int> seen(140000, 0);
+  for (const flash::CtaTile& c : cs) ++seen[std::size_t(c.head) * 70000 + c.block];
+  CHECK(std::count(seen.begin(), seen.end(), 1) == 140000);
+  // More units than a grid's z at group 1: groups grow so that z fits.
+  REQUIRE(flash::cta_order(3, 70000, 2, 1, o));
+  CHECK(flash::cta_grid_extents(o).z <= 65535);
+  CHECK(flash::cta_grid_extents(o).y == 3);
+  CHECK(long(o.group) * flash::cta_grid_extents(o).z >= 140000L);
+  // Beyond 2^31 - 1 units or blocks: refused.
+  CHECK_FALSE(flash::cta_order(3, 65536, 65536, 1, o));
+  CHECK_FALSE(flash::cta_order(0x80000000LL, 1, 1, 1, o));
+}
+
+TEST_CASE("CTA order: cta_group, one group unless its units would run fewer than ~8 CTAs each") {
+  for (int units = 1; units <= 300; ++units)
+    for (long long slots : {0LL, 1LL, 8LL, 64LL, 132LL, 264LL, 1056LL}) {
+      const int g = flash::cta_group(units, slots);
+      CAPTURE(units);
+      CAPTURE(slots);
+      CHECK(g >= 1);
+      CHECK(g <= units);
+      const long long cap = std::max(1LL, slots / 8);
+      if (slots <= 0) CHECK(g == 1);
+      if (slots > 0 && units <= cap) CHECK(g == units);
+      if (slots > 0) CHECK(g <= cap);
+      // Equal groups: as few as the cap allows.
+      if (slots > 0) CHECK((units + g - 1) / g == (units + cap - 1) / cap);
+    }
+}
+
+namespace {
+/// Greedy list scheduling of a grid on `slots` (a slot takes the next CTA in
+/// start order when it frees up): the makespan, each CTA's time its work.
+double makespan(const std::vector<double>& work, int slots) {
+  std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
+  for (int i = 0; i < slots; ++i) free_at.push(0.0);
+  double end = 0.0;
+  for (double w : work) {
+    const double t = free_at.top() + w;
+    free_at.pop();
+    free_at.push(t);
+    end = std::max(end, t);
+  }
+  return end;
+}
+
+/// The grid's efficiency (work / (slots x makespan)) of a causal forward
+/// (B = 1): query block i of `rows` rows costs its (i + 1) * rows keys.
+double causal_efficiency(int n, int rows, int heads, int slots, int group) {
+  flash::CtaOrder o;
+  REQUIRE(flash::cta_order(n / rows, 1, heads, group, o));
+  std::vector<double> work;
+  double total = 0.0;
+  for (const flash::CtaTile& c : started(o, true)) {
+    work.push_back(double(c.block + 1) * rows);
+    total += work.back();
+  }
+  return total / (double(slots) * makespan(work, slots));
+}
+}  // namespace
+
+TEST_CASE("CTA order: on a model of a GPU, cta_group's order ends a causal grid evenly") {
+  // 132 SMs x 2 CTAs (an H100 / H200 with the wide forward), B = 1, H = 16,
+  // 128-row blocks: unit by unit the grid ends on long blocks (0.62 at
+  // N = 4096); in cta_group's order, >= 0.97.
+  for (int n : {4096, 8192, 16384}) {
+    CAPTURE(n);
+    const double before = causal_efficiency(n, 128, 16, 264, 1);
+    const double now = causal_efficiency(n, 128, 16, 264, flash::cta_group(16, 264));
+    CHECK(now >= 0.97);
+    CHECK(now >= before);
+    if (n == 4096) CHECK(before < 0.7);
+  }
+  // Wherever the grid is over twice the slots: 64- and 128-row blocks, 8-128
+  // units, 1-4 CTAs per SM: >= 0.96 (16 blocks of 2048 rows: 0.97).
+  for (int slots : {132, 264, 528})
+    for (int rows : {64, 128})
+      for (int units : {8, 16, 32, 64, 128})
+        for (int n : {2048, 4096, 8192, 16384}) {
+          if ((n / rows) * units <= 2 * slots) continue;
+          CAPTURE(slots);
+          CAPTURE(rows);
+          CAPTURE(units);
+          CAPTURE(n);
+          CHECK(causal_efficiency(n, rows, units, slots, flash::cta_group(units, slots)) >= 0.96);
+        }
 }

@@ -570,7 +570,7 @@ cudaError_t run_grid(const void* func, dim3 grid, dim3 block, std::size_t smem,
                      const std::function<void()>& body) {
   const std::size_t threads = std::size_t(block.x) * block.y * block.z;
   if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
-      grid.y > 65535 || grid.z > 65535 || block.z > 64) {
+      grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535 || block.z > 64) {
     record(cudaErrorInvalidConfiguration);
     return cudaErrorInvalidConfiguration;
   }
@@ -649,6 +649,15 @@ cudaError_t cudaStreamSynchronize(cudaStream_t) {
 }
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device != 0 || attr != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;
+  *value = blockattn_cuda_emu::emulated_sms;
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError() {

@@ -36,7 +36,9 @@
 //     and fails as CUDA does (cudaGetLastError); a block of partial warps
 //     aborts (not emulated);
 //   * launches run synchronously; streams and events are accepted, event
-//     times are host times (meaningless as GPU speed).
+//     times are host times (meaningless as GPU speed);
+//   * one device of emulated_sms SMs; occupancy from threads and shared
+//     memory (cuda_runtime.h), not registers.
 // BLOCKATTN_CUDA_EMU_SHUFFLE=<seed>: an adversarial schedule, seeded: the warps
 // of each block get random priorities and the runnable thread of the best one
 // runs first, so one warp runs ahead as far as the barriers let it, threads
@@ -101,6 +103,9 @@ enum cudaError_t {
 };
 
 namespace blockattn_cuda_emu {
+
+/// SMs of the emulated device (cudaDeviceGetAttribute).
+constexpr int emulated_sms = 8;
 
 /// The collectives a warp's lanes meet at (all 32 at the same one).
 enum class Op : int { shfl, ldmatrix, ldmatrix_trans, mma_bf16, mma_f16, mma_tf32, syncwarp };

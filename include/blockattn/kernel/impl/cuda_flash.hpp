@@ -34,6 +34,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/kernel/impl/cta_order.hpp>
 #include <blockattn/kernel/impl/flash_frag.hpp>
 #include <blockattn/kernel/impl/row_spans.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -79,8 +80,9 @@ constexpr int threads = warps * 32;
 ///   wide   128 rows per CTA (two m-tiles per warp, Q from shared memory):
 ///          each K and V fragment read by ldmatrix feeds four products instead
 ///          of two (shared-memory reads per product halved); 255 registers,
-///          2 CTAs per SM, and at D = 128 a few spilled (ptxas: 8 bytes with
-///          the full mask, 92 causal, 160 documents).
+///          2 CTAs per SM, and at D = 128 a few spilled (ptxas, nvcc 13.0,
+///          AffinePositions: 28 bytes stored with the full mask, 108 with the
+///          built-in masks that have allowed_keys()).
 enum class Variant { regs, smem, wide };
 
 /// Whether this translation unit compiles the kernels of every variant (for
@@ -128,7 +130,13 @@ struct Args {
                o_stride[3] = {0, 0, 0}, lse_stride[3] = {0, 0, 0};
   int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0;
   float scale = 1.0f;
-  Variant variant = Variant::wide;  // the kernel variant (see Variant)
+  Variant variant =
+      Variant::wide;  // the kernel variant (see Variant)
+                      // The CTAs' order (cta_order.hpp): (batch, head) units per group; 0:
+  // cta_group() for the GPU; 1: unit by unit (the order before, for
+  // comparisons). The launch sets `order` from it, which the kernel reads.
+  int cta_group = 0;
+  CtaOrder order;
 };
 
 /// Shared-memory bytes of one CTA for head dim D: Q, K and V tiles.
@@ -504,9 +512,11 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   std::uint16_t* sk = smem + BM * D;
   std::uint16_t* sv = sk + block_n * D;
 
-  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first (causal)
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int kvh = h / (a.heads / a.kv_heads);
+  // The last rows (the longest under a causal mask) first (cta_order.hpp).
+  const CtaTile cta = cta_tile(a.order, blockIdx.x, blockIdx.y, blockIdx.z, true);
+  if (!cta.live) return;  // (the whole CTA: an idle place of a last group)
+  const int m_block = cta.block, h = cta.head, b = cta.batch;
+  const int kvh = a.order.per_kv.div(h);
   const int q0 = m_block * BM;
   const int q1 = q0 + BM < a.queries ? q0 + BM : a.queries;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -701,6 +711,45 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   }
 }
 
+/// Enqueues `kernel` (threads per CTA, `bytes` of dynamic shared memory,
+/// already allowed by cudaFuncSetAttribute) over `blocks` CTAs for each of
+/// batch x heads units in the order of cta_order.hpp: `args` (Args or
+/// BackwardArgs) with its `order` set, one launch per max_ranks ranks.
+/// args.cta_group 0: cta_group() for the slots of the current device (its SM
+/// count times the kernel's occupancy). Returns CUDA's error of the first
+/// launch that failed; cudaErrorInvalidConfiguration where blocks or units
+/// pass 2^31 - 1.
+template <class Kernel, class KArgs, class... Rest>
+cudaError_t launch_ordered(Kernel kernel, int bytes, cudaStream_t stream, long long blocks,
+                           int heads, KArgs args, const Rest&... rest) {
+  int group = args.cta_group;
+  if (group < 1) {
+    int device = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, bytes) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();  // (not sticky) the order falls back to unit by unit
+      sms = per_sm = 0;
+    }
+    const long long units = static_cast<long long>(args.batch) * heads;
+    group = cta_group(units < INT_MAX ? int(units) : INT_MAX, static_cast<long long>(sms) * per_sm);
+  }
+  if (!cta_order(blocks, args.batch, heads, group, args.order))
+    return cudaErrorInvalidConfiguration;
+  const int kv_group = args.kv_heads > 0 ? args.heads / args.kv_heads : 1;
+  args.order.per_kv = FastDiv(kv_group > 1 ? kv_group : 1);
+  for (; args.order.rank_offset < args.order.blocks; args.order.rank_offset += max_ranks) {
+    const CtaGrid g = cta_grid_extents(args.order);
+    BLOCKATTN_CUDA_LAUNCH(kernel, dim3(unsigned(g.x), unsigned(g.y), unsigned(g.z)), threads, bytes,
+                          stream)
+    (args, rest...);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 /// Whether this kernel takes a problem: head dim 64 or 128, contiguous head
 /// dims, rows 16-byte aligned, heads a multiple of kv_heads.
 inline bool supports(const Args& a, int dim) {
@@ -721,12 +770,11 @@ cudaError_t forward(const Args& a, int dim, const Mask& mask, const QPos& qpos, 
   if (a.queries <= 0 || a.batch <= 0 || a.heads <= 0) return cudaSuccess;
   auto launch = [&](auto kernel, Variant v) {
     const int bytes = smem_bytes(dim, v);
-    const dim3 grid((a.queries + block_m(v) - 1) / block_m(v), a.heads, a.batch);
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
-    BLOCKATTN_CUDA_LAUNCH(kernel, grid, threads, bytes, stream)(a, mask, qpos, kpos);
-    return cudaGetLastError();
+    return launch_ordered(kernel, bytes, stream, (a.queries + block_m(v) - 1) / block_m(v), a.heads,
+                          a, mask, qpos, kpos);
   };
   if constexpr (all_variants) {
     switch (a.variant) {

@@ -55,6 +55,11 @@ struct BackwardArgs {
                dk_stride[3] = {0, 0, 0}, dv_stride[3] = {0, 0, 0}, lse_stride[3] = {0, 0, 0};
   int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0;
   float scale = 1.0f;
+  // The CTAs' order (cta_order.hpp), as Args::cta_group: 0 cta_group() for
+  // the GPU, 1 unit by unit; units are (batch, head), for dK/dV (batch, kv
+  // head). Each launch sets `order`, which its kernel reads.
+  int cta_group = 0;
+  CtaOrder order;
 };
 
 constexpr int bwd_rows = 64;  // query rows of a tile, both kernels
@@ -177,8 +182,12 @@ __global__ void __launch_bounds__(threads, 2)
   float* slse = reinterpret_cast<float*>(sdo + 2 * tile);  // [2][bwd_rows]
   float* sdelta = slse + 2 * bwd_rows;                     // [2][bwd_rows]
 
-  const int kvh = blockIdx.y, b = blockIdx.z;
-  const int k0 = int(blockIdx.x) * block_n;
+  // The first keys (seen by the most rows under a causal mask) first
+  // (cta_order.hpp).
+  const CtaTile cta = cta_tile(a.order, blockIdx.x, blockIdx.y, blockIdx.z, false);
+  if (!cta.live) return;  // (the whole CTA: an idle place of a last group)
+  const int kvh = cta.head, b = cta.batch;
+  const int k0 = cta.block * block_n;
   const int k1 = k0 + block_n < a.keys ? k0 + block_n : a.keys;
   const int group = a.heads / a.kv_heads;
   const int q_tiles = (a.queries + bwd_rows - 1) / bwd_rows;
@@ -307,9 +316,11 @@ __global__ void __launch_bounds__(threads, 2)
   std::uint16_t* sk = sdo + bwd_rows * D;
   std::uint16_t* sv = sk + block_n * D;
 
-  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first (causal)
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int kvh = h / (a.heads / a.kv_heads);
+  // The last rows (the longest under a causal mask) first (cta_order.hpp).
+  const CtaTile cta = cta_tile(a.order, blockIdx.x, blockIdx.y, blockIdx.z, true);
+  if (!cta.live) return;  // (the whole CTA: an idle place of a last group)
+  const int m_block = cta.block, h = cta.head, b = cta.batch;
+  const int kvh = a.order.per_kv.div(h);
   const int q0 = m_block * bwd_rows;
   const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -447,22 +458,22 @@ cudaError_t backward(const BackwardArgs& a, int dim, const Mask& mask, const QPo
       const cudaError_t e = cudaGetLastError();
       if (e != cudaSuccess) return e;
     }
-    // One kernel of `bytes` dynamic shared memory over `grid`.
-    auto launch = [&](auto kernel, int bytes, dim3 grid) {
+    // One kernel of `bytes` dynamic shared memory, `blocks` CTAs for each
+    // (batch, one of `heads`).
+    auto launch = [&](auto kernel, int bytes, long long blocks, int heads) {
       cudaError_t e =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
       if (e != cudaSuccess) return e;
-      BLOCKATTN_CUDA_LAUNCH(kernel, grid, threads, bytes, stream)(a, mask, qpos, kpos);
-      return cudaGetLastError();
+      return launch_ordered(kernel, bytes, stream, blocks, heads, a, mask, qpos, kpos);
     };
     if (a.keys > 0) {
       const cudaError_t e = launch(dkdv_kernel<D, IsBf16, Mask, QPos, KPos>, dkdv_smem_bytes(D),
-                                   dim3((a.keys + block_n - 1) / block_n, a.kv_heads, a.batch));
+                                   (a.keys + block_n - 1) / block_n, a.kv_heads);
       if (e != cudaSuccess) return e;
     }
     if (a.queries > 0)
       return launch(dq_kernel<D, IsBf16, Mask, QPos, KPos>, dq_smem_bytes(D),
-                    dim3((a.queries + bwd_rows - 1) / bwd_rows, a.heads, a.batch));
+                    (a.queries + bwd_rows - 1) / bwd_rows, a.heads);
     return cudaSuccess;
   };
   if (dim == 64) return run(std::integral_constant<int, 64>{});

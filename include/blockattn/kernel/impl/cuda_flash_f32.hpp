@@ -123,9 +123,11 @@ __global__ void __launch_bounds__(threads, 2)
   float* sk = smem_f32 + BM * D;
   float* sv = sk + block_n * D;
 
-  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first (causal)
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int kvh = h / (a.heads / a.kv_heads);
+  // The last rows (the longest under a causal mask) first (cta_order.hpp).
+  const CtaTile cta = cta_tile(a.order, blockIdx.x, blockIdx.y, blockIdx.z, true);
+  if (!cta.live) return;  // (the whole CTA: an idle place of a last group)
+  const int m_block = cta.block, h = cta.head, b = cta.batch;
+  const int kvh = a.order.per_kv.div(h);
   const int q0 = m_block * BM;
   const int q1 = q0 + BM < a.queries ? q0 + BM : a.queries;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -277,12 +279,11 @@ cudaError_t forward_f32(const Args& a, int dim, const Mask& mask, const QPos& qp
   if (a.queries <= 0 || a.batch <= 0 || a.heads <= 0) return cudaSuccess;
   auto launch = [&](auto kernel) {
     const int bytes = smem_bytes_f32(dim);
-    const dim3 grid((a.queries + f32_block_m - 1) / f32_block_m, a.heads, a.batch);
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
-    BLOCKATTN_CUDA_LAUNCH(kernel, grid, threads, bytes, stream)(a, mask, qpos, kpos);
-    return cudaGetLastError();
+    return launch_ordered(kernel, bytes, stream, (a.queries + f32_block_m - 1) / f32_block_m,
+                          a.heads, a, mask, qpos, kpos);
   };
   if (dim == 64) return launch(forward_f32_kernel<64, Passes, Mask, QPos, KPos>);
   return launch(forward_f32_kernel<128, Passes, Mask, QPos, KPos>);
