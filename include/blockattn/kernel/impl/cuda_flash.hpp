@@ -739,7 +739,8 @@ cudaError_t launch_ordered(Kernel kernel, int bytes, cudaStream_t stream, long l
     return cudaErrorInvalidConfiguration;
   const int kv_group = args.kv_heads > 0 ? args.heads / args.kv_heads : 1;
   args.order.per_kv = FastDiv(kv_group > 1 ? kv_group : 1);
-  for (; args.order.rank_offset < args.order.blocks; args.order.rank_offset += max_ranks) {
+  for (long long first = 0; first < blocks; first += max_ranks) {
+    args.order.rank_offset = int(first);
     const CtaGrid g = cta_grid_extents(args.order);
     BLOCKATTN_CUDA_LAUNCH(kernel, dim3(unsigned(g.x), unsigned(g.y), unsigned(g.z)), threads, bytes,
                           stream)
