@@ -130,9 +130,8 @@ struct Args {
                o_stride[3] = {0, 0, 0}, lse_stride[3] = {0, 0, 0};
   int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0;
   float scale = 1.0f;
-  Variant variant =
-      Variant::wide;  // the kernel variant (see Variant)
-                      // The CTAs' order (cta_order.hpp): (batch, head) units per group; 0:
+  Variant variant = Variant::wide;  // the kernel variant (see Variant)
+  // The CTAs' order (cta_order.hpp): (batch, head) units per group; 0:
   // cta_group() for the GPU; 1: unit by unit (the order before, for
   // comparisons). The launch sets `order` from it, which the kernel reads.
   int cta_group = 0;
@@ -712,7 +711,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
 }
 
 /// Enqueues `kernel` (threads per CTA, `bytes` of dynamic shared memory,
-/// already allowed by cudaFuncSetAttribute) over `blocks` CTAs for each of
+/// allowed here by cudaFuncSetAttribute) over `blocks` CTAs for each of
 /// batch x heads units in the order of cta_order.hpp: `args` (Args or
 /// BackwardArgs) with its `order` set, one launch per max_ranks ranks.
 /// args.cta_group 0: cta_group() for the slots of the current device (its SM
@@ -722,6 +721,8 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
 template <class Kernel, class KArgs, class... Rest>
 cudaError_t launch_ordered(Kernel kernel, int bytes, cudaStream_t stream, long long blocks,
                            int heads, KArgs args, const Rest&... rest) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return e;
   int group = args.cta_group;
   if (group < 1) {
     int device = 0, sms = 0, per_sm = 0;
@@ -745,7 +746,7 @@ cudaError_t launch_ordered(Kernel kernel, int bytes, cudaStream_t stream, long l
     BLOCKATTN_CUDA_LAUNCH(kernel, dim3(unsigned(g.x), unsigned(g.y), unsigned(g.z)), threads, bytes,
                           stream)
     (args, rest...);
-    const cudaError_t e = cudaGetLastError();
+    e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
@@ -770,12 +771,8 @@ cudaError_t forward(const Args& a, int dim, const Mask& mask, const QPos& qpos, 
                     cudaStream_t stream) {
   if (a.queries <= 0 || a.batch <= 0 || a.heads <= 0) return cudaSuccess;
   auto launch = [&](auto kernel, Variant v) {
-    const int bytes = smem_bytes(dim, v);
-    cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return e;
-    return launch_ordered(kernel, bytes, stream, (a.queries + block_m(v) - 1) / block_m(v), a.heads,
-                          a, mask, qpos, kpos);
+    return launch_ordered(kernel, smem_bytes(dim, v), stream,
+                          (a.queries + block_m(v) - 1) / block_m(v), a.heads, a, mask, qpos, kpos);
   };
   if constexpr (all_variants) {
     switch (a.variant) {

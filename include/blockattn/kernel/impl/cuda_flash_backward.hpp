@@ -461,9 +461,6 @@ cudaError_t backward(const BackwardArgs& a, int dim, const Mask& mask, const QPo
     // One kernel of `bytes` dynamic shared memory, `blocks` CTAs for each
     // (batch, one of `heads`).
     auto launch = [&](auto kernel, int bytes, long long blocks, int heads) {
-      cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-      if (e != cudaSuccess) return e;
       return launch_ordered(kernel, bytes, stream, blocks, heads, a, mask, qpos, kpos);
     };
     if (a.keys > 0) {

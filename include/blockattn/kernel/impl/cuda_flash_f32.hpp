@@ -278,12 +278,9 @@ cudaError_t forward_f32(const Args& a, int dim, const Mask& mask, const QPos& qp
                         const KPos& kpos, cudaStream_t stream) {
   if (a.queries <= 0 || a.batch <= 0 || a.heads <= 0) return cudaSuccess;
   auto launch = [&](auto kernel) {
-    const int bytes = smem_bytes_f32(dim);
-    cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return e;
-    return launch_ordered(kernel, bytes, stream, (a.queries + f32_block_m - 1) / f32_block_m,
-                          a.heads, a, mask, qpos, kpos);
+    return launch_ordered(kernel, smem_bytes_f32(dim), stream,
+                          (a.queries + f32_block_m - 1) / f32_block_m, a.heads, a, mask, qpos,
+                          kpos);
   };
   if (dim == 64) return launch(forward_f32_kernel<64, Passes, Mask, QPos, KPos>);
   return launch(forward_f32_kernel<128, Passes, Mask, QPos, KPos>);
