@@ -5,10 +5,11 @@
 # of cuda_flash_backward.hpp, and of the fp32 forward of cuda_flash_f32.hpp
 # (HMMA.1688.F32.TF32), in a binary holds HMMA (mma.sync) and LDSM
 # (ldmatrix) instructions, and the forward's 64-row variants (regs, smem: one
-# m-tile per warp) and the fp32 forward no local-memory traffic (LDL/STL: a
-# register array spilled or indexed at run time); the wide variant (two m-tiles per warp, 255
-# registers) and the backward kernels at D = 128 (255 registers) spill a few
-# bytes: their LDL/STL counts are printed, not failed.
+# m-tile per warp), the fp32 forward and the dQ kernel no local-memory
+# traffic (LDL/STL: a register array spilled or indexed at run time); the
+# wide variant (two m-tiles per warp, 255 registers) and the dK/dV kernel at
+# D = 128 (255 registers) spill a few bytes with some masks: their LDL/STL
+# counts are printed, not failed.
 # A refactor that loses the tensor cores fails here, not only in a timing.
 #   check_flash_sass.sh <cuobjdump> <binary>
 # Exit 77 (skipped) without cuobjdump, or without the nvdisasm its -sass runs
@@ -36,7 +37,7 @@ awk -v dir="$tmp" '
     if (t) { f = 1; print "fp32" > (dir "/t" n) }
     b = ($0 ~ /flash(11dkdv|9dq)_kernelILi[0-9]+ELb[01]E/)
     if (f) { wide = ($0 ~ /forward_kernelILi[0-9]+ELb[01]ELi2E/); print wide > (dir "/w" n) }
-    if (b) { f = 1; print ($0 ~ /11dkdv/ ? "dkdv" : "dq") > (dir "/b" n); print 1 > (dir "/w" n) }
+    if (b) { f = 1; d = ($0 ~ /11dkdv/); print (d ? "dkdv" : "dq") > (dir "/b" n); print d > (dir "/w" n) }
     next
   }
   f { print > (dir "/k" n) }' "$tmp/sass"
@@ -69,5 +70,6 @@ for k in "$tmp"/k*; do
   fi
 done
 echo "$forward tensor-core forward, $backward backward and $fp32 fp32 (TF32) forward kernels:" \
-     "HMMA and LDSM in each, no local memory in the forward's 64-row variants and the fp32 forward"
+     "HMMA and LDSM in each, no local memory in the forward's 64-row variants, the fp32 forward" \
+     "and the dQ kernel"
 exit $status

@@ -599,6 +599,47 @@ void bench(const std::string& torch_file, int reps) {
   }
 }
 
+#if defined(BLOCKATTN_CUDA_EMULATION)
+/// The kernels' per-tile key ranges (flash::tile_key_range, TileKeys) against
+/// brute force on the host: every key of a tile is in the range exactly when
+/// its position is in the row's interval, keys past the tile's end never;
+/// maps with gaps and a piece boundary inside the tile, tiles of 1 to 64
+/// keys, intervals starting and ending before, at, between and after the
+/// tile's positions, empty and reversed ones, and unbounded ends.
+int check_tile_keys() {
+  using blockattn::AffinePositions;
+  using blockattn::index_type;
+  const AffinePositions maps[] = {{index_type(1) << 62, 0, 0, 1},
+                                  {index_type(1) << 62, 5, 0, 3},
+                                  {40, 100, 900, 2},  // a second piece from key 40
+                                  {10, -50, 7, 1}};   // the pieces meet with a gap of 47
+  int bad = 0, cases = 0;
+  for (const AffinePositions& kpos : maps)
+    for (const int k0 : {0, 3, 32, 64})
+      for (const int n : {1, 2, 7, 63, 64}) {
+        std::vector<index_type> ends = {INT64_MIN, INT64_MAX, kpos(k0) - 1000};
+        for (int i = 0; i < n; ++i)
+          for (const index_type d : {-1, 0, 1}) ends.push_back(kpos(k0 + i) + d);
+        ends.push_back(kpos(k0 + n - 1) + 1000);
+        for (const index_type begin : ends)
+          for (const index_type end : ends) {
+            const flash::TileKeys keys(flash::tile_key_range(kpos, k0, n, begin, end));
+            ++cases;
+            for (int i = 0; i < flash::block_n; ++i) {
+              const bool want = i < n && begin <= kpos(k0 + i) && kpos(k0 + i) < end;
+              if (keys(i) != want && bad++ < 5)
+                std::printf("FAIL tile keys: k0 %d, n %d, [%lld, %lld), key %d: %d, want %d\n", k0,
+                            n, static_cast<long long>(begin), static_cast<long long>(end), i,
+                            int(keys(i)), int(want));
+            }
+          }
+      }
+  std::printf("%s tile key ranges: %d intervals x tiles, %d wrong keys\n", bad ? "FAIL" : "ok  ",
+              cases, bad);
+  return bad ? 1 : 0;
+}
+#endif
+
 }  // namespace
 
 // cuda_flash_f32_check.cpp: the fp32 tensor-core forward.
@@ -647,6 +688,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::printf("the kernels on the host emulator of tests/cuda_emu, not on a GPU\n");
+  const int tile_keys_failed = check_tile_keys();
 #endif
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -659,6 +701,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   int failed = 0;
+#if defined(BLOCKATTN_CUDA_EMULATION)
+  failed += tile_keys_failed;
+#endif
   for (const flash::Variant fv : variants) {
     variant = fv;
     std::printf("-- variant %s\n", flash::variant_name(fv));

@@ -19,11 +19,14 @@
 // mask work, partial tiles apply the mask per element. Masks with
 // allowed_keys() (causal, windows, prefix-LM, documents, ...) give every row
 // of the CTA its interval once, kept in shared memory (CtaSpans,
-// row_spans.hpp): a tile's kind is then four comparisons and a partial
-// tile's mask two per key, and the CTA visits only the tiles the rows' hull
-// reaches. Other masks: classify() on the tile's position box, allowed()
-// per key of a partial tile. Positions come from the two maps (any
-// increasing map: offsets, partitions' affine maps, tables).
+// row_spans.hpp): a tile's kind is then four comparisons, the CTA visits
+// only the tiles the rows' hull reaches, and for a tile that needs masking
+// one thread per row turns its interval into the tile's key indices it sees
+// (TileKeys: two binary searches over the tile's positions), so that the
+// mask is two 32-bit comparisons per element. Other masks: classify() on
+// the tile's position box, allowed() per key of a partial tile. Positions
+// come from the two maps (any increasing map: offsets, partitions' affine
+// maps, tables).
 //
 // Output: normalised O (storage type) and LSE (fp32, natural log) of every
 // row; rows that see no key get O = 0 and LSE = -inf.
@@ -81,8 +84,10 @@ constexpr int threads = warps * 32;
 ///          each K and V fragment read by ldmatrix feeds four products instead
 ///          of two (shared-memory reads per product halved); 255 registers,
 ///          2 CTAs per SM, and at D = 128 a few spilled (ptxas, nvcc 13.0,
-///          AffinePositions: 28 bytes stored with the full mask, 108 with the
-///          built-in masks that have allowed_keys()).
+///          AffinePositions: 28 bytes stored with the full mask, 68 with the
+///          built-in masks that have allowed_keys(); in the SASS the rows'
+///          softmax statistics, about 12 local accesses per thread and key
+///          tile beside 256 mma.sync per warp).
 enum class Variant { regs, smem, wide };
 
 /// Whether this translation unit compiles the kernels of every variant (for
@@ -314,6 +319,69 @@ __device__ __forceinline__ int first_key_at(const KPos& kpos, int keys, index_ty
   return lo;
 }
 
+/// The keys of tile [k0, k0 + n) (n <= 64) whose position is below p: a
+/// prefix of the tile, positions increasing with the index.
+template <class KPos>
+__device__ __forceinline__ int keys_below(const KPos& kpos, int k0, int n, index_type p) {
+  if (kpos(k0) >= p) return 0;
+  if (kpos(k0 + n - 1) < p) return n;
+  int lo = 1, hi = n - 1;  // kpos(k0 + lo - 1) < p <= kpos(k0 + hi)
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (kpos(k0 + mid) < p)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/// For masks with allowed_keys(): the keys of tile [k0, k0 + n) that a row
+/// with interval [begin, end) sees, as a range of the tile's indices
+/// [lo, hi), packed lo | hi << 16 (TileKeys). One thread per row computes it
+/// once per tile into shared memory, so that masking a fragment takes two
+/// 32-bit comparisons per element, where testing positions took a position
+/// and two 64-bit comparisons per element (and the registers to hold them).
+template <class KPos>
+__device__ __forceinline__ std::uint32_t tile_key_range(const KPos& kpos, int k0, int n,
+                                                        index_type begin, index_type end) {
+  const int lo = keys_below(kpos, k0, n, begin);
+  int hi = begin < end ? keys_below(kpos, k0, n, end) : lo;
+  if (hi < lo) hi = lo;
+  return std::uint32_t(lo) | (std::uint32_t(hi) << 16);
+}
+
+/// A row's keys in a tile (tile_key_range): index i of the tile is seen
+/// when lo <= i < hi.
+struct TileKeys {
+  int lo, hi;
+  __device__ __forceinline__ explicit TileKeys(std::uint32_t packed)
+      : lo(int(packed & 0xffffu)), hi(int(packed >> 16)) {}
+  __device__ __forceinline__ bool operator()(int i) const { return lo <= i && i < hi; }
+};
+
+/// Masks one m-tile's S fragments (a thread's rows lo and hi = lo + 8) by
+/// the rows' TileKeys; returns the masked elements as mask_fragment() does.
+__device__ __forceinline__ std::uint32_t mask_fragment_keys(float (&s)[8][4], TileKeys lo_keys,
+                                                            TileKeys hi_keys, int t) {
+  std::uint32_t masked = 0;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int i = 8 * n + 2 * t + e;
+      if (!lo_keys(i)) {
+        s[n][e] = -INFINITY;
+        masked |= 1u << (2 * n + e);
+      }
+      if (!hi_keys(i)) {
+        s[n][2 + e] = -INFINITY;
+        masked |= 1u << (16 + 2 * n + e);
+      }
+    }
+  return masked;
+}
+
 /// The intervals of a CTA's query rows in shared memory, for masks with
 /// allowed_keys(): row r of the block sees key positions [begin[r], end[r]);
 /// `bounds` reduces the live rows' (row_spans.hpp). Masks without
@@ -398,6 +466,25 @@ __device__ __forceinline__ int block_next_tile(const Mask& mask, const Spans& sp
     if (block_tile_kind(mask, sp, qpos, kpos, q0, q1, k0, k1) != TileKind::empty) return j;
   }
   return tiles;
+}
+
+/// Masks with allowed_keys(): the TileKeys of the CTA's BM rows in key tile
+/// j into out[0, BM), one thread per row, when the tile needs masking
+/// (partial, or short: past the last key); nothing otherwise, nor for other
+/// masks. The caller's next barrier makes them visible.
+template <int BM, class Mask, class KPos>
+__device__ __forceinline__ void stage_tile_keys(const Mask&, const CtaSpans<BM>& sp,
+                                                const KPos& kpos, int keys, int j,
+                                                std::uint32_t* out) {
+  if constexpr (has_allowed_keys<Mask>::value) {
+    const int k0 = j * block_n, k1 = k0 + block_n < keys ? k0 + block_n : keys;
+    if (k1 - k0 < block_n || sp.bounds.kind(kpos(k0), kpos(k1 - 1)) == TileKind::partial) {
+      const int r = int(threadIdx.x);
+      if (r < BM) out[r] = tile_key_range(kpos, k0, k1 - k0, sp.begin[r], sp.end[r]);
+    }
+  } else {
+    (void)sp, (void)kpos, (void)keys, (void)j, (void)out;
+  }
 }
 
 /// The mask of CTA row r (of rows [q0, q1)) in a tile: its interval from
@@ -526,10 +613,14 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
   const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
   __shared__ cta_spans_t<Mask, BM> spans;
+  // Masks with allowed_keys(): the rows' TileKeys of the tile being computed
+  // (read before the loop's second barrier, then written for the next).
+  constexpr bool ranged = has_allowed_keys<Mask>::value;
+  __shared__ std::uint32_t tile_keys[ranged ? BM : 1];
   int tiles = (a.keys + block_n - 1) / block_n, j_first = 0;
-  if constexpr (has_allowed_keys<Mask>::value)
-    cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
+  if constexpr (ranged) cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
   int j = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j_first, tiles);
+  if (j < tiles) stage_tile_keys(mask, spans, kpos, a.keys, j, tile_keys);
 
   // Q and the first K tile.
   load_tile<D, BM>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
@@ -610,13 +701,18 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) masked[mt] = 0;
     if (kind == TileKind::partial || k1 - k0 < block_n) {
-      const bool check = kind == TileKind::partial;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int r = row0 - q0 + 16 * mt;  // this thread's row lo of m-tile mt in the CTA
-        masked[mt] =
-            mask_fragment(s[mt], row_test(mask, spans, qpos, q0, q1, r, check),
-                          row_test(mask, spans, qpos, q0, q1, r + 8, check), kpos, k0, k1, t);
+        if constexpr (ranged) {
+          masked[mt] =
+              mask_fragment_keys(s[mt], TileKeys(tile_keys[r]), TileKeys(tile_keys[r + 8]), t);
+        } else {
+          const bool check = kind == TileKind::partial;
+          masked[mt] =
+              mask_fragment(s[mt], row_test(mask, spans, qpos, q0, q1, r, check),
+                            row_test(mask, spans, qpos, q0, q1, r + 8, check), kpos, k0, k1, t);
+        }
       }
     }
 
@@ -637,7 +733,10 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
       __syncthreads();
     }
     const int next = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
-    if (next < tiles) load_tile<D>(sk, kg, a.k_stride[1], next * block_n, a.keys);
+    if (next < tiles) {
+      load_tile<D>(sk, kg, a.k_stride[1], next * block_n, a.keys);
+      stage_tile_keys(mask, spans, kpos, a.keys, next, tile_keys);
+    }
     cp_async_commit();
     if (v_bad) {
 #pragma unroll

@@ -166,6 +166,31 @@ __device__ __forceinline__ float lse_base2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
 }
 
+/// Masks with allowed_keys(): the TileKeys of query rows [q0, q0 + bwd_rows)
+/// (none past `queries`) in key tile [k0, k1) into out[0, bwd_rows) when
+/// the pair needs masking (partial, or a short key tile); nothing
+/// otherwise, nor for other masks. The caller's next barrier makes them
+/// visible.
+template <class Mask, class QPos, class KPos>
+__device__ __forceinline__ void stage_pair_keys(const Mask& mask, const QPos& qpos,
+                                                const KPos& kpos, int q0, int queries, int k0,
+                                                int k1, std::uint32_t* out) {
+  if constexpr (has_allowed_keys<Mask>::value) {
+    const int q1 = q0 + bwd_rows < queries ? q0 + bwd_rows : queries;
+    if (k1 - k0 < block_n || tile_kind(mask, qpos, kpos, q0, q1, k0, k1) == TileKind::partial)
+      for (int r = int(threadIdx.x); r < bwd_rows; r += threads) {
+        std::uint32_t keys = 0;  // (an empty range)
+        if (q0 + r < q1) {
+          const KeyInterval iv = mask.allowed_keys(qpos(q0 + r));
+          keys = tile_key_range(kpos, k0, k1 - k0, iv.begin, iv.end);
+        }
+        out[r] = keys;
+      }
+  } else {
+    (void)mask, (void)qpos, (void)kpos, (void)q0, (void)queries, (void)k0, (void)k1, (void)out;
+  }
+}
+
 /// dK and dV of one 64-key tile of one (batch, kv head).
 template <int D, bool IsBf16, class Mask, class QPos, class KPos>
 __global__ void __launch_bounds__(threads, 2)
@@ -193,6 +218,9 @@ __global__ void __launch_bounds__(threads, 2)
   const int q_tiles = (a.queries + bwd_rows - 1) / bwd_rows;
   const int total = group * q_tiles;  // (query head, query tile) pairs, u = hg q_tiles + qt
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Masks with allowed_keys(): the TileKeys of each buffer's query rows.
+  constexpr bool ranged = has_allowed_keys<Mask>::value;
+  __shared__ std::uint32_t tile_keys[ranged ? 2 : 1][ranged ? bwd_rows : 1];
 
   const auto* kg = static_cast<const std::uint16_t*>(a.k) + b * a.k_stride[0] + kvh * a.k_stride[2];
   const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
@@ -224,6 +252,7 @@ __global__ void __launch_bounds__(threads, 2)
       sdelta[buf * bwd_rows + r] =
           in ? a.delta[(std::int64_t(b) * a.heads + h) * a.queries + row] : 0.0f;
     }
+    stage_pair_keys(mask, qpos, kpos, q0, a.queries, k0, k1, tile_keys[ranged ? buf : 0]);
   };
 
   float dk[D / 8][4], dv[D / 8][4];
@@ -271,8 +300,12 @@ __global__ void __launch_bounds__(threads, 2)
         const int col = 8 * n + c_col(lane, e), key = e < 2 ? key_lo : key_hi;
         bool keep = true;
         if (edge) {
-          const int qi = q0 + col < q1 ? q0 + col : q1 - 1;
-          keep = key < k1 && (!check || mask.allowed(qpos(qi), kpos(key)));
+          if constexpr (ranged) {
+            keep = TileKeys(tile_keys[buf][col])(key - k0);
+          } else {
+            const int qi = q0 + col < q1 ? q0 + col : q1 - 1;
+            keep = key < k1 && (!check || mask.allowed(qpos(qi), kpos(key)));
+          }
         }
         pt[n][e] = keep ? fast_exp2(fmaf(pt[n][e], scale_log2, -lse2[col])) : 0.0f;
       }
@@ -332,10 +365,13 @@ __global__ void __launch_bounds__(threads, 2)
   const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
   __shared__ cta_spans_t<Mask, bwd_rows> spans;
+  // Masks with allowed_keys(): the rows' TileKeys of each K/V buffer's tile.
+  constexpr bool ranged = has_allowed_keys<Mask>::value;
+  __shared__ std::uint32_t tile_keys[ranged ? 2 : 1][ranged ? bwd_rows : 1];
   int tiles = (a.keys + block_n - 1) / block_n, j_first = 0;
-  if constexpr (has_allowed_keys<Mask>::value)
-    cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
+  if constexpr (ranged) cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
   int j = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j_first, tiles);
+  if (j < tiles) stage_tile_keys(mask, spans, kpos, a.keys, j, tile_keys[0]);
 
   load_tile<D, bwd_rows>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
   load_tile<D, bwd_rows>(sdo, dg + std::int64_t(q0) * a.dout_stride[1], a.dout_stride[1], 0,
@@ -374,6 +410,7 @@ __global__ void __launch_bounds__(threads, 2)
     if (next < tiles) {
       load_tile<D>(sk + (buf ^ 1) * kv_buf, kg, a.k_stride[1], next * block_n, a.keys);
       load_tile<D>(sv + (buf ^ 1) * kv_buf, vg, a.v_stride[1], next * block_n, a.keys);
+      stage_tile_keys(mask, spans, kpos, a.keys, next, tile_keys[ranged ? buf ^ 1 : 0]);
     }
     cp_async_commit();
 
@@ -390,21 +427,35 @@ __global__ void __launch_bounds__(threads, 2)
     warp_x_yt<D, IsBf16>(p, sq, 16 * warp, k_tile, lane);
     const bool check = kind == TileKind::partial;
     const bool edge = check || k1 - k0 < block_n;
-    const auto rm_lo = row_test(mask, spans, qpos, q0, q1, r_lo - q0, check),
-               rm_hi = row_test(mask, spans, qpos, q0, q1, r_hi - q0, check);
+    if constexpr (ranged) {
+      const TileKeys keys_lo(edge ? tile_keys[buf][r_lo - q0] : 0u),
+          keys_hi(edge ? tile_keys[buf][r_hi - q0] : 0u);
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + 8 * n + c_col(lane, e);
-        const bool lo = e < 2;
-        bool keep = true;
-        if (edge) {
-          const index_type kp = kpos(key < k1 ? key : k1 - 1);
-          keep = key < k1 && (lo ? rm_lo(kp) : rm_hi(kp));
+        for (int e = 0; e < 4; ++e) {
+          const int i = 8 * n + c_col(lane, e);  // the key's index in the tile
+          const bool lo = e < 2;
+          const bool keep = !edge || (lo ? keys_lo(i) : keys_hi(i));
+          p[n][e] = keep ? fast_exp2(fmaf(p[n][e], scale_log2, -(lo ? lse_lo : lse_hi))) : 0.0f;
         }
-        p[n][e] = keep ? fast_exp2(fmaf(p[n][e], scale_log2, -(lo ? lse_lo : lse_hi))) : 0.0f;
-      }
+    } else {
+      const auto rm_lo = row_test(mask, spans, qpos, q0, q1, r_lo - q0, check),
+                 rm_hi = row_test(mask, spans, qpos, q0, q1, r_hi - q0, check);
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + 8 * n + c_col(lane, e);
+          const bool lo = e < 2;
+          bool keep = true;
+          if (edge) {
+            const index_type kp = kpos(key < k1 ? key : k1 - 1);
+            keep = key < k1 && (lo ? rm_lo(kp) : rm_hi(kp));
+          }
+          p[n][e] = keep ? fast_exp2(fmaf(p[n][e], scale_log2, -(lo ? lse_lo : lse_hi))) : 0.0f;
+        }
+    }
     float dp[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n)

@@ -138,10 +138,14 @@ __global__ void __launch_bounds__(threads, 2)
   const auto* vg = static_cast<const float*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
   __shared__ cta_spans_t<Mask, BM> spans;
+  // Masks with allowed_keys(): the rows' TileKeys of the tile being computed
+  // (read before the loop's second barrier, then written for the next).
+  constexpr bool ranged = has_allowed_keys<Mask>::value;
+  __shared__ std::uint32_t tile_keys[ranged ? BM : 1];
   int tiles = (a.keys + block_n - 1) / block_n, j_first = 0;
-  if constexpr (has_allowed_keys<Mask>::value)
-    cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
+  if constexpr (ranged) cta_spans(mask, qpos, kpos, q0, q1, a.keys, spans, j_first, tiles);
   int j = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j_first, tiles);
+  if (j < tiles) stage_tile_keys(mask, spans, kpos, a.keys, j, tile_keys);
 
   load_tile32<D, BM>(sq, qg + std::int64_t(q0) * a.q_stride[1], a.q_stride[1], 0, q1 - q0);
   if (j < tiles) load_tile32<D, block_n>(sk, kg, a.k_stride[1], j * block_n, a.keys);
@@ -191,10 +195,14 @@ __global__ void __launch_bounds__(threads, 2)
 
     // Mask: keys past the end, and the mask itself in partial tiles.
     if (kind == TileKind::partial || k1 - k0 < block_n) {
-      const bool check = kind == TileKind::partial;
       const int r = row_lo - q0;  // this thread's row lo in the CTA
-      mask_fragment(s, row_test(mask, spans, qpos, q0, q1, r, check),
-                    row_test(mask, spans, qpos, q0, q1, r + 8, check), kpos, k0, k1, t);
+      if constexpr (ranged) {
+        mask_fragment_keys(s, TileKeys(tile_keys[r]), TileKeys(tile_keys[r + 8]), t);
+      } else {
+        const bool check = kind == TileKind::partial;
+        mask_fragment(s, row_test(mask, spans, qpos, q0, q1, r, check),
+                      row_test(mask, spans, qpos, q0, q1, r + 8, check), kpos, k0, k1, t);
+      }
     }
 
     // Online softmax of the rows.
@@ -204,7 +212,10 @@ __global__ void __launch_bounds__(threads, 2)
     cp_async_wait_all();
     __syncthreads();
     const int next = block_next_tile(mask, spans, qpos, kpos, q0, q1, a.keys, j + 1, tiles);
-    if (next < tiles) load_tile32<D, block_n>(sk, kg, a.k_stride[1], next * block_n, a.keys);
+    if (next < tiles) {
+      load_tile32<D, block_n>(sk, kg, a.k_stride[1], next * block_n, a.keys);
+      stage_tile_keys(mask, spans, kpos, a.keys, next, tile_keys);
+    }
     cp_async_commit();
 
     // O += P V: k-step ks takes the 8 keys of P's n-tile ks (c2a32's order).
