@@ -98,6 +98,8 @@ const char* op_name(Op op) {
       return "mma.m16n8k8.tf32";
     case Op::syncwarp:
       return "__syncwarp";
+    case Op::ballot:
+      return "__ballot_sync";
   }
   return "?";
 }

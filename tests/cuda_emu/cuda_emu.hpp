@@ -108,7 +108,16 @@ namespace blockattn_cuda_emu {
 constexpr int emulated_sms = 8;
 
 /// The collectives a warp's lanes meet at (all 32 at the same one).
-enum class Op : int { shfl, ldmatrix, ldmatrix_trans, mma_bf16, mma_f16, mma_tf32, syncwarp };
+enum class Op : int {
+  shfl,
+  ldmatrix,
+  ldmatrix_trans,
+  mma_bf16,
+  mma_f16,
+  mma_tf32,
+  syncwarp,
+  ballot
+};
 
 // The running thread (fiber) of the calling OS thread.
 const uint3& thread_idx();
@@ -196,6 +205,26 @@ inline int __syncthreads_count(int pred) {
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) ::blockattn_cuda_emu::fail("__syncwarp: only the full mask is emulated");
   ::blockattn_cuda_emu::warp_exchange(nullptr, 0, ::blockattn_cuda_emu::Op::syncwarp);
+}
+
+/// Bit l: lane l's pred was nonzero (every lane at the same ballot).
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  if (mask != 0xffffffffu)
+    ::blockattn_cuda_emu::fail("__ballot_sync: only the full mask is emulated");
+  const int mine = pred != 0;
+  const unsigned char* all =
+      ::blockattn_cuda_emu::warp_exchange(&mine, sizeof mine, ::blockattn_cuda_emu::Op::ballot);
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) {
+    int p = 0;
+    std::memcpy(&p, all + 64 * l, sizeof p);
+    if (p) bits |= 1u << l;
+  }
+  return bits;
+}
+/// 1 + the index of the lowest set bit of x, 0 if none.
+inline int __ffs(int x) {
+  return x == 0 ? 0 : __builtin_ctz(static_cast<unsigned>(x)) + 1;
 }
 
 namespace blockattn_cuda_emu {

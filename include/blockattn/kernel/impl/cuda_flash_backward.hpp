@@ -226,12 +226,21 @@ __global__ void __launch_bounds__(threads, 2)
   const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
   // The next (query head, query tile) at or after u whose tile the mask does
-  // not hide from this key tile (`total` if none).
+  // not hide from this key tile (`total` if none). The warp's lanes test 32
+  // pairs at once (every warp the same ones): a mask's classify() may search
+  // its data in global memory (documents: binary searches over the offsets),
+  // and a key tile of a short document sees few of the pairs it scans.
   auto next_live = [&](int u) {
-    for (; u < total; ++u) {
-      const int qt = u % q_tiles, q0 = qt * bwd_rows;
-      const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
-      if (tile_kind(mask, qpos, kpos, q0, q1, k0, k1) != TileKind::empty) return u;
+    for (; u < total; u += 32) {
+      const int c = u + lane;
+      bool live = false;
+      if (c < total) {
+        const int q0 = (c % q_tiles) * bwd_rows;
+        const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
+        live = tile_kind(mask, qpos, kpos, q0, q1, k0, k1) != TileKind::empty;
+      }
+      const unsigned hits = __ballot_sync(0xffffffffu, live);
+      if (hits != 0u) return u + __ffs(int(hits)) - 1;
     }
     return total;
   };
