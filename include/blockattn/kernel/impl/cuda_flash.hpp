@@ -82,12 +82,10 @@ constexpr int threads = warps * 32;
 ///          key tile (fewer registers: 3 CTAs per SM);
 ///   wide   128 rows per CTA (two m-tiles per warp, Q from shared memory):
 ///          each K and V fragment read by ldmatrix feeds four products instead
-///          of two (shared-memory reads per product halved); 255 registers,
-///          2 CTAs per SM, and at D = 128 a few spilled (ptxas, nvcc 13.0,
-///          AffinePositions: 28 bytes stored with the full mask, 68 with the
-///          built-in masks that have allowed_keys(); in the SASS the rows'
-///          softmax statistics, about 12 local accesses per thread and key
-///          tile beside 256 mma.sync per warp).
+///          of two (shared-memory reads per product halved); 2 CTAs per SM,
+///          254-255 registers at D = 128 and no spills (ptxas, nvcc 13.0,
+///          AffinePositions, the built-in masks), since P is packed to 16
+///          bits as the softmax makes it (before: 28-108 bytes spilled).
 enum class Variant { regs, smem, wide };
 
 /// Whether this translation unit compiles the kernels of every variant (for
@@ -252,14 +250,6 @@ __device__ __forceinline__ bool tile_not_finite(const std::uint16_t* tile) {
 }
 
 template <bool IsBf16>
-__device__ __forceinline__ float round_to_storage(float x) {
-  if constexpr (IsBf16)
-    return __bfloat162float(__float2bfloat16_rn(x));
-  else
-    return __half2float(__float2half_rn(x));
-}
-
-template <bool IsBf16>
 __device__ __forceinline__ float storage_to_float(std::uint16_t u) {
   if constexpr (IsBf16) {
     __nv_bfloat16_raw r;
@@ -273,22 +263,25 @@ __device__ __forceinline__ float storage_to_float(std::uint16_t u) {
 }
 
 /// O += P V for one tile, skipping the masked keys (bits of `masked`, see
-/// the kernel): each thread gathers its group's P by shuffles and reads V
-/// from shared memory; P rounded as in the tensor-core product.
+/// the kernel): each thread gathers its group's P (packed pairs of the
+/// storage type, as the tensor-core product takes them) by shuffles and
+/// reads V from shared memory.
 template <int D, bool IsBf16>
-__device__ __forceinline__ void masked_pv(float (&o)[D / 8][4], const float (&s)[8][4],
+__device__ __forceinline__ void masked_pv(float (&o)[D / 8][4], const std::uint32_t (&p)[8][2],
                                           std::uint32_t masked, const std::uint16_t* sv, int lane) {
   const int t = lane % 4;
   for (int src = 0; src < 4; ++src) {
     const int from = (lane & ~3) | src;
     const std::uint32_t mk = __shfl_sync(0xffffffffu, masked, from);
 #pragma unroll
-    for (int nn = 0; nn < 8; ++nn)
+    for (int nn = 0; nn < 8; ++nn) {
+      const std::uint32_t w_lo = __shfl_sync(0xffffffffu, p[nn][0], from);
+      const std::uint32_t w_hi = __shfl_sync(0xffffffffu, p[nn][1], from);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int key = 8 * nn + 2 * src + e;
-        const float p_lo = round_to_storage<IsBf16>(__shfl_sync(0xffffffffu, s[nn][e], from));
-        const float p_hi = round_to_storage<IsBf16>(__shfl_sync(0xffffffffu, s[nn][2 + e], from));
+        const float p_lo = storage_to_float<IsBf16>(std::uint16_t(e ? w_lo >> 16 : w_lo & 0xffffu));
+        const float p_hi = storage_to_float<IsBf16>(std::uint16_t(e ? w_hi >> 16 : w_hi & 0xffffu));
         const bool lo = ((mk >> (2 * nn + e)) & 1u) == 0,
                    hi = ((mk >> (16 + 2 * nn + e)) & 1u) == 0;
 #pragma unroll
@@ -301,6 +294,7 @@ __device__ __forceinline__ void masked_pv(float (&o)[D / 8][4], const float (&s)
             if (hi) o[n][2 + c] += p_hi * x;
           }
       }
+    }
   }
 }
 
@@ -716,10 +710,18 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
       }
     }
 
-    // Online softmax of the rows.
+    // Online softmax of the rows; P packed in pairs of the storage type at
+    // once (the products' A operand: 32 registers where S held 64).
+    std::uint32_t pk[MT][8][2];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt) {
       softmax_step(s[mt], o[mt], m_lo[mt], m_hi[mt], l_lo[mt], l_hi[mt], scale_log2);
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        pk[mt][n][0] = pack2<IsBf16>(s[mt][n][0], s[mt][n][1]);
+        pk[mt][n][1] = pack2<IsBf16>(s[mt][n][2], s[mt][n][3]);
+      }
+    }
 
     // V_j ready; every warp is done with K_j: load the next live K tile.
     cp_async_wait_all();
@@ -740,7 +742,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
     cp_async_commit();
     if (v_bad) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) masked_pv<D, IsBf16>(o[mt], s[mt], masked[mt], sv, lane);
+      for (int mt = 0; mt < MT; ++mt) masked_pv<D, IsBf16>(o[mt], pk[mt], masked[mt], sv, lane);
       j = next;
       continue;
     }
@@ -753,10 +755,7 @@ __global__ void __launch_bounds__(threads, QInRegs ? 1 : (MT == 1 ? 3 : 2))
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float(&c)[4] = s[mt][2 * ks + c2a_ntile(i)];
-          pa[mt][i] = pack2<IsBf16>(c[c2a_elem(i)], c[c2a_elem(i) + 1]);
-        }
+        for (int i = 0; i < 4; ++i) pa[mt][i] = pk[mt][2 * ks + c2a_ntile(i)][c2a_elem(i) / 2];
       }
 #pragma unroll
       for (int dp = 0; dp < kd; ++dp) {
