@@ -168,16 +168,16 @@ __device__ __forceinline__ float lse_base2(float lse) {
 
 /// Masks with allowed_keys(): the TileKeys of query rows [q0, q0 + bwd_rows)
 /// (none past `queries`) in key tile [k0, k1) into out[0, bwd_rows) when
-/// the pair needs masking (partial, or a short key tile); nothing
+/// the pair needs masking (`edge`: partial, or a short key tile); nothing
 /// otherwise, nor for other masks. The caller's next barrier makes them
 /// visible.
 template <class Mask, class QPos, class KPos>
 __device__ __forceinline__ void stage_pair_keys(const Mask& mask, const QPos& qpos,
                                                 const KPos& kpos, int q0, int queries, int k0,
-                                                int k1, std::uint32_t* out) {
+                                                int k1, bool edge, std::uint32_t* out) {
   if constexpr (has_allowed_keys<Mask>::value) {
     const int q1 = q0 + bwd_rows < queries ? q0 + bwd_rows : queries;
-    if (k1 - k0 < block_n || tile_kind(mask, qpos, kpos, q0, q1, k0, k1) == TileKind::partial)
+    if (edge)
       for (int r = int(threadIdx.x); r < bwd_rows; r += threads) {
         std::uint32_t keys = 0;  // (an empty range)
         if (q0 + r < q1) {
@@ -187,7 +187,8 @@ __device__ __forceinline__ void stage_pair_keys(const Mask& mask, const QPos& qp
         out[r] = keys;
       }
   } else {
-    (void)mask, (void)qpos, (void)kpos, (void)q0, (void)queries, (void)k0, (void)k1, (void)out;
+    (void)mask, (void)qpos, (void)kpos, (void)q0, (void)queries, (void)k0, (void)k1, (void)edge,
+        (void)out;
   }
 }
 
@@ -221,31 +222,38 @@ __global__ void __launch_bounds__(threads, 2)
   // Masks with allowed_keys(): the TileKeys of each buffer's query rows.
   constexpr bool ranged = has_allowed_keys<Mask>::value;
   __shared__ std::uint32_t tile_keys[ranged ? 2 : 1][ranged ? bwd_rows : 1];
+  __shared__ int pair_kind[2];  // each buffer's pair's TileKind
 
   const auto* kg = static_cast<const std::uint16_t*>(a.k) + b * a.k_stride[0] + kvh * a.k_stride[2];
   const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
   // The next (query head, query tile) at or after u whose tile the mask does
-  // not hide from this key tile (`total` if none). The warp's lanes test 32
-  // pairs at once (every warp the same ones): a mask's classify() may search
-  // its data in global memory (documents: binary searches over the offsets),
-  // and a key tile of a short document sees few of the pairs it scans.
-  auto next_live = [&](int u) {
+  // not hide from this key tile (`total` if none), and its kind. The warp's
+  // lanes test 32 pairs at once (every warp the same ones): a mask's
+  // classify() may search its data in global memory (documents: binary
+  // searches over the offsets), and a key tile of a short document sees few
+  // of the pairs it scans. Each live pair is classified once.
+  auto next_live = [&](int u, TileKind& kind) {
     for (; u < total; u += 32) {
       const int c = u + lane;
-      bool live = false;
+      TileKind mine = TileKind::empty;
       if (c < total) {
         const int q0 = (c % q_tiles) * bwd_rows;
         const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
-        live = tile_kind(mask, qpos, kpos, q0, q1, k0, k1) != TileKind::empty;
+        mine = tile_kind(mask, qpos, kpos, q0, q1, k0, k1);
       }
-      const unsigned hits = __ballot_sync(0xffffffffu, live);
-      if (hits != 0u) return u + __ffs(int(hits)) - 1;
+      const unsigned hits = __ballot_sync(0xffffffffu, mine != TileKind::empty);
+      if (hits != 0u) {
+        const int first = __ffs(int(hits)) - 1;
+        kind = TileKind(__shfl_sync(0xffffffffu, int(mine), first));
+        return u + first;
+      }
     }
+    kind = TileKind::empty;
     return total;
   };
-  // Stages Q, dO, LSE_2 and Δ of pair u into buffer `buf`.
-  auto stage = [&](int u, int buf) {
+  // Stages Q, dO, LSE_2, Δ and the kind of pair u into buffer `buf`.
+  auto stage = [&](int u, TileKind kind, int buf) {
     const int h = kvh * group + u / q_tiles, q0 = (u % q_tiles) * bwd_rows;
     const auto* qg = static_cast<const std::uint16_t*>(a.q) + b * a.q_stride[0] + h * a.q_stride[2];
     const auto* dg =
@@ -261,7 +269,9 @@ __global__ void __launch_bounds__(threads, 2)
       sdelta[buf * bwd_rows + r] =
           in ? a.delta[(std::int64_t(b) * a.heads + h) * a.queries + row] : 0.0f;
     }
-    stage_pair_keys(mask, qpos, kpos, q0, a.queries, k0, k1, tile_keys[ranged ? buf : 0]);
+    if (threadIdx.x == 0) pair_kind[buf] = int(kind);
+    const bool edge = kind == TileKind::partial || k1 - k0 < block_n;
+    stage_pair_keys(mask, qpos, kpos, q0, a.queries, k0, k1, edge, tile_keys[ranged ? buf : 0]);
   };
 
   float dk[D / 8][4], dv[D / 8][4];
@@ -273,21 +283,21 @@ __global__ void __launch_bounds__(threads, 2)
   const float scale_log2 = a.scale * 1.4426950408889634f;
   load_tile<D>(sk, kg, a.k_stride[1], k0, a.keys);
   load_tile<D>(sv, vg, a.v_stride[1], k0, a.keys);
-  int u = next_live(0), buf = 0;
-  if (u < total) stage(u, 0);
+  TileKind first_kind;
+  int u = next_live(0, first_kind), buf = 0;
+  if (u < total) stage(u, first_kind, 0);
   cp_async_commit();
 
   const int key_lo = k0 + 16 * warp + c_row(lane, 0), key_hi = k0 + 16 * warp + c_row(lane, 2);
   while (u < total) {
     cp_async_wait_all();  // K, V, and pair u's Q and dO
     __syncthreads();      // ... visible to every warp; the other buffer free
-    const int next = next_live(u + 1);
-    if (next < total) stage(next, buf ^ 1);
+    const TileKind kind = TileKind(pair_kind[buf]);  // (staged with pair u)
+    TileKind next_kind;
+    const int next = next_live(u + 1, next_kind);
+    if (next < total) stage(next, next_kind, buf ^ 1);
     cp_async_commit();
 
-    const int q0 = (u % q_tiles) * bwd_rows;
-    const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
-    const TileKind kind = tile_kind(mask, qpos, kpos, q0, q1, k0, k1);
     const std::uint16_t* q_tile = sq + buf * tile;
     const std::uint16_t* do_tile = sdo + buf * tile;
     const float* lse2 = slse + buf * bwd_rows;
@@ -312,6 +322,8 @@ __global__ void __launch_bounds__(threads, 2)
           if constexpr (ranged) {
             keep = TileKeys(tile_keys[buf][col])(key - k0);
           } else {
+            const int q0 = (u % q_tiles) * bwd_rows;
+            const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
             const int qi = q0 + col < q1 ? q0 + col : q1 - 1;
             keep = key < k1 && (!check || mask.allowed(qpos(qi), kpos(key)));
           }
