@@ -99,19 +99,21 @@ __global__ void __launch_bounds__(threads) delta_kernel(const BackwardArgs a) {
   if (row < a.queries && c == 0) a.delta[(std::int64_t(b) * a.heads + h) * a.queries + row] = sum;
 }
 
-/// acc (16 x 64, 8 n-tiles) += X Y^T: X = rows x_row0 .. + 15 of the swizzled
-/// tile x, Y = the 64 rows of tile y (flash_frag.hpp: ldsm_a, ldsm_b).
-template <int D, bool IsBf16>
-__device__ __forceinline__ void warp_x_yt(float (&acc)[8][4], const std::uint16_t* x, int x_row0,
-                                          const std::uint16_t* y, int lane) {
+/// acc (16 x 16 NP, 2 NP n-tiles) += X Y^T: X = rows x_row0 .. + 15 of the
+/// swizzled tile x, Y = rows y_row0 .. + 16 NP - 1 of tile y (flash_frag.hpp:
+/// ldsm_a, ldsm_b). NP = 4: all 64 rows of y.
+template <int D, bool IsBf16, int NP = 4>
+__device__ __forceinline__ void warp_x_yt(float (&acc)[2 * NP][4], const std::uint16_t* x,
+                                          int x_row0, const std::uint16_t* y, int lane,
+                                          int y_row0 = 0) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     std::uint32_t af[4];
     ldmatrix_x4(af, x + frag_offset<D>(ldsm_a(lane), x_row0, 2 * kk));
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
+    for (int p = 0; p < NP; ++p) {
       std::uint32_t r[4];
-      ldmatrix_x4(r, y + frag_offset<D>(ldsm_b(lane), 16 * p, 2 * kk));
+      ldmatrix_x4(r, y + frag_offset<D>(ldsm_b(lane), y_row0 + 16 * p, 2 * kk));
       mma16816<IsBf16>(acc[2 * p], af, r[0], r[1]);
       mma16816<IsBf16>(acc[2 * p + 1], af, r[2], r[3]);
     }
@@ -217,7 +219,9 @@ __global__ void __launch_bounds__(threads, 2)
   const int k1 = k0 + block_n < a.keys ? k0 + block_n : a.keys;
   const int group = a.heads / a.kv_heads;
   const int q_tiles = (a.queries + bwd_rows - 1) / bwd_rows;
-  const int total = group * q_tiles;  // (query head, query tile) pairs, u = hg q_tiles + qt
+  // The (query head h, query tile qt) pairs of this kv head: u = h q_tiles +
+  // qt in [u_begin, u_end) (h / group = kvh).
+  const int u_begin = kvh * group * q_tiles, u_end = u_begin + group * q_tiles;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Masks with allowed_keys(): the TileKeys of each buffer's query rows.
   constexpr bool ranged = has_allowed_keys<Mask>::value;
@@ -228,16 +232,16 @@ __global__ void __launch_bounds__(threads, 2)
   const auto* vg = static_cast<const std::uint16_t*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[2];
 
   // The next (query head, query tile) at or after u whose tile the mask does
-  // not hide from this key tile (`total` if none), and its kind. The warp's
+  // not hide from this key tile (`u_end` if none), and its kind. The warp's
   // lanes test 32 pairs at once (every warp the same ones): a mask's
   // classify() may search its data in global memory (documents: binary
   // searches over the offsets), and a key tile of a short document sees few
   // of the pairs it scans. Each live pair is classified once.
   auto next_live = [&](int u, TileKind& kind) {
-    for (; u < total; u += 32) {
+    for (; u < u_end; u += 32) {
       const int c = u + lane;
       TileKind mine = TileKind::empty;
-      if (c < total) {
+      if (c < u_end) {
         const int q0 = (c % q_tiles) * bwd_rows;
         const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
         mine = tile_kind(mask, qpos, kpos, q0, q1, k0, k1);
@@ -250,11 +254,11 @@ __global__ void __launch_bounds__(threads, 2)
       }
     }
     kind = TileKind::empty;
-    return total;
+    return u_end;
   };
   // Stages Q, dO, LSE_2, Δ and the kind of pair u into buffer `buf`.
   auto stage = [&](int u, TileKind kind, int buf) {
-    const int h = kvh * group + u / q_tiles, q0 = (u % q_tiles) * bwd_rows;
+    const int h = u / q_tiles, q0 = (u % q_tiles) * bwd_rows;
     const auto* qg = static_cast<const std::uint16_t*>(a.q) + b * a.q_stride[0] + h * a.q_stride[2];
     const auto* dg =
         static_cast<const std::uint16_t*>(a.dout) + b * a.dout_stride[0] + h * a.dout_stride[2];
@@ -284,18 +288,17 @@ __global__ void __launch_bounds__(threads, 2)
   load_tile<D>(sk, kg, a.k_stride[1], k0, a.keys);
   load_tile<D>(sv, vg, a.v_stride[1], k0, a.keys);
   TileKind first_kind;
-  int u = next_live(0, first_kind), buf = 0;
-  if (u < total) stage(u, first_kind, 0);
+  int u = next_live(u_begin, first_kind), buf = 0;
+  if (u < u_end) stage(u, first_kind, 0);
   cp_async_commit();
 
-  const int key_lo = k0 + 16 * warp + c_row(lane, 0), key_hi = k0 + 16 * warp + c_row(lane, 2);
-  while (u < total) {
+  while (u < u_end) {
     cp_async_wait_all();  // K, V, and pair u's Q and dO
     __syncthreads();      // ... visible to every warp; the other buffer free
     const TileKind kind = TileKind(pair_kind[buf]);  // (staged with pair u)
     TileKind next_kind;
     const int next = next_live(u + 1, next_kind);
-    if (next < total) stage(next, next_kind, buf ^ 1);
+    if (next < u_end) stage(next, next_kind, buf ^ 1);
     cp_async_commit();
 
     const std::uint16_t* q_tile = sq + buf * tile;
@@ -312,19 +315,22 @@ __global__ void __launch_bounds__(threads, 2)
     warp_x_yt<D, IsBf16>(pt, sk, 16 * warp, q_tile, lane);
     const bool check = kind == TileKind::partial;
     const bool edge = check || k1 - k0 < block_n;
+    // This thread's keys, relative to k0: kr_lo = 16 warp + c_row(lane, 0)
+    // and kr_lo + 8 (absolute keys kept live across the loop spilled).
+    const int kr_lo = 16 * warp + c_row(lane, 0);
+    [[maybe_unused]] const int q0 = (u % q_tiles) * bwd_rows;
+    [[maybe_unused]] const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = 8 * n + c_col(lane, e), key = e < 2 ? key_lo : key_hi;
+        const int col = 8 * n + c_col(lane, e), kr = e < 2 ? kr_lo : kr_lo + 8;
         bool keep = true;
         if (edge) {
           if constexpr (ranged) {
-            keep = TileKeys(tile_keys[buf][col])(key - k0);
+            keep = TileKeys(tile_keys[buf][col])(kr);
           } else {
-            const int q0 = (u % q_tiles) * bwd_rows;
-            const int q1 = q0 + bwd_rows < a.queries ? q0 + bwd_rows : a.queries;
-            const int qi = q0 + col < q1 ? q0 + col : q1 - 1;
+            const int qi = q0 + col < q1 ? q0 + col : q1 - 1, key = k0 + kr;
             keep = key < k1 && (!check || mask.allowed(qpos(qi), kpos(key)));
           }
         }
@@ -332,17 +338,22 @@ __global__ void __launch_bounds__(threads, 2)
       }
     // dV += P^T dO
     warp_p_y<D, IsBf16>(dv, pt, do_tile, lane);
-    // dS^T = P^T (dP^T - Δ), dP^T = V dO^T
-    float dpt[8][4];
+    // dS^T = P^T (dP^T - Δ), dP^T = V dO^T: in two halves of 32 queries
+    // (16 accumulator registers live beside dK, dV and P^T instead of 32).
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int half = 0; half < 2; ++half) {
+      float dpt[4][4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[n][e] = 0.0f;
-    warp_x_yt<D, IsBf16>(dpt, sv, 16 * warp, do_tile, lane);
+      for (int n = 0; n < 4; ++n)
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+        for (int e = 0; e < 4; ++e) dpt[n][e] = 0.0f;
+      warp_x_yt<D, IsBf16, 2>(dpt, sv, 16 * warp, do_tile, lane, 32 * half);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) pt[n][e] *= dpt[n][e] - dlt[8 * n + c_col(lane, e)];
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          pt[4 * half + n][e] *= dpt[n][e] - dlt[32 * half + 8 * n + c_col(lane, e)];
+    }
     // dK += dS^T Q
     warp_p_y<D, IsBf16>(dk, pt, q_tile, lane);
 
