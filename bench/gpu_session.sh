@@ -71,10 +71,33 @@ export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
 { nvidia-smi; lscpu | grep -E 'Model name|^CPU\(s\)'; python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())'; } \
   >"$logs/machine.log" 2>&1
 head -20 "$logs/machine.log" | grep -E 'H100|H200|Driver|torch|Model name' | tee -a "$out/session.log"
+# Which code the bundle's binaries are (pack_gpu_bundle.sh), next to the
+# working tree's commit (the scripts that run them).
+if [ -n "${cd_bundle:-}" ] && [ -f "$cd_bundle/BUILT_FROM" ]; then
+  sed 's/^/[bundle] /' "$cd_bundle/BUILT_FROM" | tee -a "$out/session.log"
+fi
+log "working tree: $(git rev-parse HEAD 2>/dev/null || echo 'no git')"
 log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 ldd "$cuda/tests/blockattn_test_cuda" 2>&1 | grep -E 'cudnn|nvrtc|cudart|not found' | tee -a "$out/session.log"
 
-# 1. Correctness on the GPU, cuDNN on: every single-device test case (the
+# 0. PyTorch's SDPA, the reference every speed row below reads (torch.txt).
+step torch_sdpa 120 python3 bench/torch_sdpa.py --device cuda --heads 16 --dims 128 \
+  --lengths 4096,8192,16384 --dtypes "$dtypes" --out "$logs/torch.txt"
+
+# 1. The tensor-core forward (kernel/impl/cuda_flash.hpp), backward
+#     (cuda_flash_backward.hpp) and fp32 forward (cuda_flash_f32.hpp): their
+#     checks, then their speed next to PyTorch's (the same torch.txt; "bwd"
+#     rows for the backward, then the fp32 table). First: the backward and
+#     the fp32 forward have never run on a GPU, the cuDNN path has.
+if [ -x "$cuda/tests/blockattn_flash_check" ]; then
+  # (Most of its time is the fp64 references on the host: 192 forward cases of
+  # three variants, 40 backward, 64 fp32; an estimate of ~45 s, hence 120.)
+  step flash_check 120 "$cuda/tests/blockattn_flash_check"
+  grep -sE 'FAIL|passed|failed' "$logs/flash_check.log" | head -20 | tee -a "$out/session.log"
+  step flash_bench 60 "$cuda/tests/blockattn_flash_check" --bench --torch "$logs/torch.txt"
+  cat 2>/dev/null "$logs/flash_bench.log" >>"$out/session.log"
+fi
+# 2. Correctness on the GPU, cuDNN on: every single-device test case (the
 #    16-bit ones against the fused bound where cuDNN ran, bitwise otherwise).
 if [ -x "$cuda/tests/blockattn_test_cuda" ]; then
   step test_cuda 150 "$cuda/tests/blockattn_test_cuda" -d
@@ -88,10 +111,8 @@ else
   log "no $cuda/tests/blockattn_test_cuda: skipped"
 fi
 
-# 2. Speed: PyTorch's SDPA and ours in the same job (bf16 fused, then our kernels).
+# 2b. Speed: PyTorch's SDPA (above) and ours in the same job (bf16 fused, then our kernels).
 if [ -x "$cuda/bench/blockattn_bench_gpu" ]; then
-  step torch_sdpa 120 python3 bench/torch_sdpa.py --device cuda --heads 16 --dims 128 \
-    --lengths 4096,8192,16384 --dtypes "$dtypes" --out "$logs/torch.txt"
   step bench_gpu 120 "$cuda/bench/blockattn_bench_gpu" --dtypes "$dtypes" --torch "$logs/torch.txt"
   [ -f "$logs/bench_gpu.log" ] && cat "$logs/bench_gpu.log" >>"$out/session.log"
   # The cost of the check of V for inf / NaN that masked cuDNN calls make.
@@ -102,18 +123,6 @@ else
   log "no $cuda/bench/blockattn_bench_gpu: skipped"
 fi
 
-# 2b. The tensor-core forward (kernel/impl/cuda_flash.hpp), backward
-#     (cuda_flash_backward.hpp) and fp32 forward (cuda_flash_f32.hpp): their
-#     checks, then their speed next to PyTorch's (the same torch.txt; "bwd"
-#     rows for the backward, then the fp32 table).
-if [ -x "$cuda/tests/blockattn_flash_check" ]; then
-  # (Most of its time is the fp64 references on the host: 192 forward cases of
-  # three variants, 36 backward, 44 fp32; an estimate of ~45 s, hence 120.)
-  step flash_check 120 "$cuda/tests/blockattn_flash_check"
-  grep -sE 'FAIL|passed|failed' "$logs/flash_check.log" | head -20 | tee -a "$out/session.log"
-  step flash_bench 60 "$cuda/tests/blockattn_flash_check" --bench --torch "$logs/torch.txt"
-  cat 2>/dev/null "$logs/flash_bench.log" >>"$out/session.log"
-fi
 # 2c. fp32 on tensor cores through the library (ForwardOptions::fp32_tensor_cores,
 #     cuda_flash_f32.hpp; its check of q, k, v for inf / NaN included), next
 #     to PyTorch's fp32 (flash_check above checked the kernel against fp64).

@@ -14,7 +14,9 @@
 # blockattn_bench_steps (the last two not in `all`:
 # make it by name), the host build's
 # blockattn_bench_plan, blockattn_bench_serve and blockattn_bench_decode (prefill
-# on 16 cores), and Open MPI.
+# on 16 cores), and Open MPI (bench/unpack_mpi.sh makes its folder); and
+# BUILT_FROM: the commit the binaries were built from (the tree's state when
+# packed, and any binary older than a header: gpu_session.sh prints it).
 # Then: run(carry [".gpu"], command "bash bench/gpu_session.sh").
 # SKIP="name ...": leave those binaries out (if the bundle would pass the carry
 # limit: it says so).
@@ -37,6 +39,21 @@ for f in tests/blockattn_test_cuda tests/blockattn_test_distributed_cuda tests/b
   if [[ " ${SKIP:-} " == *" $(basename "$f") "* ]]; then echo "left out $f (SKIP)"; continue; fi
   if [ -x "$cuda/$f" ]; then strip -o "$stage/build-cuda/$f" "$cuda/$f"; else echo "missing $cuda/$f"; fi
 done
+# Which code the binaries are: the commit, uncommitted changes, and binaries
+# older than the newest header or test source (built before a change).
+newest=$(cd "$repo" && git ls-files -z include 'tests/*.[ch]pp' 'bench/*.[ch]pp' |
+  xargs -0 stat -c '%Y %n' | sort -n | tail -1)
+{
+  echo "commit $(cd "$repo" && git rev-parse HEAD) ($(cd "$repo" && git log -1 --format=%cd --date=iso))"
+  (cd "$repo" && git status --porcelain --untracked-files=no | sed 's/^/uncommitted: /')
+  echo "packed $(date -u '+%Y-%m-%d %H:%M UTC'); newest source: ${newest#* }"
+  for f in "$stage"/build-cuda/*/*; do
+    b=$cuda/${f#"$stage"/build-cuda/}
+    [ "$(stat -c %Y "$b")" -lt "${newest%% *}" ] && echo "STALE: $b is older than ${newest#* }"
+  done
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+} >"$stage/BUILT_FROM" 2>/dev/null || true
+cat "$stage/BUILT_FROM"
 for f in bench/blockattn_bench_plan bench/blockattn_bench_serve bench/blockattn_bench_decode; do
   if [ -n "$host" ] && [ -x "$host/$f" ]; then strip -o "$stage/build-host/$f" "$host/$f"; fi
 done
