@@ -15,8 +15,8 @@
 # make it by name), the host build's
 # blockattn_bench_plan, blockattn_bench_serve and blockattn_bench_decode (prefill
 # on 16 cores), and Open MPI (bench/unpack_mpi.sh makes its folder); and
-# BUILT_FROM: the commit the binaries were built from (the tree's state when
-# packed, and any binary older than a header: gpu_session.sh prints it).
+# BUILT_FROM: the commit checked out when packed, uncommitted changes, and
+# any binary older than a source (STALE); gpu_session.sh prints it.
 # Then: run(carry [".gpu"], command "bash bench/gpu_session.sh").
 # SKIP="name ...": leave those binaries out (if the bundle would pass the carry
 # limit: it says so).
@@ -44,7 +44,7 @@ done
 newest=$(cd "$repo" && git ls-files -z include 'tests/*.[ch]pp' 'bench/*.[ch]pp' |
   xargs -0 stat -c '%Y %n' | sort -n | tail -1)
 {
-  echo "commit $(cd "$repo" && git rev-parse HEAD) ($(cd "$repo" && git log -1 --format=%cd --date=iso))"
+  echo "packed at commit $(cd "$repo" && git rev-parse HEAD) ($(cd "$repo" && git log -1 --format=%cd --date=iso))"
   (cd "$repo" && git status --porcelain --untracked-files=no | sed 's/^/uncommitted: /')
   echo "packed $(date -u '+%Y-%m-%d %H:%M UTC'); newest source: ${newest#* }"
   for f in "$stage"/build-cuda/*/*; do
