@@ -232,11 +232,13 @@ configure() {
   # Tests, examples and tools ON whatever the tree's cache says (a tree
   # configured by hand without them, e.g. for an install, still runs the
   # demo); examples, tools and benchmarks at -O3 (BLOCKATTN_APPS_OPT empty:
-  # `test` asks for -O1); the caller's -D... come last and win.
+  # `test` asks for -O1); BlockAttn::kernels whole (`test` precompiles what
+  # the suite calls); the caller's -D... come last and win.
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
     -DKokkosKernels_ROOT="$kokkos" -DBLOCKATTN_BUILD_TESTS=ON -DBLOCKATTN_BUILD_EXAMPLES=ON \
     -DBLOCKATTN_BUILD_TOOLS=ON -DBLOCKATTN_BUILD_KERNELS=ON \
-    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= -DBLOCKATTN_BENCH_OPT= $extra "$@" >/dev/null
+    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= -DBLOCKATTN_BENCH_OPT= \
+    '-DBLOCKATTN_KERNELS_SET=*:*:*:*:*' $extra "$@" >/dev/null
 }
 
 # Open MPI: allow running as root (CI containers) and avoid the single-copy
@@ -286,9 +288,11 @@ case "$cmd" in
     # command lines and small examples, not their speed (CMakeLists.txt,
     # BLOCKATTN_APPS_OPT, BLOCKATTN_BENCH_OPT); the test files at -O0
     # (tests/CMakeLists.txt, BLOCKATTN_TEST_OPT), the precompiled kernels and the
-    # test targets with kernels of their own at -O1 (BLOCKATTN_TEST_KERNEL_OPT).
+    # test targets with kernels of their own at -O1 (BLOCKATTN_TEST_KERNEL_OPT);
+    # of BlockAttn::kernels only the block products the suite calls
+    # (tests/kernels_used.txt; the rest is compiled front end only, in ctest).
     configure -DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_BENCH_OPT=-O0 -DBLOCKATTN_TEST_OPT=-O0 \
-      -DBLOCKATTN_TEST_KERNEL_OPT=-O1
+      -DBLOCKATTN_TEST_KERNEL_OPT=-O1 -DBLOCKATTN_KERNELS_SET=@tests/kernels_used.txt
     cmake --build "$build" -j "$jobs"
     (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
     "${BASH_SOURCE[0]}" test-sanitize

@@ -36,8 +36,8 @@ void check_score_and_sinks(const char* fn, const Mask& mask, const ForwardOption
 }
 
 /// The masks whose GQA rows the host matrix engine packs (below): the
-/// built-in ones (instantiate.hpp's BLOCKATTN_IMPL_BUILTIN: keep the two lists
-/// alike), whose kernels on TablePositions BlockAttn::kernels
+/// built-in ones (cmake/BlockAttnKernelsSet.cmake's _ba_ks_masks: keep the
+/// two lists alike), whose kernels on TablePositions BlockAttn::kernels
 /// precompiles (a mask of yours would compile a second kernel in every file
 /// that calls the forward), and none with a score policy (a policy may depend
 /// on the query head, which packed rows do not keep).

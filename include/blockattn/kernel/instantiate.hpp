@@ -6,9 +6,10 @@
 // again.
 //
 // The library's own set (the built-in masks and position maps, every value
-// type, the host backends Kokkos enables) is the CMake target
-// BlockAttn::kernels; linking it defines BLOCKATTN_PRECOMPILED_KERNELS, which
-// makes block_product.hpp declare that set extern.
+// type, the host backends Kokkos enables, or the part of it the build's
+// BLOCKATTN_KERNELS_SET selects) is the CMake target BlockAttn::kernels;
+// linking it defines BLOCKATTN_PRECOMPILED_KERNELS, which makes
+// block_product.hpp declare that set extern (below).
 //
 // Your own mask or partition, compiled once: in ONE .cpp file of your program
 //
@@ -77,26 +78,17 @@
 #define BLOCKATTN_EXTERN_BLOCK_PRODUCT(EXEC, MASK, POS) \
   BLOCKATTN_IMPL_BLOCK_PRODUCT(extern, EXEC, MASK, POS)
 
-// The library's set (BlockAttn::kernels): every built-in mask, for the two
-// position maps the kernels run (AffinePositions: single device and the
-// contiguous, striped and zigzag partitions; TablePositions: TablePartition).
-#define BLOCKATTN_IMPL_BUILTIN_MASK(EXT, EXEC, MASK)                          \
-  BLOCKATTN_IMPL_BLOCK_PRODUCT(EXT, EXEC, MASK, ::blockattn::AffinePositions) \
-  BLOCKATTN_IMPL_BLOCK_PRODUCT(EXT, EXEC, MASK, ::blockattn::TablePositions)
-#define BLOCKATTN_IMPL_BUILTIN(EXT, EXEC)                                \
-  BLOCKATTN_IMPL_BUILTIN_MASK(EXT, EXEC, ::blockattn::FullMask)          \
-  BLOCKATTN_IMPL_BUILTIN_MASK(EXT, EXEC, ::blockattn::CausalMask)        \
-  BLOCKATTN_IMPL_BUILTIN_MASK(EXT, EXEC, ::blockattn::SlidingWindowMask) \
-  BLOCKATTN_IMPL_BUILTIN_MASK(EXT, EXEC, ::blockattn::PrefixLMMask)      \
-  BLOCKATTN_IMPL_BUILTIN_MASK(EXT, EXEC, ::blockattn::DocumentMask)
-
-// Linked with BlockAttn::kernels: the built-in set of every host backend of
-// this Kokkos is compiled there (src/block_product.cpp.in), not here.
+// Linked with BlockAttn::kernels: its set (every built-in mask, both position
+// maps the kernels run -- AffinePositions: single device and the contiguous,
+// striped and zigzag partitions; TablePositions: TablePartition -- every value
+// type, every host backend of this Kokkos, or what the build's
+// BLOCKATTN_KERNELS_SET selects of it) is compiled there and declared extern
+// here, by a header the build generates (cmake/BlockAttnKernelsSet.cmake).
 #if defined(BLOCKATTN_PRECOMPILED_KERNELS) && !defined(BLOCKATTN_COMPILING_KERNELS)
-#if defined(KOKKOS_ENABLE_SERIAL)
-BLOCKATTN_IMPL_BUILTIN(extern, Kokkos::Serial)
-#endif
-#if defined(KOKKOS_ENABLE_OPENMP)
-BLOCKATTN_IMPL_BUILTIN(extern, Kokkos::OpenMP)
+#if __has_include(<blockattn_precompiled_set.hpp>)
+#include <blockattn_precompiled_set.hpp>
+#else
+#error \
+    "BlockAttn: BLOCKATTN_PRECOMPILED_KERNELS is set (by linking BlockAttn::kernels), but its generated blockattn_precompiled_set.hpp is not on the include path"
 #endif
 #endif
