@@ -247,6 +247,23 @@ function(blockattn_kernels_set_tests)
   if(NOT BLOCKATTN_KERNELS_SET_FILE)
     return()
   endif()
+  # The file is what the suite calls on a Kokkos with its backends (the
+  # script's Serial + OpenMP); another Kokkos calls other kernels.
+  _blockattn_ks_selectors(selectors)
+  set(file_backends "")
+  foreach(sel IN LISTS selectors)
+    string(REGEX REPLACE ":.*" "" b "${sel}")
+    list(APPEND file_backends "${b}")
+  endforeach()
+  list(REMOVE_DUPLICATES file_backends)
+  list(SORT file_backends)
+  set(backends ${BLOCKATTN_BACKENDS})
+  list(SORT backends)
+  if(NOT file_backends STREQUAL backends)
+    message(STATUS "BlockAttn: kernels_set_matches_tests not added: ${BLOCKATTN_KERNELS_SET_FILE} "
+                   "is for the backends ${file_backends}, this Kokkos has ${backends}")
+    return()
+  endif()
   add_test(NAME kernels_set_matches_tests
            COMMAND sh ${PROJECT_SOURCE_DIR}/tests/kernels_used.sh check
                    ${PROJECT_BINARY_DIR}/kernels/objects_linking_kernels.txt
