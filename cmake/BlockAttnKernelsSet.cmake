@@ -23,8 +23,9 @@
 #   generated/blockattn_precompiled_set.hpp      the same, declared extern
 #                                                (kernel/instantiate.hpp)
 # and sets, for the tests, BLOCKATTN_KERNELS_SET_FILE (the @file, if one was
-# given) and BLOCKATTN_KERNELS_UNSELECTED_<Backend> (a source instantiating
-# what the set leaves out, or empty).
+# given) and BLOCKATTN_KERNELS_SET_SELECTORS (the selectors, @files read).
+# What the set leaves out is run by ctest kernels_<backend>
+# (tests/test_kernel_matrix.cpp compiles it).
 
 set(_ba_ks_masks FullMask CausalMask SlidingWindowMask PrefixLMMask DocumentMask)
 set(_ba_ks_positions Affine Table)
@@ -102,12 +103,18 @@ endfunction()
 
 function(blockattn_kernels_set_generate out_sources)
   _blockattn_ks_selectors(selectors)
+  # Each selector as a regular expression over "Backend:Mask:Positions:direction:types"
+  # (its fields are checked names or '*').
+  set(patterns "")
+  foreach(sel IN LISTS selectors)
+    string(REPLACE "*" "[^:]+" re "${sel}")
+    list(APPEND patterns "^${re}$")
+  endforeach()
   set(sources "")
   set(externs "")
   set(count 0)
   foreach(backend IN LISTS BLOCKATTN_BACKENDS)
     string(TOUPPER "${backend}" upper)
-    set(unselected "")
     set(backend_externs "")
     foreach(mask IN LISTS _ba_ks_masks)
       set(lines "")
@@ -116,18 +123,8 @@ function(blockattn_kernels_set_generate out_sources)
           string(TOUPPER "${dir}" kind)
           foreach(type IN LISTS _ba_ks_types)
             set(selected OFF)
-            foreach(sel IN LISTS selectors)
-              string(REPLACE ":" ";" f "${sel}")
-              set(i 0)
-              set(match ON)
-              foreach(v "${backend}" "${mask}" "${pos}" "${dir}" "${type}")
-                list(GET f ${i} s)
-                if(NOT s STREQUAL "*" AND NOT s STREQUAL v)
-                  set(match OFF)
-                endif()
-                math(EXPR i "${i} + 1")
-              endforeach()
-              if(match)
+            foreach(re IN LISTS patterns)
+              if("${backend}:${mask}:${pos}:${dir}:${type}" MATCHES "${re}")
                 set(selected ON)
                 break()
               endif()
@@ -137,8 +134,6 @@ function(blockattn_kernels_set_generate out_sources)
               string(APPEND lines "BLOCKATTN_IMPL_${kind}_BLOCK(, ${args})\n")
               string(APPEND backend_externs "BLOCKATTN_IMPL_${kind}_BLOCK(extern, ${args})\n")
               math(EXPR count "${count} + 1")
-            else()
-              string(APPEND unselected "BLOCKATTN_IMPL_${kind}_BLOCK(, ${args})\n")
             endif()
           endforeach()
         endforeach()
@@ -153,13 +148,6 @@ function(blockattn_kernels_set_generate out_sources)
     if(NOT backend_externs STREQUAL "")
       string(APPEND externs "#if defined(KOKKOS_ENABLE_${upper})\n${backend_externs}#endif\n")
     endif()
-    set(BLOCKATTN_KERNELS_UNSELECTED_${backend} "" PARENT_SCOPE)
-    if(NOT unselected STREQUAL "")
-      set(BLOCKATTN_KERNELS_INSTANTIATIONS "${unselected}")
-      set(src "${PROJECT_BINARY_DIR}/kernels/unselected_${backend}.cpp")
-      configure_file("${PROJECT_SOURCE_DIR}/src/block_product.cpp.in" "${src}" @ONLY)
-      set(BLOCKATTN_KERNELS_UNSELECTED_${backend} "${src}" PARENT_SCOPE)
-    endif()
   endforeach()
   if(count EQUAL 0)
     _blockattn_ks_fail("${BLOCKATTN_KERNELS_SET}"
@@ -172,6 +160,7 @@ function(blockattn_kernels_set_generate out_sources)
   message(STATUS "BlockAttn::kernels: ${count} block products (BLOCKATTN_KERNELS_SET)")
   set(${out_sources} "${sources}" PARENT_SCOPE)
   set(BLOCKATTN_KERNELS_SET_FILE "${BLOCKATTN_KERNELS_SET_FILE}" PARENT_SCOPE)
+  set(BLOCKATTN_KERNELS_SET_SELECTORS "${selectors}" PARENT_SCOPE)
 endfunction()
 
 # The targets of <dirs> that link blockattn_kernels, directly or through a
@@ -203,29 +192,13 @@ function(_blockattn_ks_links_kernels target out)
 endfunction()
 
 # Tests (with BlockAttn's tests, after every directory is added):
-# - kernels_unselected_<Backend>: what the set leaves out still compiles
-#   (front end only: the instantiations are the same templates at other types);
-# - kernels_set_matches_tests, when the set came from a file: the file is the
-#   set of precompiled block products that the tests, examples, tools and
-#   benchmarks call (tests/kernels_used.sh; the objects of the targets that
-#   link the library: <build>/kernels/objects_linking_kernels.txt).
+# kernels_set_matches_tests, when the set came from a file: the file is the
+# set of precompiled block products that the tests, examples, tools and
+# benchmarks call (tests/kernels_used.sh; the objects of the targets that link
+# the library: <build>/kernels/objects_linking_kernels.txt; targets with the
+# property BLOCKATTN_CALLS_EVERY_KERNEL, which call every block product by
+# design, are not counted).
 function(blockattn_kernels_set_tests)
-  foreach(backend IN LISTS BLOCKATTN_BACKENDS)
-    if(BLOCKATTN_KERNELS_UNSELECTED_${backend})
-      set(name kernels_unselected_${backend})
-      add_library(blockattn_${name} OBJECT EXCLUDE_FROM_ALL
-                  ${BLOCKATTN_KERNELS_UNSELECTED_${backend}})
-      # The library's flags and definitions, without waiting for it to build.
-      target_link_libraries(blockattn_${name} PRIVATE blockattn blockattn_strict)
-      target_compile_definitions(blockattn_${name} PRIVATE
-        $<TARGET_PROPERTY:blockattn_kernels,INTERFACE_COMPILE_DEFINITIONS>)
-      target_compile_options(blockattn_${name} PRIVATE -fsyntax-only)
-      add_test(NAME ${name}
-               COMMAND ${CMAKE_COMMAND} --build ${PROJECT_BINARY_DIR} --target blockattn_${name})
-      set_tests_properties(${name} PROPERTIES LABELS "compile" RESOURCE_LOCK build_tree
-                                              FAIL_REGULAR_EXPRESSION "error:")
-    endif()
-  endforeach()
   set(objects "")
   get_property(dirs DIRECTORY "${PROJECT_SOURCE_DIR}" PROPERTY SUBDIRECTORIES)
   foreach(dir IN LISTS dirs)
@@ -233,7 +206,8 @@ function(blockattn_kernels_set_tests)
     foreach(t IN LISTS targets)
       get_target_property(type ${t} TYPE)
       get_target_property(excluded ${t} EXCLUDE_FROM_ALL)
-      if(excluded OR NOT type MATCHES "^(EXECUTABLE|OBJECT_LIBRARY|STATIC_LIBRARY)$")
+      get_target_property(every ${t} BLOCKATTN_CALLS_EVERY_KERNEL)
+      if(excluded OR every OR NOT type MATCHES "^(EXECUTABLE|OBJECT_LIBRARY|STATIC_LIBRARY)$")
         continue()
       endif()
       _blockattn_ks_links_kernels(${t} links)
@@ -249,9 +223,8 @@ function(blockattn_kernels_set_tests)
   endif()
   # The file is what the suite calls on a Kokkos with its backends (the
   # script's Serial + OpenMP); another Kokkos calls other kernels.
-  _blockattn_ks_selectors(selectors)
   set(file_backends "")
-  foreach(sel IN LISTS selectors)
+  foreach(sel IN LISTS BLOCKATTN_KERNELS_SET_SELECTORS)
     string(REGEX REPLACE ":.*" "" b "${sel}")
     list(APPEND file_backends "${b}")
   endforeach()

@@ -39,6 +39,18 @@ auto to_host(const View& v) {
   return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), c);
 }
 
+/// A host tensor of a rank-4 View's values (any layout, any memory space).
+template <class View>
+HostTensor download(const View& v) {
+  auto h = to_host(v);
+  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
+  for (int a = 0; a < t.b; ++a)
+    for (int n = 0; n < t.n; ++n)
+      for (int x = 0; x < t.h; ++x)
+        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = static_cast<double>(h(a, n, x, d));
+  return t;
+}
+
 /// Copies a host tensor into a device View of T (any layout), rounding to T;
 /// the host tensor is overwritten with the rounded values so that the
 /// reference sees exactly the kernel's inputs.

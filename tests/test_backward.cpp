@@ -28,17 +28,6 @@ using V4 = Kokkos::View<T****, MemSpace>;
 template <class T>
 using V3 = Kokkos::View<T***, MemSpace>;
 
-template <class View>
-HostTensor download(const View& v) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
-  for (int a = 0; a < t.b; ++a)
-    for (int n = 0; n < t.n; ++n)
-      for (int x = 0; x < t.h; ++x)
-        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = double(h(a, n, x, d));
-  return t;
-}
-
 /// max |a - b| / max |b|; false if a has a NaN/inf.
 double rel_err(const HostTensor& a, const HostTensor& b, bool& finite) {
   double num = 0, den = 0;

@@ -81,17 +81,6 @@ double fused_bound(double e32, double x, double scale) {
   return rounded_bound<S>(e32, x) + 2.0 * S::unit_roundoff * scale;
 }
 
-template <class View>
-HostTensor download(const View& v) {
-  auto h = to_host(v);
-  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
-  for (int a = 0; a < t.b; ++a)
-    for (int n = 0; n < t.n; ++n)
-      for (int x = 0; x < t.h; ++x)
-        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = static_cast<double>(h(a, n, x, d));
-  return t;
-}
-
 /// max over elements of |got - want| / rounded_bound(e32, want) (fused:
 /// fused_bound(e32, want, fused_scale)); false when got is not finite.
 template <class S>

@@ -34,17 +34,6 @@ struct Shape4 {
   int b, nq, nk, h, hkv, d;
 };
 
-template <class View>
-HostTensor download(const View& v) {
-  auto h = to_host(v);
-  HostTensor t(int(v.extent(0)), int(v.extent(1)), int(v.extent(2)), int(v.extent(3)));
-  for (int a = 0; a < t.b; ++a)
-    for (int n = 0; n < t.n; ++n)
-      for (int x = 0; x < t.h; ++x)
-        for (int d = 0; d < t.d; ++d) t(a, n, x, d) = double(h(a, n, x, d));
-  return t;
-}
-
 /// max |a - b| / max |b| (false in `finite` on a non-finite entry of a).
 double rel_err(const std::vector<double>& a, const std::vector<double>& b, bool& finite) {
   double num = 0, den = 0;
