@@ -237,7 +237,7 @@ configure() {
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
     -DKokkosKernels_ROOT="$kokkos" -DBLOCKATTN_BUILD_TESTS=ON -DBLOCKATTN_BUILD_EXAMPLES=ON \
     -DBLOCKATTN_BUILD_TOOLS=ON -DBLOCKATTN_BUILD_KERNELS=ON \
-    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= -DBLOCKATTN_BENCH_OPT= \
+    -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= -DBLOCKATTN_BENCH_OPT= -DBLOCKATTN_EXAMPLES_OPT= \
     '-DBLOCKATTN_KERNELS_SET=*:*:*:*:*' $extra "$@" >/dev/null
 }
 
@@ -284,15 +284,17 @@ case "$cmd" in
     ;;
   test)
     ensure_deps
-    # The examples and tools at -O1, the benchmarks at -O0: ctest runs their
+    # The tools at -O1, the examples and benchmarks at -O0: ctest runs their
     # command lines and small examples, not their speed (CMakeLists.txt,
-    # BLOCKATTN_APPS_OPT, BLOCKATTN_BENCH_OPT); the test files at -O0
-    # (tests/CMakeLists.txt, BLOCKATTN_TEST_OPT), the precompiled kernels and the
-    # test targets with kernels of their own at -O1 (BLOCKATTN_TEST_KERNEL_OPT);
-    # of BlockAttn::kernels only the block products the suite calls
-    # (tests/kernels_used.txt; the rest is compiled front end only, in ctest).
-    configure -DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_BENCH_OPT=-O0 -DBLOCKATTN_TEST_OPT=-O0 \
-      -DBLOCKATTN_TEST_KERNEL_OPT=-O1 -DBLOCKATTN_KERNELS_SET=@tests/kernels_used.txt
+    # BLOCKATTN_APPS_OPT, BLOCKATTN_EXAMPLES_OPT, BLOCKATTN_BENCH_OPT); the test
+    # files at -O0 (tests/CMakeLists.txt, BLOCKATTN_TEST_OPT), the precompiled
+    # kernels and the test targets with kernels of their own at -O1
+    # (BLOCKATTN_TEST_KERNEL_OPT); of BlockAttn::kernels only the block products
+    # the suite calls (tests/kernels_used.txt; ctest kernels_serial and
+    # kernels_openmp compile and run the rest).
+    configure -DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_EXAMPLES_OPT=-O0 -DBLOCKATTN_BENCH_OPT=-O0 \
+      -DBLOCKATTN_TEST_OPT=-O0 -DBLOCKATTN_TEST_KERNEL_OPT=-O1 \
+      -DBLOCKATTN_KERNELS_SET=@tests/kernels_used.txt
     cmake --build "$build" -j "$jobs"
     (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
     "${BASH_SOURCE[0]}" test-sanitize
