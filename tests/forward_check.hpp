@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "backend.hpp"
 #include "reference.hpp"
@@ -49,6 +50,19 @@ HostTensor download(const View& v) {
       for (int x = 0; x < t.h; ++x)
         for (int d = 0; d < t.d; ++d) t(a, n, x, d) = static_cast<double>(h(a, n, x, d));
   return t;
+}
+
+/// The largest error of rounding a value to S beyond u16 * |x|: half of the
+/// smallest subnormal (fp16: 2^-25; bf16's subnormals are fp32's: 2^-134).
+template <class S>
+constexpr double subnormal_error() {
+  return std::is_same<S, fp16>::value ? 2.9802322387695312e-08 : 2.2958874039497803e-41;
+}
+
+/// Bound on |fl16(x~) - x| when x~ (fp32) is within e32 of x: e32 + u16 (|x| + e32) + tiny.
+template <class S>
+double rounded_bound(double e32, double x) {
+  return e32 + S::unit_roundoff * (std::abs(x) + e32) + subnormal_error<S>();
 }
 
 /// Copies a host tensor into a device View of T (any layout), rounding to T;

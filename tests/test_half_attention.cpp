@@ -58,19 +58,6 @@ bool tensor_core_expected(const Shape& s, bool fused, const ForwardOptions& opts
          !opts.portable_only && (s.d == 64 || s.d == 128) && s.b > 0 && s.nq > 0 && s.nk > 0;
 }
 
-/// The largest error of rounding a value to S beyond u16 * |x|: half of the
-/// smallest subnormal (fp16: 2^-25; bf16's subnormals are fp32's: 2^-134).
-template <class S>
-constexpr double subnormal_error() {
-  return std::is_same<S, fp16>::value ? 2.9802322387695312e-08 : 2.2958874039497803e-41;
-}
-
-/// Bound on |fl16(x~) - x| when x~ (fp32) is within e32 of x: e32 + u16 (|x| + e32) + tiny.
-template <class S>
-double rounded_bound(double e32, double x) {
-  return e32 + S::unit_roundoff * (std::abs(x) + e32) + subnormal_error<S>();
-}
-
 /// The bound of a fused provider's result: one rounding of an fp32 result
 /// plus 16-bit rounding of the probabilities (and of dS in the backward)
 /// before their products, as FlashAttention-style kernels do: at most
