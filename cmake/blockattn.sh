@@ -233,11 +233,13 @@ configure() {
   # configured by hand without them, e.g. for an install, still runs the
   # demo); examples, tools and benchmarks at -O3 (BLOCKATTN_APPS_OPT empty:
   # `test` asks for -O1); BlockAttn::kernels whole (`test` precompiles what
-  # the suite calls); the caller's -D... come last and win.
+  # the suite calls); warnings not as errors (`test` asks for them); the
+  # caller's -D... come last and win.
   cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$kokkos" \
     -DKokkosKernels_ROOT="$kokkos" -DBLOCKATTN_BUILD_TESTS=ON -DBLOCKATTN_BUILD_EXAMPLES=ON \
     -DBLOCKATTN_BUILD_TOOLS=ON -DBLOCKATTN_BUILD_KERNELS=ON \
     -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= -DBLOCKATTN_BENCH_OPT= -DBLOCKATTN_EXAMPLES_OPT= \
+    -DBLOCKATTN_WERROR=OFF \
     '-DBLOCKATTN_KERNELS_SET=*:*:*:*:*' $extra "$@" >/dev/null
 }
 
@@ -289,11 +291,12 @@ case "$cmd" in
     # BLOCKATTN_APPS_OPT, BLOCKATTN_EXAMPLES_OPT, BLOCKATTN_BENCH_OPT); the test
     # files at -O0 (tests/CMakeLists.txt, BLOCKATTN_TEST_OPT), the precompiled
     # kernels and the test targets with kernels of their own at -O1
-    # (BLOCKATTN_TEST_KERNEL_OPT); of BlockAttn::kernels only the block products
+    # (BLOCKATTN_TEST_KERNEL_OPT); warnings as errors (BLOCKATTN_WERROR);
+    # of BlockAttn::kernels only the block products
     # the suite calls (tests/kernels_used.txt; ctest kernels_serial and
     # kernels_openmp compile and run the rest).
     configure -DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_EXAMPLES_OPT=-O0 -DBLOCKATTN_BENCH_OPT=-O0 \
-      -DBLOCKATTN_TEST_OPT=-O0 -DBLOCKATTN_TEST_KERNEL_OPT=-O1 \
+      -DBLOCKATTN_TEST_OPT=-O0 -DBLOCKATTN_TEST_KERNEL_OPT=-O1 -DBLOCKATTN_WERROR=ON \
       -DBLOCKATTN_KERNELS_SET=@tests/kernels_used.txt
     cmake --build "$build" -j "$jobs"
     (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
@@ -307,6 +310,7 @@ case "$cmd" in
     ensure_deps
     build=${SANITIZE_BUILD_DIR:-$repo/build-sanitize}
     configure -DBLOCKATTN_SANITIZE=ON -DBLOCKATTN_BUILD_EXAMPLES=OFF -DBLOCKATTN_BUILD_BENCH=OFF \
+      -DBLOCKATTN_WERROR=ON \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1"
     cmake --build "$build" -j "$jobs"
     (cd "$build" && ctest --output-on-failure -j "$jobs" -L sanitize "$@")

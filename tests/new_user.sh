@@ -4,10 +4,13 @@
 # (read from README.md, paths filled in) and `cmake/blockattn.sh`'s demo build
 # tree coexist. The install configures its own folder; a build/ that a user
 # configured by hand without examples (the old install command) still gets the
-# demo targets when the script configures it. Configure steps only: the
-# builds themselves are the rest of CI (the test command builds and runs the
-# demos and examples; consumer_project installs and builds against the
-# package with find_package).
+# demo targets when the script configures it. The install configure compiles
+# BlockAttn::kernels and the planner with optimisation and without -Werror,
+# says which -march the kernels get, and installs bin/blockattn_plan.
+# Configure steps only: the builds themselves are the rest of CI (the test
+# command builds and runs the demos and examples; consumer_project installs
+# the package, runs the installed planner and builds against the package with
+# find_package).
 #   new_user.sh SOURCE_DIR KOKKOS_ROOT WORK_DIR
 set -euo pipefail
 src=$1 kokkos=$2 work=$3
@@ -33,8 +36,28 @@ if [ "$install_dir" = "$default_build" ]; then
   echo "the install command configures $default_build/, the tree cmake/blockattn.sh demo reuses"
   exit 1
 fi
-eval "${configure_line//\/path\/to\/kokkos/$kokkos}" >/dev/null
+configure_out=$(eval "${configure_line//\/path\/to\/kokkos/$kokkos}")
 grep -q '^BLOCKATTN_BUILD_EXAMPLES:BOOL=OFF' "$install_dir/CMakeCache.txt"
+
+# What that configure compiles, as the build system will compile it: the
+# precompiled kernels and the planner optimised, warnings not as errors; the
+# kernels' instruction set said; the planner installed into bin/.
+fail() { echo "README's install: $*"; exit 1; }
+for t in CMakeFiles/blockattn_kernels.dir tools/CMakeFiles/blockattn_plan.dir; do
+  flags_file=$install_dir/$t/flags.make
+  [ -f "$flags_file" ] || fail "no $flags_file (is the target configured?)"
+  flags=$(sed -n 's/^CXX_FLAGS = //p' "$flags_file")
+  echo "${t%%.dir}: $flags"
+  grep -Eq '(^| )-O([1-3s]|fast)( |$)' <<<"$flags" || fail "$t compiles without optimisation: $flags"
+  ! grep -q -- '-Werror' <<<"$flags" || fail "$t compiles with -Werror: $flags"
+done
+grep -q 'BlockAttn::kernels: .*instruction set' <<<"$configure_out" ||
+  fail "configure does not say which instruction set BlockAttn::kernels is compiled for"
+grep -F 'BlockAttn::kernels:' <<<"$configure_out"
+rules=$install_dir/tools/cmake_install.cmake
+grep -q 'blockattn_plan' "$rules" 2>/dev/null && grep -q 'CMAKE_INSTALL_PREFIX}/bin"' "$rules" ||
+  fail "cmake --install does not install blockattn_plan into bin/ ($rules)"
+echo "install: kernels and planner optimised, no -Werror, bin/blockattn_plan installed"
 
 # A build/ configured by hand without tests or examples, then the script.
 cmake -S . -B "$default_build" -DKokkos_ROOT="$kokkos" -DBLOCKATTN_BUILD_TESTS=OFF \

@@ -47,6 +47,14 @@ function(consumer mode kokkos_dir tag)
 endfunction()
 
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+# The planner CLI is installed with the package (where the tree builds the
+# tools) and runs from the prefix: its run path finds the libraries it links.
+if(EXISTS ${BUILD_DIR}/tools/blockattn_plan)
+  if(NOT EXISTS ${prefix}/bin/blockattn_plan)
+    message(FATAL_ERROR "cmake --install put no bin/blockattn_plan into ${prefix}")
+  endif()
+  run(${prefix}/bin/blockattn_plan --n 65536 --p 8 --hw a100-nvlink)
+endif()
 consumer(package ${KOKKOS_DIR} main)
 consumer(subdirectory ${KOKKOS_DIR} main)
 if(EXTRA_KOKKOS_DIR)
