@@ -94,10 +94,14 @@ bool decode_dot_expected(HostMatrix setting) {
 /// Runs attention_decode on the case under `mask` and checks every sequence
 /// against the fp64 reference over its own cached keys; `out` (if given)
 /// gets O as doubles.
+/// With `sinks` (one logit per query head), a 16-bit O is also checked element
+/// by element against one rounding of the fp32 result (rounded_bound): the
+/// sink is folded into the normalisation, not applied to the rounded O.
 template <class T, class Mask>
 void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed,
-                  HostMatrix setting = HostMatrix::automatic, std::vector<double>* out = nullptr) {
-  INFO(describe(c), " host_matrix ", int(setting));
+                  HostMatrix setting = HostMatrix::automatic, std::vector<double>* out = nullptr,
+                  const std::vector<double>* sinks = nullptr) {
+  INFO(describe(c), " host_matrix ", int(setting), sinks ? " sinks" : "");
   const int B = int(c.lengths.size());
   int cap = 1;
   for (int l : c.lengths) cap = std::max(cap, l);
@@ -146,6 +150,13 @@ void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed,
   DecodeOptions opts;
   opts.splits = c.splits;
   opts.host_matrix = setting;
+  Kokkos::View<float*, MemSpace> sink_logits("sinks", sinks ? sinks->size() : 0);
+  if (sinks) {
+    auto sh = Kokkos::create_mirror_view(sink_logits);
+    for (std::size_t h = 0; h < sinks->size(); ++h) sh(h) = float((*sinks)[h]);
+    Kokkos::deep_copy(sink_logits, sh);
+    opts.sinks = sink_logits;
+  }
   attention_decode(ExecSpace{}, qd, kd, vd, len, qpos, o, lse, mask, kpos, opts);
   Kokkos::fence();
   auto oh = to_host(o);
@@ -169,10 +180,13 @@ void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed,
           vb(0, j, h, d) = v(b, j, h, d);
         }
     const ReferenceResult ref = reference_attention(
-        qb, kb, vb, SlotMask<Mask, StridedPositions>{mask, kpos}, scale, ph(b), 0);
-    const double tol = bound<T>(ref, c.dim, std::max(n, 1),
-                                std::is_same<T, bf16>::value && decode_dot_expected(setting));
-    double o_err = 0, lse_err = 0;
+        qb, kb, vb, SlotMask<Mask, StridedPositions>{mask, kpos}, scale, ph(b), 0, sinks);
+    const bool dot = std::is_same<T, bf16>::value && decode_dot_expected(setting);
+    const double tol = bound<T>(ref, c.dim, std::max(n, 1), dot);
+    // One rounding into 16 bits of an fp32 result within e32 of the reference.
+    const double e32 =
+        tolerance<float>(ref, c.dim, std::max(n, 1)) + (dot ? std::ldexp(1.0, -9) : 0);
+    double o_err = 0, lse_err = 0, rounded = 0;
     bool exact_empty = true, finite = true;
     for (int h = 0; h < c.heads; ++h)
       for (int i = 0; i < c.rows; ++i) {
@@ -182,7 +196,10 @@ void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed,
           const double og = double(oh(b, i, h, d));
           if (!std::isfinite(og)) finite = false;
           if (std::isinf(want) && og != 0.0) exact_empty = false;
-          o_err = std::max(o_err, std::abs(og - ref.o(0, i, h, d)));
+          const double x = ref.o(0, i, h, d);
+          o_err = std::max(o_err, std::abs(og - x));
+          if constexpr (std::is_same<T, bf16>::value || std::is_same<T, fp16>::value)
+            if (sinks) rounded = std::max(rounded, std::abs(og - x) / rounded_bound<T>(e32, x));
         }
         if (std::isinf(want))
           exact_empty = exact_empty && std::isinf(got) && got < 0;
@@ -191,11 +208,13 @@ void check_decode(const DecodeCase& c, const Mask& mask, std::uint64_t seed,
         else
           finite = false;
       }
-    INFO("sequence ", b, " (", n, " keys): O err ", o_err, " LSE err ", lse_err, " bound ", tol);
+    INFO("sequence ", b, " (", n, " keys): O err ", o_err, " LSE err ", lse_err, " bound ", tol,
+         "; O err / one rounding's bound ", rounded);
     CHECK(finite);
     CHECK(exact_empty);
     CHECK(o_err <= tol);
     CHECK(lse_err <= tol);
+    CHECK(rounded <= 1.0);
   }
 }
 
@@ -256,6 +275,23 @@ TEST_SUITE("decode") {
     } else {
       CHECK(differ == 0);
       MESSAGE("SKIPPED: the AVX512-BF16 decode cases (", impl::host_matrix_engine().reason, ")");
+    }
+  }
+
+  TEST_CASE_TEMPLATE(
+      "attention_decode with sinks: folded into the normalisation, a 16-bit O rounded once", T,
+      float, bf16, fp16) {
+    // Sinks below, near and above the rows' LSEs (O scaled by 1 .. ~0.02),
+    // and -inf (no sink) on some heads; empty caches (LSE = the sink, O = 0),
+    // one split and several (the merge folds the sink).
+    std::uint64_t seed = 600;
+    for (const DecodeCase& c : decode_case_list) {
+      std::vector<double> sinks;
+      for (int h = 0; h < c.heads; ++h)
+        sinks.push_back(h % 4 == 3 ? -std::numeric_limits<double>::infinity()
+                                   : std::vector<double>{2.0, -1.0, 7.5, 4.25}[std::size_t(h % 4)] +
+                                         0.5 * (h / 4));
+      check_decode<T>(c, causal_window(200), seed++, HostMatrix::automatic, nullptr, &sinks);
     }
   }
 

@@ -5,8 +5,9 @@
 // matching shapes, an MPI communicator, an execution space). The blocks are
 // extracted at build time (readme_snippets.cpp), so an edit that breaks the
 // code breaks this test; a new block fails to compile here until it is given
-// a context below. Snippets 1-2: README.md; 3-6: docs/distributed.md;
-// 7: docs/planner.md; 8-9: docs/extending.md; 10: docs/serving.md.
+// a context below. Snippets in the order of the pages: README.md,
+// docs/distributed.md, docs/planner.md, docs/extending.md, docs/serving.md
+// (11, 12), docs/score.md (13-15).
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -17,7 +18,7 @@
 
 #include <readme_snippets.hpp>
 
-static_assert(BLOCKATTN_README_SNIPPETS == 14,
+static_assert(BLOCKATTN_README_SNIPPETS == 15,
               "the ```cpp blocks of README.md or docs/ changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
@@ -26,9 +27,9 @@ namespace snippet9 {
 #include <readme_snippet_9.inc>
 }  // namespace snippet9
 
-namespace snippet13 {  // docs/score.md: a score policy of your own
-#include <readme_snippet_13.inc>
-}  // namespace snippet13
+namespace snippet14 {  // docs/score.md: a score policy of your own
+#include <readme_snippet_14.inc>
+}  // namespace snippet14
 
 namespace {
 
@@ -227,7 +228,35 @@ TEST_CASE("docs/serving.md snippet 11: prefill, append, decode over a sharded ca
   CHECK(lc(0, 0, C - 1) == doctest::Approx(std::log(double(C))));
 }
 
-TEST_CASE("docs/score.md snippets 12 to 14: policies, your own, sinks") {
+TEST_CASE("docs/serving.md snippet 12: merge_attention, n parts and two in place") {
+  const Kokkos::DefaultExecutionSpace exec;
+  const int n = 2, B = 1, R = 3, H = 2, D = 8;
+  Kokkos::View<float*****> o_parts("o_parts", n, B, R, H, D);
+  Kokkos::View<float****> lse_parts("lse_parts", n, B, H, R);
+  V4 o("o", B, R, H, D), o_a("o_a", B, R, H, D), o_b("o_b", B, R, H, D);
+  V3 lse("lse", B, H, R), lse_a("lse_a", B, H, R), lse_b("lse_b", B, H, R);
+  // Parts of equal weight (LSE 0) holding 1 and 3; then a part of weight 1
+  // holding 1 and one of weight 3 (LSE ln 3) holding 5.
+  Kokkos::deep_copy(Kokkos::subview(o_parts, 0, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL),
+                    1.0f);
+  Kokkos::deep_copy(Kokkos::subview(o_parts, 1, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL),
+                    3.0f);
+  Kokkos::deep_copy(o_a, 1.0f);
+  Kokkos::deep_copy(o_b, 5.0f);
+  Kokkos::deep_copy(lse_b, float(std::log(3.0)));
+#include <readme_snippet_12.inc>
+  Kokkos::fence();
+  auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  auto ah = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o_a);
+  auto lah = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse_a);
+  CHECK(oh(0, 2, 1, 7) == doctest::Approx(2.0));
+  CHECK(lh(0, 1, 2) == doctest::Approx(std::log(2.0)));
+  CHECK(ah(0, 2, 1, 7) == doctest::Approx(4.0));
+  CHECK(lah(0, 1, 2) == doctest::Approx(std::log(4.0)));
+}
+
+TEST_CASE("docs/score.md snippets 13 to 15: policies, your own, sinks") {
   using Comm = blockattn::MpiCommunicator<>;
   using Exec = Kokkos::DefaultExecutionSpace;
   Comm comm(MPI_COMM_WORLD);
@@ -237,16 +266,16 @@ TEST_CASE("docs/score.md snippets 12 to 14: policies, your own, sinks") {
       dout("do", B, n, H, D), dq("dq", B, n, H, D), dk("dk", B, n, H, D), dv("dv", B, n, H, D);
   V3 lse("lse", B, H, n);
   {
-#include <readme_snippet_12.inc>
+#include <readme_snippet_13.inc>
     attn.forward(q, k, v, o, lse);
     Kokkos::fence();
     CHECK(all_finite(lse));
   }
-  blockattn::attention_forward(exec, q, k, v, o, lse, snippet13::mask);
+  blockattn::attention_forward(exec, q, k, v, o, lse, snippet14::mask);
   Kokkos::fence();
   CHECK(all_finite(lse));
   {
-#include <readme_snippet_14.inc>
+#include <readme_snippet_15.inc>
     Kokkos::fence();
     CHECK(all_finite(dq));
   }

@@ -275,4 +275,7 @@ TEST_CASE("sinks and score policies that differ between ranks are errors on ever
   INFO(error);
   CHECK(error.find("mask value differs between ranks") != std::string::npos);
   CHECK(error.find("options.sinks") != std::string::npos);
+  // The policy's parameters readable: the mask, then the policy with its values.
+  CHECK(error.find("CausalMask{} with SoftCap{20} on rank 0") != std::string::npos);
+  CHECK(error.find("CausalMask{} with SoftCap{30} on rank") != std::string::npos);
 }

@@ -420,7 +420,21 @@ TEST_SUITE("serve") {
         msg = e.what();
       }
       INFO(msg);
-      CHECK(msg.find("rows differs between ranks") != std::string::npos);
+      CHECK(msg.find("rows (q.extent(1)) differs between ranks") != std::string::npos);
+      // q with the wrong rows on the last rank, o and lse right (as on the
+      // other ranks): the error names q's rows, not o.
+      V4<float> q1("q", 1, rows, 1, 8), o1("o", 1, 1, 1, 8);
+      V3<float> lse1("lse", 1, 1, 1);
+      msg.clear();
+      try {
+        decode_attention(comm, ExecSpace{}, cache, q1, o1, lse1);
+      } catch (const invalid_argument& e) {
+        msg = e.what();
+      }
+      INFO(msg);
+      CHECK(msg.find("rows (q.extent(1)) differs between ranks: 1 on rank") != std::string::npos);
+      CHECK(msg.find("2 on rank " + std::to_string(P - 1)) != std::string::npos);
+      CHECK(msg.find("argument 'o'") == std::string::npos);
     }
     // A bad argument on one rank only: every rank throws its message.
     V4<float> q("q", 1, 1, 1, comm.rank() == 0 ? 8 : 8), o("o", 1, 1, 1, 8);

@@ -45,8 +45,9 @@ struct ServeOptions {
   /// or a wrong answer. A serving loop that has checked may turn it off.
   bool check_config = true;
   /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
-  /// the execution space's memory, the same on every rank; folded in once,
-  /// after the merge over the ranks. Empty: none.
+  /// the execution space's memory, the same on every rank; folded into the
+  /// normalisation of the merge over the ranks (a 16-bit output is rounded
+  /// once). Empty: none.
   SinkLogits sinks;
   /// prefill_attention: a chunk of at least this many rows runs on
   /// attention_forward's kernels (the shard's keys packed once for the whole
@@ -119,15 +120,18 @@ struct RowIndex {
 };
 
 /// The merge over ranks of the rows' normalised partials (o_part, lse_part:
-/// compute type T) into o (storage OS) and lse.
+/// compute type T) into o (storage OS) and lse, each head's sink folded into
+/// the normalisation (a 16-bit o is rounded once).
 template <class C, class ExecSpace, class T, class OV, class LV>
 void merge_over_ranks(
     C& comm, const ExecSpace& exec, MergeAlgorithm algorithm,
     const Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>& o_part,
     const Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space>& lse_part,
-    const OV& o, const LV& lse) {
+    const OV& o, const LV& lse, const SinkLogits& sinks) {
   using mem = typename ExecSpace::memory_space;
   using OS = typename OV::non_const_value_type;
+  sink_view<mem> sk;
+  if (sinks.data() != nullptr) sk = sink_view<mem>(sinks.data(), sinks.extent(0));
   const int B = int(o.extent(0)), N = int(o.extent(1)), H = int(o.extent(2)), D = int(o.extent(3));
   const std::int64_t rows = std::int64_t(B) * N * H;
   const int P = comm.size();
@@ -164,14 +168,15 @@ void merge_over_ranks(
           int b, h, i;
           row_of(r, b, h, i);
           const T l = buf(r * W + D);
+          T f;
           if (l == T(0)) {  // no rank saw a key
             for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(T(0));
-            lse(b, h, i) = -infinity<T>();
+            lse(b, h, i) = fold_sink(-infinity<T>(), sink_of<T>(sk, h), f);
             return;
           }
+          lse(b, h, i) = fold_sink(l != l ? l : mx(r) + kmath::log(l), sink_of<T>(sk, h), f);
           const T inv = T(1) / l;
-          for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(buf(r * W + d) * inv);
-          lse(b, h, i) = l != l ? l : mx(r) + kmath::log(l);
+          for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(buf(r * W + d) * inv * f);
         });
     return;
   }
@@ -204,7 +209,8 @@ void merge_over_ranks(
         row_of(r, b, h, i);
         lse(b, h, i) = merge_row<T>(
             P, D, [&](int s, int d) { return all(s, r * W + d); },
-            [&](int s) { return all(s, r * W + D); }, [&](int d, T x) { o(b, i, h, d) = OS(x); });
+            [&](int s) { return all(s, r * W + D); }, [&](int d, T x) { o(b, i, h, d) = OS(x); },
+            sink_of<T>(sk, h));
       });
 }
 
@@ -318,24 +324,28 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
     error = std::string("blockattn::") + fn + ": argument 'q' has " + std::to_string(N) +
             " rows and " + std::to_string(H) + " heads; expected >= 1 rows and a multiple of " +
             "the cache's " + std::to_string(cache.kv_heads()) + " kv heads";
-  for (int d = 0; d < 4 && error.empty(); ++d)
-    if (o.extent(d) != q.extent(d))
-      error = std::string("blockattn::") + fn + ": argument 'o' has extent(" + std::to_string(d) +
-              ") = " + std::to_string(o.extent(d)) + ", expected q's " +
-              std::to_string(q.extent(d));
-  const std::size_t lse_want[3] = {q.extent(0), q.extent(2), q.extent(1)};
-  for (int d = 0; d < 3 && error.empty(); ++d)
-    if (lse.extent(d) != lse_want[d])
-      error = std::string("blockattn::") + fn + ": argument 'lse' has extent(" + std::to_string(d) +
-              ") = " + std::to_string(lse.extent(d)) + ", expected " + std::to_string(lse_want[d]) +
-              " (lse is (sequences, heads, rows))";
   if (error.empty() && opts.prefill_forward_rows < -1)
     error = std::string("blockattn::") + fn + ": argument 'opts.prefill_forward_rows' is " +
             std::to_string(opts.prefill_forward_rows) + ", expected -1 (automatic) or >= 0";
-  if (error.empty() && opts.sinks.data() != nullptr && int(opts.sinks.extent(0)) != H)
-    error = std::string("blockattn::") + fn +
-            ": argument 'opts.sinks' has extent(0) = " + std::to_string(opts.sinks.extent(0)) +
-            ", expected one sink logit per query head (" + std::to_string(H) + ")";
+  // Checks of o, lse and the sinks against q's rows and heads: reported once
+  // the ranks agree on q's (reach_consensus' `relative`), so that a q with
+  // the wrong rows on one rank is named, not the o that matches the others.
+  std::string relative;
+  for (int d = 0; d < 4 && relative.empty(); ++d)
+    if (o.extent(d) != q.extent(d))
+      relative = std::string("blockattn::") + fn + ": argument 'o' has extent(" +
+                 std::to_string(d) + ") (" + names[d] + ") = " + std::to_string(o.extent(d)) +
+                 ", expected q's " + std::to_string(q.extent(d));
+  const std::size_t lse_want[3] = {q.extent(0), q.extent(2), q.extent(1)};
+  for (int d = 0; d < 3 && relative.empty(); ++d)
+    if (lse.extent(d) != lse_want[d])
+      relative = std::string("blockattn::") + fn + ": argument 'lse' has extent(" +
+                 std::to_string(d) + ") = " + std::to_string(lse.extent(d)) + ", expected " +
+                 std::to_string(lse_want[d]) + " (lse is (sequences, heads, rows))";
+  if (relative.empty() && opts.sinks.data() != nullptr && int(opts.sinks.extent(0)) != H)
+    relative = std::string("blockattn::") + fn +
+               ": argument 'opts.sinks' has extent(0) = " + std::to_string(opts.sinks.extent(0)) +
+               ", expected one sink logit per query head (" + std::to_string(H) + ")";
   // `appending` tokens go into each sequence after the consensus (prefill).
   for (int s = s0; s < s1 && error.empty(); ++s)
     if (cache.length(s) + appending < N)
@@ -348,8 +358,8 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
         .text("value type", type_name<T>())
         .number("sequences", B)
         .number("first sequence", s0)
-        .number("rows", N)
-        .number("heads", H)
+        .number("rows (q.extent(1))", N)
+        .number("heads (q.extent(2))", H)
         .number("kv heads", cache.kv_heads())
         .number("head_dim", D)
         .text("merge", merge_name(opts.merge))
@@ -372,9 +382,9 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
     }
     f.text("sinks", sink_text<ExecSpace>(opts.sinks));
     add_mask(f, mask);
-    reach_consensus(comm, fn, error, f);
-  } else if (!error.empty()) {
-    throw invalid_argument(error);
+    reach_consensus(comm, fn, error, f, 0, nullptr, relative);
+  } else if (!error.empty() || !relative.empty()) {
+    throw invalid_argument(error.empty() ? relative : error);
   }
   if (after_consensus) after_consensus();  // every rank agreed: the prefill's append
 
@@ -416,9 +426,9 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
   Kokkos::View<CT***, Kokkos::LayoutRight, mem> lse_part(
       Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::lse_part"), B, H, N);
   attend(o_part, lse_part, SinkLogits{});
-  merge_over_ranks(comm, exec, opts.merge, o_part, lse_part, o, lse);
-  // Every rank holds the merged rows: each folds the sinks in once.
-  apply_sinks(exec, opts.sinks, o, lse);
+  // Every rank merges the rows and folds the sinks in once, before the
+  // output's one rounding.
+  merge_over_ranks(comm, exec, opts.merge, o_part, lse_part, o, lse, opts.sinks);
 }
 
 }  // namespace impl

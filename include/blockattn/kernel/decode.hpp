@@ -154,7 +154,9 @@ DecodeGrid decode_grid(const ExecSpace& exec, const BlockExtents& e, index_type 
 ///   kpos        slot j -> global position (strictly increasing); default j
 ///
 /// A row that sees no key (an empty cache, or a mask that allows none) gets
-/// O = 0 and LSE = -inf; NaN in a visible key or query makes the row NaN.
+/// O = 0 and LSE = -inf (LSE = its head's sink with opts.sinks); NaN in a
+/// visible key or query makes the row NaN. Sinks are folded into the
+/// normalisation: a 16-bit o is rounded once.
 /// Value types as attention_forward (q, k, v, o alike; lse of compute type).
 /// Work is enqueued on `exec` (a reduction over `lengths` waits for it
 /// unless opts.max_length is given).
@@ -219,6 +221,8 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     kern.q_positions = q_positions;
     kern.mask = mask;
     kern.kpos = kpos;
+    if (opts.sinks.data() != nullptr)
+      kern.sinks = impl::sink_view<mem>(opts.sinks.data(), opts.sinks.extent(0));
     kern.scale_log2 = scale * impl::log2e<T>;
     kern.unit = (k.extent(3) <= 1 || (k.stride(3) == 1 && v.stride(3) == 1));
     if constexpr (impl::is_host_space_v<ExecSpace>) {
@@ -250,14 +254,13 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     policy.set_scratch_size(0, Kokkos::PerTeam(kern.scratch_bytes(g)));
     Kokkos::parallel_for("blockattn::decode", policy, kern);
     if (g.splits > 1) {
-      impl::DecodeMerge<ExecSpace, T, OS> merge{kern.o,      kern.lse,    kern.part_o,
-                                                kern.part_m, kern.part_l, g};
+      impl::DecodeMerge<ExecSpace, T, OS> merge{kern.o,      kern.lse, kern.part_o, kern.part_m,
+                                                kern.part_l, g,        kern.sinks};
       Kokkos::parallel_for(
           "blockattn::decode_merge",
           Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, g.state_rows()),
           merge);
     }
-    impl::apply_sinks(exec, opts.sinks, o, lse);
   }
 }
 
@@ -275,10 +278,12 @@ void attention_decode(const QV& q, const KV& k, const VV& v, const LenV& lengths
 namespace impl {
 /// Row (b, i, h) of the merge of `parts` partial results: get_o(s, d),
 /// get_lse(s) read part s. LSE = -inf parts add nothing, a NaN LSE makes the
-/// row NaN, no part with a key gives O = 0, LSE = -inf.
+/// row NaN, no part with a key gives O = 0, LSE = -inf. `sink` (the head's
+/// sink logit, -inf: none) is folded into the normalisation (fold_sink): one
+/// more part with LSE = sink and O = 0, and set_o gets O once.
 template <class T, class GetO, class GetL, class SetO>
 KOKKOS_INLINE_FUNCTION T merge_row(int parts, int dim, const GetO& get_o, const GetL& get_lse,
-                                   const SetO& set_o) {
+                                   const SetO& set_o, T sink) {
   T mx = -infinity<T>();
   bool nan = false;
   for (int s = 0; s < parts; ++s) {
@@ -286,16 +291,18 @@ KOKKOS_INLINE_FUNCTION T merge_row(int parts, int dim, const GetO& get_o, const 
     if (l != l) nan = true;
     mx = l > mx ? l : mx;
   }
+  T f;
   if (nan) {
     for (int d = 0; d < dim; ++d) set_o(d, quiet_nan<T>());
     return quiet_nan<T>();
   }
   if (mx == -infinity<T>()) {
     for (int d = 0; d < dim; ++d) set_o(d, T(0));
-    return -infinity<T>();
+    return fold_sink(-infinity<T>(), sink, f);
   }
   T sum = T(0);
   for (int s = 0; s < parts; ++s) sum += kmath::exp(get_lse(s) - mx);
+  const T out = fold_sink(mx + kmath::log(sum), sink, f);
   const T inv = T(1) / sum;
   for (int d = 0; d < dim; ++d) {
     T acc = T(0);
@@ -303,9 +310,15 @@ KOKKOS_INLINE_FUNCTION T merge_row(int parts, int dim, const GetO& get_o, const 
       const T w = kmath::exp(get_lse(s) - mx);
       if (w != T(0)) acc += w * T(to_compute(get_o(s, d)));
     }
-    set_o(d, acc * inv);
+    set_o(d, acc * inv * f);
   }
-  return mx + kmath::log(sum);
+  return out;
+}
+/// Same without a sink.
+template <class T, class GetO, class GetL, class SetO>
+KOKKOS_INLINE_FUNCTION T merge_row(int parts, int dim, const GetO& get_o, const GetL& get_lse,
+                                   const SetO& set_o) {
+  return merge_row<T>(parts, dim, get_o, get_lse, set_o, -infinity<T>());
 }
 
 template <class OPV, class LPV, class OV, class LV>

@@ -54,8 +54,33 @@ inline void check_sinks(const char* fn, const SinkLogits& sinks, const SinkGradi
          ", expected one entry per query head (q.extent(2) = ", heads, ")");
 }
 
+/// The sink logit of head h (-inf: none).
+template <class T, class SV>
+KOKKOS_INLINE_FUNCTION T sink_of(const SV& sinks, int h) {
+  return sinks.data() != nullptr ? T(sinks(h)) : -infinity<T>();
+}
+
+/// A row's sink folded into its normalisation: from the row's natural-log
+/// LSE (over its keys; -inf: none, NaN) and the head's sink, returns the
+/// row's LSE' = logaddexp(LSE, sink) and sets f = e^(LSE - LSE'), the factor
+/// its normalised O takes. A kernel that multiplies its 1/l by f before it
+/// rounds O rounds a 16-bit output once. sink = -inf: LSE, f = 1; no key: the
+/// sink (O stays 0); a NaN LSE or sink: NaN.
+template <class T>
+KOKKOS_INLINE_FUNCTION T fold_sink(T lse, T sink, T& f) {
+  f = T(1);
+  if (sink == -infinity<T>()) return lse;  // no sink
+  if (lse == -infinity<T>()) return sink;  // no key: only the sink (O stays 0)
+  const T mx = lse > sink ? lse : sink;    // NaN: mx = sink, the sums below give NaN
+  const T lnew = mx + kmath::log(kmath::exp(lse - mx) + kmath::exp(sink - mx));
+  f = kmath::exp(lse - lnew);
+  return lse != lse ? lse : lnew;
+}
+
 /// O and LSE of every row folded with its head's sink (see the top of this
 /// file): o (batch, rows, heads, dim), lse (batch, heads, rows), in place.
+/// A second rounding of a 16-bit o; the serving paths fold the sink into
+/// their normalisation instead (fold_sink).
 template <class ExecSpace, class OV, class LV>
 void apply_sinks(const ExecSpace& exec, const SinkLogits& sinks, const OV& o, const LV& lse) {
   using mem = typename ExecSpace::memory_space;
@@ -70,17 +95,10 @@ void apply_sinks(const ExecSpace& exec, const SinkLogits& sinks, const OV& o, co
                                                                       std::int64_t(B) * N * H),
       KOKKOS_LAMBDA(const std::int64_t idx) {
         const int h = int(idx % H), i = int((idx / H) % N), b = int(idx / (std::int64_t(H) * N));
-        const T old = lse(b, h, i), sink = T(sk(h));
-        if (sink == -infinity<T>()) return;  // no sink
-        if (old == -infinity<T>()) {         // no key: only the sink (O stays 0)
-          lse(b, h, i) = sink;
-          return;
-        }
-        const T mx = old > sink ? old : sink;  // NaN: mx = sink, the sums below give NaN
-        const T lnew = mx + kmath::log(kmath::exp(old - mx) + kmath::exp(sink - mx));
-        const T f = kmath::exp(old - lnew);
-        lse(b, h, i) = old != old ? old : lnew;
-        for (int d = 0; d < D; ++d) o(b, i, h, d) = S(T(o(b, i, h, d)) * f);
+        T f;
+        lse(b, h, i) = fold_sink(T(lse(b, h, i)), T(sk(h)), f);
+        if (f != T(1))
+          for (int d = 0; d < D; ++d) o(b, i, h, d) = S(T(o(b, i, h, d)) * f);
       });
 }
 

@@ -13,6 +13,7 @@
 #include <blockattn/comm/communicator.hpp>
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
+#include <blockattn/policy/score.hpp>
 
 #include <cstdint>
 #include <cstring>
@@ -121,23 +122,38 @@ struct has_mask_parameters<M,
                                        decltype(std::end(std::declval<const M&>().parameters()))>>
     : std::true_type {};
 
+/// "Type{p0, p1, ...}": a mask's or a score policy's type and, when it has
+/// parameters(), their values.
+template <class X>
+std::string value_text(const X& x) {
+  std::ostringstream s;
+  s.precision(17);
+  s << type_name<X>() << "{";
+  if constexpr (has_mask_parameters<X>::value) {
+    bool first = true;
+    for (const auto& v : x.parameters()) {
+      s << (first ? "" : ", ") << v;
+      first = false;
+    }
+  }
+  s << "}";
+  return s.str();
+}
+/// A mask with a score policy: "Mask{...} with Policy{...}", and the first
+/// global head of the call's heads where a head-parallel schedule set it.
+template <class M, class S>
+std::string value_text(const ScoredMask<M, S>& x) {
+  std::string s = value_text(x.mask) + " with " + value_text(x.score_policy);
+  if (x.head_offset != 0) s += " from head " + std::to_string(x.head_offset);
+  return s;
+}
+
 /// The mask's type and, when it has parameters(), its values. Always two
 /// fields, so that every rank's fingerprint has the same length.
 template <class Mask>
 void add_mask(Fingerprint& f, const Mask& mask) {
   f.text("mask", type_name<Mask>());
-  std::ostringstream s;
-  s.precision(17);
-  s << type_name<Mask>() << "{";
-  if constexpr (has_mask_parameters<Mask>::value) {
-    bool first = true;
-    for (const auto& x : mask.parameters()) {
-      s << (first ? "" : ", ") << x;
-      first = false;
-    }
-  }
-  s << "}";
-  f.text("mask value", s.str());
+  f.text("mask value", value_text(mask));
 }
 
 template <class Partition>
@@ -213,40 +229,51 @@ inline std::string rank_list(const std::vector<int>& ranks) {
 /// The consensus step. `error` is this rank's own argument error (empty when
 /// its checks passed). Returns when every rank passed its checks and all
 /// fingerprints agree; otherwise every rank throws the same invalid_argument.
-/// With `every_rank`, the same collective also gathers one number per rank
-/// (`mine`, e.g. the local length, which may differ between ranks) into
-/// (*every_rank)[r] on every rank. Collectives: one on success, two on an error.
+/// `relative` is an error that compares two of this rank's arguments (o's
+/// shape against q's): reported only when the fingerprints agree, because
+/// where they differ, the argument that differs from the other ranks' is the
+/// wrong one (q with the wrong rows on one rank is named as q, not as the o
+/// that matches the other ranks). With `every_rank`, the same collective also
+/// gathers one number per rank (`mine`, e.g. the local length, which may
+/// differ between ranks) into (*every_rank)[r] on every rank. Collectives:
+/// one on success, two on an error.
 template <class C>
 void reach_consensus(C& comm, const char* fn, const std::string& error,
                      const Fingerprint& fingerprint, std::int64_t mine = 0,
-                     std::vector<std::int64_t>* every_rank = nullptr) {
+                     std::vector<std::int64_t>* every_rank = nullptr,
+                     const std::string& relative = std::string()) {
   const auto& f = fingerprint.fields();
   const int P = comm.size(), rank = comm.rank();
   const std::size_t K = f.size();
-  // [first failing rank | values | bitwise-not values | one slot per rank]:
-  // min gives the first failing rank, the minimum and (negated) the maximum of
-  // every field, and every rank's number (the others put the largest value).
+  // [first failing rank | first rank with a relative error | values |
+  // bitwise-not values | one slot per rank]: min gives the first failing
+  // ranks, the minimum and (negated) the maximum of every field, and every
+  // rank's number (the others put the largest value).
   const std::size_t extra = every_rank ? std::size_t(P) : 0;
-  std::vector<std::int64_t> buf(1 + 2 * K + extra, std::numeric_limits<std::int64_t>::max());
+  std::vector<std::int64_t> buf(2 + 2 * K + extra, std::numeric_limits<std::int64_t>::max());
   buf[0] = error.empty() ? P : rank;
+  buf[1] = relative.empty() ? P : rank;
   for (std::size_t i = 0; i < K; ++i) {
-    buf[1 + i] = f[i].value;
-    buf[1 + K + i] = ~f[i].value;
+    buf[2 + i] = f[i].value;
+    buf[2 + K + i] = ~f[i].value;
   }
-  if (every_rank) buf[1 + 2 * K + std::size_t(rank)] = mine;
+  if (every_rank) buf[2 + 2 * K + std::size_t(rank)] = mine;
   allreduce_array(comm, buf, ReduceOp::min);
-  if (every_rank) every_rank->assign(buf.begin() + std::ptrdiff_t(1 + 2 * K), buf.end());
-  const int bad = static_cast<int>(buf[0]);
-  if (bad < P) {
-    const auto text = gather_text(comm, rank == bad ? error : std::string(), 1024);
+  if (every_rank) every_rank->assign(buf.begin() + std::ptrdiff_t(2 + 2 * K), buf.end());
+  const auto fail_with = [&](int bad, const std::string& mine_text) {
+    const auto text = gather_text(comm, rank == bad ? mine_text : std::string(), 1024);
     std::ostringstream s;
     s << text[bad] << " [rank " << bad << " of " << P << "; every rank throws this error]";
     throw invalid_argument(s.str());
-  }
+  };
+  if (buf[0] < P) fail_with(static_cast<int>(buf[0]), error);
   std::vector<std::size_t> differ;
   for (std::size_t i = 0; i < K; ++i)
-    if (buf[1 + i] != ~buf[1 + K + i]) differ.push_back(i);
-  if (differ.empty()) return;
+    if (buf[2 + i] != ~buf[2 + K + i]) differ.push_back(i);
+  if (differ.empty()) {
+    if (buf[1] < P) fail_with(static_cast<int>(buf[1]), relative);
+    return;
+  }
   const auto& d = f[differ[0]];
   const auto texts = gather_text(comm, d.text, 96);
   std::map<std::string, std::vector<int>> groups;

@@ -451,7 +451,7 @@ KOKKOS_FORCEINLINE_FUNCTION std::uint16_t bf16_upper_bits(float x) {
 
 /// The host matrix engine of this process (see kernel/impl/amx.hpp): whether
 /// bf16 forwards on host spaces run AMX tile products, and why not. Throws
-/// blockattn::invalid_argument when BLOCKATTN_HOST_MATRIX is not auto, amx or off.
+/// blockattn::invalid_argument when BLOCKATTN_HOST_MATRIX is not auto, amx, avx512bf16 or off.
 inline HostMatrixEngine host_matrix_engine() {
   return impl::host_matrix_engine();
 }

@@ -25,6 +25,7 @@
 #include <blockattn/kernel/impl/prefetch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/isa.hpp>
+#include <blockattn/kernel/sinks.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/score.hpp>
@@ -170,6 +171,7 @@ struct DecodeKernel {
   Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> lengths;
   Kokkos::View<const index_type*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> q_positions;
   Kokkos::View<T*, mem> part_o, part_m, part_l;  // (split, row, [dim]) when splits > 1
+  sink_view<mem> sinks;  // one logit per query head folded into the normalisation (empty: none)
   Mask mask;
   Pos kpos;
   T scale_log2;  // scale * log2(e)
@@ -497,9 +499,11 @@ struct DecodeKernel {
       const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
       const T* orow = os + std::size_t(r) * D;
       if (g.splits == 1) {
+        // The sink in the normalisation: O rounded once into a 16-bit o.
+        T f;
+        lse(b, h, i) = fold_sink(SoftmaxRow<T>::lse(ms[r], ls[r]), sink_of<T>(sinks, h), f);
         const T inv = SoftmaxRow<T>::inverse_sum(ls[r]);
-        for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(orow[d] * inv);
-        lse(b, h, i) = SoftmaxRow<T>::lse(ms[r], ls[r]);
+        for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(orow[d] * inv * f);
       } else {
         const std::int64_t row = (std::int64_t(b) * g.heads + h) * g.rows + i;
         const std::int64_t at = std::int64_t(split) * g.state_rows() + row;
@@ -521,6 +525,7 @@ struct DecodeMerge {
   Kokkos::View<T***, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> lse;
   Kokkos::View<T*, mem> part_o, part_m, part_l;
   DecodeGrid g;
+  sink_view<mem> sinks;  // folded into the normalisation (empty: none)
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t row) const {
     const int i = int(row % g.rows);
@@ -547,14 +552,16 @@ struct DecodeMerge {
       w[s] = ls != T(0) ? kmath::exp2(part_m(s * n + row) - mx) : T(0);
       l += w[s] * ls;
     }
+    // The sink in the normalisation: O rounded once into a 16-bit o.
+    T f;
+    lse(b, h, i) = fold_sink(SoftmaxRow<T>::lse(mx, l), sink_of<T>(sinks, h), f);
     const T inv = SoftmaxRow<T>::inverse_sum(l);
     for (int d = 0; d < D; ++d) {
       T acc = T(0);
       for (int s = 0; s < g.splits; ++s)
         if (w[s] != T(0)) acc += w[s] * part_o((s * n + row) * D + d);
-      o(b, i, h, d) = OS(acc * inv);
+      o(b, i, h, d) = OS(acc * inv * f);
     }
-    lse(b, h, i) = SoftmaxRow<T>::lse(mx, l);
   }
 };
 
