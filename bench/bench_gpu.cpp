@@ -14,11 +14,11 @@
 // The `path` column says which implementation ran (kernel/fused.hpp): `fused`
 // (cuDNN, in a build with BLOCKATTN_ENABLE_CUDNN, bf16 band masks) or `ours`
 // (BlockAttn's kernels; every call with --portable 1), `tc` (BlockAttn's
-// tensor-core forward, kernel/impl/cuda_flash.hpp). --guard 0 skips the
+// tensor-core forward, kernel/cuda/flash_forward.hpp). --guard 0 skips the
 // check of V for inf / NaN that masked cuDNN calls make first
 // (ForwardOptions::guard_masked_nonfinite): its cost is the difference.
 // --fp32-tc runs fp32 forwards on tensor cores (ForwardOptions::
-// fp32_tensor_cores, kernel/impl/cuda_flash_f32.hpp: path `tc`), its check
+// fp32_tensor_cores, kernel/cuda/flash_forward_f32.hpp: path `tc`), its check
 // of q, k, v for inf / NaN included.
 //
 // FLOP conventions (as bench_forward.cpp and FlashAttention's): 4 * D per

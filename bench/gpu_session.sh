@@ -84,8 +84,8 @@ ldd "$cuda/tests/blockattn_test_cuda" 2>&1 | grep -E 'cudnn|nvrtc|cudart|not fou
 step torch_sdpa 120 python3 bench/torch_sdpa.py --device cuda --heads 16 --dims 128 \
   --lengths 4096,8192,16384 --dtypes "$dtypes" --out "$logs/torch.txt"
 
-# 1. The tensor-core forward (kernel/impl/cuda_flash.hpp), backward
-#     (cuda_flash_backward.hpp) and fp32 forward (cuda_flash_f32.hpp): their
+# 1. The tensor-core forward (kernel/cuda/flash_forward.hpp), backward
+#     (cuda/flash_backward.hpp) and fp32 forward (cuda/flash_forward_f32.hpp): their
 #     checks, then their speed next to PyTorch's (the same torch.txt; "bwd"
 #     rows for the backward, then the fp32 table). First: the backward and
 #     the fp32 forward have never run on a GPU, the cuDNN path has.
@@ -103,7 +103,7 @@ if [ -x "$cuda/tests/blockattn_test_cuda" ]; then
   step test_cuda 150 "$cuda/tests/blockattn_test_cuda" -d
   grep -sE 'test cases|assertions|Status|ERROR|FAILED' "$logs/test_cuda.log" | head -30 | tee -a "$out/session.log"
   # The library's 16-bit cases again on the tensor-core forward's wide
-  # variant (BLOCKATTN_FLASH_VARIANT, kernel/impl/flash_path.hpp).
+  # variant (BLOCKATTN_FLASH_VARIANT, kernel/cuda/flash_path.hpp).
   step test_cuda_wide 60 env BLOCKATTN_FLASH_VARIANT=wide "$cuda/tests/blockattn_test_cuda" \
     -tc='16-bit*,bf16*'
   grep -sE 'test cases|assertions|Status' "$logs/test_cuda_wide.log" | tee -a "$out/session.log"
@@ -124,7 +124,7 @@ else
 fi
 
 # 2c. fp32 on tensor cores through the library (ForwardOptions::fp32_tensor_cores,
-#     cuda_flash_f32.hpp; its check of q, k, v for inf / NaN included), next
+#     cuda/flash_forward_f32.hpp; its check of q, k, v for inf / NaN included), next
 #     to PyTorch's fp32 (flash_check above checked the kernel against fp64).
 if [ -x "$cuda/bench/blockattn_bench_gpu" ]; then
   for m in tf32x3 tf32; do

@@ -16,6 +16,46 @@ set(_rank_distributed 4)
 set(_rank_plan 4)
 set(_rank_top 5)
 
+# Inside kernel/, the same rule by folder: the public vocabulary (options,
+# sinks, ISA, tile shapes, band pieces, the fused-call types) < impl/ (what
+# several backends share: packed blocks, the softmax state, conversions)
+# < the backends, each in the folder of where it runs: host/ (x86 micro
+# kernels, AMX, AVX512-BF16), cuda/ (the tensor-core kernels), cudnn/
+# (cuDNN and its emulation), portable/ (the Kokkos team kernels, which take
+# the host/ micro kernels on host spaces) < the seam (block_product.hpp,
+# instantiate.hpp, portable_call.hpp, then dispatch.hpp: the one place that
+# chooses an implementation) < the entry points. A backend includes no other backend
+# (portable/ only host/), and nothing runs back up.
+set(_ba_kernel_seam block_product:4 instantiate:5 portable_call:6 dispatch:7
+                    attention_forward:8 attention_backward:9 decode:8)
+function(_kernel_rank path out_rank out_group)  # path relative to include/blockattn/kernel
+  if(path MATCHES "^(impl)/")
+    set(r 1)
+    set(g impl)
+  elseif(path MATCHES "^(host|cuda|cudnn)/")
+    set(r 2)
+    set(g ${CMAKE_MATCH_1})
+  elseif(path MATCHES "^portable/")
+    set(r 3)
+    set(g portable)
+  else()
+    string(REGEX REPLACE "\\.hpp$" "" stem "${path}")
+    set(r 0)
+    set(g vocabulary)
+    foreach(entry IN LISTS _ba_kernel_seam)
+      string(REPLACE ":" ";" pair "${entry}")
+      list(GET pair 0 name)
+      list(GET pair 1 rank)
+      if(stem STREQUAL name)
+        set(r ${rank})
+        set(g ${name})
+      endif()
+    endforeach()
+  endif()
+  set(${out_rank} ${r} PARENT_SCOPE)
+  set(${out_group} ${g} PARENT_SCOPE)
+endfunction()
+
 function(_layer_of path out)  # path relative to include/blockattn
   if(path MATCHES "^([a-z]+)/")
     set(${out} ${CMAKE_MATCH_1} PARENT_SCOPE)
@@ -42,10 +82,29 @@ foreach(h IN LISTS _headers)
       continue()
     endif()
     _layer_of(${d} ld)
-    if(d MATCHES "^[a-z]+/impl/" AND NOT lh STREQUAL ld)
+    if(d MATCHES "^[a-z]+/impl/|^kernel/(host|cuda|cudnn|portable)/" AND NOT lh STREQUAL ld)
       string(APPEND _errors "  ${h} (${lh}) includes blockattn/${d}: another layer's impl/\n")
     elseif(NOT lh STREQUAL ld AND NOT _rank_${ld} LESS _rank_${lh})
       string(APPEND _errors "  ${h} (${lh}) includes blockattn/${d} (${ld}): not a lower layer\n")
+    elseif(lh STREQUAL "kernel" AND ld STREQUAL "kernel")
+      string(REGEX REPLACE "^kernel/" "" hk "${h}")
+      string(REGEX REPLACE "^kernel/" "" dk "${d}")
+      _kernel_rank(${hk} rh gh)
+      _kernel_rank(${dk} rd gd)
+      set(_ok FALSE)
+      if(gh STREQUAL gd)  # the same folder, or the same vocabulary
+        set(_ok TRUE)
+      elseif(rd LESS rh AND NOT (rh EQUAL 3 AND gd MATCHES "^(cuda|cudnn)$"))
+        set(_ok TRUE)
+      endif()
+      if(gh STREQUAL "vocabulary" AND NOT gd STREQUAL "vocabulary")
+        set(_ok FALSE)
+      endif()
+      if(NOT _ok)
+        string(APPEND _errors "  ${h} (kernel/${gh}) includes blockattn/${d} (kernel/${gd}): "
+                              "not below it in kernel/ (a backend includes no other backend; "
+                              "portable/ takes host/ only)\n")
+      endif()
     endif()
   endforeach()
 endforeach()
@@ -53,7 +112,9 @@ endforeach()
 # kernel/ (the layers above call the block product, kernel/block_product.hpp).
 # Namespace-scope declarations start in column 0 in this code base.
 set(_impl_names "")
-file(GLOB _kernel_impl ${INCLUDE_DIR}/blockattn/kernel/impl/*.hpp)
+file(GLOB _kernel_impl ${INCLUDE_DIR}/blockattn/kernel/impl/*.hpp
+     ${INCLUDE_DIR}/blockattn/kernel/host/*.hpp ${INCLUDE_DIR}/blockattn/kernel/portable/*.hpp
+     ${INCLUDE_DIR}/blockattn/kernel/cuda/*.hpp ${INCLUDE_DIR}/blockattn/kernel/cudnn/*.hpp)
 foreach(f IN LISTS _kernel_impl)
   file(STRINGS ${f} _decls REGEX "^([A-Za-z_].*[ *&]|)[A-Za-z_][A-Za-z_0-9]*( =|\\(| {|;|$)")
   foreach(line IN LISTS _decls)

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuDNN's fused attention (SDPA) for one band piece, through cuDNN's C++
-// frontend graph API (blockattn/kernel/cudnn.hpp). The only translation unit
+// frontend graph API (blockattn/kernel/cudnn/cudnn.hpp). The only translation unit
 // that includes the frontend; it includes no Kokkos, so plain g++ compiles it.
 //
 // Graphs: one per distinct problem (shape, type, band, strides, scale) and
@@ -8,7 +8,7 @@
 // the fallback list, support check, plans) and kept for the process. A
 // problem cuDNN does not support is remembered as such (supports_*() false),
 // so the block product asks once and takes its own kernel from then on.
-#include <blockattn/kernel/cudnn.hpp>
+#include <blockattn/kernel/cudnn/cudnn.hpp>
 
 #include <cuda_runtime.h>
 #include <cudnn.h>

@@ -1,8 +1,8 @@
 #!/bin/sh
 # Checks, without a GPU, that the tensor-core forward and backward are on the
 # tensor cores: the embedded sm_90 machine code of every kernel of
-# kernel/impl/cuda_flash.hpp (every variant) and of the dK/dV and dQ kernels
-# of cuda_flash_backward.hpp, and of the fp32 forward of cuda_flash_f32.hpp
+# kernel/cuda/flash_forward.hpp (every variant) and of the dK/dV and dQ kernels
+# of cuda/flash_backward.hpp, and of the fp32 forward of cuda/flash_forward_f32.hpp
 # (HMMA.1688.F32.TF32), in a binary holds HMMA (mma.sync) and LDSM
 # (ldmatrix) instructions, and every forward kernel (all variants, 16-bit
 # and fp32) and the dQ kernel no local-memory traffic (LDL/STL: a register

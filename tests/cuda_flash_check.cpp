@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The tensor-core forward (kernel/impl/cuda_flash.hpp) on a GPU: checks
+// The tensor-core forward (kernel/cuda/flash_forward.hpp) on a GPU: checks
 // against an fp64 reference and, with --bench, its speed next to PyTorch's.
 //
 //   blockattn_flash_check                 every check case; exit 0 / 1, 77 without a GPU
@@ -18,7 +18,7 @@
 // most u (2^-8 bf16, 2^-11 fp16): |O - O_ref| <= 2 u max|V| + 1e-6; the
 // scores are exact products summed in fp32: |LSE - LSE_ref| <= 1e-3.
 //
-// The tensor-core backward (cuda_flash_backward.hpp) on the same cases
+// The tensor-core backward (cuda/flash_backward.hpp) on the same cases
 // (finite inputs: the library sends others to the fp32 kernels), from the
 // forward's own O and LSE, against fp64 gradients of the same 16-bit inputs,
 // per element: P carries a relative error rp = u + 2e-3 (its rounding before
@@ -30,7 +30,7 @@
 // rows that see no key get dQ = 0 and keys no row sees dK = dV = 0, exactly.
 // dQ, dK, dV are poisoned (NaN) before the call.
 //
-// Then the fp32 tensor-core forward (cuda_flash_f32.hpp), its cases and
+// Then the fp32 tensor-core forward (cuda/flash_forward_f32.hpp), its cases and
 // bounds in cuda_flash_f32_check.cpp.
 //
 // The same program runs without a GPU as blockattn_flash_emulated (ctest
@@ -38,8 +38,8 @@
 // against tests/cuda_emu, which runs the kernels' source on a model of warps,
 // ldmatrix, mma.sync, cp.async and barriers (cuda_emu/cuda_emu.hpp); checks
 // only there (its times are not a GPU's).
-#include <blockattn/kernel/impl/cuda_flash.hpp>
-#include <blockattn/kernel/impl/cuda_flash_backward.hpp>
+#include <blockattn/kernel/cuda/flash_backward.hpp>
+#include <blockattn/kernel/cuda/flash_forward.hpp>
 #include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
@@ -486,8 +486,9 @@ void bench(const std::string& torch_file, int reps) {
   using namespace blockattn;
   const auto torch = blockattn_cli::read_torch_rates(torch_file);
   const int H = 16, D = 128;
-  std::printf("tensor-core forward (cuda_flash.hpp), bf16, B = 1, H = %d, D = %d, median of %d\n",
-              H, D, reps);
+  std::printf(
+      "tensor-core forward (cuda/flash_forward.hpp), bf16, B = 1, H = %d, D = %d, median of %d\n",
+      H, D, reps);
   std::printf(
       "(hbh, bhbh: the wide forward and the backward with Args::cta_group = 1, their CTAs\n"
       " unit by unit as before cta_order.hpp; the other rows in its order)\n");
@@ -539,7 +540,7 @@ void bench(const std::string& torch_file, int reps) {
             std::printf("%-9s %-4s %6d %10.3f %12.1f %12s %10s%s\n", name, qv, n, ms, tf, "-", "-",
                         mk == 2 ? "  (TFLOP/s of the allowed pairs: long-tailed documents)" : "");
         }
-    // The tensor-core backward (cuda_flash_backward.hpp) from the wide
+    // The tensor-core backward (cuda/flash_backward.hpp) from the wide
     // forward's O and LSE; TFLOP/s counted as 2.5x the forward's, as PyTorch's.
     DeviceBuffer<std::uint16_t> g(count), gq(count), gk(count), gv(count);
     DeviceBuffer<float> delta(std::size_t(H) * n);
@@ -722,7 +723,7 @@ int main(int argc, char** argv) {
     if (bf16) failed += check_backward_all<true>(dim);
     if (fp16) failed += check_backward_all<false>(dim);
   }
-  std::printf("-- fp32 (cuda_flash_f32.hpp: tf32x3, tf32)\n");
+  std::printf("-- fp32 (cuda/flash_forward_f32.hpp: tf32x3, tf32)\n");
   failed += check_f32_all();
   std::printf("%s: %d failed\n", failed ? "FAILED" : "passed", failed);
   return failed ? 1 : 0;

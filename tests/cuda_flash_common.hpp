@@ -5,7 +5,7 @@
 // contiguous operands, event timing, and the packed-document bench mask.
 #pragma once
 
-#include <blockattn/kernel/impl/cuda_flash.hpp>
+#include <blockattn/kernel/cuda/flash_forward.hpp>
 #include <blockattn/plan/balance.hpp>
 #include <blockattn/policy/document_mask.hpp>
 

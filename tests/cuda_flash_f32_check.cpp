@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The fp32 tensor-core forward (kernel/impl/cuda_flash_f32.hpp) on a GPU,
+// The fp32 tensor-core forward (kernel/cuda/flash_forward_f32.hpp) on a GPU,
 // part of blockattn_flash_check (cuda_flash_check.cpp calls these): checks
 // against an fp64 reference of the same fp32 inputs, and its speed next to
 // PyTorch's fp32 SDPA.
@@ -22,7 +22,7 @@
 // And, as the modes' point: the relative RMS error of O under tf32x3 at most
 // 2^-16 and at most 1/32 of tf32's in the same case (splitting must buy the
 // accuracy it claims), tf32's at most 2^-7.
-#include <blockattn/kernel/impl/cuda_flash_f32.hpp>
+#include <blockattn/kernel/cuda/flash_forward_f32.hpp>
 #include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
@@ -218,7 +218,7 @@ void bench_f32(const std::string& torch_file, int reps) {
   const auto torch = blockattn_cli::read_torch_rates(torch_file);
   const int H = 16, D = 128;
   std::printf(
-      "fp32 tensor-core forward (cuda_flash_f32.hpp), B = 1, H = %d, D = %d, median of "
+      "fp32 tensor-core forward (cuda/flash_forward_f32.hpp), B = 1, H = %d, D = %d, median of "
       "%d\n",
       H, D, reps);
   std::printf(

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "forward_check.hpp"
 #include "reference.hpp"
 
 namespace blockattn::test {
@@ -294,6 +295,55 @@ RunStats check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_
   check(dk, ref.dk, "dk");
   check(dv, ref.dv, "dv");
   return stats;
+}
+
+/// A distributed forward and backward of this rank's rows (local row i at
+/// global row map(i)) against the fp64 reference of the global sequence,
+/// with the head-parallel tests' bounds: forward_check.hpp's for fp64 / fp32,
+/// gradients 1e-11 / 1e-4 of the largest entry; 16-bit storage adds one
+/// rounding of O and `grad_roundings` of the gradients (a replicated K/V
+/// head's partials may arrive rounded before their sum). `what` names the
+/// case in the failure report.
+template <class S, class Map, class OV, class LV, class GQ, class GK>
+void check_against_reference(const ReferenceResult& ref, const ReferenceGrads& grads,
+                             const Map& map, int N, const OV& o, const LV& lse, const GQ& dq,
+                             const GK& dk, const GK& dv, int grad_roundings,
+                             const std::string& what) {
+  const int b = int(o.extent(0)), n = int(o.extent(1)), h = int(o.extent(2)), d = int(o.extent(3));
+  bool finite = true;
+  const double eo = max_error(o, ref.o, map, finite);
+  double el = 0.0;
+  bool lse_pattern = true;
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  for (int a = 0; a < b; ++a)
+    for (int x = 0; x < h; ++x)
+      for (int i = 0; i < n; ++i) {
+        const double got = double(lh(a, x, i)),
+                     want = ref.lse[(std::size_t(a) * h + x) * std::size_t(N) + map(i)];
+        if (std::isinf(want) || std::isinf(got)) {
+          lse_pattern = lse_pattern && got == want;
+          continue;
+        }
+        el = std::max(el, std::abs(got - want));
+      }
+  const double eg =
+      std::max({max_error(dq, grads.dq, map, finite), max_error(dk, grads.dk, map, finite),
+                max_error(dv, grads.dv, map, finite)});
+  const double gmax = std::max({largest(grads.dq), largest(grads.dk), largest(grads.dv)});
+  const bool fp64 = std::is_same<S, double>::value;
+  const double tf = fp64 ? tolerance<double>(ref, d, N) : tolerance<float>(ref, d, N);
+  double to = tf, tg = (fp64 ? 1e-11 : 1e-4) * gmax;
+  if constexpr (is_half_storage_v<S>) {
+    to += S::unit_roundoff * (largest(ref.o) + tf);
+    tg += grad_roundings * S::unit_roundoff * (gmax + tg);
+  }
+  INFO(what, " ", std::string(value_type_name<S>()), " H=", h, " D=", d, " n=", n, ": o ", eo, "/",
+       to, " lse ", el, "/", tf, " grads ", eg, "/", tg);
+  CHECK(finite);
+  CHECK(lse_pattern);
+  CHECK(eo <= to);
+  CHECK(el <= tf);
+  CHECK(eg <= tg);
 }
 
 }  // namespace blockattn::test

@@ -6,7 +6,7 @@
 // slot -> position map (a rank's shard of a sharded cache), heads-major cache
 // storage, forced and automatic splits, NaN and inf rules, argument errors.
 // Also built into the per-ISA binaries (tests/CMakeLists.txt): the host
-// decode's vector tile products (impl/decode_simd.hpp) for each ISA, with the
+// decode's vector tile products (host/decode_simd.hpp) for each ISA, with the
 // types they read in place or widen (fp32, bf16, fp16).
 #include <doctest/doctest.h>
 
@@ -85,7 +85,7 @@ double bound(const ReferenceResult& ref, int dim, int keys, bool dot) {
 }
 
 /// Whether bf16 decode on this backend runs the AVX512-BF16 dot products
-/// (impl/decode_bf16.hpp) for `setting` (shapes aside: one row per kv head
+/// (host/decode_bf16.hpp) for `setting` (shapes aside: one row per kv head
 /// over a heads-major cache keeps the fp32 vectors).
 bool decode_dot_expected(HostMatrix setting) {
   return impl::decode_uses_bf16_dot<ExecSpace, bf16>(setting);

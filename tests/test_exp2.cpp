@@ -2,8 +2,8 @@
 // Host-only: accuracy of the fp32 exp2 used for softmax numerators.
 #include <doctest/doctest.h>
 
+#include <blockattn/kernel/host/micro_gemm_simd.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
-#include <blockattn/kernel/impl/micro_gemm_simd.hpp>
 
 #include <cmath>
 #include <cstdint>

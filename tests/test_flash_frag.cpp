@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host-only: the index maths of the tensor-core kernels
-// (kernel/impl/flash_frag.hpp) against a lane-by-lane model of a warp's
+// (kernel/cuda/flash_frag.hpp) against a lane-by-lane model of a warp's
 // ldmatrix.x4 (plain and .trans) and mma.sync.m16n8k16, written from the
 // PTX ISA's fragment tables independently of the helpers. Every product the
 // forward and backward kernels make is one of two warp products:
@@ -8,13 +8,13 @@
 //   P Y:   P from C fragments (c2a_*) against a tile Y read k-major (ldsm_bt);
 // both checked here for head dims 64 and 128 against plain loops, exactly
 // (small integers: every sum is exact in fp32). The same for the fp32
-// kernel's mma.sync.m16n8k8 (.tf32) products (cuda_flash_f32.hpp), whose
+// kernel's mma.sync.m16n8k8 (.tf32) products (cuda/flash_forward_f32.hpp), whose
 // P V reads V by 32-bit loads in a permuted key order. And the order in
-// which the kernels' CTAs start (kernel/impl/cta_order.hpp). No GPU needed.
+// which the kernels' CTAs start (kernel/cuda/cta_order.hpp). No GPU needed.
 #include <doctest/doctest.h>
 
-#include <blockattn/kernel/impl/cta_order.hpp>
-#include <blockattn/kernel/impl/flash_frag.hpp>
+#include <blockattn/kernel/cuda/cta_order.hpp>
+#include <blockattn/kernel/cuda/flash_frag.hpp>
 
 #include <algorithm>
 #include <array>
@@ -203,7 +203,7 @@ int conflicts(F&& rc_of) {
   return bad;
 }
 
-// ---- fp32 values, mma.sync.m16n8k8 (.tf32): cuda_flash_f32.hpp ------------
+// ---- fp32 values, mma.sync.m16n8k8 (.tf32): cuda/flash_forward_f32.hpp ------------
 
 using Frag4 = std::array<std::array<float, 4>, 32>;  // 4 registers of each lane
 using Frag2 = std::array<std::array<float, 2>, 32>;

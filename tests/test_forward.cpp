@@ -119,7 +119,7 @@ TEST_CASE_TEMPLATE("forward matches the fp64 reference for every mask and layout
 }
 
 TEST_CASE("fp32 on CUDA tensor cores (ForwardOptions::fp32_tensor_cores), every mask") {
-  // CUDA: the fp32 forward on TF32 products (kernel/impl/cuda_flash_f32.hpp)
+  // CUDA: the fp32 forward on TF32 products (kernel/cuda/flash_forward_f32.hpp)
   // where it takes the call (head dims 64 and 128, aligned contiguous rows,
   // finite inputs). Elsewhere the option changes nothing: skipped (and not
   // compiled).

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Which calls the fused path takes (kernel/impl/fused_path.hpp), on the host
+// Which calls the fused path takes (kernel/cudnn/fused_path.hpp), on the host
 // emulation of the fused provider (-DBLOCKATTN_EMULATE_FUSED): band masks on
 // any offsets go fused, everything else and portable_only to BlockAttn's
 // kernels, a call whose rows see no key is filled without a vendor call, and

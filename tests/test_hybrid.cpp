@@ -93,44 +93,13 @@ void check(Mpi& comm, const HCase& c, const Mask& mask, int ulysses, std::uint64
   Kokkos::fence();
 
   const auto map = hybrid_position_map<Partition>(N, g, rank);
-  bool finite = true;
-  const double eo = max_error(o, ref.o, map, finite);
-  double el = 0.0;
-  bool lse_pattern = true;
-  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
-  for (int b = 0; b < c.b; ++b)
-    for (int x = 0; x < c.h; ++x)
-      for (int i = 0; i < n; ++i) {
-        const double got = double(lh(b, x, i)),
-                     want = ref.lse[(std::size_t(b) * c.h + x) * std::size_t(N) + map(i)];
-        if (std::isinf(want) || std::isinf(got)) {
-          lse_pattern = lse_pattern && got == want;
-          continue;
-        }
-        el = std::max(el, std::abs(got - want));
-      }
-  const double eg =
-      std::max({max_error(dq, grads.dq, map, finite), max_error(dk, grads.dk, map, finite),
-                max_error(dv, grads.dv, map, finite)});
-  const double gmax = std::max({largest(grads.dq), largest(grads.dk), largest(grads.dv)});
-  const bool fp64 = std::is_same<S, double>::value;
-  const double tf = fp64 ? tolerance<double>(ref, c.d, N) : tolerance<float>(ref, c.d, N);
-  double to = tf, tg = (fp64 ? 1e-11 : 1e-4) * gmax;
   const UlyssesHeads u = UlyssesHeads::make(c.h, c.hkv, ulysses);
-  if constexpr (is_half_storage_v<S>) {
-    to += S::unit_roundoff * (largest(ref.o) + tf);
-    const int roundings = u.replicated ? 1 + c.h / c.hkv / u.heads_per_rank : 1;
-    tg += roundings * S::unit_roundoff * (gmax + tg);
-  }
-  INFO("rank ", rank, "/", P, " grid ", ulysses, "x", g.ring, " ",
-       std::string(value_type_name<S>()), " ", std::string(Partition::name()), " ",
-       std::string(Schedule::name()), " H=", c.h, " Hkv=", c.hkv, " D=", c.d, " n=", n, ": o ", eo,
-       "/", to, " lse ", el, "/", tf, " grads ", eg, "/", tg);
-  CHECK(finite);
-  CHECK(lse_pattern);
-  CHECK(eo <= to);
-  CHECK(el <= tf);
-  CHECK(eg <= tg);
+  const int roundings = u.replicated ? 1 + c.h / c.hkv / u.heads_per_rank : 1;
+  check_against_reference<S>(ref, grads, map, N, o, lse, dq, dk, dv, roundings,
+                             "rank " + std::to_string(rank) + "/" + std::to_string(P) + " grid " +
+                                 std::to_string(ulysses) + "x" + std::to_string(g.ring) + " " +
+                                 std::string(Partition::name()) + " " +
+                                 std::string(Schedule::name()) + " Hkv=" + std::to_string(c.hkv));
 
   // All-to-all bytes inside the group: Ulysses' volumes on P_a ranks.
   const std::int64_t rows = std::int64_t(c.b) * most * c.d * (ulysses - 1);  // one head

@@ -4,6 +4,7 @@
 // use, against an fp64 reference; and the host ISA the build was compiled for.
 #include <doctest/doctest.h>
 
+#include <blockattn/kernel/portable/micro_gemm.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 
 #include <cmath>

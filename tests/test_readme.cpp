@@ -6,8 +6,8 @@
 // extracted at build time (readme_snippets.cpp), so an edit that breaks the
 // code breaks this test; a new block fails to compile here until it is given
 // a context below. Snippets in the order of the pages: README.md,
-// docs/distributed.md, docs/planner.md, docs/extending.md, docs/serving.md
-// (11, 12), docs/score.md (13-15).
+// docs/distributed.md, docs/planner.md, docs/extending.md (9-11),
+// docs/serving.md (12, 13), docs/score.md (14-16).
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -18,7 +18,7 @@
 
 #include <readme_snippets.hpp>
 
-static_assert(BLOCKATTN_README_SNIPPETS == 15,
+static_assert(BLOCKATTN_README_SNIPPETS == 16,
               "the ```cpp blocks of README.md or docs/ changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
@@ -27,9 +27,17 @@ namespace snippet9 {
 #include <readme_snippet_9.inc>
 }  // namespace snippet9
 
-namespace snippet14 {  // docs/score.md: a score policy of your own
-#include <readme_snippet_14.inc>
-}  // namespace snippet14
+// docs/extending.md snippet 11: a block-product implementation of your own (a
+// specialisation: at global scope, as a user would write it).
+namespace snippet11 {
+struct MyMask : blockattn::CausalMask {};
+}  // namespace snippet11
+using snippet11::MyMask;
+#include <readme_snippet_11.inc>
+
+namespace snippet15 {  // docs/score.md: a score policy of your own
+#include <readme_snippet_15.inc>
+}  // namespace snippet15
 
 namespace {
 
@@ -204,7 +212,28 @@ TEST_CASE("README snippets 9 and 10: a user mask and packed documents") {
   CHECK(all_finite(lse));
 }
 
-TEST_CASE("docs/serving.md snippet 11: prefill, append, decode over a sharded cache") {
+TEST_CASE("docs/extending.md snippet 11: a registered implementation that declines") {
+  // It is asked first; declining, the call goes on to the kernels.
+  const int N = 40, H = 2, D = 16;
+  Kokkos::View<float****, Kokkos::DefaultHostExecutionSpace> q("q", 1, N, H, D), k("k", 1, N, H, D),
+      v("v", 1, N, H, D), o("o", 1, N, H, D);
+  Kokkos::View<float***, Kokkos::DefaultHostExecutionSpace> lse("lse", 1, H, N);
+  static_assert(blockattn::block_implementation_registered_v<Kokkos::DefaultHostExecutionSpace,
+                                                             float, MyMask>);
+  blockattn::BlockPathCounts paths;
+  blockattn::ForwardOptions opts;
+  opts.paths = &paths;
+  blockattn::attention_forward(Kokkos::DefaultHostExecutionSpace{}, q, k, v, o, lse, MyMask{},
+                               opts);
+  Kokkos::fence();
+  CHECK(paths.user == 0);
+  CHECK(paths.portable == 1);
+  // Zero inputs: every allowed logit is 0, so LSE = log(row + 1).
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  CHECK(lh(0, 1, N - 1) == doctest::Approx(std::log(double(N))));
+}
+
+TEST_CASE("docs/serving.md snippet 12: prefill, append, decode over a sharded cache") {
   blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
   const Kokkos::DefaultExecutionSpace exec;
   const blockattn::index_type max_tokens = 100;
@@ -216,7 +245,7 @@ TEST_CASE("docs/serving.md snippet 11: prefill, append, decode over a sharded ca
   B4 k_new("k", 4, 1, 2, 64), v_new("v", 4, 1, 2, 64), q_new("q", 4, 1, 4, 64),
       o_new("o", 4, 1, 4, 64);
   V3 lse_new("lse", 4, 4, 1);
-#include <readme_snippet_11.inc>
+#include <readme_snippet_12.inc>
   Kokkos::fence();
   CHECK(cache.length(0) == C + 1);
   CHECK(cache.length(3) == 1);
@@ -228,7 +257,7 @@ TEST_CASE("docs/serving.md snippet 11: prefill, append, decode over a sharded ca
   CHECK(lc(0, 0, C - 1) == doctest::Approx(std::log(double(C))));
 }
 
-TEST_CASE("docs/serving.md snippet 12: merge_attention, n parts and two in place") {
+TEST_CASE("docs/serving.md snippet 13: merge_attention, n parts and two in place") {
   const Kokkos::DefaultExecutionSpace exec;
   const int n = 2, B = 1, R = 3, H = 2, D = 8;
   Kokkos::View<float*****> o_parts("o_parts", n, B, R, H, D);
@@ -244,7 +273,7 @@ TEST_CASE("docs/serving.md snippet 12: merge_attention, n parts and two in place
   Kokkos::deep_copy(o_a, 1.0f);
   Kokkos::deep_copy(o_b, 5.0f);
   Kokkos::deep_copy(lse_b, float(std::log(3.0)));
-#include <readme_snippet_12.inc>
+#include <readme_snippet_13.inc>
   Kokkos::fence();
   auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
   auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
@@ -256,7 +285,7 @@ TEST_CASE("docs/serving.md snippet 12: merge_attention, n parts and two in place
   CHECK(lah(0, 1, 2) == doctest::Approx(std::log(4.0)));
 }
 
-TEST_CASE("docs/score.md snippets 13 to 15: policies, your own, sinks") {
+TEST_CASE("docs/score.md snippets 14 to 16: policies, your own, sinks") {
   using Comm = blockattn::MpiCommunicator<>;
   using Exec = Kokkos::DefaultExecutionSpace;
   Comm comm(MPI_COMM_WORLD);
@@ -266,16 +295,16 @@ TEST_CASE("docs/score.md snippets 13 to 15: policies, your own, sinks") {
       dout("do", B, n, H, D), dq("dq", B, n, H, D), dk("dk", B, n, H, D), dv("dv", B, n, H, D);
   V3 lse("lse", B, H, n);
   {
-#include <readme_snippet_13.inc>
+#include <readme_snippet_14.inc>
     attn.forward(q, k, v, o, lse);
     Kokkos::fence();
     CHECK(all_finite(lse));
   }
-  blockattn::attention_forward(exec, q, k, v, o, lse, snippet14::mask);
+  blockattn::attention_forward(exec, q, k, v, o, lse, snippet15::mask);
   Kokkos::fence();
   CHECK(all_finite(lse));
   {
-#include <readme_snippet_15.inc>
+#include <readme_snippet_16.inc>
     Kokkos::fence();
     CHECK(all_finite(dq));
   }

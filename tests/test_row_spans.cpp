@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host-only: the key-tile kinds the GPU tensor-core kernels take from their
-// query rows' intervals (kernel/impl/row_spans.hpp), by brute force against
+// query rows' intervals (kernel/cuda/row_spans.hpp), by brute force against
 // allowed() for every built-in mask with allowed_keys() and several position
 // maps: a tile called full has every pair allowed, a tile called empty none;
 // with contiguous rows and keys the kinds are exact (nothing allowed: empty,
@@ -8,7 +8,7 @@
 // equal the bounds of all rows at once.
 #include <doctest/doctest.h>
 
-#include <blockattn/kernel/impl/row_spans.hpp>
+#include <blockattn/kernel/cuda/row_spans.hpp>
 #include <blockattn/policy/document_mask.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>

@@ -63,41 +63,9 @@ void check(Mpi& comm, const UCase& c, const Mask& mask, std::uint64_t seed) {
   Kokkos::fence();
 
   const auto map = Partition::positions(N, P, rank);
-  bool finite = true;
-  const double eo = max_error(o, ref.o, map, finite);
-  double el = 0.0;
-  bool lse_pattern = true;
-  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
-  for (int b = 0; b < c.b; ++b)
-    for (int x = 0; x < c.h; ++x)
-      for (int i = 0; i < n; ++i) {
-        const double g = double(lh(b, x, i)),
-                     w = ref.lse[(std::size_t(b) * c.h + x) * std::size_t(N) + map(i)];
-        if (std::isinf(w) || std::isinf(g)) {
-          lse_pattern = lse_pattern && g == w;
-          continue;
-        }
-        el = std::max(el, std::abs(g - w));
-      }
-  const double eg =
-      std::max({max_error(dq, grads.dq, map, finite), max_error(dk, grads.dk, map, finite),
-                max_error(dv, grads.dv, map, finite)});
-  const double gmax = std::max({largest(grads.dq), largest(grads.dk), largest(grads.dv)});
-  const bool fp64 = std::is_same<S, double>::value;
-  const double tf = fp64 ? tolerance<double>(ref, c.d, N) : tolerance<float>(ref, c.d, N);
-  double to = tf, tg = (fp64 ? 1e-11 : 1e-4) * gmax;
-  if constexpr (is_half_storage_v<S>) {
-    to += S::unit_roundoff * (largest(ref.o) + tf);
-    tg += S::unit_roundoff * (gmax + tg);
-  }
-  INFO("rank ", rank, "/", P, " ", std::string(value_type_name<S>()), " ",
-       std::string(Partition::name()), " H=", c.h, " Hkv=", c.hkv, " D=", c.d, " n=", n, ": o ", eo,
-       "/", to, " lse ", el, "/", tf, " grads ", eg, "/", tg);
-  CHECK(finite);
-  CHECK(lse_pattern);
-  CHECK(eo <= to);
-  CHECK(el <= tf);
-  CHECK(eg <= tg);
+  check_against_reference<S>(ref, grads, map, N, o, lse, dq, dk, dv, 1,
+                             "rank " + std::to_string(rank) + "/" + std::to_string(P) + " " +
+                                 std::string(Partition::name()) + " Hkv=" + std::to_string(c.hkv));
 
   // One step each; the bytes are the all-to-all volumes: (P-1)/P of what
   // travels. Forward: Q, K, V in (K/V once per receiving rank), O in S and

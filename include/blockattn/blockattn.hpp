@@ -15,9 +15,10 @@
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/band.hpp>
+#include <blockattn/kernel/block_implementation.hpp>
 #include <blockattn/kernel/block_product.hpp>
 #include <blockattn/kernel/decode.hpp>
-#include <blockattn/kernel/fused_block.hpp>
+#include <blockattn/kernel/dispatch.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>
 #include <blockattn/plan/balance.hpp>

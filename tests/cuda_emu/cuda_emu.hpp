@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda_emu: a host emulator of the CUDA subset that BlockAttn's tensor-core
-// kernels (include/blockattn/kernel/impl/cuda_flash*.hpp) use, so that their
+// kernels (include/blockattn/kernel/cuda/flash_*.hpp) use, so that their
 // source, unchanged, runs and is checked on a CPU: in CI, and before the rare
 // session with a GPU. Not a CUDA implementation: only what those kernels and
 // their check program (tests/cuda_flash_check.cpp) need.

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda_emu (cuda_emu.hpp): the PTX wrappers of BlockAttn's tensor-core
 // kernels, on the host's warp model. The same names and signatures as the
-// inline-PTX versions in include/blockattn/kernel/impl/cuda_flash.hpp and
-// cuda_flash_f32.hpp, which include this file instead of defining theirs when
+// inline-PTX versions in include/blockattn/kernel/cuda/flash_forward.hpp and
+// cuda/flash_forward_f32.hpp, which include this file instead of defining theirs when
 // BLOCKATTN_CUDA_EMULATION is defined.
 //
 // Layouts (PTX ISA, "Matrix fragments for mma.m16n8k16 / m16n8k8" and

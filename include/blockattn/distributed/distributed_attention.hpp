@@ -55,8 +55,9 @@ class DistributedAttention {
       "(FullMask, CausalMask, SlidingWindowMask, or your own; see blockattn/policy/mask.hpp)");
   static_assert(is_schedule_v<Schedule>,
                 "BlockAttn: DistributedAttention: the third parameter must be a schedule "
-                "(RingSchedule, BurstSchedule, BalancedSchedule; see "
-                "blockattn/schedule/ring.hpp, blockattn/schedule/balanced.hpp)");
+                "(RingSchedule, BurstSchedule, BalancedSchedule, AllGatherSchedule, or your "
+                "own; see blockattn/schedule/ring.hpp, blockattn/schedule/balanced.hpp, "
+                "blockattn/schedule/allgather.hpp)");
   // A complete description: one static_assert per missing member
   // (impl::check_schedule), for a schedule only (a type that is not one has
   // had its message above); this assertion itself always holds.

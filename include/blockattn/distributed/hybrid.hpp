@@ -202,6 +202,7 @@ class HybridAttention : public impl::HeadParallelCalls<
     stats.steps = ring.steps;
     stats.block_q = ring.block_q;
     stats.block_k = ring.block_k;
+    stats.fused_workspace_bytes = ring.fused_workspace_bytes;
   }
 
   /// The group's all-to-alls (impl::HeadExchange, as UlyssesAttention's over

@@ -65,6 +65,7 @@ struct RunStats {
   BlockPathCounts paths() const {
     BlockPathCounts c;
     for (const auto& s : steps) {
+      c.user += s.path == BlockPath::user ? 1 : 0;
       c.portable += s.path == BlockPath::portable || s.path == BlockPath::matrix ? 1 : 0;
       c.matrix += s.path == BlockPath::matrix ? 1 : 0;
       c.fused += s.path == BlockPath::fused ? 1 : 0;

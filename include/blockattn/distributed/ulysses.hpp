@@ -509,6 +509,18 @@ class UlyssesAttention
                                                        UlyssesHeads::make(e.heads, e.kv_heads, P));
   }
 
+  /// The single-device options of the local attention.
+  static ForwardOptions local_options(const DistributedOptions& opts, BlockPathCounts& paths) {
+    ForwardOptions f;
+    f.portable_only = opts.portable_only;
+    f.host_matrix = opts.host_matrix;
+    f.tensor_cores = opts.tensor_cores;
+    f.tensor_core_backward = opts.tensor_core_backward;
+    f.guard_masked_nonfinite = opts.guard_masked_nonfinite;
+    f.paths = &paths;
+    return f;
+  }
+
   template <class QV, class KV, class VV, class OV, class LV>
   void run_forward(const BlockExtents& e, index_type N, const QV& q, const KV& k, const VV& v,
                    const OV& o, const LV& lse, const DistributedOptions& opts, RunStats& stats) {
@@ -527,25 +539,27 @@ class UlyssesAttention
     fe.kv_heads = x.kl;
     const BlockLayout layout = forward_layout<C, ExecSpace>(e.dim);
     const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
-    double busy = 0.0;  // seconds of packing + attention on this rank
-    {
-      const auto kv = allocate_forward_block<C, ExecSpace>(layout, e.batch, x.kl, int(N));
-      const std::int64_t packed = impl::ulysses_bytes(kv.kt) + impl::ulysses_bytes(kv.v);
-      x.live.add(packed);
-      const auto c0 = std::chrono::steady_clock::now();
-      pack_forward_block(m_exec, kf, vf, kv);
-      ForwardBlockState<C, typename ExecSpace::memory_space> state;
-      state.host_matrix = opts.host_matrix;
-      forward_block(m_exec, fe, qf, kv, of, lf, impl::shift_heads(m_mask, x.first_q),
-                    OffsetPositions{}, OffsetPositions{}, scale, state);
-      m_exec.fence();  // the packed block is freed here
-      busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
-      x.live.sub(packed);
-    }
+    // One single-device call over the whole sequence for this rank's heads:
+    // the dispatcher's choice of implementation (kernel/dispatch.hpp), as
+    // attention_forward's; the sinks are folded in by the caller.
+    BlockPathCounts paths;
+    // The kernels' packed K/V block (the planner's `packed`, whichever
+    // implementation runs: ulysses_forward_volume()).
+    const std::int64_t tiles = (std::int64_t(N) + layout.block_k - 1) / layout.block_k;
+    const std::int64_t packed = 2 * std::int64_t(e.batch) * x.kl * tiles * layout.block_k *
+                                layout.dim_padded * std::int64_t(sizeof(C));
+    x.live.add(packed);
+    const auto c0 = std::chrono::steady_clock::now();
+    impl::forward_call(m_exec, fe, qf, kf, vf, of, lf, impl::shift_heads(m_mask, x.first_q),
+                       OffsetPositions{}, OffsetPositions{}, scale, local_options(opts, paths));
+    m_exec.fence();
+    const double busy =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
+    x.live.sub(packed);
     // Phase 3: O and LSE back to the sequence split.
     x.template out<C>(of, o, false);
     x.out_lse(lf, lse);
-    finish_stats(layout, N, opts, x, busy, stats);
+    finish_stats(layout, N, opts, x, busy, paths, stats);
   }
 
   template <class QV, class KV, class VV, class OV, class LV, class DOV, class DQV, class DKV,
@@ -571,35 +585,28 @@ class UlyssesAttention
     fe.kv_heads = x.kl;
     const BlockLayout layout = backward_layout<C, ExecSpace>(e.dim);
     const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
-    double busy = 0.0;  // seconds of packing + attention on this rank
-    {
-      auto keys = allocate_backward_keys<C, ExecSpace>(layout, e.batch, x.kl, int(N));
-      auto rows = allocate_backward_queries<C, ExecSpace>(layout, e.batch, x.hl, int(N));
-      const std::int64_t packed = impl::ulysses_bytes(keys.kt) + impl::ulysses_bytes(keys.vt) +
-                                  impl::ulysses_bytes(keys.k) + impl::ulysses_bytes(rows.q) +
-                                  impl::ulysses_bytes(rows.dout) + impl::ulysses_bytes(rows.lse2) +
-                                  impl::ulysses_bytes(rows.drow);
-      x.live.add(packed);
-      const auto c0 = std::chrono::steady_clock::now();
-      pack_backward_keys(m_exec, kf, vf, keys);
-      BackwardBlockOptions blk;
-      blk.operands_bf16 = std::is_same<V, bf16>::value;
-      blk.host_matrix = opts.host_matrix;
-      const auto head_mask = impl::shift_heads(m_mask, x.first_q);
-      pack_backward_queries(
-          m_exec, qf, dof, of, lf, rows,
-          backward_uses_matrix<C, ExecSpace, std::decay_t<decltype(head_mask)>>(e.dim, blk),
-          opts.host_matrix);
-      backward_block(m_exec, fe, rows, keys, dqf, dkf, dvf, head_mask, OffsetPositions{},
-                     OffsetPositions{}, scale, blk);
-      m_exec.fence();  // the packed buffers are freed here
-      busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
-      x.live.sub(packed);
-    }
+    BlockPathCounts paths;
+    // The kernels' packed keys and rows (the planner's `packed`:
+    // ulysses_backward_volume()).
+    const std::int64_t ktiles = (std::int64_t(N) + layout.block_k - 1) / layout.block_k;
+    const std::int64_t qrows =
+        (std::int64_t(N) + layout.block_q - 1) / layout.block_q * layout.block_q;
+    const std::int64_t packed = std::int64_t(sizeof(C)) * e.batch *
+                                (3 * x.kl * ktiles * layout.block_k * layout.dim_padded +
+                                 x.hl * qrows * (2 * std::int64_t(layout.dim_padded) + 2));
+    x.live.add(packed);
+    const auto c0 = std::chrono::steady_clock::now();
+    impl::backward_call(m_exec, fe, qf, kf, vf, of, lf, dof, dqf, dkf, dvf,
+                        impl::shift_heads(m_mask, x.first_q), OffsetPositions{}, OffsetPositions{},
+                        scale, local_options(opts, paths));
+    m_exec.fence();
+    const double busy =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
+    x.live.sub(packed);
     x.template out<C>(dqf, dq, false);
     x.template out<C>(dkf, dk, true);
     x.template out<C>(dvf, dv, true);
-    finish_stats(layout, N, opts, x, busy, stats);
+    finish_stats(layout, N, opts, x, busy, paths, stats);
   }
 
   /// The one "step" of RunStats: the local attention's tiles (per batch and
@@ -607,7 +614,7 @@ class UlyssesAttention
   /// workspace and the busy time (packing and the local attention).
   void finish_stats(const BlockLayout& layout, index_type N, const DistributedOptions& opts,
                     const impl::HeadExchange<Communicator, ExecSpace>& x, double busy,
-                    RunStats& stats) const {
+                    const BlockPathCounts& paths, RunStats& stats) const {
     const int rank = m_comm.rank();
     StepStats st;
     st.step = 0;
@@ -619,6 +626,11 @@ class UlyssesAttention
     st.bytes_sent = x.sent;
     st.bytes_received = x.sent;  // every rank sends and receives the same amounts
     st.compute_seconds = busy;
+    st.path = paths.user     ? BlockPath::user
+              : paths.fused  ? BlockPath::fused
+              : paths.matrix ? BlockPath::matrix
+                             : BlockPath::portable;
+    st.fused_pieces = int(paths.fused_pieces);
     stats.block_q = layout.block_q;
     stats.block_k = layout.block_k;
     stats.workspace_bytes = x.live.peak;

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <blockattn/kernel/attention_forward.hpp>
-#include <blockattn/kernel/block_product.hpp>
+#include <blockattn/kernel/dispatch.hpp>
 
 #include <cmath>
 
@@ -47,59 +47,10 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
       impl::store_sink_gradient(exec, impl::sink_gradient_part(exec, opts.sinks, o, dout, lse),
                                 opts.sink_grad);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
-    if (impl::fused_backward(exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask, scale, opts)) return;
-    // BlockAttn's tensor-core backward (CUDA, 16-bit) where it is asked for and takes the call.
-    if (opts.tensor_cores && opts.tensor_core_backward && !opts.portable_only &&
-        impl::flash_backward(exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask,
-                             OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset},
-                             float(scale))) {
-      if (opts.paths) {
-        ++opts.paths->portable;
-        ++opts.paths->matrix;
-      }
-      return;
-    }
-    // bf16 inputs: the pairs may run on the host matrix engine (AMX).
-    BackwardBlockOptions blk;
-    blk.operands_bf16 = std::is_same<typename QV::non_const_value_type, bf16>::value &&
-                        std::is_same<typename KV::non_const_value_type, bf16>::value &&
-                        std::is_same<typename VV::non_const_value_type, bf16>::value &&
-                        std::is_same<typename DOV::non_const_value_type, bf16>::value;
-    blk.host_matrix = opts.host_matrix;
-    const bool matrix = backward_uses_matrix<T, ExecSpace, Mask>(e.dim, blk);
-    if (opts.paths) {
-      ++opts.paths->portable;
-      if (matrix) ++opts.paths->matrix;
-    }
-    const BlockLayout layout = backward_layout<T, ExecSpace>(e.dim);
-    impl::CallBuffers<ExecSpace> buffers(exec);
-#if BLOCKATTN_AMX_BACKWARD
-    // On the matrix engine with bf16 q, k, v, o and dO: its operands straight
-    // from the views (pack_amx_backward_views), no fp32 blocks in between.
-    if constexpr (impl::is_host_space_v<ExecSpace> &&
-                  std::is_same<typename OV::non_const_value_type, bf16>::value &&
-                  std::is_same<typename ExecSpace::memory_space, Kokkos::HostSpace>::value) {
-      if (matrix && blk.operands_bf16 && e.queries > 0 && e.keys > 0) {
-        impl::pack_amx_backward_views(
-            exec, e, q, dout, o, lse, k, v,
-            impl::matrix_path(opts.host_matrix) == impl::MatrixPath::tiles, blk.matrix_operands,
-            &buffers);
-        backward_block(exec, e, PackedQueries<T, Kokkos::HostSpace>{},
-                       PackedKeys<T, Kokkos::HostSpace>{}, dq, dk, dv, mask,
-                       OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, scale, blk,
-                       &buffers);
-        return;
-      }
-    }
-#endif
-    const auto keys =
-        allocate_backward_keys<T, ExecSpace>(layout, e.batch, e.kv_heads, e.keys, &buffers);
-    pack_backward_keys(exec, k, v, keys);
-    const auto rows =
-        allocate_backward_queries<T, ExecSpace>(layout, e.batch, e.heads, e.queries, &buffers);
-    pack_backward_queries(exec, q, dout, o, lse, rows, matrix, opts.host_matrix);
-    backward_block(exec, e, rows, keys, dq, dk, dv, mask, OffsetPositions{opts.q_offset},
-                   OffsetPositions{opts.k_offset}, scale, blk, &buffers);
+    // The implementation is the dispatcher's choice (kernel/dispatch.hpp).
+    impl::backward_call(exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask,
+                        OffsetPositions{opts.q_offset}, OffsetPositions{opts.k_offset}, scale,
+                        opts);
   }
 }
 

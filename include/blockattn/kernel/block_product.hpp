@@ -1,11 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The block product: the kernel layer's one interface to the layers above.
-//
-// Every entry point (attention_forward, attention_backward) and every step
-// loop (DistributedAttention, UlyssesAttention, HybridAttention) computes
-// attention one (query block, key block) pair at a time through the calls
-// below, and nothing above kernel/ names a kernel, a tile shape or a head-dim
-// specialisation:
+// The block product of BlockAttn's portable kernels (kernel/portable/, with
+// the host/ micro kernels and the host matrix engine on host spaces): a
+// (query block, key block) pair at a time, on packed operands.
 //
 //   forward:  layout = forward_layout<T, Exec>(dim)            tiles and packed layout
 //             kv = allocate_forward_block<V, Exec>(layout, ...)   a packed K/V block
@@ -19,27 +15,28 @@
 //             backward_block(exec, extents, rows, keys, dq, dk, dv, mask, qpos, kpos,
 //                            scale, options) -> dQ, dK, dV of the pair, written or added
 //
-// The implementation is chosen here, per block pair, from the execution space
-// and the value type (today: the portable Kokkos team kernels, with host ISA
-// micro kernels on host spaces; kernel/impl/). A new implementation (a vendor
-// library, a tensor-core kernel) is a branch in forward_block_kernel /
-// backward_block_kernel that keeps these signatures; the callers do not change.
+// Which implementation computes a pair (a registered one of yours, cuDNN,
+// the tensor-core kernels, these kernels) is decided in one place,
+// kernel/dispatch.hpp, which every entry point and step loop calls; a new
+// implementation registers itself there (kernel/block_implementation.hpp).
 //
 // Compile time: forward_block_kernel and backward_block_kernel are the
 // functions that instantiate kernels. They take canonical View types
 // (LayoutStride, unmanaged), so their instantiations depend only on
 // (execution space, value types, mask, position map), and they are not
-// inline: kernel/instantiate.hpp declares the built-in combinations extern
-// when the precompiled kernels (CMake target BlockAttn::kernels) are linked,
-// and BLOCKATTN_INSTANTIATE_BLOCK_PRODUCT compiles a user's mask once.
+// inline: kernel/instantiate.hpp (included by kernel/dispatch.hpp) declares
+// the built-in combinations extern when the precompiled kernels (CMake target
+// BlockAttn::kernels) are linked, and BLOCKATTN_INSTANTIATE_BLOCK_PRODUCT
+// compiles a user's mask once.
 #pragma once
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/kernel/buffer_cache.hpp>
-#include <blockattn/kernel/impl/backward_launch.hpp>
-#include <blockattn/kernel/impl/forward_launch.hpp>
+#include <blockattn/kernel/impl/elementwise.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
+#include <blockattn/kernel/portable/backward_launch.hpp>
+#include <blockattn/kernel/portable/forward_launch.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>
@@ -350,7 +347,17 @@ void backward_block(const ExecSpace& exec, const BlockExtents& e,
       scale, options, buffers);
 }
 
-}  // namespace blockattn
+/// a = b converted to a's value type (widening exactly, or rounding once
+/// into 16-bit storage): rank-4 Views of one shape, any layouts.
+template <class ExecSpace, class AV, class BV>
+void convert_views(const ExecSpace& exec, const AV& a, const BV& b) {
+  impl::combine_into<false>(exec, a, b);
+}
 
-// The precompiled set, declared extern when BlockAttn::kernels is linked.
-#include <blockattn/kernel/instantiate.hpp>
+/// a += b: rank-4 Views of one shape, any layouts (partial gradients).
+template <class ExecSpace, class AV, class BV>
+void add_views(const ExecSpace& exec, const AV& a, const BV& b) {
+  impl::combine_into<true>(exec, a, b);
+}
+
+}  // namespace blockattn

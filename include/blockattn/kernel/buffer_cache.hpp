@@ -6,7 +6,7 @@
 // of about the size of K and V (and Q, dO on the backward) on every call.
 // Fresh memory from the allocator costs a page fault per 4 KiB on first touch,
 // and glibc hands large blocks back to the system on free: at N = 1024 that
-// was 10-20 % of a forward on 2 threads (docs/measurements.md). So on host
+// was 10-20 % of a forward on 2 threads (docs/history/measurements.md). So on host
 // execution spaces each call takes one buffer from a per-memory-space cache,
 // carves its blocks from it, and returns it (grown to what the call needed,
 // up to the limit) at the end. Calls from several threads at once are safe:

@@ -7,8 +7,8 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
-#include <blockattn/kernel/impl/decode_kernel.hpp>
 #include <blockattn/kernel/options.hpp>
+#include <blockattn/kernel/portable/decode_kernel.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -77,7 +77,7 @@ constexpr void check_decode_view_types() {
 }
 
 /// Whether attention_decode on ExecSpace over S storage (unit stride in the
-/// head dim) runs the AVX512-BF16 dot products (impl/decode_bf16.hpp) for
+/// head dim) runs the AVX512-BF16 dot products (host/decode_bf16.hpp) for
 /// `setting`: bf16 on a host space where the host matrix engine runs vectors.
 template <class ExecSpace, class S>
 bool decode_uses_bf16_dot(HostMatrix setting) {

@@ -45,6 +45,8 @@ class vendor_error : public std::runtime_error {
 /// RunStats): BlockAttn's kernels, or a vendor's fused attention (in `pieces`
 /// band pieces; kernel/band.hpp).
 struct BlockPathCounts {
+  /// A registered implementation of yours (kernel/block_implementation.hpp).
+  std::int64_t user = 0;
   std::int64_t portable = 0;
   std::int64_t fused = 0;
   std::int64_t fused_pieces = 0;
@@ -53,6 +55,7 @@ struct BlockPathCounts {
   /// 16-bit P; fp32 forward with TF32 products, ForwardOptions::fp32_tensor_cores).
   std::int64_t matrix = 0;
   BlockPathCounts& operator+=(const BlockPathCounts& o) {
+    user += o.user;
     portable += o.portable;
     matrix += o.matrix;
     fused += o.fused;
@@ -64,7 +67,7 @@ struct BlockPathCounts {
 /// Which implementation computed a block pair: BlockAttn's kernels (in fp32,
 /// or on a matrix engine with 16-bit P: the tensor-core forward on CUDA) or a
 /// vendor's fused attention.
-enum class BlockPath : int { none = 0, portable = 1, fused = 2, matrix = 3 };
+enum class BlockPath : int { none = 0, portable = 1, fused = 2, matrix = 3, user = 4 };
 
 /// The storage type of a fused call's Q, K, V, O, dO, dQ, dK, dV.
 enum class FusedType : int { bf16 = 0, fp16 = 1 };

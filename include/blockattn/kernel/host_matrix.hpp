@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The host matrix engine's setting and status (the engine: kernel/impl/amx.hpp;
+// The host matrix engine's setting and status (the engine: kernel/host/amx.hpp;
 // host_matrix_engine() is defined there).
 #pragma once
 

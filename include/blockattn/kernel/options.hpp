@@ -44,19 +44,19 @@ struct ForwardOptions {
   HostMatrix host_matrix = HostMatrix::automatic;
   /// 16-bit storage on CUDA: a call that cuDNN does not take (a mask that is
   /// not a band, a position map it cannot express, no cuDNN in the build)
-  /// runs on BlockAttn's tensor-core forward (kernel/impl/cuda_flash.hpp;
+  /// runs on BlockAttn's tensor-core forward (kernel/cuda/flash_forward.hpp;
   /// head dims 64 and 128, no score policy; P rounded to 16 bits before P V,
   /// like cuDNN), or, when false, on the kernels that compute in fp32.
   bool tensor_cores = true;
   /// The single-device backward of such calls (tensor_cores on) on
-  /// BlockAttn's tensor-core backward (kernel/impl/cuda_flash_backward.hpp:
+  /// BlockAttn's tensor-core backward (kernel/cuda/flash_backward.hpp:
   /// deterministic, P and dS rounded to 16 bits before their products; finite
   /// inputs only, others take the fp32 kernels). Off by default: it compiles
   /// and its fragment maths is checked on the host, but it has not yet run
   /// on a GPU (bench/gpu_session.sh checks it against fp64 and times it).
   bool tensor_core_backward = false;
   /// fp32 storage on CUDA: the single-device forward's products on tensor
-  /// cores (kernel/impl/cuda_flash_f32.hpp; head dims 64 and 128, no score
+  /// cores (kernel/cuda/flash_forward_f32.hpp; head dims 64 and 128, no score
   /// policy, 16-byte aligned rows, finite q, k, v: one pass over each that the
   /// host waits for, others take the fp32 kernels). tf32x3 splits each
   /// operand into two TF32 parts and adds three products, as PyTorch's fp32

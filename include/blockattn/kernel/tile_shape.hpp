@@ -3,7 +3,6 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
-#include <blockattn/kernel/impl/micro_gemm.hpp>
 #include <blockattn/kernel/isa.hpp>
 
 #include <type_traits>
@@ -11,6 +10,12 @@
 namespace blockattn {
 
 namespace impl {
+
+/// The default tile-product policy (defined in kernel/portable/micro_gemm.hpp,
+/// which the kernels include): the register micro kernel for host ISA Isa.
+template <HostIsa Isa = host_isa>
+struct RegisterTileGemmFor;
+using RegisterTileGemm = RegisterTileGemmFor<>;
 
 /// Host tile constants per vector ISA (isa.hpp), value type and compile-time
 /// head dim (0: any other). See DefaultTileShape for what each one means.
@@ -29,10 +34,10 @@ struct HostTiles {
 
 /// AVX-512F, fp32 (32 registers of 16 floats): 6x64 micro tiles (24
 /// accumulators, 4 B vectors, 1 broadcast) run by the explicit 512-bit kernels
-/// of impl/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a
+/// of host/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a
 /// 16-core Sapphire Rapids Xeon (1 and 16 threads, N = 1024 / 4096 / 16384)
 /// this ran ~1.8x the portable loops; 12x32 and 6x32 micro tiles, 48- and
-/// 192-row query tiles and 256-key tiles were no faster (docs/measurements.md).
+/// 192-row query tiles and 256-key tiles were no faster (docs/history/measurements.md).
 template <int HeadDim>
 struct HostTiles<HostIsa::avx512, float, HeadDim> {
   static constexpr int block_q = 96;
@@ -44,7 +49,7 @@ struct HostTiles<HostIsa::avx512, float, HeadDim> {
 
 /// AVX2 + FMA (16 registers of 8 floats): the BLIS-style 6x16 fp32 micro tile
 /// (12 accumulators, 2 B vectors, 1 broadcast) run by the explicit kernels of
-/// impl/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a Zen 3
+/// host/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a Zen 3
 /// EPYC (1 thread, full mask): 96 query rows match 48 at N = 1024 and beat
 /// them by ~15 % at N = 16384 (each K/V tile is streamed from L3 half as
 /// often), 192 rows lose ~8 % at N = 1024 (a partial last tile) and gain
@@ -64,7 +69,7 @@ struct HostTiles<HostIsa::avx2, float, HeadDim> {
 // accuracy path, not the speed path.
 
 /// SSE2 (x86-64 baseline, 16 x 128-bit registers): 6x8 fp32 micro tiles
-/// (12 accumulators), the 128-bit kernel of impl/micro_gemm_simd.hpp, the
+/// (12 accumulators), the 128-bit kernel of host/micro_gemm_simd.hpp, the
 /// AVX2 block sizes.
 template <int HeadDim>
 struct HostTiles<HostIsa::sse2, float, HeadDim> : HostTiles<HostIsa::avx2, float, 0> {

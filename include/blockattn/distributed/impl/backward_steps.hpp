@@ -6,18 +6,17 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
-#include <blockattn/distributed/impl/accumulate.hpp>
 #include <blockattn/distributed/impl/buffers.hpp>
 #include <blockattn/distributed/impl/step_loop.hpp>
 #include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/options.hpp>
-#include <blockattn/kernel/block_product.hpp>
-#include <blockattn/kernel/fused_block.hpp>
+#include <blockattn/kernel/dispatch.hpp>
 #include <blockattn/schedule/context.hpp>
 #include <blockattn/schedule/schedule.hpp>
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -129,40 +128,11 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
              (same_memory(m_own[1], dk) ? 0 : own_dkv_bytes / 2) +
              (same_memory(m_own[2], dv) ? 0 : own_dkv_bytes / 2);
     stats.workspace_bytes = backward_workspace_bytes(slots, bb);
-    if constexpr (fused_available_v<ExecSpace, V> ||
-                  tensor_core_backward_available_v<ExecSpace, V, Mask>) {
-      // Block pairs whose mask is band pieces: on the fused provider, own
-      // queries from the caller's q, o, dout, lse, travelled ones from their
-      // slot with a proxy O and the LSE in the natural log
-      // (fused_travelled_rows); its 16-bit gradients of a piece in these
-      // buffers before they are added to the pair's sums. Other pairs, when
-      // asked for, on the tensor-core backward from the same operands.
-      m_rows = fused_query_rows(q, o, dout, lse);
-      m_fused = fused_available_v<ExecSpace, V> && !opts.portable_only && m_rows.usable;
-      m_tc = tensor_core_backward_available_v<ExecSpace, V, Mask> && opts.tensor_cores &&
-             opts.tensor_core_backward && !opts.portable_only;
-      if (m_tc) {
-        m_q_rows = strided_rows(q, e.queries);
-        m_o_rows = strided_rows(o, e.queries);
-        m_do_rows = strided_rows(dout, e.queries);
-        m_lse_rows = strided_lse(lse, e.queries);
-      }
-      if (m_fused || m_tc) {
-        m_tq = buffer_like<V, ExecSpace>(dq, "blockattn::fused_dq", most);
-        m_tk = buffer_like<V, ExecSpace>(dk, "blockattn::fused_dk", most);
-        m_tv = buffer_like<V, ExecSpace>(dv, "blockattn::fused_dv", most);
-        stats.fused_workspace_bytes = bytes_of(m_tq) + bytes_of(m_tk) + bytes_of(m_tv);
-        if (slots.q > 1) {  // queries travel
-          const auto& d0 = m_qs[0].dout;
-          m_o_proxy = decltype(m_o_proxy)("blockattn::fused_o_proxy", d0.extent(0), d0.extent(1),
-                                          d0.extent(2), d0.extent(3));
-          m_lse_nat =
-              decltype(m_lse_nat)("blockattn::fused_lse", d0.extent(0), d0.extent(1), d0.extent(2));
-          stats.fused_workspace_bytes += bytes_of(m_o_proxy) + bytes_of(m_lse_nat);
-        }
-      }
-    }
-    m_guard_nonfinite = opts.guard_masked_nonfinite;
+    // The dispatcher's implementations other than the kernels (yours, cuDNN,
+    // the tensor-core backward): own queries from the caller's q, o, dout,
+    // lse; travelled ones from their slot.
+    m_pairs.emplace(exec, opts, e, q, o, dout, lse, most, slots.q > 1 ? &m_qs[0] : nullptr);
+    stats.fused_workspace_bytes = m_pairs->workspace_bytes();
   }
 
   void set_plan(int steps) { m_arrive.assign(std::size_t(steps) + 1, {}); }
@@ -213,12 +183,9 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     const B4 dvt = f.dkv_slot >= 0 ? m_dkv_out[std::size_t(f.dkv_slot)][1] : m_own[2];
     const bool acc_dq = f.dq_slot < 0 && m_dq_written;
     const bool acc_dkv = f.dkv_slot < 0 && m_dkv_written;
-    if (computed &&
-        fused(task, f.q_slot, f.kv_slot, dqt, dkt, dvt, acc_dq, acc_dkv, st.fused_pieces)) {
-      st.path = BlockPath::fused;
-    } else if (computed && tensor_core(task, f.q_slot, f.kv_slot, dqt, dkt, dvt, acc_dq, acc_dkv)) {
-      st.path = BlockPath::matrix;
-    } else if (computed) {
+    if (computed)
+      st.path = pair(task, f.q_slot, f.kv_slot, dqt, dkt, dvt, acc_dq, acc_dkv, st.fused_pieces);
+    if (computed && st.path == BlockPath::portable) {
       st.path = BlockPath::portable;
       if (m_packed != f.kv_slot) {
         m_keys.keys = int(m_c.lengths[std::size_t(task.k_rank)]);
@@ -268,18 +235,18 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     for (const Arrival& a : m_arrive[std::size_t(s)]) {
       if (a.what == Payload::kv && a.slot == m_packed) m_packed = -1;  // a new block in the slot
       if (a.what == Payload::q && a.slot == m_widened) m_widened = -1;
-      if (a.what == Payload::q && a.slot == m_travelled) m_travelled = -1;
+      if (a.what == Payload::q) m_pairs->invalidate(a.slot);
       if (a.what == Payload::dq) {
         const auto& in = m_dq_in[std::size_t(a.slot)];
         if (a.add_to >= 0)
-          add_into(m_exec, m_dq_out[std::size_t(a.add_to)], in);
+          add_views(m_exec, m_dq_out[std::size_t(a.add_to)], in);
         else
           home(m_own[0], rows_of(in, e.queries), m_dq_written);
       } else if (a.what == Payload::dkv) {
         const auto& in = m_dkv_in[std::size_t(a.slot)];
         for (int j = 0; j < 2; ++j) {
           if (a.add_to >= 0) {
-            add_into(m_exec, m_dkv_out[std::size_t(a.add_to)][std::size_t(j)], in[std::size_t(j)]);
+            add_views(m_exec, m_dkv_out[std::size_t(a.add_to)][std::size_t(j)], in[std::size_t(j)]);
           } else {
             bool written = m_dkv_written;
             home(m_own[std::size_t(j) + 1], rows_of(in[std::size_t(j)], e.keys), written);
@@ -303,7 +270,7 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     const auto out = [&](const auto& target, const B4& sum) {
       if (same_memory(sum, target)) return;
       if constexpr (half)
-        convert_into(m_exec, target, sum);
+        convert_views(m_exec, target, sum);
       else
         Kokkos::deep_copy(m_exec, target, sum);
     };
@@ -319,91 +286,32 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     int slot, add_to;
   };
 
-  /// The step's pair on the fused provider (fused_backward_pair): own
-  /// queries from the caller's Views, travelled ones from query slot q_slot;
-  /// false: the kernels take it.
-  bool fused(const BlockTask& task, int q_slot, int kv_slot, const B4& dqt, const B4& dkt,
-             const B4& dvt, bool acc_dq, bool acc_dkv, int& pieces) {
-    if constexpr (fused_available_v<ExecSpace, V>) {
-      if (!m_fused) return false;
-      const bool own = task.q_rank == m_rank;
-      if (!own && !travelled(q_slot)) return false;
-      const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
-      const FusedQueryRows& rows = own ? m_rows : m_trows;
-      const auto run = [&](const auto& k, const auto& v) {
-        return fused_backward_pair<ExecSpace, V>(m_exec, m_mask, this->positions(task.q_rank),
-                                                 this->positions(task.k_rank), te, rows, k, v, m_tq,
-                                                 m_tk, m_tv, dqt, dkt, dvt, acc_dq, acc_dkv,
-                                                 float(m_scale), m_guard_nonfinite, pieces);
-      };
-      return with_kv(kv_slot, te, run);
-    } else {
-      (void)task, (void)q_slot, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq,
-          (void)acc_dkv, (void)pieces;
-      return false;
-    }
-  }
-
-  /// run(k, v) on K/V slot kv_slot's te.keys rows (slot 0 without a copy:
-  /// the caller's k, v).
-  template <class Run>
-  bool with_kv(int kv_slot, const BlockExtents& te, const Run& run) {
+  /// The step's pair on the dispatcher's implementations other than the
+  /// kernels: own queries, or those of query slot q_slot, against K/V slot
+  /// kv_slot (slot 0 without a copy: the caller's k, v). portable: the
+  /// kernels take it.
+  BlockPath pair(const BlockTask& task, int q_slot, int kv_slot, const B4& dqt, const B4& dkt,
+                 const B4& dvt, bool acc_dq, bool acc_dkv, int& pieces) {
+    const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
+    const auto qp = this->positions(task.q_rank);
+    const auto kp = this->positions(task.k_rank);
+    const auto run = [&](const auto& k, const auto& v) {
+      if (task.q_rank == m_rank)
+        return m_pairs->own(te, k, v, qp, kp, m_mask, m_scale, dqt, dkt, dvt, acc_dq, acc_dkv,
+                            pieces);
+      return m_pairs->travelled(te, m_qs[std::size_t(q_slot)], q_slot, k, v, qp, kp, m_mask,
+                                m_scale, dqt, dkt, dvt, acc_dq, acc_dkv, pieces);
+    };
     if (kv_slot == 0 && !m_kv_copy) return run(m_k, m_v);
     const auto& kv = m_kv[std::size_t(kv_slot)];
-    return run(rows_of(kv[0], te.keys), rows_of(kv[1], te.keys));
-  }
-
-  /// Query slot q_slot's proxy O and natural-log LSE (fused_travelled_rows),
-  /// computed once per arrival; false: no buffers for them.
-  bool travelled(int q_slot) {
-    if (m_o_proxy.size() == 0) return false;
-    if (m_travelled != q_slot) {
-      m_trows =
-          fused_travelled_rows(m_exec, m_qs[std::size_t(q_slot)], m_c.e.dim, m_o_proxy, m_lse_nat);
-      m_travelled = q_slot;
-    }
-    return true;
-  }
-
-  /// The step's pair on the tensor-core backward (tensor_core_backward_pair;
-  /// DistributedOptions::tensor_core_backward): own queries from the
-  /// caller's Views, travelled ones from query slot q_slot with its proxy O;
-  /// false: the kernels take it.
-  bool tensor_core(const BlockTask& task, int q_slot, int kv_slot, const B4& dqt, const B4& dkt,
-                   const B4& dvt, bool acc_dq, bool acc_dkv) {
-    if constexpr (tensor_core_backward_available_v<ExecSpace, V, Mask>) {
-      if (!m_tc) return false;
-      const bool own = task.q_rank == m_rank;
-      if (!own && !travelled(q_slot)) return false;
-      const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
-      const int dim = m_c.e.dim;
-      const auto& slot = m_qs[std::size_t(q_slot)];
-      const auto run = [&](const auto& k, const auto& v) {
-        const auto qp = this->positions(task.q_rank);
-        const auto kp = this->positions(task.k_rank);
-        if (own)
-          return tensor_core_backward_pair(m_exec, m_mask, qp, kp, te, m_q_rows, m_o_rows,
-                                           m_do_rows, m_lse_rows, k, v, m_tq, m_tk, m_tv, dqt, dkt,
-                                           dvt, acc_dq, acc_dkv, float(m_scale));
-        return tensor_core_backward_pair(
-            m_exec, m_mask, qp, kp, te, strided_rows(slot.q, te.queries, true, dim),
-            strided_rows(m_o_proxy, te.queries, true, dim),
-            strided_rows(slot.dout, te.queries, true, dim), strided_lse(m_lse_nat, te.queries), k,
-            v, m_tq, m_tk, m_tv, dqt, dkt, dvt, acc_dq, acc_dkv, float(m_scale));
-      };
-      return with_kv(kv_slot, te, run);
-    } else {
-      (void)task, (void)q_slot, (void)kv_slot, (void)dqt, (void)dkt, (void)dvt, (void)acc_dq,
-          (void)acc_dkv;
-      return false;
-    }
+    return run(kv[0], kv[1]);
   }
 
   /// A partial arriving home: the first one is copied, the next ones added.
   template <class In>
   void home(const B4& own, const In& in, bool& written) {
     if (written)
-      add_into(m_exec, own, in);
+      add_views(m_exec, own, in);
     else
       Kokkos::deep_copy(m_exec, own, in);
     written = true;
@@ -425,22 +333,8 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
   std::vector<std::vector<Arrival>> m_arrive;  // by the step they complete
   std::int64_t m_kv_bytes = 0, m_dkv_bytes = 0, m_q_bytes = 0, m_dq_bytes = 0;
   bool m_dq_written = false, m_dkv_written = false;
-  // The fused path (a provider built in for ExecSpace and V; not portable_only).
-  FusedQueryRows m_rows;                   // own q, o, dout, lse as the provider's operands
-  Buffer4<V, ExecSpace> m_tq, m_tk, m_tv;  // a piece's gradients in the storage type
-  // Travelled query slots: the slot m_trows describes (-1: none), its proxy O
-  // (storage type) and LSE in the natural log (fused_travelled_rows).
-  FusedQueryRows m_trows;
-  int m_travelled = -1;
-  Kokkos::View<V****, Kokkos::LayoutRight, mem> m_o_proxy;
-  Kokkos::View<float***, Kokkos::LayoutRight, mem> m_lse_nat;
-  // The tensor-core backward (DistributedOptions::tensor_core_backward): the
-  // caller's q, o, dout, lse rows as strided Views.
-  bool m_tc = false;
-  StridedRows<V, mem> m_q_rows, m_o_rows, m_do_rows;
-  Kokkos::View<const T***, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>
-      m_lse_rows;
-  bool m_fused = false, m_guard_nonfinite = true;
+  // Which implementation computes a pair (kernel/dispatch.hpp).
+  std::optional<BackwardPairs<ExecSpace, V, Mask>> m_pairs;
 };
 
 }  // namespace blockattn::impl

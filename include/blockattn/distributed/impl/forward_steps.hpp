@@ -10,8 +10,7 @@
 #include <blockattn/distributed/impl/step_loop.hpp>
 #include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/options.hpp>
-#include <blockattn/kernel/block_product.hpp>
-#include <blockattn/kernel/fused_block.hpp>
+#include <blockattn/kernel/dispatch.hpp>
 #include <blockattn/schedule/context.hpp>
 #include <blockattn/schedule/schedule.hpp>
 
@@ -25,9 +24,11 @@ namespace blockattn::impl {
 /// The forward of one call over a description (ForwardStep). Own queries
 /// resume the softmax state from step to step; another rank's queries (a
 /// helper's task) start a fresh state whose normalised result goes to that
-/// rank; results that arrive are merged (SoftmaxState::merge_partial). With
-/// 16-bit storage, K, V and Q travel in 16 bits and the kernels read `wide`,
-/// the slot in use widened to fp32; the unnormalised O lives in an fp32
+/// rank; results that arrive are merged (SoftmaxState::merge_partial). Which
+/// implementation computes each pair is the dispatcher's choice
+/// (kernel/dispatch.hpp ForwardPairs): K, V and Q travel in the storage type,
+/// K/V in the layout it names, and the kernels read the slot in use relaid /
+/// widened to fp32; with 16-bit storage the unnormalised O lives in an fp32
 /// accumulator. communicate = false: every remote buffer is the local one
 /// (the same steps and work, no transfers, a wrong result).
 template <class Partition, class Mask, class ExecSpace, class Xfer, class QV, class OV, class LV>
@@ -64,19 +65,18 @@ class ForwardSteps
         m_q(q),
         m_o(o),
         m_lse(lse),
-        m_comm(opts.communicate) {
+        m_comm(opts.communicate),
+        m_pairs(exec, opts, c.e, c.most, layout) {
     const BlockExtents& e = c.e;
     const int most = c.most;
-    // K/V travel in the storage type, in rows where a fused provider reads
-    // them (fused_storage_layout; widened into the kernels' panels).
-    const BlockLayout storage = fused_storage_layout<V, ExecSpace>(layout);
+    // K/V travel in the storage type, in the layout the dispatcher names
+    // (rows where an implementation reads them in place).
+    const BlockLayout storage = Pairs::storage_layout(layout);
     m_kv.resize(std::size_t(slots.kv));
     for (auto& b : m_kv)
       b = allocate_forward_block<V, ExecSpace>(storage, e.batch, e.kv_heads, most);
     m_kv[0].keys = e.keys;  // ours: the rest of the slot is zero padding
     pack_forward_block(exec, k, v, m_kv[0]);
-    if constexpr (half)
-      m_wide = allocate_forward_block<T, ExecSpace>(layout, e.batch, e.kv_heads, most);
     m_qs.resize(std::size_t(slots.q));
     for (std::size_t i = 1; i < m_qs.size(); ++i)
       m_qs[i] = buffer_like<V, ExecSpace>(q, "blockattn::q_in", most);
@@ -114,22 +114,12 @@ class ForwardSteps
     b.q = m_q_bytes;
     b.result = m_res_bytes;
     b.state = m_state.state.bytes();
-    if constexpr (half) {
-      b.widened_kv = bytes_of(m_wide.kt) + bytes_of(m_wide.v);
-      b.accumulator = bytes_of(m_acc);
-    }
+    b.widened_kv = m_pairs.relay_bytes();
+    if constexpr (half) b.accumulator = bytes_of(m_acc);
     stats.workspace_bytes = forward_workspace_bytes(slots, b);
-    if constexpr (fused_available_v<ExecSpace, V>) {
-      if (!opts.portable_only) {  // the fused pieces' normalised partial results
-        // (rows of the longest rank: a helper's task on another rank's queries too)
-        m_part_o = buffer_like<V, ExecSpace>(o, "blockattn::fused_o", most);
-        m_part_lse = lse_buffer("blockattn::fused_lse");
-        stats.fused_workspace_bytes = bytes_of(m_part_o) + bytes_of(m_part_lse);
-      }
-    }
-    m_portable_only = opts.portable_only;
-    m_tensor_cores = opts.tensor_cores;
-    m_guard_nonfinite = opts.guard_masked_nonfinite;
+    // The other implementations' partial results (rows of the longest rank:
+    // a helper's task on another rank's queries too).
+    stats.fused_workspace_bytes = m_pairs.workspace_bytes();
     m_state.host_matrix = opts.host_matrix;
   }
 
@@ -147,7 +137,7 @@ class ForwardSteps
     const int slot = go.slot;
     const std::size_t i = std::size_t(slot);
     if (t.payload == Payload::kv) {
-      if (!send && slot == m_widened) m_widened = -1;  // a new block in the slot
+      if (!send) m_pairs.invalidate(slot);  // a new block in the slot
       go(m_kv[i].kt, Message::k);
       go(m_kv[i].v, Message::v);
     } else if (t.payload == Payload::q) {
@@ -171,40 +161,42 @@ class ForwardSteps
     const BlockTask task = f.task;
     const bool computed = this->has_work(task);
     const int kv_slot = m_comm ? f.kv_slot : 0;
-    BlockPath own_path = BlockPath::fused;
-    if (computed && task.q_rank == m_rank && fused(s, task, kv_slot, st.fused_pieces, own_path)) {
-      st.path = own_path;
-      m_exec.fence();
-      return true;
-    }
-    if (computed && task.q_rank != m_rank && helper_fused(f, kv_slot, st.fused_pieces, own_path)) {
-      st.path = own_path;
-      m_exec.fence();
-      return true;
-    }
-    if (computed) st.path = BlockPath::portable;
-    const PackedKV<T, mem>* kp = nullptr;
-    if constexpr (half) {
-      if (computed && m_widened != kv_slot) {
-        widen_forward_block(m_exec, m_kv[std::size_t(kv_slot)], m_wide);
-        m_widened = kv_slot;
-      }
-      kp = &m_wide;
-    } else {
-      kp = &m_kv[std::size_t(kv_slot)];
-    }
+    const PackedKV<V, mem>& kv = m_kv[std::size_t(kv_slot)];
     // The block pair's extents; without communication the queries are ours.
     BlockExtents te = task.idle() ? m_c.e : m_c.task(task.q_rank, task.k_rank);
     if (!m_comm && te.queries > m_c.e.queries) te.queries = m_c.e.queries;
     const auto pos = [&](int r) { return this->positions(r); };
-    if (task.q_rank == m_rank) {
-      const bool finish = s == m_last_own && !m_merges;
+    const bool own = task.q_rank == m_rank;
+    const bool finish = own && s == m_last_own && !m_merges;
+    // The dispatcher's implementations other than the kernels (own pairs
+    // merge into the state; a helper's result goes to its slot).
+    if (computed && own) {
+      st.path = m_pairs.own(
+          te, m_q, kv, m_mask, pos(m_rank), pos(task.k_rank), m_scale, m_state.state, o_sum(),
+          [&] { open_state(); }, st.fused_pieces);
+      if (st.path != BlockPath::portable) {
+        if (finish) m_state.state.finalize(m_exec, o_sum(), m_o, m_lse, m_c.e.dim);
+        m_exec.fence();
+        return true;
+      }
+    } else if (computed && m_comm) {
+      const Result& out = m_hout[std::size_t(f.result_slot)];
+      st.path = m_pairs.helper(te, m_qs[std::size_t(f.q_slot)], kv, m_mask, pos(task.q_rank),
+                               pos(task.k_rank), m_scale, out.o, out.lse, st.fused_pieces);
+      if (st.path != BlockPath::portable) {
+        m_exec.fence();
+        return true;
+      }
+    }
+    if (computed) st.path = BlockPath::portable;
+    const PackedKV<T, mem>& kp = m_pairs.kernel_block(kv, kv_slot);
+    if (own) {
       if (computed || finish) {
         ForwardBlockState<T, mem> b = m_state;
         b.resume = m_opened;
         b.finish = finish;
         b.skip_keys = !computed;
-        launch_chunked(te, m_q, *kp, m_o, m_lse, pos(m_rank), pos(task.k_rank), b, in_flight);
+        launch_chunked(te, m_q, kp, m_o, m_lse, pos(m_rank), pos(task.k_rank), b, in_flight);
         m_opened = true;
       }
     } else if (!task.idle()) {
@@ -216,10 +208,10 @@ class ForwardSteps
       b.o_acc = {};  // a fresh, finished result: no accumulator
       const Result& out = m_hout[std::size_t(f.result_slot)];
       if (m_comm)
-        launch_chunked(te, m_qs[std::size_t(f.q_slot)], *kp, out.o, out.lse, pos(task.q_rank),
+        launch_chunked(te, m_qs[std::size_t(f.q_slot)], kp, out.o, out.lse, pos(task.q_rank),
                        pos(task.k_rank), b, in_flight);
       else
-        launch_chunked(te, m_q, *kp, out.o, out.lse, pos(task.q_rank), pos(task.k_rank), b,
+        launch_chunked(te, m_q, kp, out.o, out.lse, pos(task.q_rank), pos(task.k_rank), b,
                        in_flight);
     }
     m_exec.fence();
@@ -253,85 +245,6 @@ class ForwardSteps
     Buffer4<T, ExecSpace> o;
     LseBuffer<T, ExecSpace> lse;
   };
-
-  /// The step's pair on the fused path (own queries only; a helper's task
-  /// takes the kernels): every band piece's normalised result merged into
-  /// the state, which the next kernel call resumes; finished here when this
-  /// is the last own step. A pair that cuDNN does not take runs on the
-  /// tensor-core forward where it can (path: BlockPath::matrix), merged the
-  /// same way. False: the pair takes the kernels.
-  bool fused(int s, const BlockTask& task, int kv_slot, int& pieces, BlockPath& path) {
-    if constexpr (fused_available_v<ExecSpace, V>) {
-      if (m_portable_only) return false;
-      const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
-      const PackedKV<V, mem>& kv = m_kv[std::size_t(kv_slot)];
-      const auto qp = this->positions(task.q_rank);
-      const auto kp = this->positions(task.k_rank);
-      FusedPair pair = fused_pair<ExecSpace, V>(m_mask, qp, kp, te, false, m_q, kv, m_part_o,
-                                                m_part_lse, float(m_scale));
-      // inf / NaN in V where the mask hides keys: not cuDNN (it would leak).
-      if (pair.fused && m_guard_nonfinite &&
-          !pair_covers_all(m_mask, qp, te.queries, kp, te.keys) &&
-          packed_v_has_nonfinite(m_exec, kv))
-        pair.fused = false;
-      if (!pair.fused) {
-        if (!m_tensor_cores || !tensor_core_forward_pair(m_exec, te, m_q, kv, m_part_o, m_part_lse,
-                                                         m_mask, qp, kp, float(m_scale)))
-          return false;
-        path = BlockPath::matrix;
-        open_state();
-        m_state.state.merge_partial(m_exec, o_sum(), m_part_o, m_part_lse, m_c.e.dim);
-        if (s == m_last_own && !m_merges)
-          m_state.state.finalize(m_exec, o_sum(), m_o, m_lse, m_c.e.dim);
-        return true;
-      }
-      pieces = pair.split.count;
-      open_state();
-      for (const BandPiece& piece : pair.split) {
-        Kokkos::deep_copy(m_exec, m_part_lse, -infinity<T>());  // rows outside the piece
-        fused_forward_piece(m_exec, te, piece, m_q, kv, m_part_o, m_part_lse, float(m_scale));
-        m_state.state.merge_partial(m_exec, o_sum(), m_part_o, m_part_lse, m_c.e.dim);
-      }
-      if (s == m_last_own && !m_merges)
-        m_state.state.finalize(m_exec, o_sum(), m_o, m_lse, m_c.e.dim);
-      return true;
-    } else {
-      (void)s, (void)task, (void)kv_slot, (void)pieces, (void)path;
-      return false;
-    }
-  }
-
-  /// A helper's task (another rank's queries, which travelled) on the fused
-  /// path, or else on the tensor-core forward (path: BlockPath::matrix): the
-  /// pair's normalised result into its result slot, as the kernels would
-  /// leave it. False: the kernels take it.
-  bool helper_fused(const ForwardStep& f, int kv_slot, int& pieces, BlockPath& path) {
-    if constexpr (fused_available_v<ExecSpace, V>) {
-      if (m_portable_only || !m_comm) return false;
-      const BlockTask task = f.task;
-      const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
-      const PackedKV<V, mem>& kv = m_kv[std::size_t(kv_slot)];
-      const auto& q = m_qs[std::size_t(f.q_slot)];
-      const Result& out = m_hout[std::size_t(f.result_slot)];
-      const auto qp = this->positions(task.q_rank);
-      const auto kp = this->positions(task.k_rank);
-      if (fused_forward_result<ExecSpace, V>(m_exec, m_mask, qp, kp, te, q, kv, m_part_o,
-                                             m_part_lse, out.o, out.lse, float(m_scale),
-                                             m_guard_nonfinite, pieces)) {
-        path = BlockPath::fused;
-        return true;
-      }
-      if (!m_tensor_cores || !tensor_core_forward_pair(m_exec, te, q, kv, m_part_o, m_part_lse,
-                                                       m_mask, qp, kp, float(m_scale)))
-        return false;
-      tensor_core_result(m_exec, te, m_part_o, m_part_lse, out.o, out.lse);
-      path = BlockPath::matrix;
-      return true;
-    } else {
-      (void)f, (void)kv_slot, (void)pieces, (void)path;
-      return false;
-    }
-  }
 
   /// Where the unnormalised O lives: the caller's o, or the fp32 accumulator.
   const auto& o_sum() const {
@@ -382,9 +295,9 @@ class ForwardSteps
   const OV& m_o;
   const LV& m_lse;
   bool m_comm;
+  using Pairs = ForwardPairs<ExecSpace, V, Mask>;
+  Pairs m_pairs;                            // which implementation computes a pair
   std::vector<PackedKV<V, mem>> m_kv;       // K/V slots (0: own) in the storage type
-  PackedKV<T, mem> m_wide;                  // 16-bit storage: the slot in use, widened
-  int m_widened = -1;                       // the K/V slot whose block m_wide holds (-1: none)
   std::vector<Buffer4<V, ExecSpace>> m_qs;  // query slots (0: a copy of ours, if it travels)
   std::vector<Result> m_hout, m_rout;       // results computed here / arriving
   ForwardBlockState<T, mem> m_state;
@@ -392,10 +305,7 @@ class ForwardSteps
   std::vector<std::vector<int>> m_merge_at;  // result-in slots, by the step they complete
   std::int64_t m_kv_bytes = 0, m_q_bytes = 0, m_res_bytes = 0;
   int m_last_own = -1;
-  bool m_merges = false, m_opened = false, m_portable_only = false, m_tensor_cores = true,
-       m_guard_nonfinite = true;
-  Buffer4<V, ExecSpace> m_part_o;      // fused path: a piece's normalised O (storage type)
-  LseBuffer<T, ExecSpace> m_part_lse;  // and its LSE (-inf: rows outside the piece)
+  bool m_merges = false, m_opened = false;
 };
 
 }  // namespace blockattn::impl

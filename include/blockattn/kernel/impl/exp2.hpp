@@ -35,7 +35,7 @@ KOKKOS_FORCEINLINE_FUNCTION T quiet_nan() {
 }
 
 /// The constants of the fp32 exp2 below (also used by the vector versions,
-/// impl/micro_gemm_simd.hpp).
+/// host/micro_gemm_simd.hpp).
 struct Exp2fConstants {
   static constexpr float min_arg = -126.0f;          // smallest argument with a normal result
   static constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer

@@ -3,7 +3,7 @@
 //
 // A mask with allowed_keys() (policy/mask.hpp) gives each query row one
 // interval [begin, end) of key positions. The GPU tensor-core forwards
-// (cuda_flash.hpp, cuda_flash_f32.hpp) ask for every row of a CTA's query
+// (cuda/flash_forward.hpp, cuda/flash_forward_f32.hpp) ask for every row of a CTA's query
 // block once, keep the intervals in shared memory and reduce them to
 // RowSpanBounds: from then on a key tile's kind takes four comparisons and a
 // partial tile's mask two per key, where mask.classify() and allowed_keys()

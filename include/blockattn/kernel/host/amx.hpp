@@ -449,7 +449,7 @@ KOKKOS_FORCEINLINE_FUNCTION std::uint16_t bf16_upper_bits(float x) {
 
 }  // namespace impl
 
-/// The host matrix engine of this process (see kernel/impl/amx.hpp): whether
+/// The host matrix engine of this process (see kernel/host/amx.hpp): whether
 /// bf16 forwards on host spaces run AMX tile products, and why not. Throws
 /// blockattn::invalid_argument when BLOCKATTN_HOST_MATRIX is not auto, amx, avx512bf16 or off.
 inline HostMatrixEngine host_matrix_engine() {

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The index maths of the tensor-core kernels (cuda_flash.hpp,
-// cuda_flash_backward.hpp, cuda_flash_f32.hpp), host and device: the
+// The index maths of the tensor-core kernels (cuda/flash_forward.hpp,
+// cuda/flash_backward.hpp, cuda/flash_forward_f32.hpp), host and device: the
 // swizzled shared-memory tile, the row and 16-byte chunk each lane hands to
 // ldmatrix, and the fragment layouts of mma.sync.m16n8k16 (16-bit) and
 // m16n8k8 (.tf32, at the end). tests/test_flash_frag.cpp checks them on the
@@ -85,7 +85,7 @@ BLOCKATTN_FRAG_FN int c2a_elem(int i) {
   return (i & 1) * 2;
 }
 
-// ---- fp32 tiles and mma.sync.m16n8k8 (.tf32): cuda_flash_f32.hpp ----------
+// ---- fp32 tiles and mma.sync.m16n8k8 (.tf32): cuda/flash_forward_f32.hpp ----------
 //
 // Layouts (g = lane / 4, t = lane % 4), one 32-bit value per register:
 //   A (16 x 8):  a[0] = (row g, col t), a[1] = (g + 8, t), a[2] = (g, t + 4),

@@ -1,23 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
-// The tensor-core forward (kernel/impl/cuda_flash.hpp) behind the block
+// The tensor-core forward (kernel/cuda/flash_forward.hpp) behind the block
 // product: 16-bit storage on Kokkos::Cuda, a mask without a score policy,
 // head dim 64 or 128 with unit stride and 16-byte aligned rows. It takes what
 // cuDNN's band pieces do not (any mask on global positions, any position
 // map), and writes normalised O and the LSE of the pair: single-device calls
 // finish there, step loops merge it like a fused piece. The tensor-core
-// backward (cuda_flash_backward.hpp) behind the single-device backward, on
+// backward (cuda/flash_backward.hpp) behind the single-device backward, on
 // the same conditions and finite inputs (ForwardOptions::tensor_core_backward).
-// The fp32 tensor-core forward (cuda_flash_f32.hpp) behind the single-device
+// The fp32 tensor-core forward (cuda/flash_forward_f32.hpp) behind the single-device
 // fp32 forward (ForwardOptions::fp32_tensor_cores).
 #pragma once
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/kernel/cuda/flash_backward.hpp>
+#include <blockattn/kernel/cuda/flash_forward.hpp>
+#include <blockattn/kernel/cuda/flash_forward_f32.hpp>
 #include <blockattn/kernel/fused.hpp>
-#include <blockattn/kernel/impl/cuda_flash.hpp>
-#include <blockattn/kernel/impl/cuda_flash_backward.hpp>
-#include <blockattn/kernel/impl/cuda_flash_f32.hpp>
-#include <blockattn/kernel/impl/fused_path.hpp>
+#include <blockattn/kernel/impl/pair_ops.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/positions.hpp>
@@ -61,7 +61,7 @@ constexpr bool flash_enabled() {
 }
 
 #if defined(BLOCKATTN_FLASH_CUDA)
-/// The tensor-core forward's kernel variant (cuda_flash.hpp's Variant):
+/// The tensor-core forward's kernel variant (cuda/flash_forward.hpp's Variant):
 /// BLOCKATTN_FLASH_VARIANT=regs|smem|wide in the environment, read once;
 /// wide when unset (on an H200: 1.25x regs on full masks, 1.0-1.17x causal).
 /// regs and smem only where BLOCKATTN_FLASH_ALL_VARIANTS=1 compiled them.
@@ -115,7 +115,7 @@ FlashOperand flash_operand(const View& x) {
 }
 
 #if defined(BLOCKATTN_FLASH_CUDA)
-/// The forward kernels' arguments (cuda_flash.hpp Args) of a call; false
+/// The forward kernels' arguments (cuda/flash_forward.hpp Args) of a call; false
 /// where an operand is not one (empty, or its head dim strided).
 template <class OV, class LV>
 bool flash_args(const BlockExtents& e, const FlashOperand& q, const FlashOperand& k,
@@ -186,7 +186,7 @@ bool flash_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, co
                        qpos, kpos, scale);
 }
 
-/// The single-device fp32 forward on tensor cores (cuda_flash_f32.hpp) when
+/// The single-device fp32 forward on tensor cores (cuda/flash_forward_f32.hpp) when
 /// it takes the call: q, k, v, o (batch, seq, heads, dim) Views of float, lse
 /// (batch, heads, seq); mode tf32x3 or tf32 (off: false). True: O and LSE of
 /// every row written (enqueued on exec); false: nothing done. Finite q, k, v

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The backward on AMX tiles (bf16 inputs on host spaces; kernel/impl/amx.hpp
+// The backward on AMX tiles (bf16 inputs on host spaces; kernel/host/amx.hpp
 // has the engine and its detection). One team per (batch, kv head, slice)
 // walks its key tiles (BK = 64 keys) and, per key tile, every query tile
 // (BQ = 64 rows) of every head of its GQA group, in the key-major orientation
@@ -34,10 +34,10 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
-#include <blockattn/kernel/impl/amx.hpp>
+#include <blockattn/kernel/host/amx.hpp>
+#include <blockattn/kernel/host/simd_vec.hpp>
 #include <blockattn/kernel/impl/backward_pack.hpp>
 #include <blockattn/kernel/impl/mask_columns.hpp>
-#include <blockattn/kernel/impl/simd_vec.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/score.hpp>

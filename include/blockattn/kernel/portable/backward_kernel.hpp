@@ -21,7 +21,7 @@
 #include <blockattn/kernel/impl/backward_pack.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/impl/mask_columns.hpp>
-#include <blockattn/kernel/impl/micro_gemm.hpp>
+#include <blockattn/kernel/portable/micro_gemm.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/score.hpp>

@@ -27,10 +27,10 @@
 // key) get zero gradients.
 //
 // Compiled only in nvcc's passes with Kokkos' CUDA backend, or on the host
-// with BLOCKATTN_CUDA_EMULATION (cuda_flash.hpp).
+// with BLOCKATTN_CUDA_EMULATION (cuda/flash_forward.hpp).
 #pragma once
 
-#include <blockattn/kernel/impl/cuda_flash.hpp>
+#include <blockattn/kernel/cuda/flash_forward.hpp>
 
 #if (defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)) || defined(BLOCKATTN_CUDA_EMULATION)
 

@@ -8,11 +8,11 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
-#include <blockattn/kernel/impl/forward_kernel.hpp>
 #include <blockattn/kernel/impl/pack.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/policy_check.hpp>
+#include <blockattn/kernel/portable/forward_kernel.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -45,7 +45,7 @@ struct BlockStep {
   // means the caller's o, which then must have value type T.
   Kokkos::View<T****, Kokkos::LayoutStride, MemorySpace> o_acc;
   // bf16 inputs on a host space: AMX tile products where the CPU has them
-  // (automatic), or the fp32 kernels (off). See kernel/impl/amx.hpp.
+  // (automatic), or the fp32 kernels (off). See kernel/host/amx.hpp.
   HostMatrix host_matrix = HostMatrix::automatic;
   // The block in the AMX forward's layout, packed by the caller straight from
   // its bf16 K and V (pack_amx_kv_views; the fp32 block is then not read), or

@@ -32,7 +32,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include <blockattn/kernel/impl/simd_vec.hpp>
+#include <blockattn/kernel/host/simd_vec.hpp>
 
 #if BLOCKATTN_SIMD_KERNELS
 namespace blockattn::impl {

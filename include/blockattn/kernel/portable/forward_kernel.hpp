@@ -5,14 +5,14 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
-#include <blockattn/kernel/impl/amx.hpp>
+#include <blockattn/kernel/host/amx.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/impl/half_rows.hpp>
 #include <blockattn/kernel/impl/mask_columns.hpp>
-#include <blockattn/kernel/impl/micro_gemm.hpp>
 #include <blockattn/kernel/impl/pack.hpp>
 #include <blockattn/kernel/impl/prefetch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
+#include <blockattn/kernel/portable/micro_gemm.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // A tensor-core forward for fp32 inputs on CUDA (sm_80 and later): the
-// FlashAttention-2 recipe of cuda_flash.hpp with mma.sync.m16n8k8 on TF32
+// FlashAttention-2 recipe of cuda/flash_forward.hpp with mma.sync.m16n8k8 on TF32
 // operands, for every mask on global positions.
 //
 // Products (template parameter Passes):
@@ -18,13 +18,13 @@
 // by 16-byte cp.async, XOR-swizzled by 16-byte chunk (flash_frag.hpp swz32);
 // Q's and K's fragments by ldmatrix (a 32-bit value is a pair of 16-bit
 // halves to it); S = Q K^T; the online softmax in exp2 on the fragments
-// (cuda_flash.hpp's); O += P V with P's C fragments as A fragments in a
+// (cuda/flash_forward.hpp's); O += P V with P's C fragments as A fragments in a
 // permuted key order, so that no shuffle is needed and V's B fragments are
 // 32-bit loads free of bank conflicts (flash_frag.hpp c2a32, pv32_offset).
 // Shared memory (64 + 128) x D x 4 bytes: 96 KB at D = 128, 2 CTAs per SM.
 // Empty key tiles are skipped, full ones take no mask work, masks with
 // allowed_keys() work from the rows' intervals in shared memory, as in
-// cuda_flash.hpp.
+// cuda/flash_forward.hpp.
 //
 // Inputs must be finite (the library checks and sends others to the fp32
 // kernels on CUDA cores): a split of inf is NaN, and P = 0 of a masked key
@@ -34,11 +34,11 @@
 // O = 0 and LSE = -inf.
 //
 // Compiled only in nvcc's passes with Kokkos' CUDA backend, or on the host
-// with BLOCKATTN_CUDA_EMULATION (cuda_flash.hpp).
+// with BLOCKATTN_CUDA_EMULATION (cuda/flash_forward.hpp).
 #pragma once
 
-#include <blockattn/kernel/impl/cuda_flash.hpp>
-#include <blockattn/kernel/impl/flash_frag.hpp>
+#include <blockattn/kernel/cuda/flash_forward.hpp>
+#include <blockattn/kernel/cuda/flash_frag.hpp>
 
 #if (defined(KOKKOS_ENABLE_CUDA) && defined(__CUDACC__)) || defined(BLOCKATTN_CUDA_EMULATION)
 

@@ -31,8 +31,8 @@
 // kv head 1.6-1.8x faster, 32 on 8 1.2-1.6x.
 #pragma once
 
-#include <blockattn/kernel/impl/amx.hpp>
-#include <blockattn/kernel/impl/decode_simd.hpp>
+#include <blockattn/kernel/host/amx.hpp>
+#include <blockattn/kernel/host/decode_simd.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The order in which the tensor-core kernels' CTAs start (cuda_flash.hpp,
-// cuda_flash_backward.hpp, cuda_flash_f32.hpp), host and device.
+// The order in which the tensor-core kernels' CTAs start (cuda/flash_forward.hpp,
+// cuda/flash_backward.hpp, cuda/flash_forward_f32.hpp), host and device.
 //
 // Each kernel runs `blocks` CTAs (query-row or key blocks) for each of
 // `units` (batch, head) units, unit = batch * heads + head (for the dK/dV

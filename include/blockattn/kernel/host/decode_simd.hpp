@@ -35,8 +35,8 @@
 #endif
 
 #include <blockattn/core/half.hpp>
+#include <blockattn/kernel/host/micro_gemm_simd.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
-#include <blockattn/kernel/impl/micro_gemm_simd.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -37,9 +37,9 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
-#include <blockattn/kernel/impl/cta_order.hpp>
-#include <blockattn/kernel/impl/flash_frag.hpp>
-#include <blockattn/kernel/impl/row_spans.hpp>
+#include <blockattn/kernel/cuda/cta_order.hpp>
+#include <blockattn/kernel/cuda/flash_frag.hpp>
+#include <blockattn/kernel/cuda/row_spans.hpp>
 #include <blockattn/policy/mask.hpp>
 
 #include <cstdint>

@@ -184,7 +184,7 @@ struct SimdVec512 {
   /// out[j] = the sum of x[j]'s lanes for j < 16, the 16 sums by a tree of
   /// two-source permutes (lane_pair_sum), in reduce_add's pairwise order:
   /// 15 adds and 30 permutes for 16 horizontal sums (the decode kernel's
-  /// dot products, impl/decode_simd.hpp).
+  /// dot products, host/decode_simd.hpp).
   BLOCKATTN_TARGET_512 static void lane_sums_to(float* out, const type (&x)[16]) {
     type y[8], z[4];
     for (int i = 0; i < 8; ++i) y[i] = lane_pair_sum<8>(x[2 * i], x[2 * i + 1]);

@@ -11,8 +11,9 @@
 #endif
 
 #include <blockattn/core/config.hpp>
-#include <blockattn/kernel/impl/micro_gemm_simd.hpp>
+#include <blockattn/kernel/host/micro_gemm_simd.hpp>
 #include <blockattn/kernel/isa.hpp>
+#include <blockattn/kernel/tile_shape.hpp>
 
 #include <cstddef>
 
@@ -91,7 +92,7 @@ KOKKOS_FORCEINLINE_FUNCTION void micro_gemm_at(int kdim, const T* __restrict__ a
 /// host ISA Isa. A tile shape names its policy as `using tile_gemm = ...;`
 /// (see tile_shape.hpp); blockattn/kokkos_kernels_gemm.hpp provides one
 /// backed by KokkosBatched.
-template <HostIsa Isa = host_isa>
+template <HostIsa Isa>
 struct RegisterTileGemmFor {
   static constexpr const char* name() { return "register"; }
   template <int MR, int NR, int KD, class T>
@@ -100,7 +101,6 @@ struct RegisterTileGemmFor {
     micro_gemm<MR, NR, KD, Isa>(kdim, a, lda, b, ldb, c, ldc, row_scale);
   }
 };
-using RegisterTileGemm = RegisterTileGemmFor<>;
 
 }  // namespace blockattn::impl
 

@@ -6,10 +6,10 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
+#include <blockattn/kernel/host/amx_backward.hpp>
 #include <blockattn/kernel/host_matrix.hpp>
-#include <blockattn/kernel/impl/amx_backward.hpp>
-#include <blockattn/kernel/impl/backward_kernel.hpp>
-#include <blockattn/kernel/impl/forward_launch.hpp>
+#include <blockattn/kernel/portable/backward_kernel.hpp>
+#include <blockattn/kernel/portable/forward_launch.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/positions.hpp>

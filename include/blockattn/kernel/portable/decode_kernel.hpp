@@ -18,8 +18,8 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
-#include <blockattn/kernel/impl/decode_bf16.hpp>
-#include <blockattn/kernel/impl/decode_simd.hpp>
+#include <blockattn/kernel/host/decode_bf16.hpp>
+#include <blockattn/kernel/host/decode_simd.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/impl/half_rows.hpp>
 #include <blockattn/kernel/impl/prefetch.hpp>
