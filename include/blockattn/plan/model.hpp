@@ -60,43 +60,41 @@ struct Hardware {
   }
 };
 
+/// One level of links: a preset of `flops`, link `bandwidth` (one direction),
+/// memory per rank and its read rate, no latency.
+inline Hardware preset(const char* name, double flops, double bandwidth, double memory,
+                       double memory_bandwidth) {
+  Hardware hw{name, flops, 1, bandwidth, 0, memory, 0};
+  hw.memory_bandwidth = memory_bandwidth;
+  return hw;
+}
+
 /// Published per-host figures of Ring Attention (arXiv:2310.01889) Table 2 (FLOPS, HBM,
 /// unidirectional interconnect bandwidth between hosts); memory_bandwidth: the
 /// vendors' HBM read rates (A100 80GB 2.0 TB/s, TPU v3 0.9, v4 1.2, v5e 0.82).
 inline Hardware a100_nvlink() {
-  Hardware hw{"A100 NVLink", 312e12, 1, 300e9, 0, 80e9, 0};
-  hw.memory_bandwidth = 2.039e12;
-  return hw;
+  return preset("A100 NVLink", 312e12, 300e9, 80e9, 2.039e12);
 }
 inline Hardware a100_infiniband() {
-  Hardware hw{"A100 InfiniBand", 312e12, 1, 12.5e9, 0, 80e9, 0};
-  hw.memory_bandwidth = 2.039e12;
-  return hw;
+  return preset("A100 InfiniBand", 312e12, 12.5e9, 80e9, 2.039e12);
 }
 inline Hardware tpu_v3() {
-  Hardware hw{"TPU v3", 123e12, 1, 112e9, 0, 16e9, 0};
-  hw.memory_bandwidth = 0.9e12;
-  return hw;
+  return preset("TPU v3", 123e12, 112e9, 16e9, 0.9e12);
 }
 inline Hardware tpu_v4() {
-  Hardware hw{"TPU v4", 275e12, 1, 268e9, 0, 32e9, 0};
-  hw.memory_bandwidth = 1.2e12;
-  return hw;
+  return preset("TPU v4", 275e12, 268e9, 32e9, 1.2e12);
 }
 inline Hardware tpu_v5e() {
-  Hardware hw{"TPU v5e", 196e12, 1, 186e9, 0, 16e9, 0};
-  hw.memory_bandwidth = 0.819e12;
-  return hw;
+  return preset("TPU v5e", 196e12, 186e9, 16e9, 0.819e12);
 }
 /// A two-level cluster of published figures: H100 SXM (989e12 dense bf16
 /// FLOP/s, 80 GB HBM3), 8 per node on NVLink 4 (900 GB/s bidirectional: 450e9
 /// per direction), one 400 Gb/s NIC per GPU between nodes (50e9 bytes/s).
 /// Peak rates; calibrate (blockattn/plan/calibrate.hpp) for what a kernel reaches.
 inline Hardware h100_cluster() {
-  Hardware hw{"H100 x8/node NVLink + 400Gb/s", 989e12, 1, 50e9, 0, 80e9, 0};
+  Hardware hw = preset("H100 x8/node NVLink + 400Gb/s", 989e12, 50e9, 80e9, 3.35e12);  // HBM3
   hw.ranks_per_node = 8;
   hw.intra_bandwidth = 450e9;
-  hw.memory_bandwidth = 3.35e12;  // HBM3
   return hw;
 }
 
