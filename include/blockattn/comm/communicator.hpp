@@ -51,6 +51,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -360,6 +361,58 @@ struct has_comm_split : std::false_type {};
 template <class C>
 struct has_comm_split<C, std::void_t<decltype(std::declval<const C&>().split(0, 0))>>
     : std::is_same<decltype(std::declval<const C&>().split(0, 0)), C> {};
+}  // namespace impl
+
+namespace impl {
+/// Optional: allreduce of n values of T at once (the communicator's array
+/// overload, `allreduce(const T* in, T* out, int n, ReduceOp)`).
+template <class C, class T, class = void>
+struct has_comm_array_allreduce : std::false_type {};
+template <class C, class T>
+struct has_comm_array_allreduce<
+    C, T,
+    std::void_t<decltype(std::declval<C&>().allreduce(std::declval<const T*>(), std::declval<T*>(),
+                                                      1, ReduceOp::sum))>> : std::true_type {};
+
+/// Optional: an in-place allreduce of a View written by work on `exec`
+/// (`allreduce(exec, view, ReduceOp)`: a GPU-aware or device communicator).
+template <class C, class ExecSpace, class View, class = void>
+struct has_comm_view_allreduce : std::false_type {};
+template <class C, class ExecSpace, class View>
+struct has_comm_view_allreduce<
+    C, ExecSpace, View,
+    std::void_t<decltype(std::declval<C&>().allreduce(std::declval<const ExecSpace&>(),
+                                                      std::declval<const View&>(), ReduceOp::sum))>>
+    : std::true_type {};
+
+/// out[i] = the reduction over the ranks of in[i], i < n: one collective
+/// where the communicator has the array overload, one per value otherwise.
+template <class C, class T>
+void allreduce_values(C& comm, const T* in, T* out, int n, ReduceOp op) {
+  if constexpr (has_comm_array_allreduce<C, T>::value) {
+    comm.allreduce(in, out, n, op);
+  } else {
+    for (int i = 0; i < n; ++i) out[i] = comm.allreduce(in[i], op);
+  }
+}
+
+/// A View (any memory space) reduced over the ranks in place: the
+/// communicator's View overload where it has one, else through a host copy
+/// and allreduce_values. Waits for `exec`.
+template <class C, class ExecSpace, class View>
+void allreduce_view(C& comm, const ExecSpace& exec, const View& v, ReduceOp op) {
+  if constexpr (has_comm_view_allreduce<C, ExecSpace, View>::value) {
+    comm.allreduce(exec, v, op);
+  } else {
+    using T = typename View::non_const_value_type;
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+    std::vector<T> in(h.data(), h.data() + h.span()), out(in.size());
+    allreduce_values(comm, in.data(), out.data(), int(in.size()), op);
+    std::copy(out.begin(), out.end(), h.data());
+    Kokkos::deep_copy(exec, v, h);
+    exec.fence();
+  }
+}
 }  // namespace impl
 
 /// A communicator with the optional all-to-all collectives and split() (see

@@ -15,6 +15,7 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
 #include <blockattn/distributed/impl/sinks.hpp>
+#include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/kv_cache.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/decode.hpp>
@@ -44,6 +45,10 @@ struct ServeOptions {
   /// allreduce): a mismatch is a clear error on every rank instead of a hang
   /// or a wrong answer. A serving loop that has checked may turn it off.
   bool check_config = true;
+  /// > 0: a transfer of the ring merge that has not completed after this
+  /// many seconds throws blockattn::timeout_error naming the step, the peer
+  /// and the message (as DistributedOptions::timeout_seconds).
+  double timeout_seconds = 0.0;
   /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
   /// the execution space's memory, the same on every rank; folded into the
   /// normalisation of the merge over the ranks (a 16-bit output is rounded
@@ -79,36 +84,6 @@ inline const char* merge_name(MergeAlgorithm m) {
   return m == MergeAlgorithm::tree ? "tree" : "ring";
 }
 
-/// In-place element-wise allreduce of a contiguous View: the communicator's
-/// View overload when it has one, else through a host copy.
-template <class C, class ExecSpace, class View, class = void>
-struct has_view_allreduce : std::false_type {};
-template <class C, class ExecSpace, class View>
-struct has_view_allreduce<
-    C, ExecSpace, View,
-    std::void_t<decltype(std::declval<C&>().allreduce(std::declval<const ExecSpace&>(),
-                                                      std::declval<const View&>(), ReduceOp::sum))>>
-    : std::true_type {};
-
-template <class C, class ExecSpace, class View>
-void allreduce_in_place(C& comm, const ExecSpace& exec, const View& v, ReduceOp op) {
-  if constexpr (has_view_allreduce<C, ExecSpace, View>::value) {
-    comm.allreduce(exec, v, op);
-  } else {
-    using T = typename View::non_const_value_type;
-    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-    std::vector<T> in(h.data(), h.data() + h.span()), out(in.size());
-    if constexpr (has_comm_array_allreduce<C>::value) {
-      comm.allreduce(in.data(), out.data(), int(in.size()), op);
-    } else {
-      for (std::size_t i = 0; i < in.size(); ++i) out[i] = comm.allreduce(in[i], op);
-    }
-    std::copy(out.begin(), out.end(), h.data());
-    Kokkos::deep_copy(exec, v, h);
-    exec.fence();
-  }
-}
-
 /// Row r of (batch, heads, rows) -> (b, h, i).
 struct RowIndex {
   int rows, heads;
@@ -124,7 +99,7 @@ struct RowIndex {
 /// the normalisation (a 16-bit o is rounded once).
 template <class C, class ExecSpace, class T, class OV, class LV>
 void merge_over_ranks(
-    C& comm, const ExecSpace& exec, MergeAlgorithm algorithm,
+    C& comm, const ExecSpace& exec, const char* fn, MergeAlgorithm algorithm, double timeout,
     const Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>& o_part,
     const Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space>& lse_part,
     const OV& o, const LV& lse, const SinkLogits& sinks) {
@@ -149,7 +124,7 @@ void merge_over_ranks(
           const T l = lse_part(b, h, i);
           mx(r) = l == l ? l : -infinity<T>();  // a NaN part makes the row NaN below
         });
-    allreduce_in_place(comm, exec, mx, ReduceOp::max);
+    allreduce_view(comm, exec, mx, ReduceOp::max);
     Kokkos::View<T*, mem> buf(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::merge"),
                               rows * W);
     Kokkos::parallel_for(
@@ -162,7 +137,7 @@ void merge_over_ranks(
           for (int d = 0; d < D; ++d) buf(r * W + d) = w != T(0) ? w * o_part(b, i, h, d) : T(0);
           buf(r * W + D) = w;
         });
-    allreduce_in_place(comm, exec, buf, ReduceOp::sum);
+    allreduce_view(comm, exec, buf, ReduceOp::sum);
     Kokkos::parallel_for(
         "blockattn::merge_finish", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
           int b, h, i;
@@ -193,15 +168,15 @@ void merge_over_ranks(
       });
   exec.fence();
   const int next = (me + 1) % P, prev = (me + P - 1) % P;
+  // Through the schedules' transfer layer: its one tag encoding and the timeout.
+  Transfers<C, ExecSpace> x(comm, exec, fn, timeout);
   for (int step = 0; step < P - 1; ++step) {
     // Send the partial received last step (our own first); receive prev's.
     const int send_part = (me - step + P) % P, recv_part = (me - step - 1 + 2 * P) % P;
-    auto s = Kokkos::subview(all, send_part, Kokkos::ALL);
-    auto rv = Kokkos::subview(all, recv_part, Kokkos::ALL);
-    auto rr = comm.irecv(rv, prev, 7400 + step % 64);
-    auto sr = comm.isend(s, next, 7400 + step % 64);
-    comm.wait(sr);
-    comm.wait(rr);
+    auto rr = x.receive(Kokkos::subview(all, recv_part, Kokkos::ALL), prev, step, Message::rows);
+    auto sr = x.send(Kokkos::subview(all, send_part, Kokkos::ALL), next, step, Message::rows);
+    x.wait(sr);
+    x.wait(rr);
   }
   Kokkos::parallel_for(
       "blockattn::merge_ring", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
@@ -428,7 +403,8 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
   attend(o_part, lse_part, SinkLogits{});
   // Every rank merges the rows and folds the sinks in once, before the
   // output's one rounding.
-  merge_over_ranks(comm, exec, opts.merge, o_part, lse_part, o, lse, opts.sinks);
+  merge_over_ranks(comm, exec, fn, opts.merge, opts.timeout_seconds, o_part, lse_part, o, lse,
+                   opts.sinks);
 }
 
 }  // namespace impl

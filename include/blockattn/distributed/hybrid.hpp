@@ -34,8 +34,8 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/head_exchange.hpp>
 #include <blockattn/distributed/impl/validate.hpp>
-#include <blockattn/distributed/ulysses.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -92,7 +92,8 @@ HybridGrid agreed_grid(Comm& comm, int ulysses) {
 template <class Partition, class Mask, class Schedule, class Communicator,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
 class HybridAttention : public impl::HeadParallelCalls<
-                            HybridAttention<Partition, Mask, Schedule, Communicator, ExecSpace>> {
+                            HybridAttention<Partition, Mask, Schedule, Communicator, ExecSpace>,
+                            Communicator, Mask, ExecSpace> {
   static_assert(!is_partition_policy_v<Partition> || impl::is_stateless_partition<Partition>::value,
                 "BlockAttn: HybridAttention takes a stateless partition policy (static members; "
                 "the built-ins); a partition object such as TablePartition runs with "
@@ -119,13 +120,11 @@ class HybridAttention : public impl::HeadParallelCalls<
   /// `comm` into the groups and the rings.
   HybridAttention(const Communicator& comm, int ulysses, const Mask& mask = {},
                   const ExecSpace& exec = {})
-      : m_comm(comm),
+      : Base(comm, mask, exec),
         m_grid(impl::agreed_grid(m_comm, ulysses)),
         m_group(comm.split(m_grid.group(comm.rank()), m_grid.member(comm.rank()))),
         m_ring(ring_type(comm.split(m_grid.member(comm.rank()), m_grid.group(comm.rank())), mask,
-                         exec)),
-        m_mask(mask),
-        m_exec(exec) {}
+                         exec)) {}
 
   const HybridGrid& grid() const { return m_grid; }
   Communicator& communicator() { return m_comm; }
@@ -134,7 +133,11 @@ class HybridAttention : public impl::HeadParallelCalls<
   const Mask& mask() const { return m_mask; }
 
  private:
-  friend class impl::HeadParallelCalls<HybridAttention>;
+  using Base = impl::HeadParallelCalls<HybridAttention, Communicator, Mask, ExecSpace>;
+  friend Base;
+  using Base::m_comm;
+  using Base::m_exec;
+  using Base::m_mask;
   /// The wall time of a call: what the ring's steps did not take is the all-to-alls'.
   static void account(RunStats& stats, double seconds) {
     stats.alltoall_seconds = seconds;
@@ -143,16 +146,13 @@ class HybridAttention : public impl::HeadParallelCalls<
   static constexpr const char* fn = "HybridAttention::forward";
   static constexpr const char* bfn = "HybridAttention::backward";
   template <class T>
-  using Buf4 = impl::UlyssesBuf4<T, ExecSpace>;
+  using Buf4 = typename Base::template Buf4<T>;
   template <class T>
-  using Buf3 = impl::UlyssesBuf3<T, ExecSpace>;
+  using Buf3 = typename Base::template Buf3<T>;
 
-  Communicator m_comm;
   HybridGrid m_grid;
   Communicator m_group;  // the P_a ranks of this rank's group
   ring_type m_ring;      // the P_r ranks of this rank's member index
-  Mask m_mask;
-  ExecSpace m_exec;
 
   /// Per-rank checks, one consensus over all P ranks, then the checks that
   /// follow from the agreed configuration (they throw on every rank or none).
@@ -164,15 +164,12 @@ class HybridAttention : public impl::HeadParallelCalls<
       const DistributedOptions& opts, Extra extra = [] {}) {
     const int ulysses = m_grid.ulysses;
     std::vector<std::int64_t> lengths;
-    const BlockExtents e = impl::agree_on_call<ExecSpace>(
-        m_comm, name, m_mask, q, k, v, o, lse, opts, false,
+    const BlockExtents e = this->agree(
+        name, q, k, v, o, lse, opts, std::string("hybrid (ulysses x ") + Schedule::name() + ")",
         [ulysses](impl::Fingerprint& f) {
-          f.text("schedule", std::string("hybrid (ulysses x ") + Schedule::name() + ")")
-              .number("ranks per all-to-all group (ulysses)", ulysses)
-              .text("partition",
-                    std::string(Partition::name()) + " (" + impl::type_name<Partition>() + ")");
+          f.number("ranks per all-to-all group (ulysses)", ulysses);
         },
-        extra, &lengths);
+        extra, lengths);
     const HybridGrid& g = m_grid;
     const index_type N = impl::agreed_length(
         name, lengths,
@@ -188,9 +185,7 @@ class HybridAttention : public impl::HeadParallelCalls<
           return s.str();
         },
         "hybrid_length<Partition>(N, grid, rank)");
-    if (const std::string why = UlyssesHeads::why_not(e.heads, e.kv_heads, m_grid.ulysses);
-        !why.empty())
-      impl::fail(name, why, " (here: ranks per all-to-all group)");
+    this->require_heads(name, e, m_grid.ulysses, " (here: ranks per all-to-all group)");
     return {e, N};
   }
 

@@ -171,25 +171,12 @@ void add_partition(Fingerprint& f, const Partition& partition) {
   f.text("partition value", s.str());
 }
 
-/// Element-wise allreduce of a host array: one collective when the
-/// communicator has the optional array overload, one per element otherwise.
-template <class C, class = void>
-struct has_comm_array_allreduce : std::false_type {};
-template <class C>
-struct has_comm_array_allreduce<
-    C, std::void_t<decltype(std::declval<C&>().allreduce(
-           std::declval<const std::int64_t*>(), std::declval<std::int64_t*>(), 1, ReduceOp::min))>>
-    : std::true_type {};
-
+/// Element-wise allreduce of a host array (comm/communicator.hpp allreduce_values).
 template <class C>
 void allreduce_array(C& comm, std::vector<std::int64_t>& buf, ReduceOp op) {
-  if constexpr (has_comm_array_allreduce<C>::value) {
-    std::vector<std::int64_t> out(buf.size());
-    comm.allreduce(buf.data(), out.data(), static_cast<int>(buf.size()), op);
-    buf.swap(out);
-  } else {
-    for (auto& x : buf) x = comm.allreduce(x, op);
-  }
+  std::vector<std::int64_t> out(buf.size());
+  allreduce_values(comm, buf.data(), out.data(), static_cast<int>(buf.size()), op);
+  buf.swap(out);
 }
 
 /// Every rank's `mine` (truncated to `width` bytes), in rank order: one sum

@@ -17,14 +17,6 @@
 
 namespace blockattn::impl {
 
-template <class C, class = void>
-struct has_comm_double_array_allreduce : std::false_type {};
-template <class C>
-struct has_comm_double_array_allreduce<
-    C, std::void_t<decltype(std::declval<C&>().allreduce(
-           std::declval<const double*>(), std::declval<double*>(), 1, ReduceOp::sum))>>
-    : std::true_type {};
-
 /// opts.sink_grad = dL/dsinks over the rows of every rank of `comm` (the same
 /// values on every rank). Collective when opts.sink_grad is set (the
 /// consensus has made that the same on every rank).
@@ -36,12 +28,7 @@ void distributed_sink_gradient(Comm& comm, const ExecSpace& exec, const Distribu
   const auto mine = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), part);
   const int H = int(mine.extent(0));
   std::vector<double> in(mine.data(), mine.data() + H), sum(std::size_t(H), 0.0);
-  if constexpr (has_comm_double_array_allreduce<Comm>::value) {
-    comm.allreduce(in.data(), sum.data(), H, ReduceOp::sum);
-  } else {
-    for (int h = 0; h < H; ++h)
-      sum[std::size_t(h)] = comm.allreduce(in[std::size_t(h)], ReduceOp::sum);
-  }
+  allreduce_values(comm, in.data(), sum.data(), H, ReduceOp::sum);
   const Kokkos::View<const double*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>
       host(sum.data(), std::size_t(H));
   Kokkos::deep_copy(exec, part, host);

@@ -31,8 +31,9 @@ namespace impl {
 
 /// Every message of every schedule. K, V: a key/value block (packed or not);
 /// Q, dO, LSE, D: a (packed) query block with what its backward needs; dK,
-/// dV, dQ: gradient partials; O, LSE partial: a helper's forward result.
-enum class Message : int { k, v, q, dout, q_lse, q_drow, dk, dv, dq, o, o_lse, count };
+/// dV, dQ: gradient partials; O, LSE partial: a helper's forward result;
+/// rows: a rank's partial result of serving rows (decode's ring merge).
+enum class Message : int { k, v, q, dout, q_lse, q_drow, dk, dv, dq, o, o_lse, rows, count };
 
 inline const char* message_name(Message m) {
   switch (m) {
@@ -58,6 +59,8 @@ inline const char* message_name(Message m) {
       return "O partial";
     case Message::o_lse:
       return "LSE partial";
+    case Message::rows:
+      return "partial result of the rows (O, LSE)";
     case Message::count:
       break;
   }
