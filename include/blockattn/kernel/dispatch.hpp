@@ -102,10 +102,12 @@ void forward_call(const ExecSpace& exec, const BlockExtents& e, const QV& q, con
   using V = typename QV::non_const_value_type;
   const bool others = !opts.portable_only;
   // 1. Yours.
-  if (others && user_enabled<ExecSpace, V, Mask>() &&
-      user_forward_call(exec, e, q, k, v, o, lse, mask, qpos, kpos, scale, opts.sinks)) {
-    count_path(opts.paths, BlockPath::user);
-    return;
+  if constexpr (user_enabled<ExecSpace, V, Mask>()) {
+    if (others &&
+        user_forward_call(exec, e, q, k, v, o, lse, mask, qpos, kpos, scale, opts.sinks)) {
+      count_path(opts.paths, BlockPath::user);
+      return;
+    }
   }
   // 2. cuDNN, on a call at offsets (one band piece over the call's positions).
   if constexpr (is_offset_positions_v<Pos>) {
@@ -391,26 +393,9 @@ class BackwardPairs {
                 const Mask& mask, T scale, const GQ& dq, const GK& dk, const GK& dv, bool acc_dq,
                 bool acc_dkv, int& pieces) {
     if (e.queries <= 0 || e.keys <= 0) return BlockPath::portable;
-    const auto k = strided_rows(kx, e.keys), v = strided_rows(vx, e.keys);
-    if (m_user) {
-      clear_pair_sums(m_exec, dq, dk, dv, acc_dq, acc_dkv);
-      if (user_backward(m_exec, e, m_q_rows, m_do_rows, k, v, m_lse_rows,
-                        strided_lse(m_delta, e.queries), dq, dk, dv, mask, qp, kp, scale))
-        return BlockPath::user;
-    }
-    if constexpr (fused) {
-      if (m_fused && fused_backward_pair<ExecSpace, V>(m_exec, mask, qp, kp, e, m_rows, k, v, m_tq,
-                                                       m_tk, m_tv, dq, dk, dv, acc_dq, acc_dkv,
-                                                       float(scale), m_guard, pieces))
-        return BlockPath::fused;
-    }
-    if constexpr (tensor_cores) {
-      if (m_tc && tensor_core_backward_pair(m_exec, mask, qp, kp, e, m_q_rows, m_o_rows, m_do_rows,
-                                            m_lse_rows, k, v, m_tq, m_tk, m_tv, dq, dk, dv, acc_dq,
-                                            acc_dkv, float(scale)))
-        return BlockPath::matrix;
-    }
-    return BlockPath::portable;
+    return pair(e, Rows{m_q_rows, m_do_rows, m_o_rows, m_lse_rows, strided_lse(m_delta, e.queries)},
+                m_rows, strided_rows(kx, e.keys), strided_rows(vx, e.keys), qp, kp, mask, scale, dq,
+                dk, dv, acc_dq, acc_dkv, pieces);
   }
 
   /// A travelled pair: the queries of slot `s` (id `slot`) against k, v.
@@ -419,7 +404,6 @@ class BackwardPairs {
                       const Pos& qp, const Pos& kp, const Mask& mask, T scale, const GQ& dq,
                       const GK& dk, const GK& dv, bool acc_dq, bool acc_dkv, int& pieces) {
     if (e.queries <= 0 || e.keys <= 0 || !m_travels) return BlockPath::portable;
-    const auto k = strided_rows(kx, e.keys), v = strided_rows(vx, e.keys);
     const int dim = e.dim;
     if (m_travelled != slot) {  // the slot's operands, once per arrival
       if (m_fused || m_tc)
@@ -428,31 +412,54 @@ class BackwardPairs {
         natural_lse(m_exec, s.lse2, m_lse_nat, s.queries);
       m_travelled = slot;
     }
-    const auto q = strided_rows(s.q, e.queries, true, dim);
-    const auto dout = strided_rows(s.dout, e.queries, true, dim);
-    const auto lse = strided_lse(m_lse_nat, e.queries);
-    if (m_user) {
-      clear_pair_sums(m_exec, dq, dk, dv, acc_dq, acc_dkv);
-      if (user_backward(m_exec, e, q, dout, k, v, lse, strided_lse(s.drow, e.queries), dq, dk, dv,
-                        mask, qp, kp, scale))
-        return BlockPath::user;
+    const StridedRows<V, mem> o_proxy =
+        m_o_proxy.size() ? strided_rows(m_o_proxy, e.queries, true, dim) : StridedRows<V, mem>();
+    return pair(
+        e,
+        Rows{strided_rows(s.q, e.queries, true, dim), strided_rows(s.dout, e.queries, true, dim),
+             o_proxy, strided_lse(m_lse_nat, e.queries), strided_lse(s.drow, e.queries)},
+        m_trows, strided_rows(kx, e.keys), strided_rows(vx, e.keys), qp, kp, mask, scale, dq, dk,
+        dv, acc_dq, acc_dkv, pieces);
+  }
+
+ private:
+  /// A pair's query operands: Q, dO, O (own rows) or the proxy O (a
+  /// travelled slot), the natural-log LSE and D.
+  struct Rows {
+    StridedRows<V, mem> q, dout, o;
+    PairIn3<T, mem> lse, delta;
+  };
+
+  /// 1-3 of the list on one pair (see own() and travelled()).
+  template <class KV, class VV, class Pos, class GQ, class GK>
+  BlockPath pair(const BlockExtents& e, const Rows& r, const FusedQueryRows& fused_rows,
+                 const KV& k, const VV& v, const Pos& qp, const Pos& kp, const Mask& mask, T scale,
+                 const GQ& dq, const GK& dk, const GK& dv, bool acc_dq, bool acc_dkv, int& pieces) {
+    if constexpr (user) {
+      if (m_user) {
+        clear_pair_sums(m_exec, dq, dk, dv, acc_dq, acc_dkv);
+        if (user_backward(m_exec, e, r.q, r.dout, k, v, r.lse, r.delta, dq, dk, dv, mask, qp, kp,
+                          scale))
+          return BlockPath::user;
+      }
     }
     if constexpr (fused) {
-      if (m_fused && fused_backward_pair<ExecSpace, V>(m_exec, mask, qp, kp, e, m_trows, k, v, m_tq,
-                                                       m_tk, m_tv, dq, dk, dv, acc_dq, acc_dkv,
-                                                       float(scale), m_guard, pieces))
+      if (m_fused && fused_backward_pair<ExecSpace, V>(m_exec, mask, qp, kp, e, fused_rows, k, v,
+                                                       m_tq, m_tk, m_tv, dq, dk, dv, acc_dq,
+                                                       acc_dkv, float(scale), m_guard, pieces))
         return BlockPath::fused;
+    } else {
+      (void)fused_rows;
     }
     if constexpr (tensor_cores) {
-      if (m_tc && tensor_core_backward_pair(
-                      m_exec, mask, qp, kp, e, q, strided_rows(m_o_proxy, e.queries, true, dim),
-                      dout, lse, k, v, m_tq, m_tk, m_tv, dq, dk, dv, acc_dq, acc_dkv, float(scale)))
+      if (m_tc &&
+          tensor_core_backward_pair(m_exec, mask, qp, kp, e, r.q, r.o, r.dout, r.lse, k, v, m_tq,
+                                    m_tk, m_tv, dq, dk, dv, acc_dq, acc_dkv, float(scale)))
         return BlockPath::matrix;
     }
     return BlockPath::portable;
   }
 
- private:
   ExecSpace m_exec;
   bool m_guard = true, m_user = false, m_fused = false, m_tc = false, m_travels = false;
   FusedQueryRows m_rows, m_trows;  // cuDNN's operands: own rows, the travelled slot's

@@ -181,6 +181,20 @@ struct HostIsaEntry<HostIsa::avx512> {
 };
 #endif
 
+/// f() inside HostIsaEntry<Isa> where the host dispatches at run time and Isa
+/// is one it targets, else f() directly: the body of a host kernel's
+/// operator() (the whole team's work in one function of its ISA).
+template <HostIsa Isa, class F>
+KOKKOS_FORCEINLINE_FUNCTION void run_in_isa(const F& f) {
+#if BLOCKATTN_HOST_DISPATCH
+  if constexpr (host_isa_targeted(Isa)) {
+    HostIsaEntry<Isa>::run(f);
+    return;
+  }
+#endif
+  f();
+}
+
 }  // namespace impl
 
 /// The ISA this translation unit's host tile shapes were compiled for.

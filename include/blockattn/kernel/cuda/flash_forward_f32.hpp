@@ -269,17 +269,9 @@ __global__ void __launch_bounds__(threads, 2)
   }
 }
 
-/// Whether the fp32 kernel takes a problem: head dim 64 or 128, contiguous
-/// head dims, rows 16-byte aligned, heads a multiple of kv_heads.
+/// Whether the fp32 kernel takes a problem (supports_rows: fp32 rows).
 inline bool supports_f32(const Args& a, int dim) {
-  if (dim != 64 && dim != 128) return false;
-  if (a.kv_heads <= 0 || a.heads % a.kv_heads != 0) return false;
-  for (const void* p : {a.q, a.k, a.v, static_cast<const void*>(a.o)})
-    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
-  for (const std::int64_t* s : {a.q_stride, a.k_stride, a.v_stride, a.o_stride})
-    for (int i = 0; i < 3; ++i)
-      if (s[i] % 4 != 0) return false;
-  return true;
+  return supports_rows(a, dim, 4);
 }
 
 /// Enqueues the fp32 forward with Passes TF32 products per product (3 or 1)

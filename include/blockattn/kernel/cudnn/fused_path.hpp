@@ -292,6 +292,37 @@ inline FusedProblem fused_problem(const BlockExtents& e, const BandPiece& piece,
   return p;
 }
 
+/// The checks both directions of a single-device call share before the
+/// fused path takes it: one band piece at most that the provider's form
+/// holds (fused_single_piece), unit head strides of every operand, and, with
+/// the guard and a mask that hides keys, no inf / NaN in v. `piece`: the
+/// call's piece (empty when no pair is allowed). False: the kernels take it.
+template <class ExecSpace, class V, class Mask, class VV, class... Views>
+bool fused_call_piece(const ExecSpace& exec, const Mask& mask, const BlockExtents& e,
+                      const ForwardOptions& opts, const VV& v, BandSplit& s, BandPiece& piece,
+                      const Views&... operands) {
+  if (!fused_single_piece<ExecSpace, V>(mask, e, opts, s)) return false;
+  if (!unit_head_stride(v, operands...)) return false;
+  if (s.count == 1 && opts.guard_masked_nonfinite && !covers_all(mask, e, opts) &&
+      has_nonfinite(exec, v))
+    return false;
+  if (s.count == 1) piece = s.pieces[0];
+  return true;
+}
+
+/// The operands a forward and a backward call of one piece share.
+template <class Call, class QV, class KV, class VV, class OV, class LV>
+void fused_call_operands(Call& c, const BlockExtents& e, const BandPiece& piece, FusedType type,
+                         float scale, const QV& q, const KV& k, const VV& v, const OV& o,
+                         const LV& lse) {
+  c.p = fused_problem(e, piece, type, scale);
+  c.q = fused_rows(q, piece.row_begin);
+  c.k = fused_rows(k, piece.col_begin);
+  c.v = fused_rows(v, piece.col_begin);
+  c.o = fused_rows(o, piece.row_begin);
+  c.lse = fused_lse(lse, piece.row_begin);
+}
+
 /// The single-device forward on the fused path (`pieces`: the band pieces
 /// run, 0 or 1); false (nothing done) when the call takes BlockAttn's kernels.
 template <class ExecSpace, class QV, class KV, class VV, class OV, class LV, class Mask, class T>
@@ -300,21 +331,11 @@ bool fused_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, co
                    const ForwardOptions& opts, int& pieces) {
   using V = typename OV::non_const_value_type;
   BandSplit s;
-  if (!fused_single_piece<ExecSpace, V>(mask, e, opts, s)) return false;
-  if (!unit_head_stride(q, k, v, o)) return false;
-  if (s.count == 1 && opts.guard_masked_nonfinite && !covers_all(mask, e, opts) &&
-      has_nonfinite(exec, v))
-    return false;
-  FusedForwardCall c;
   BandPiece piece;
+  if (!fused_call_piece<ExecSpace, V>(exec, mask, e, opts, v, s, piece, q, k, o)) return false;
+  FusedForwardCall c;
   if (s.count == 1) {
-    piece = s.pieces[0];
-    c.p = fused_problem(e, piece, fused_type<V>(), float(scale));
-    c.q = fused_rows(q, piece.row_begin);
-    c.k = fused_rows(k, piece.col_begin);
-    c.v = fused_rows(v, piece.col_begin);
-    c.o = fused_rows(o, piece.row_begin);
-    c.lse = fused_lse(lse, piece.row_begin);
+    fused_call_operands(c, e, piece, fused_type<V>(), float(scale), q, k, v, o, lse);
     if (!FusedProvider<ExecSpace, V>::supports(c)) return false;
   }
   if (piece.rows() < e.queries) fill_unseen_rows(exec, o, lse, piece.row_begin, piece.row_end);
@@ -332,22 +353,13 @@ bool fused_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, c
                     const ForwardOptions& opts, int& pieces) {
   using V = typename OV::non_const_value_type;
   BandSplit s;
-  if (!fused_single_piece<ExecSpace, V>(mask, e, opts, s)) return false;
-  if (!unit_head_stride(q, k, v, o, dout, dq, dk, dv)) return false;
-  if (s.count == 1 && opts.guard_masked_nonfinite && !covers_all(mask, e, opts) &&
-      has_nonfinite(exec, v))
+  BandPiece piece;
+  if (!fused_call_piece<ExecSpace, V>(exec, mask, e, opts, v, s, piece, q, k, o, dout, dq, dk, dv))
     return false;
   FusedBackwardCall c;
-  BandPiece piece;
   if (s.count == 1) {
-    piece = s.pieces[0];
-    c.p = fused_problem(e, piece, fused_type<V>(), float(scale));
-    c.q = fused_rows(q, piece.row_begin);
-    c.k = fused_rows(k, piece.col_begin);
-    c.v = fused_rows(v, piece.col_begin);
-    c.o = fused_rows(o, piece.row_begin);
+    fused_call_operands(c, e, piece, fused_type<V>(), float(scale), q, k, v, o, lse);
     c.dout = fused_rows(dout, piece.row_begin);
-    c.lse = fused_lse(lse, piece.row_begin);
     c.dq = fused_rows(dq, piece.row_begin);
     c.dk = fused_rows(dk, piece.col_begin);
     c.dv = fused_rows(dv, piece.col_begin);

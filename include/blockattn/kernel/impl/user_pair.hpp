@@ -77,9 +77,26 @@ auto as_pair_out3(const View& x) {
   return PairOut3<X, typename View::memory_space>(x);
 }
 
-/// A forward pair on the registered implementation for (ExecSpace, V, Mask):
-/// o, lse (compute type) get its normalised result. False: none is
-/// registered, or it declined the pair (nothing done).
+/// A call of kind Call (ForwardPairCall, BackwardPairCall) of storage V on
+/// ExecSpace, with the fields both kinds share; the built-in position maps
+/// as AffinePositions (canonical_positions).
+template <template <class, class, class, class, class> class Call, class ExecSpace, class V,
+          class Mask, class QP, class KP, class T>
+auto pair_call(const BlockExtents& e, const Mask& mask, const QP& qpos, const KP& kpos, T scale) {
+  using CQ = std::decay_t<decltype(canonical_positions(qpos))>;
+  using CK = std::decay_t<decltype(canonical_positions(kpos))>;
+  Call<V, typename ExecSpace::memory_space, Mask, CQ, CK> c;
+  c.extents = e;
+  c.mask = mask;
+  c.qpos = canonical_positions(qpos);
+  c.kpos = canonical_positions(kpos);
+  c.scale = scale;
+  return c;
+}
+
+/// A forward pair on the implementation registered for (ExecSpace, V, Mask)
+/// (callers check user_enabled() first): o, lse (compute type) get its
+/// normalised result. False: it declined the pair (nothing done).
 template <class ExecSpace, class Mask, class QV, class KV, class VV, class OV, class LV, class QP,
           class KP, class T>
 bool user_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, const KV& k,
@@ -87,31 +104,18 @@ bool user_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, con
                   const KP& kpos, T scale) {
   using V = typename QV::non_const_value_type;
   using mem = typename ExecSpace::memory_space;
-  using Impl = BlockProductImplementation<ExecSpace, V, Mask>;
-  if constexpr (Impl::available) {
-    using CQ = std::decay_t<decltype(canonical_positions(qpos))>;
-    using CK = std::decay_t<decltype(canonical_positions(kpos))>;
-    ForwardPairCall<V, mem, Mask, CQ, CK> c;
-    c.extents = e;
-    c.q = PairIn4<V, mem>(q);
-    c.k = PairIn4<V, mem>(k);
-    c.v = PairIn4<V, mem>(v);
-    c.o = as_pair_out4(o);
-    c.lse = as_pair_out3(lse);
-    c.mask = mask;
-    c.qpos = canonical_positions(qpos);
-    c.kpos = canonical_positions(kpos);
-    c.scale = scale;
-    return Impl::forward(exec, c);
-  } else {
-    (void)exec, (void)e, (void)q, (void)k, (void)v, (void)o, (void)lse, (void)mask, (void)qpos,
-        (void)kpos, (void)scale;
-    return false;
-  }
+  auto c = pair_call<ForwardPairCall, ExecSpace, V>(e, mask, qpos, kpos, scale);
+  c.q = PairIn4<V, mem>(q);
+  c.k = PairIn4<V, mem>(k);
+  c.v = PairIn4<V, mem>(v);
+  c.o = as_pair_out4(o);
+  c.lse = as_pair_out3(lse);
+  return BlockProductImplementation<ExecSpace, V, Mask>::forward(exec, c);
 }
 
-/// A backward pair on the registered implementation: its gradients added
-/// into dq, dk, dv (compute type). False: none registered, or it declined.
+/// A backward pair on the registered implementation (callers check
+/// user_enabled() first): its gradients added into dq, dk, dv (compute
+/// type). False: it declined the pair.
 template <class ExecSpace, class Mask, class QV, class DOV, class KV, class VV, class LV, class DV,
           class GQ, class GK, class QP, class KP, class T>
 bool user_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, const DOV& dout,
@@ -120,31 +124,17 @@ bool user_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, co
                    T scale) {
   using V = typename QV::non_const_value_type;
   using mem = typename ExecSpace::memory_space;
-  using Impl = BlockProductImplementation<ExecSpace, V, Mask>;
-  if constexpr (Impl::available) {
-    using CQ = std::decay_t<decltype(canonical_positions(qpos))>;
-    using CK = std::decay_t<decltype(canonical_positions(kpos))>;
-    BackwardPairCall<V, mem, Mask, CQ, CK> c;
-    c.extents = e;
-    c.q = PairIn4<V, mem>(q);
-    c.dout = PairIn4<V, mem>(dout);
-    c.k = PairIn4<V, mem>(k);
-    c.v = PairIn4<V, mem>(v);
-    c.lse = PairIn3<T, mem>(lse);
-    c.delta = PairIn3<T, mem>(delta);
-    c.dq = as_pair_out4(dq);
-    c.dk = as_pair_out4(dk);
-    c.dv = as_pair_out4(dv);
-    c.mask = mask;
-    c.qpos = canonical_positions(qpos);
-    c.kpos = canonical_positions(kpos);
-    c.scale = scale;
-    return Impl::backward(exec, c);
-  } else {
-    (void)exec, (void)e, (void)q, (void)dout, (void)k, (void)v, (void)lse, (void)delta, (void)dq,
-        (void)dk, (void)dv, (void)mask, (void)qpos, (void)kpos, (void)scale;
-    return false;
-  }
+  auto c = pair_call<BackwardPairCall, ExecSpace, V>(e, mask, qpos, kpos, scale);
+  c.q = PairIn4<V, mem>(q);
+  c.dout = PairIn4<V, mem>(dout);
+  c.k = PairIn4<V, mem>(k);
+  c.v = PairIn4<V, mem>(v);
+  c.lse = PairIn3<T, mem>(lse);
+  c.delta = PairIn3<T, mem>(delta);
+  c.dq = as_pair_out4(dq);
+  c.dk = as_pair_out4(dk);
+  c.dv = as_pair_out4(dv);
+  return BlockProductImplementation<ExecSpace, V, Mask>::backward(exec, c);
 }
 
 /// The natural-log LSE of a packed query slot (lse2 = LSE log2 e) into

@@ -66,6 +66,26 @@ struct BackwardCommon {
 
   KOKKOS_INLINE_FUNCTION int dp() const { return StaticD > 0 ? StaticD : dim_padded; }
 
+  /// dK, dV of key rows [k0, k0 + k_rows) of kv head hk from the team's
+  /// sums dka, dva (rows p apart): scale dK, then write, or add (accumulate).
+  KOKKOS_INLINE_FUNCTION void store_key_rows(const member_type& team, const out4& dk,
+                                             const out4& dv, int b, int hk, int k0, int k_rows,
+                                             const T* dka, const T* dva, int p) const {
+    const T sc = scale;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
+      if (!accumulate) {  // fp16 rows in vectors (half_rows.hpp)
+        store_scaled_row(&dk(b, k0 + c, hk, 0), dk.stride(3), dka + c * p, dim, sc);
+        store_scaled_row(&dv(b, k0 + c, hk, 0), dv.stride(3), dva + c * p, dim, T(1));
+        return;
+      }
+      for (int d = 0; d < dim; ++d) {
+        const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
+        dk(b, k0 + c, hk, d) = GS(T(dk(b, k0 + c, hk, d)) + kval);
+        dv(b, k0 + c, hk, d) = GS(T(dv(b, k0 + c, hk, d)) + vval);
+      }
+    });
+  }
+
   /// Pointers to the packed query tile at row q0 of head h: Q, dO (rows of
   /// dim_padded), LSE in base 2 and D. Rows past the end are zero / -inf.
   struct QueryTile {
@@ -287,13 +307,7 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-#if BLOCKATTN_HOST_DISPATCH
-    if constexpr (host_isa_targeted(Base::isa)) {
-      HostIsaEntry<Base::isa>::run([&] { run(team); });
-      return;
-    }
-#endif
-    run(team);
+    run_in_isa<Base::isa>([&] { run(team); });
   }
 
   /// One team's work (operator(), inside a function of the shape's ISA).
@@ -347,20 +361,7 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
         team.team_barrier();
       }
     }
-    const T sc = this->scale;
-    const bool acc = this->accumulate;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
-      if (!acc) {  // fp16 rows in vectors (half_rows.hpp)
-        store_scaled_row(&dk(b, k0 + c, hk, 0), dk.stride(3), dka + c * p, this->dim, sc);
-        store_scaled_row(&dv(b, k0 + c, hk, 0), dv.stride(3), dva + c * p, this->dim, T(1));
-        return;
-      }
-      for (int d = 0; d < this->dim; ++d) {
-        const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
-        dk(b, k0 + c, hk, d) = GS(T(dk(b, k0 + c, hk, d)) + kval);
-        dv(b, k0 + c, hk, d) = GS(T(dv(b, k0 + c, hk, d)) + vval);
-      }
-    });
+    this->store_key_rows(team, dk, dv, b, hk, k0, k_rows, dka, dva, p);
   }
 };
 
@@ -382,13 +383,7 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-#if BLOCKATTN_HOST_DISPATCH
-    if constexpr (host_isa_targeted(Base::isa)) {
-      HostIsaEntry<Base::isa>::run([&] { run(team); });
-      return;
-    }
-#endif
-    run(team);
+    run_in_isa<Base::isa>([&] { run(team); });
   }
 
   /// One team's work (operator(), inside a function of the shape's ISA).
@@ -474,13 +469,7 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-#if BLOCKATTN_HOST_DISPATCH
-    if constexpr (host_isa_targeted(Base::isa)) {
-      HostIsaEntry<Base::isa>::run([&] { run(team); });
-      return;
-    }
-#endif
-    run(team);
+    run_in_isa<Base::isa>([&] { run(team); });
   }
 
   /// One team's work (operator(), inside a function of the shape's ISA).
@@ -498,8 +487,6 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
     T* ones = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) { ones[r] = T(1); });
     const T* const k_head = &this->krows(b, hk, 0, 0);
-    const T sc = this->scale;
-    const bool acc = this->accumulate;
     for (int kb = slice; kb < this->k_tiles; kb += slices) {
       const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
@@ -554,18 +541,7 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
           team.team_barrier();
         }
       }
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, k_rows), [&](const int c) {
-        if (!acc) {  // fp16 rows in vectors (half_rows.hpp)
-          store_scaled_row(&dk(b, k0 + c, hk, 0), dk.stride(3), dka + c * p, this->dim, sc);
-          store_scaled_row(&dv(b, k0 + c, hk, 0), dv.stride(3), dva + c * p, this->dim, T(1));
-          return;
-        }
-        for (int d = 0; d < this->dim; ++d) {
-          const T kval = sc * dka[c * p + d], vval = dva[c * p + d];
-          dk(b, k0 + c, hk, d) = GS(T(dk(b, k0 + c, hk, d)) + kval);
-          dv(b, k0 + c, hk, d) = GS(T(dv(b, k0 + c, hk, d)) + vval);
-        }
-      });
+      this->store_key_rows(team, dk, dv, b, hk, k0, k_rows, dka, dva, p);
       team.team_barrier();
     }
   }
