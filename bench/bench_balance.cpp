@@ -237,26 +237,20 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
-    if (rank == 0) std::fputs(usage_text, stdout);
-    MPI_Finalize();
-    return 0;
-  }
-  Kokkos::initialize(argc, argv);
   // Every rank reads the same command line and meets the library's errors
   // (collective checks) together: rank 0 prints, every rank exits 2.
-  const int rc = blockattn_cli::run_guarded("blockattn_bench_balance", rank == 0, [&] {
-    Args a;
-    const std::string error = parse(argc, argv, a);
-    if (!error.empty()) {
-      if (rank == 0) std::fprintf(stderr, "blockattn_bench_balance: %s\n", error.c_str());
-      return 2;
-    }
-    Comm comm(MPI_COMM_WORLD);
-    bench(comm, a);
-    return 0;
-  });
-  Kokkos::finalize();
+  const int rc =
+      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_balance", usage_text, rank == 0, [&] {
+        Args a;
+        const std::string error = parse(argc, argv, a);
+        if (!error.empty()) {
+          if (rank == 0) std::fprintf(stderr, "blockattn_bench_balance: %s\n", error.c_str());
+          return 2;
+        }
+        Comm comm(MPI_COMM_WORLD);
+        bench(comm, a);
+        return 0;
+      });
   MPI_Finalize();
   return rc;
 }

@@ -191,12 +191,7 @@ command line or an error the library reports.
 )";
 
 int main(int argc, char** argv) {
-  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
-    std::fputs(usage_text, stdout);
-    return 0;
-  }
-  Kokkos::initialize(argc, argv);
-  const int rc = blockattn_cli::run_guarded("blockattn_bench_decode", true, [&] {
+  return blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_decode", usage_text, true, [&] {
     int keys = 65536, batch = 1, reps = 5;
     bool prefill = false;
     std::string error;
@@ -252,6 +247,4 @@ int main(int argc, char** argv) {
     }
     return 0;
   });
-  Kokkos::finalize();
-  return rc;
 }

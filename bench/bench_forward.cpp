@@ -341,12 +341,7 @@ PyTorch next to it.
 )";
 
 int main(int argc, char** argv) {
-  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos and Google Benchmark
-    std::fputs(usage_text, stdout);
-    return 0;
-  }
-  Kokkos::initialize(argc, argv);
-  const int rc = blockattn_cli::run_guarded("blockattn_bench_forward", true, [&] {
+  return blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_forward", usage_text, true, [&] {
     bool quick = false;
     std::map<std::string, double> torch;
     std::vector<std::string> dtypes = {"fp32", "bf16"};
@@ -475,6 +470,4 @@ int main(int argc, char** argv) {
     benchmark::Shutdown();
     return 0;
   });
-  Kokkos::finalize();
-  return rc;
 }

@@ -360,27 +360,21 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
-    if (rank == 0) std::fputs(usage_text, stdout);
-    MPI_Finalize();
-    return 0;
-  }
-  Kokkos::initialize(argc, argv);
-  const int rc = blockattn_cli::run_guarded("blockattn_bench_plan", rank == 0, [&] {
-    Args a;
-    const std::string error = parse(argc, argv, a);
-    if (!error.empty()) {  // every rank read the same command line
-      if (rank == 0) std::fprintf(stderr, "blockattn_bench_plan: %s\n", error.c_str());
-      return 2;
-    }
-    Comm comm(MPI_COMM_WORLD);
-    if (a.mask == "causal")
-      run(comm, a, CausalMask{});
-    else
-      run(comm, a, causal_window(a.window));
-    return 0;
-  });
-  Kokkos::finalize();
+  const int rc =
+      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_plan", usage_text, rank == 0, [&] {
+        Args a;
+        const std::string error = parse(argc, argv, a);
+        if (!error.empty()) {  // every rank read the same command line
+          if (rank == 0) std::fprintf(stderr, "blockattn_bench_plan: %s\n", error.c_str());
+          return 2;
+        }
+        Comm comm(MPI_COMM_WORLD);
+        if (a.mask == "causal")
+          run(comm, a, CausalMask{});
+        else
+          run(comm, a, causal_window(a.window));
+        return 0;
+      });
   MPI_Finalize();
   return rc;
 }

@@ -194,60 +194,54 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
-    if (rank == 0) std::fputs(usage_text, stdout);
-    MPI_Finalize();
-    return 0;
-  }
-  Kokkos::initialize(argc, argv);
-  const int rc = blockattn_cli::run_guarded("blockattn_bench_ring", rank == 0, [&] {
-    Comm comm(MPI_COMM_WORLD);
-    bool mem = false, byt = false;
-    int c = 4096, reps = 5;
-    std::string dtype = "fp32", error;
-    for (int i = 1; i < argc && error.empty(); ++i) {
-      const std::string f = argv[i];
-      const bool has_value = i + 1 < argc;
-      if (f == "--memory")
-        mem = true;
-      else if (f == "--bytes")
-        byt = true;
-      else if (f != "--c" && f != "--reps" && f != "--dtype")
-        error = "unknown argument " + f + " (blockattn_bench_ring --help lists the flags)";
-      else if (!has_value)
-        error = f + " needs a value";
-      else if (f == "--c")
-        error = blockattn_cli::read_int(f, argv[++i], c);
-      else if (f == "--reps")
-        error = blockattn_cli::read_int(f, argv[++i], reps);
-      else {
-        dtype = argv[++i];
-        if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
-          error = "--dtype: expected fp32, bf16 or fp16, got '" + dtype + "'";
-      }
-    }
-    const auto run = [&](auto value) {
-      using T = decltype(value);
-      if (mem)
-        memory<T>(comm, c);
-      else if (byt)
-        bytes<T>(comm, reps);
-      else
-        overlap<T>(comm, reps);
-    };
-    if (!error.empty()) {  // every rank read the same command line
-      if (rank == 0) std::fprintf(stderr, "blockattn_bench_ring: %s\n", error.c_str());
-      return 2;
-    }
-    if (dtype == "fp32")
-      run(float{});
-    else if (dtype == "bf16")
-      run(blockattn::bf16{});
-    else
-      run(blockattn::fp16{});
-    return 0;
-  });
-  Kokkos::finalize();
+  const int rc =
+      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_ring", usage_text, rank == 0, [&] {
+        Comm comm(MPI_COMM_WORLD);
+        bool mem = false, byt = false;
+        int c = 4096, reps = 5;
+        std::string dtype = "fp32", error;
+        for (int i = 1; i < argc && error.empty(); ++i) {
+          const std::string f = argv[i];
+          const bool has_value = i + 1 < argc;
+          if (f == "--memory")
+            mem = true;
+          else if (f == "--bytes")
+            byt = true;
+          else if (f != "--c" && f != "--reps" && f != "--dtype")
+            error = "unknown argument " + f + " (blockattn_bench_ring --help lists the flags)";
+          else if (!has_value)
+            error = f + " needs a value";
+          else if (f == "--c")
+            error = blockattn_cli::read_int(f, argv[++i], c);
+          else if (f == "--reps")
+            error = blockattn_cli::read_int(f, argv[++i], reps);
+          else {
+            dtype = argv[++i];
+            if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
+              error = "--dtype: expected fp32, bf16 or fp16, got '" + dtype + "'";
+          }
+        }
+        const auto run = [&](auto value) {
+          using T = decltype(value);
+          if (mem)
+            memory<T>(comm, c);
+          else if (byt)
+            bytes<T>(comm, reps);
+          else
+            overlap<T>(comm, reps);
+        };
+        if (!error.empty()) {  // every rank read the same command line
+          if (rank == 0) std::fprintf(stderr, "blockattn_bench_ring: %s\n", error.c_str());
+          return 2;
+        }
+        if (dtype == "fp32")
+          run(float{});
+        else if (dtype == "bf16")
+          run(blockattn::bf16{});
+        else
+          run(blockattn::fp16{});
+        return 0;
+      });
   MPI_Finalize();
   return rc;
 }

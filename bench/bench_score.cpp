@@ -154,12 +154,7 @@ command line or an error the library reports.
 )";
 
 int main(int argc, char** argv) {
-  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
-    std::fputs(usage_text, stdout);
-    return 0;
-  }
-  Kokkos::initialize(argc, argv);
-  const int rc = blockattn_cli::run_guarded("blockattn_bench_score", true, [&] {
+  return blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_score", usage_text, true, [&] {
     std::vector<int> lengths{2048, 4096};
     int heads = 8, dim = 128, reps = 3;
     std::string dtypes = "fp32,bf16", error;
@@ -200,6 +195,4 @@ int main(int argc, char** argv) {
       }
     return 0;
   });
-  Kokkos::finalize();
-  return rc;
 }

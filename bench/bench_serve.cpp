@@ -167,46 +167,40 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (blockattn_cli::wants_help(argc, argv)) {
-    if (rank == 0) std::fputs(usage_text, stdout);
-    MPI_Finalize();
-    return 0;
-  }
-  Kokkos::initialize(argc, argv);
-  const int rc = blockattn_cli::run_guarded("blockattn_bench_serve", rank == 0, [&] {
-    Comm comm(MPI_COMM_WORLD);
-    int keys = 65536, batch = 1, reps = 5;
-    std::string error;
-    for (int i = 1; i < argc && error.empty(); ++i) {
-      const std::string f = argv[i];
-      if (f != "--keys" && f != "--batch" && f != "--reps")
-        error = "unknown argument " + f + " (blockattn_bench_serve --help lists the flags)";
-      else if (i + 1 >= argc)
-        error = f + " needs a value";
-      else if (f == "--keys")
-        error = blockattn_cli::read_int(f, argv[++i], keys, 1, 1 << 24);
-      else if (f == "--batch")
-        error = blockattn_cli::read_int(f, argv[++i], batch, 1, 4096);
-      else
-        error = blockattn_cli::read_int(f, argv[++i], reps);
-    }
-    if (!error.empty()) {
-      if (rank == 0) std::fprintf(stderr, "blockattn_bench_serve: %s\n", error.c_str());
-      return 2;
-    }
-    if (rank == 0) {
-      std::printf("Distributed decode, %d ranks x %d threads (%s), causal, round-robin cache\n",
-                  comm.size(), Exec{}.concurrency(), Exec::name());
-      std::printf("%-5s %3s %8s %3s %3s %3s %4s %9s %9s %9s %9s | %9s %9s %9s %7s %7s\n", "type",
-                  "P", "keys", "B", "H", "Hkv", "D", "local ms", "tree ms", "ring ms", "tokens/s",
-                  "pred loc", "pred tree", "pred ring", "read GB/s", "lat us");
-    }
-    run<float>(comm, keys, batch, 8, 8, 128, reps);
-    run<blockattn::bf16>(comm, keys, batch, 8, 8, 128, reps);
-    run<float>(comm, keys, batch, 32, 8, 128, reps);
-    return 0;
-  });
-  Kokkos::finalize();
+  const int rc =
+      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_serve", usage_text, rank == 0, [&] {
+        Comm comm(MPI_COMM_WORLD);
+        int keys = 65536, batch = 1, reps = 5;
+        std::string error;
+        for (int i = 1; i < argc && error.empty(); ++i) {
+          const std::string f = argv[i];
+          if (f != "--keys" && f != "--batch" && f != "--reps")
+            error = "unknown argument " + f + " (blockattn_bench_serve --help lists the flags)";
+          else if (i + 1 >= argc)
+            error = f + " needs a value";
+          else if (f == "--keys")
+            error = blockattn_cli::read_int(f, argv[++i], keys, 1, 1 << 24);
+          else if (f == "--batch")
+            error = blockattn_cli::read_int(f, argv[++i], batch, 1, 4096);
+          else
+            error = blockattn_cli::read_int(f, argv[++i], reps);
+        }
+        if (!error.empty()) {
+          if (rank == 0) std::fprintf(stderr, "blockattn_bench_serve: %s\n", error.c_str());
+          return 2;
+        }
+        if (rank == 0) {
+          std::printf("Distributed decode, %d ranks x %d threads (%s), causal, round-robin cache\n",
+                      comm.size(), Exec{}.concurrency(), Exec::name());
+          std::printf("%-5s %3s %8s %3s %3s %3s %4s %9s %9s %9s %9s | %9s %9s %9s %7s %7s\n",
+                      "type", "P", "keys", "B", "H", "Hkv", "D", "local ms", "tree ms", "ring ms",
+                      "tokens/s", "pred loc", "pred tree", "pred ring", "read GB/s", "lat us");
+        }
+        run<float>(comm, keys, batch, 8, 8, 128, reps);
+        run<blockattn::bf16>(comm, keys, batch, 8, 8, 128, reps);
+        run<float>(comm, keys, batch, 32, 8, 128, reps);
+        return 0;
+      });
   MPI_Finalize();
   return rc;
 }

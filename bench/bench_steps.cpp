@@ -233,70 +233,64 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (blockattn_cli::wants_help(argc, argv)) {  // before Kokkos, which has its own --help
-    if (rank == 0) std::fputs(usage_text, stdout);
-    MPI_Finalize();
-    return 0;
-  }
-  Kokkos::initialize(argc, argv);
-  const int rc = blockattn_cli::run_guarded("blockattn_bench_steps", rank == 0, [&] {
-    Comm comm(MPI_COMM_WORLD);
-    bench_steps::Args a;
-    std::string error;
-    for (int i = 1; i < argc && error.empty(); ++i) {
-      const std::string f = argv[i];
-      if (f != "--n" && f != "--heads" && f != "--dim" && f != "--reps" && f != "--dtype" &&
-          f != "--portable" && f != "--pass" && f != "--schedule")
-        error = "unknown argument " + f + " (blockattn_bench_steps --help lists the flags)";
-      else if (i + 1 >= argc)
-        error = f + " needs a value";
-      else if (f == "--n")
-        error = blockattn_cli::read_int(f, argv[++i], a.n);
-      else if (f == "--heads")
-        error = blockattn_cli::read_int(f, argv[++i], a.heads);
-      else if (f == "--dim")
-        error = blockattn_cli::read_int(f, argv[++i], a.dim);
-      else if (f == "--reps")
-        error = blockattn_cli::read_int(f, argv[++i], a.reps);
-      else if (f == "--portable")
-        error = blockattn_cli::read_int(f, argv[++i], a.portable, 0, 1);
-      else if (f == "--schedule") {
-        a.schedule = argv[++i];
-        if (a.schedule != "ring" && a.schedule != "burst")
-          error = "--schedule: expected ring or burst, got '" + a.schedule + "'";
-      } else if (f == "--pass") {
-        a.pass = argv[++i];
-        if (a.pass != "forward" && a.pass != "backward")
-          error = "--pass: expected forward or backward, got '" + a.pass + "'";
-      } else {
-        a.dtype = argv[++i];
-        if (a.dtype != "fp32" && a.dtype != "bf16" && a.dtype != "fp16")
-          error = "--dtype: expected fp32, bf16 or fp16, got '" + a.dtype + "'";
-      }
-    }
-    if (error.empty() && a.n % (2 * comm.size()) != 0)
-      error = "--n: expected a multiple of 2P = " + std::to_string(2 * comm.size()) + ", got " +
-              std::to_string(a.n);
-    if (!error.empty()) {  // every rank read the same command line
-      if (rank == 0) std::fprintf(stderr, "blockattn_bench_steps: %s\n", error.c_str());
-      return 2;
-    }
-    const auto with = [&](auto schedule) {
-      using Sched = decltype(schedule);
-      if (a.dtype == "bf16")
-        bench_steps::run<blockattn::bf16, Sched>(comm, a);
-      else if (a.dtype == "fp16")
-        bench_steps::run<blockattn::fp16, Sched>(comm, a);
-      else
-        bench_steps::run<float, Sched>(comm, a);
-    };
-    if (a.schedule == "burst")
-      with(blockattn::BurstSchedule{});
-    else
-      with(blockattn::RingSchedule{});
-    return 0;
-  });
-  Kokkos::finalize();
+  const int rc =
+      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_steps", usage_text, rank == 0, [&] {
+        Comm comm(MPI_COMM_WORLD);
+        bench_steps::Args a;
+        std::string error;
+        for (int i = 1; i < argc && error.empty(); ++i) {
+          const std::string f = argv[i];
+          if (f != "--n" && f != "--heads" && f != "--dim" && f != "--reps" && f != "--dtype" &&
+              f != "--portable" && f != "--pass" && f != "--schedule")
+            error = "unknown argument " + f + " (blockattn_bench_steps --help lists the flags)";
+          else if (i + 1 >= argc)
+            error = f + " needs a value";
+          else if (f == "--n")
+            error = blockattn_cli::read_int(f, argv[++i], a.n);
+          else if (f == "--heads")
+            error = blockattn_cli::read_int(f, argv[++i], a.heads);
+          else if (f == "--dim")
+            error = blockattn_cli::read_int(f, argv[++i], a.dim);
+          else if (f == "--reps")
+            error = blockattn_cli::read_int(f, argv[++i], a.reps);
+          else if (f == "--portable")
+            error = blockattn_cli::read_int(f, argv[++i], a.portable, 0, 1);
+          else if (f == "--schedule") {
+            a.schedule = argv[++i];
+            if (a.schedule != "ring" && a.schedule != "burst")
+              error = "--schedule: expected ring or burst, got '" + a.schedule + "'";
+          } else if (f == "--pass") {
+            a.pass = argv[++i];
+            if (a.pass != "forward" && a.pass != "backward")
+              error = "--pass: expected forward or backward, got '" + a.pass + "'";
+          } else {
+            a.dtype = argv[++i];
+            if (a.dtype != "fp32" && a.dtype != "bf16" && a.dtype != "fp16")
+              error = "--dtype: expected fp32, bf16 or fp16, got '" + a.dtype + "'";
+          }
+        }
+        if (error.empty() && a.n % (2 * comm.size()) != 0)
+          error = "--n: expected a multiple of 2P = " + std::to_string(2 * comm.size()) + ", got " +
+                  std::to_string(a.n);
+        if (!error.empty()) {  // every rank read the same command line
+          if (rank == 0) std::fprintf(stderr, "blockattn_bench_steps: %s\n", error.c_str());
+          return 2;
+        }
+        const auto with = [&](auto schedule) {
+          using Sched = decltype(schedule);
+          if (a.dtype == "bf16")
+            bench_steps::run<blockattn::bf16, Sched>(comm, a);
+          else if (a.dtype == "fp16")
+            bench_steps::run<blockattn::fp16, Sched>(comm, a);
+          else
+            bench_steps::run<float, Sched>(comm, a);
+        };
+        if (a.schedule == "burst")
+          with(blockattn::BurstSchedule{});
+        else
+          with(blockattn::RingSchedule{});
+        return 0;
+      });
   MPI_Finalize();
   return rc;
 }

@@ -7,6 +7,8 @@
 // Not part of the library's headers: a source file of the executables.
 #pragma once
 
+#include <Kokkos_Core.hpp>
+
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -120,6 +122,23 @@ int run_guarded(const char* program, bool print, Body&& body) {
     if (print) std::fprintf(stderr, "%s: %s\n", program, e.what());
   }
   return 2;
+}
+
+/// The start and end of a program's main, once: --help answered before
+/// Kokkos starts (it has its own --help), Kokkos up, `body` run guarded
+/// (run_guarded: `print` on rank 0 of an MPI program), Kokkos down. Returns
+/// the exit status.
+template <class Body>
+int kokkos_main(int& argc, char** argv, const char* program, const char* usage, bool print,
+                Body&& body) {
+  if (wants_help(argc, argv)) {
+    if (print) std::fputs(usage, stdout);
+    return 0;
+  }
+  Kokkos::initialize(argc, argv);
+  const int rc = run_guarded(program, print, body);
+  Kokkos::finalize();
+  return rc;
 }
 
 }  // namespace blockattn_cli
