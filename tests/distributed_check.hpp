@@ -297,6 +297,28 @@ RunStats check_backward(Mpi& comm, const Case& c, const Mask& mask, std::uint64_
   return stats;
 }
 
+/// A case's global inputs, the same on every rank, rounded to S (the
+/// reference sees exactly what the kernels see), and their fp64 reference.
+struct GlobalProblem {
+  HostTensor q, k, v, dout;
+  ReferenceResult ref;
+  ReferenceGrads grads;
+};
+template <class S, class Mask>
+GlobalProblem global_problem(int b, int N, int h, int hkv, int d, const Mask& mask,
+                             std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  GlobalProblem g;
+  g.q = rounded_to<S>(random_tensor(b, N, h, d, rng));
+  g.k = rounded_to<S>(random_tensor(b, N, hkv, d, rng));
+  g.v = rounded_to<S>(random_tensor(b, N, hkv, d, rng));
+  g.dout = rounded_to<S>(random_tensor(b, N, h, d, rng));
+  const double scale = 1.0 / std::sqrt(double(d));
+  g.ref = reference_attention(g.q, g.k, g.v, mask, scale);
+  g.grads = reference_backward(g.q, g.k, g.v, g.dout, mask, scale);
+  return g;
+}
+
 /// A distributed forward and backward of this rank's rows (local row i at
 /// global row map(i)) against the fp64 reference of the global sequence,
 /// with the head-parallel tests' bounds: forward_check.hpp's for fp64 / fp32,

@@ -249,7 +249,7 @@ TEST_CASE("central finite differences agree with the backward (fp64, tiny shapes
 
 TEST_CASE_TEMPLATE("fused and two-kernel backward give bitwise the same gradients", T,
                    BLOCKATTN_TEST_TYPES) {
-  // impl::launch_backward picks the one-pass FusedKernel on host spaces when
+  // impl::launch_backward picks the one-pass fused KeyKernel on host spaces when
   // there are enough (batch, kv head) pairs for the threads; both must sum in
   // the same order. Forced both ways here, every mask kind, GQA, padding.
   // With the key tiles split over 3 teams per pair (key_slices, for fewer

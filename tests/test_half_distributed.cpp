@@ -25,28 +25,6 @@ using namespace blockattn::test;
 
 namespace {
 
-/// Global inputs, the same on every rank, rounded to S (the reference sees
-/// exactly what the kernels see).
-struct Global {
-  HostTensor q, k, v, dout;
-  ReferenceResult ref;
-  ReferenceGrads grads;
-};
-
-template <class S>
-Global make_global(const Case& c, int N, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  Global g;
-  g.q = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng));
-  g.k = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng));
-  g.v = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng));
-  g.dout = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng));
-  const double scale = 1.0 / std::sqrt(double(c.d));
-  g.ref = reference_attention(g.q, g.k, g.v, CausalMask{}, scale);
-  g.grads = reference_backward(g.q, g.k, g.v, g.dout, CausalMask{}, scale);
-  return g;
-}
-
 /// One schedule x partition in storage type S: forward and backward on this
 /// communicator against the fp64 reference. Bounds (test_half_attention.cpp):
 /// the fp32 bound e32 plus one rounding to S of the largest entry,
@@ -56,7 +34,7 @@ Global make_global(const Case& c, int N, std::uint64_t seed) {
 /// engine runs. None depends on P: partial results and gradient sums stay
 /// fp32 across ranks and are rounded to S once.
 template <class S, class Partition, class Schedule>
-void check_half(Mpi& comm, const Case& c, const Global& g) {
+void check_half(Mpi& comm, const Case& c, const GlobalProblem& g) {
   const int P = comm.size(), rank = comm.rank();
   const index_type N = g.q.n;
   const int n = c.n_local;
@@ -131,7 +109,7 @@ void check_every_schedule(Mpi& comm) {
   const int P = comm.size();
   REQUIRE(global_n % (2 * P) == 0);
   const Case c{1, global_n / P, 2, 1, 40};
-  const Global g = make_global<S>(c, global_n, 20261123);
+  const GlobalProblem g = global_problem<S>(c.b, global_n, c.h, c.hkv, c.d, CausalMask{}, 20261123);
   check_half<S, ZigzagPartition, RingSchedule>(comm, c, g);
   check_half<S, StripedPartition, BurstSchedule>(comm, c, g);
   check_half<S, ContiguousPartition, BalancedSchedule>(comm, c, g);

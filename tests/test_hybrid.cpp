@@ -71,18 +71,11 @@ void check(Mpi& comm, const HCase& c, const Mask& mask, int ulysses, std::uint64
   const index_type Ng = local_length<Partition>(N, g.ring, g.group(rank));
   const int n = int(piece(Ng, g, rank).second);
   const int most = int((Ng + ulysses - 1) / ulysses);  // rows of the group's all-to-all chunks
-  std::mt19937_64 rng(seed);
-  const HostTensor q = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng)),
-                   k = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
-                   v = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
-                   dout = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng));
-  const double scale = 1.0 / std::sqrt(double(c.d));
-  const ReferenceResult ref = reference_attention(q, k, v, mask, scale);
-  const ReferenceGrads grads = reference_backward(q, k, v, dout, mask, scale);
-
-  const V4<S> ql = local_rows<S, Partition>(q, g, rank), kl = local_rows<S, Partition>(k, g, rank),
-              vl = local_rows<S, Partition>(v, g, rank),
-              dol = local_rows<S, Partition>(dout, g, rank);
+  const GlobalProblem gp = global_problem<S>(c.b, N, c.h, c.hkv, c.d, mask, seed);
+  const V4<S> ql = local_rows<S, Partition>(gp.q, g, rank),
+              kl = local_rows<S, Partition>(gp.k, g, rank),
+              vl = local_rows<S, Partition>(gp.v, g, rank),
+              dol = local_rows<S, Partition>(gp.dout, g, rank);
   V4<S> o("o", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d), dk("dk", c.b, n, c.hkv, c.d),
       dv("dv", c.b, n, c.hkv, c.d);
   V3<C> lse("lse", c.b, c.h, n);
@@ -95,7 +88,7 @@ void check(Mpi& comm, const HCase& c, const Mask& mask, int ulysses, std::uint64
   const auto map = hybrid_position_map<Partition>(N, g, rank);
   const UlyssesHeads u = UlyssesHeads::make(c.h, c.hkv, ulysses);
   const int roundings = u.replicated ? 1 + c.h / c.hkv / u.heads_per_rank : 1;
-  check_against_reference<S>(ref, grads, map, N, o, lse, dq, dk, dv, roundings,
+  check_against_reference<S>(gp.ref, gp.grads, map, N, o, lse, dq, dk, dv, roundings,
                              "rank " + std::to_string(rank) + "/" + std::to_string(P) + " grid " +
                                  std::to_string(ulysses) + "x" + std::to_string(g.ring) + " " +
                                  std::string(Partition::name()) + " " +

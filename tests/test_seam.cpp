@@ -43,6 +43,20 @@ inline double perturbation() {
   return p;
 }
 
+/// P and dS of query row i (head h) and key j (kv head hk) of a backward
+/// pair, in fp64 (lse: the row's, finite).
+template <class Call>
+KOKKOS_INLINE_FUNCTION void p_and_ds(const Call& c, int b, int i, int h, int j, int hk, double lse,
+                                     double& p, double& ds) {
+  double s = 0.0, dp = 0.0;
+  for (int d = 0; d < c.extents.dim; ++d) {
+    s += double(c.q(b, i, h, d)) * double(c.k(b, j, hk, d));
+    dp += double(c.dout(b, i, h, d)) * double(c.v(b, j, hk, d));
+  }
+  p = std::exp(double(c.scale) * s - lse);
+  ds = p * (dp - double(c.delta(b, h, i)));
+}
+
 /// Rows of a forward pair: online softmax in fp64 over the keys the mask allows.
 template <class Call>
 struct ForwardRows {
@@ -76,17 +90,12 @@ struct BackwardRows {
   KOKKOS_INLINE_FUNCTION void operator()(int b, int i, int h) const {
     using T = typename Call::compute_type;
     const int D = c.extents.dim, G = c.extents.heads / c.extents.kv_heads, hk = h / G;
-    const double lse = double(c.lse(b, h, i)), delta = double(c.delta(b, h, i)),
-                 scale = double(c.scale);
+    const double lse = double(c.lse(b, h, i)), scale = double(c.scale);
     if (lse == -std::numeric_limits<double>::infinity()) return;
     for (int j = 0; j < c.extents.keys; ++j) {
       if (!c.mask.allowed(c.qpos(i), c.kpos(j))) continue;
-      double s = 0.0, dp = 0.0;
-      for (int d = 0; d < D; ++d) {
-        s += double(c.q(b, i, h, d)) * double(c.k(b, j, hk, d));
-        dp += double(c.dout(b, i, h, d)) * double(c.v(b, j, hk, d));
-      }
-      const double p = std::exp(scale * s - lse), ds = p * (dp - delta);
+      double p, ds;
+      p_and_ds(c, b, i, h, j, hk, lse, p, ds);
       for (int d = 0; d < D; ++d) c.dq(b, i, h, d) += T(scale * ds * double(c.k(b, j, hk, d)));
     }
     for (int d = 0; d < D; ++d) c.dq(b, i, h, d) += T(bump);
@@ -106,12 +115,8 @@ struct BackwardKeys {
         const double lse = double(c.lse(b, h, i));
         if (lse == -std::numeric_limits<double>::infinity()) continue;
         if (!c.mask.allowed(c.qpos(i), c.kpos(j))) continue;
-        double s = 0.0, dp = 0.0;
-        for (int d = 0; d < D; ++d) {
-          s += double(c.q(b, i, h, d)) * double(c.k(b, j, hk, d));
-          dp += double(c.dout(b, i, h, d)) * double(c.v(b, j, hk, d));
-        }
-        const double p = std::exp(scale * s - lse), ds = p * (dp - double(c.delta(b, h, i)));
+        double p, ds;
+        p_and_ds(c, b, i, h, j, hk, lse, p, ds);
         for (int d = 0; d < D; ++d) {
           c.dk(b, j, hk, d) += T(scale * ds * double(c.q(b, i, h, d)));
           c.dv(b, j, hk, d) += T(p * double(c.dout(b, i, h, d)));
@@ -166,21 +171,13 @@ namespace {
 /// the fp64 reference; every computed step on the registered implementation.
 template <class S, class Run>
 void check_driver(Mpi& comm, int N, int h, int hkv, const Run& run, const std::string& what) {
-  const int d = 32, b = 1;
-  std::mt19937_64 rng(77 + std::uint64_t(N));
-  const HostTensor q = rounded_to<S>(random_tensor(b, N, h, d, rng)),
-                   k = rounded_to<S>(random_tensor(b, N, hkv, d, rng)),
-                   v = rounded_to<S>(random_tensor(b, N, hkv, d, rng)),
-                   dout = rounded_to<S>(random_tensor(b, N, h, d, rng));
-  const double scale = 1.0 / std::sqrt(double(d));
-  const ReferenceResult ref = reference_attention(q, k, v, SeamMask{}, scale);
-  const ReferenceGrads grads = reference_backward(q, k, v, dout, SeamMask{}, scale);
+  const GlobalProblem g = global_problem<S>(1, N, h, hkv, 32, SeamMask{}, 77 + std::uint64_t(N));
   const long f0 = seam::forward_calls, b0 = seam::backward_calls;
-  run(q, k, v, dout,
+  run(g.q, g.k, g.v, g.dout,
       [&](const auto& map, const auto& o, const auto& lse, const auto& dq, const auto& dk,
           const auto& dv, const RunStats& fs, const RunStats& bs) {
         check_against_reference<S>(
-            ref, grads, map, N, o, lse, dq, dk, dv, 2,
+            g.ref, g.grads, map, N, o, lse, dq, dk, dv, 2,
             what + " rank " + std::to_string(comm.rank()) + "/" + std::to_string(comm.size()));
         for (const RunStats* st : {&fs, &bs}) {
           int computed = 0;

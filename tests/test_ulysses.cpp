@@ -42,18 +42,11 @@ void check(Mpi& comm, const UCase& c, const Mask& mask, std::uint64_t seed) {
   const int P = comm.size(), rank = comm.rank();
   const int N = c.n_local * P + c.extra, n = int(local_length<Partition>(N, P, rank));
   const int most = int(max_local_length<Partition>(N, P));  // rows of an all-to-all chunk
-  std::mt19937_64 rng(seed);
-  const HostTensor q = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng)),
-                   k = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
-                   v = rounded_to<S>(random_tensor(c.b, N, c.hkv, c.d, rng)),
-                   dout = rounded_to<S>(random_tensor(c.b, N, c.h, c.d, rng));
-  const double scale = 1.0 / std::sqrt(double(c.d));
-  const ReferenceResult ref = reference_attention(q, k, v, mask, scale);
-  const ReferenceGrads grads = reference_backward(q, k, v, dout, mask, scale);
-
-  const V4<S> ql = local_rows<S, Partition>(q, P, rank), kl = local_rows<S, Partition>(k, P, rank),
-              vl = local_rows<S, Partition>(v, P, rank),
-              dol = local_rows<S, Partition>(dout, P, rank);
+  const GlobalProblem g = global_problem<S>(c.b, N, c.h, c.hkv, c.d, mask, seed);
+  const V4<S> ql = local_rows<S, Partition>(g.q, P, rank),
+              kl = local_rows<S, Partition>(g.k, P, rank),
+              vl = local_rows<S, Partition>(g.v, P, rank),
+              dol = local_rows<S, Partition>(g.dout, P, rank);
   V4<S> o("o", c.b, n, c.h, c.d), dq("dq", c.b, n, c.h, c.d), dk("dk", c.b, n, c.hkv, c.d),
       dv("dv", c.b, n, c.hkv, c.d);
   V3<C> lse("lse", c.b, c.h, n);
@@ -63,7 +56,7 @@ void check(Mpi& comm, const UCase& c, const Mask& mask, std::uint64_t seed) {
   Kokkos::fence();
 
   const auto map = Partition::positions(N, P, rank);
-  check_against_reference<S>(ref, grads, map, N, o, lse, dq, dk, dv, 1,
+  check_against_reference<S>(g.ref, g.grads, map, N, o, lse, dq, dk, dv, 1,
                              "rank " + std::to_string(rank) + "/" + std::to_string(P) + " " +
                                  std::string(Partition::name()) + " Hkv=" + std::to_string(c.hkv));
 

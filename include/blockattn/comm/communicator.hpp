@@ -317,23 +317,22 @@ struct has_comm_exec_p2p<
                                                   std::declval<const probe_view&>(), 0, 0))>>
     : std::true_type {};
 
-/// isend / irecv of a View written / read by work on `exec`, through the
-/// communicator's instance-aware overloads when it has them.
-template <class C, class ExecSpace, class View>
-typename C::request_type comm_isend(C& comm, const ExecSpace& exec, const View& v, int dest,
-                                    int tag) {
-  if constexpr (has_comm_exec_p2p<C, ExecSpace>::value)
-    return comm.isend(exec, v, dest, tag);
-  else
-    return comm.isend(v, dest, tag);
-}
-template <class C, class ExecSpace, class View>
-typename C::request_type comm_irecv(C& comm, const ExecSpace& exec, const View& v, int source,
-                                    int tag) {
-  if constexpr (has_comm_exec_p2p<C, ExecSpace>::value)
-    return comm.irecv(exec, v, source, tag);
-  else
-    return comm.irecv(v, source, tag);
+/// isend (Receive false) or irecv (true) of a View written / read by work on
+/// `exec`, through the communicator's instance-aware overloads when it has them.
+template <bool Receive, class C, class ExecSpace, class View>
+typename C::request_type comm_post(C& comm, const ExecSpace& exec, const View& v, int peer,
+                                   int tag) {
+  if constexpr (!has_comm_exec_p2p<C, ExecSpace>::value) {
+    (void)exec;
+    if constexpr (Receive)
+      return comm.irecv(v, peer, tag);
+    else
+      return comm.isend(v, peer, tag);
+  } else if constexpr (Receive) {
+    return comm.irecv(exec, v, peer, tag);
+  } else {
+    return comm.isend(exec, v, peer, tag);
+  }
 }
 }  // namespace impl
 

@@ -41,7 +41,7 @@ namespace blockattn {
 
 template <class Partition, class Mask, class Schedule, class Communicator,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
-class DistributedAttention {
+class DistributedAttention : public impl::DriverTypes<Partition, Mask, Communicator, ExecSpace> {
   static_assert(Kokkos::is_execution_space<ExecSpace>::value,
                 "BlockAttn: DistributedAttention<Partition, Mask, Schedule, Communicator, "
                 "ExecSpace>: ExecSpace must be a Kokkos execution space (e.g. Kokkos::OpenMP)");
@@ -85,11 +85,7 @@ class DistributedAttention {
                 "and mask");
 
  public:
-  using partition_type = Partition;
-  using mask_type = Mask;
   using schedule_type = Schedule;
-  using communicator_type = Communicator;
-  using execution_space = ExecSpace;
 
   /// A stateless partition (the built-ins): the type says it all.
   explicit DistributedAttention(Communicator comm, const Mask& mask = {},

@@ -93,7 +93,8 @@ template <class Partition, class Mask, class Schedule, class Communicator,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
 class HybridAttention : public impl::HeadParallelCalls<
                             HybridAttention<Partition, Mask, Schedule, Communicator, ExecSpace>,
-                            Communicator, Mask, ExecSpace> {
+                            Communicator, Mask, ExecSpace>,
+                        public impl::DriverTypes<Partition, Mask, Communicator, ExecSpace> {
   static_assert(!is_partition_policy_v<Partition> || impl::is_stateless_partition<Partition>::value,
                 "BlockAttn: HybridAttention takes a stateless partition policy (static members; "
                 "the built-ins); a partition object such as TablePartition runs with "
@@ -107,11 +108,7 @@ class HybridAttention : public impl::HeadParallelCalls<
                 "blockattn/comm/communicator.hpp)");
 
  public:
-  using partition_type = Partition;
-  using mask_type = Mask;
   using schedule_type = Schedule;
-  using communicator_type = Communicator;
-  using execution_space = ExecSpace;
   /// The ring across groups: DistributedAttention on the P_r ranks of one member index.
   using ring_type = DistributedAttention<Partition, Mask, Schedule, Communicator, ExecSpace>;
 
@@ -121,23 +118,18 @@ class HybridAttention : public impl::HeadParallelCalls<
   HybridAttention(const Communicator& comm, int ulysses, const Mask& mask = {},
                   const ExecSpace& exec = {})
       : Base(comm, mask, exec),
-        m_grid(impl::agreed_grid(m_comm, ulysses)),
+        m_grid(impl::agreed_grid(this->m_comm, ulysses)),
         m_group(comm.split(m_grid.group(comm.rank()), m_grid.member(comm.rank()))),
         m_ring(ring_type(comm.split(m_grid.member(comm.rank()), m_grid.group(comm.rank())), mask,
                          exec)) {}
 
   const HybridGrid& grid() const { return m_grid; }
-  Communicator& communicator() { return m_comm; }
   Communicator& group_communicator() { return m_group; }
   ring_type& ring() { return m_ring; }
-  const Mask& mask() const { return m_mask; }
 
  private:
   using Base = impl::HeadParallelCalls<HybridAttention, Communicator, Mask, ExecSpace>;
   friend Base;
-  using Base::m_comm;
-  using Base::m_exec;
-  using Base::m_mask;
   /// The wall time of a call: what the ring's steps did not take is the all-to-alls'.
   static void account(RunStats& stats, double seconds) {
     stats.alltoall_seconds = seconds;
@@ -174,7 +166,7 @@ class HybridAttention : public impl::HeadParallelCalls<
     const index_type N = impl::agreed_length(
         name, lengths,
         [&](index_type n, int r) {
-          impl::require_hybrid_layout<Partition>(name, n, g, m_comm.rank());
+          impl::require_hybrid_layout<Partition>(name, n, g, this->m_comm.rank());
           return hybrid_length<Partition>(n, g, r);
         },
         [&](index_type n) {
@@ -204,11 +196,11 @@ class HybridAttention : public impl::HeadParallelCalls<
   /// the group's ranks): the group's tokens in concatenated order.
   impl::HeadExchange<Communicator, ExecSpace> exchange(const BlockExtents& e, index_type Ng) {
     return impl::HeadExchange<Communicator, ExecSpace>(
-        m_group, m_exec, impl::concatenated_index(m_exec, m_grid.ulysses, Ng),
+        m_group, this->m_exec, impl::concatenated_index(this->m_exec, m_grid.ulysses, Ng),
         UlyssesHeads::make(e.heads, e.kv_heads, m_grid.ulysses));
   }
   index_type group_length(index_type N) const {
-    return hybrid_group_length<Partition>(N, m_grid, m_grid.group(m_comm.rank()));
+    return hybrid_group_length<Partition>(N, m_grid, m_grid.group(this->m_comm.rank()));
   }
 
   template <class QV, class KV, class VV, class OV, class LV>
@@ -224,7 +216,7 @@ class HybridAttention : public impl::HeadParallelCalls<
     const Buf3<C> lf = x.template lse_buffer<C>("blockattn::hybrid_lse", e.batch, Ng);
     // The ring computes this rank's heads of the group (global from x.first_q);
     // the sinks are folded in by the caller, on the whole heads.
-    m_ring.set_mask(impl::shift_heads(m_mask, x.first_q));
+    m_ring.set_mask(impl::shift_heads(this->m_mask, x.first_q));
     const RunStats ring = m_ring.forward(qf, kf, vf, of, lf, impl::without_sinks(opts));
     merge(stats, ring, x.live);
     x.template out<C>(of, o, false);
@@ -242,9 +234,7 @@ class HybridAttention : public impl::HeadParallelCalls<
     using C = compute_t<V>;
     const index_type Ng = group_length(N);
     auto x = exchange(e, Ng);
-    const Buf4<V> qf = x.template in<V>(q, false), kf = x.template in<V>(k, true),
-                  vf = x.template in<V>(v, true), of = x.template in<V>(o, false),
-                  dof = x.template in<V>(dout, false);
+    const auto in = x.template backward_in<V>(q, k, v, o, dout);
     const auto lf = x.in_lse(lse);
     // The ring's gradients are in the storage type (DistributedAttention's
     // contract); a replicated K/V head's partials are summed in the compute
@@ -253,13 +243,11 @@ class HybridAttention : public impl::HeadParallelCalls<
     const Buf4<V> dqf = x.template buffer<V>("blockattn::hybrid_dq", e.batch, Ng, x.hl, e.dim),
                   dkf = x.template buffer<V>("blockattn::hybrid_dk", e.batch, Ng, x.kl, e.dim),
                   dvf = x.template buffer<V>("blockattn::hybrid_dv", e.batch, Ng, x.kl, e.dim);
-    m_ring.set_mask(impl::shift_heads(m_mask, x.first_q));
-    const RunStats ring =
-        m_ring.backward(qf, kf, vf, of, lf, dof, dqf, dkf, dvf, impl::without_sinks(opts));
+    m_ring.set_mask(impl::shift_heads(this->m_mask, x.first_q));
+    const RunStats ring = m_ring.backward(in.q, in.k, in.v, in.o, lf, in.dout, dqf, dkf, dvf,
+                                          impl::without_sinks(opts));
     merge(stats, ring, x.live);
-    x.template out<C>(dqf, dq, false);
-    x.template out<C>(dkf, dk, true);
-    x.template out<C>(dvf, dv, true);
+    x.template gradients_out<C>(dqf, dkf, dvf, dq, dk, dv);
     stats.alltoall_bytes = x.sent;
     stats.workspace_bytes = x.live.peak;
   }

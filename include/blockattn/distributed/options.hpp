@@ -7,6 +7,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/kernel/fused.hpp>
 #include <blockattn/kernel/host_matrix.hpp>
+#include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/sinks.hpp>
 #include <blockattn/kernel/work.hpp>
 
@@ -80,8 +81,9 @@ struct RunStats {
   }
 };
 
-/// Run-time options of a distributed forward call.
-struct DistributedOptions {
+/// Run-time options of a distributed forward (and backward) call; the
+/// implementation of its block pairs in ImplementationOptions.
+struct DistributedOptions : ImplementationOptions {
   double scale = std::numeric_limits<double>::quiet_NaN();  // NaN: 1 / sqrt(head_dim)
   bool count_pairs = false;  // also count allowed pairs (host cost ~ pairs of partial tiles)
   bool communicate = true;   // false: compute the same steps on the local block only
@@ -94,28 +96,6 @@ struct DistributedOptions {
   /// the global sequence before the work (every rank the same sample);
   /// always on with -DBLOCKATTN_CHECK_POLICIES.
   bool check_policies = false;
-  /// Compute every block pair on BlockAttn's kernels, never a vendor's fused
-  /// attention (cuDNN on CUDA, bf16 / fp16; kernel/fused.hpp).
-  bool portable_only = false;
-  /// bf16 on a host space: the forward's block pairs on AMX tile products
-  /// where the CPU has them, AVX512-BF16 vectors on AMD's CPUs with those
-  /// (automatic; P rounded to bf16), or on the fp32
-  /// kernels (off). See ForwardOptions::host_matrix.
-  HostMatrix host_matrix = HostMatrix::automatic;
-  /// 16-bit storage on CUDA (builds with cuDNN, whose K/V row layout it
-  /// reads): own block pairs that cuDNN does not take run on the tensor-core
-  /// forward (see ForwardOptions::tensor_cores); false: the fp32 kernels.
-  bool tensor_cores = true;
-  /// 16-bit storage on CUDA (with tensor_cores): the backward's block pairs
-  /// that cuDNN does not take (any mask on the pairs' global positions; own
-  /// queries, and travelled ones through a proxy O) on BlockAttn's
-  /// tensor-core backward (see ForwardOptions::tensor_core_backward; finite
-  /// inputs, head dims 64 and 128). Off by default: it has not yet run on a
-  /// GPU.
-  bool tensor_core_backward = false;
-  /// Block pairs that cuDNN takes, when the mask hides keys: check the K/V
-  /// block's V for inf / NaN first (see ForwardOptions::guard_masked_nonfinite).
-  bool guard_masked_nonfinite = true;
   /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
   /// the execution space's memory, the same on every rank (compared in the
   /// consensus). Each row's sink enters once, after the last merge of its

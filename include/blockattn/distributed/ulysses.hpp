@@ -46,7 +46,6 @@
 #include <blockattn/policy/partition.hpp>
 #include <blockattn/schedule/ulysses.hpp>
 
-#include <chrono>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -58,7 +57,8 @@ template <class Partition, class Mask, class Communicator,
           class ExecSpace = Kokkos::DefaultExecutionSpace>
 class UlyssesAttention
     : public impl::HeadParallelCalls<UlyssesAttention<Partition, Mask, Communicator, ExecSpace>,
-                                     Communicator, Mask, ExecSpace> {
+                                     Communicator, Mask, ExecSpace>,
+      public impl::DriverTypes<Partition, Mask, Communicator, ExecSpace> {
   static_assert(Kokkos::is_execution_space<ExecSpace>::value,
                 "BlockAttn: UlyssesAttention<Partition, Mask, Communicator, ExecSpace>: ExecSpace "
                 "must be a Kokkos execution space (e.g. Kokkos::OpenMP)");
@@ -80,23 +80,12 @@ class UlyssesAttention
                 "blockattn/comm/communicator.hpp)");
 
  public:
-  using partition_type = Partition;
-  using mask_type = Mask;
-  using communicator_type = Communicator;
-  using execution_space = ExecSpace;
-
   explicit UlyssesAttention(Communicator comm, const Mask& mask = {}, const ExecSpace& exec = {})
       : Base(std::move(comm), mask, exec) {}
-
-  Communicator& communicator() { return m_comm; }
-  const Mask& mask() const { return m_mask; }
 
  private:
   using Base = impl::HeadParallelCalls<UlyssesAttention, Communicator, Mask, ExecSpace>;
   friend Base;
-  using Base::m_comm;
-  using Base::m_exec;
-  using Base::m_mask;
   /// The wall time of a call: its one step's seconds.
   static void account(RunStats& stats, double seconds) { stats.steps.back().seconds = seconds; }
   static constexpr const char* fn = "UlyssesAttention::forward";
@@ -118,32 +107,28 @@ class UlyssesAttention
     const BlockExtents e = this->agree(
         name, q, k, v, o, lse, opts, "ulysses", [](impl::Fingerprint&) {}, extra, lengths);
     // Every rank holds the same configuration now: these throw on all or none.
-    const int P = m_comm.size();
+    const int P = this->m_comm.size();
     const index_type N = impl::agreed_length<Partition>(name, lengths);
     check_partition_contract<Partition>(name, N, P);
     this->require_heads(name, e, P, "");
     if (impl::check_policies_always || opts.check_policies)
-      impl::check_mask_contract(name, m_exec, m_mask, 0, N, 0, N);
+      impl::check_mask_contract(name, this->m_exec, this->m_mask, 0, N, 0, N);
     return {e, N};
   }
 
   /// The all-to-alls over every rank (impl::HeadExchange): the whole sequence
   /// in global order on each rank, for its heads.
   impl::HeadExchange<Communicator, ExecSpace> exchange(const BlockExtents& e, index_type N) {
-    const int P = m_comm.size();
-    return impl::HeadExchange<Communicator, ExecSpace>(m_comm, m_exec,
-                                                       impl::ulysses_index<Partition>(m_exec, N, P),
-                                                       UlyssesHeads::make(e.heads, e.kv_heads, P));
+    const int P = this->m_comm.size();
+    return impl::HeadExchange<Communicator, ExecSpace>(
+        this->m_comm, this->m_exec, impl::ulysses_index<Partition>(this->m_exec, N, P),
+        UlyssesHeads::make(e.heads, e.kv_heads, P));
   }
 
   /// The single-device options of the local attention.
   static ForwardOptions local_options(const DistributedOptions& opts, BlockPathCounts& paths) {
     ForwardOptions f;
-    f.portable_only = opts.portable_only;
-    f.host_matrix = opts.host_matrix;
-    f.tensor_cores = opts.tensor_cores;
-    f.tensor_core_backward = opts.tensor_core_backward;
-    f.guard_masked_nonfinite = opts.guard_masked_nonfinite;
+    static_cast<ImplementationOptions&>(f) = opts;
     f.paths = &paths;
     return f;
   }
@@ -160,29 +145,22 @@ class UlyssesAttention
     // Phase 2: attention over global positions on this rank's heads.
     const Buf4<V> of = x.template buffer<V>("blockattn::ulysses_o", e.batch, N, x.hl, e.dim);
     const Buf3<C> lf = x.template lse_buffer<C>("blockattn::ulysses_lse", e.batch, N);
-    BlockExtents fe = e;
-    fe.queries = fe.keys = int(N);
-    fe.heads = x.hl;
-    fe.kv_heads = x.kl;
     const BlockLayout layout = forward_layout<C, ExecSpace>(e.dim);
-    const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
     // One single-device call over the whole sequence for this rank's heads:
     // the dispatcher's choice of implementation (kernel/dispatch.hpp), as
-    // attention_forward's; the sinks are folded in by the caller.
-    BlockPathCounts paths;
-    // The kernels' packed K/V block (the planner's `packed`, whichever
+    // attention_forward's; the sinks are folded in by the caller. Counted
+    // alive: the kernels' packed K/V block (the planner's `packed`, whichever
     // implementation runs: ulysses_forward_volume()).
+    BlockPathCounts paths;
     const std::int64_t tiles = (std::int64_t(N) + layout.block_k - 1) / layout.block_k;
     const std::int64_t packed = 2 * std::int64_t(e.batch) * x.kl * tiles * layout.block_k *
                                 layout.dim_padded * std::int64_t(sizeof(C));
-    x.live.add(packed);
-    const auto c0 = std::chrono::steady_clock::now();
-    impl::forward_call(m_exec, fe, qf, kf, vf, of, lf, impl::shift_heads(m_mask, x.first_q),
-                       OffsetPositions{}, OffsetPositions{}, scale, local_options(opts, paths));
-    m_exec.fence();
-    const double busy =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
-    x.live.sub(packed);
+    const double busy = x.run_local(packed, [&] {
+      impl::forward_call(this->m_exec, x.local_extents(e, N), qf, kf, vf, of, lf,
+                         impl::shift_heads(this->m_mask, x.first_q), OffsetPositions{},
+                         OffsetPositions{}, impl::softmax_scale<C>(opts.scale, e.dim),
+                         local_options(opts, paths));
+    });
     // Phase 3: O and LSE back to the sequence split.
     x.template out<C>(of, o, false);
     x.out_lse(lf, lse);
@@ -197,42 +175,30 @@ class UlyssesAttention
     using V = typename OV::non_const_value_type;
     using C = compute_t<V>;
     auto x = exchange(e, N);
-    const Buf4<V> qf = x.template in<V>(q, false), kf = x.template in<V>(k, true),
-                  vf = x.template in<V>(v, true), of = x.template in<V>(o, false),
-                  dof = x.template in<V>(dout, false);
+    const auto in = x.template backward_in<V>(q, k, v, o, dout);
     const auto lf = x.in_lse(lse);
     // dQ in the storage type (one rank computes each head); dK, dV in the
     // compute type: a replicated K/V head's partials are summed on the way back.
     const Buf4<V> dqf = x.template buffer<V>("blockattn::ulysses_dq", e.batch, N, x.hl, e.dim);
     const Buf4<C> dkf = x.template buffer<C>("blockattn::ulysses_dk", e.batch, N, x.kl, e.dim),
                   dvf = x.template buffer<C>("blockattn::ulysses_dv", e.batch, N, x.kl, e.dim);
-    BlockExtents fe = e;
-    fe.queries = fe.keys = int(N);
-    fe.heads = x.hl;
-    fe.kv_heads = x.kl;
     const BlockLayout layout = backward_layout<C, ExecSpace>(e.dim);
-    const C scale = impl::softmax_scale<C>(opts.scale, e.dim);
     BlockPathCounts paths;
-    // The kernels' packed keys and rows (the planner's `packed`:
-    // ulysses_backward_volume()).
+    // Counted alive: the kernels' packed keys and rows (the planner's
+    // `packed`: ulysses_backward_volume()).
     const std::int64_t ktiles = (std::int64_t(N) + layout.block_k - 1) / layout.block_k;
     const std::int64_t qrows =
         (std::int64_t(N) + layout.block_q - 1) / layout.block_q * layout.block_q;
     const std::int64_t packed = std::int64_t(sizeof(C)) * e.batch *
                                 (3 * x.kl * ktiles * layout.block_k * layout.dim_padded +
                                  x.hl * qrows * (2 * std::int64_t(layout.dim_padded) + 2));
-    x.live.add(packed);
-    const auto c0 = std::chrono::steady_clock::now();
-    impl::backward_call(m_exec, fe, qf, kf, vf, of, lf, dof, dqf, dkf, dvf,
-                        impl::shift_heads(m_mask, x.first_q), OffsetPositions{}, OffsetPositions{},
-                        scale, local_options(opts, paths));
-    m_exec.fence();
-    const double busy =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
-    x.live.sub(packed);
-    x.template out<C>(dqf, dq, false);
-    x.template out<C>(dkf, dk, true);
-    x.template out<C>(dvf, dv, true);
+    const double busy = x.run_local(packed, [&] {
+      impl::backward_call(this->m_exec, x.local_extents(e, N), in.q, in.k, in.v, in.o, lf, in.dout,
+                          dqf, dkf, dvf, impl::shift_heads(this->m_mask, x.first_q),
+                          OffsetPositions{}, OffsetPositions{},
+                          impl::softmax_scale<C>(opts.scale, e.dim), local_options(opts, paths));
+    });
+    x.template gradients_out<C>(dqf, dkf, dvf, dq, dk, dv);
     finish_stats(layout, N, opts, x, busy, paths, stats);
   }
 
@@ -242,13 +208,13 @@ class UlyssesAttention
   void finish_stats(const BlockLayout& layout, index_type N, const DistributedOptions& opts,
                     const impl::HeadExchange<Communicator, ExecSpace>& x, double busy,
                     const BlockPathCounts& paths, RunStats& stats) const {
-    const int rank = m_comm.rank();
+    const int rank = this->m_comm.rank();
     StepStats st;
     st.step = 0;
     st.source = rank;
     st.query_source = rank;
     st.computed = true;
-    st.tiles = count_tiles(m_mask, N, N, layout.block_q, layout.block_k, OffsetPositions{},
+    st.tiles = count_tiles(this->m_mask, N, N, layout.block_q, layout.block_k, OffsetPositions{},
                            OffsetPositions{}, opts.count_pairs);
     st.bytes_sent = x.sent;
     st.bytes_received = x.sent;  // every rank sends and receives the same amounts

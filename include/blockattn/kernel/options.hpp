@@ -21,17 +21,9 @@ enum class Fp32TensorCores {
   tf32     ///< one TF32 product: 10-bit mantissas (PyTorch's allow_tf32)
 };
 
-/// Run-time options of a forward call.
-struct ForwardOptions {
-  /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
-  double scale = std::numeric_limits<double>::quiet_NaN();
-  /// Global position of query row 0 and key row 0 (masks see global positions).
-  index_type q_offset = 0;
-  index_type k_offset = 0;
-  /// Check the mask's classify() against allowed() on a sample of boxes
-  /// before the work (kernel/policy_check.hpp); always on with
-  /// -DBLOCKATTN_CHECK_POLICIES.
-  bool check_policies = false;
+/// Which implementation computes a block pair (kernel/dispatch.hpp): the
+/// options ForwardOptions and DistributedOptions share.
+struct ImplementationOptions {
   /// Run on BlockAttn's kernels even where a vendor's fused attention
   /// (cuDNN, on CUDA with bf16 / fp16) would take the call: for comparison,
   /// and for results that are the same bits on every backend and run.
@@ -42,19 +34,42 @@ struct ForwardOptions {
   /// fp32 kernels (off: the fp32 forward's result rounded once, on every
   /// machine). host_matrix_engine() says what this machine runs.
   HostMatrix host_matrix = HostMatrix::automatic;
-  /// 16-bit storage on CUDA: a call that cuDNN does not take (a mask that is
-  /// not a band, a position map it cannot express, no cuDNN in the build)
-  /// runs on BlockAttn's tensor-core forward (kernel/cuda/flash_forward.hpp;
-  /// head dims 64 and 128, no score policy; P rounded to 16 bits before P V,
-  /// like cuDNN), or, when false, on the kernels that compute in fp32.
+  /// 16-bit storage on CUDA: a call or block pair that cuDNN does not take (a
+  /// mask that is not a band, a position map it cannot express, no cuDNN in
+  /// the build; distributed: builds with cuDNN, whose K/V row layout it
+  /// reads) runs on BlockAttn's tensor-core forward
+  /// (kernel/cuda/flash_forward.hpp; head dims 64 and 128, no score policy;
+  /// P rounded to 16 bits before P V, like cuDNN), or, when false, on the
+  /// kernels that compute in fp32.
   bool tensor_cores = true;
-  /// The single-device backward of such calls (tensor_cores on) on
-  /// BlockAttn's tensor-core backward (kernel/cuda/flash_backward.hpp:
-  /// deterministic, P and dS rounded to 16 bits before their products; finite
-  /// inputs only, others take the fp32 kernels). Off by default: it compiles
-  /// and its fragment maths is checked on the host, but it has not yet run
-  /// on a GPU (bench/gpu_session.sh checks it against fp64 and times it).
+  /// The backward of such calls and pairs (tensor_cores on; distributed: own
+  /// queries, and travelled ones through a proxy O) on BlockAttn's
+  /// tensor-core backward (kernel/cuda/flash_backward.hpp: deterministic, P
+  /// and dS rounded to 16 bits before their products; finite inputs only,
+  /// others take the fp32 kernels). Off by default: it compiles and its
+  /// fragment maths is checked on the host, but it has not yet run on a GPU
+  /// (bench/gpu_session.sh checks it against fp64 and times it).
   bool tensor_core_backward = false;
+  /// 16-bit calls that cuDNN takes, when the mask hides keys: first check V
+  /// for inf / NaN (one pass over V that the host waits for) and take
+  /// BlockAttn's kernels where it holds one, since cuDNN multiplies the P = 0
+  /// of masked keys into V (0 * inf = NaN in rows that cannot see it). false:
+  /// skip the check (cuDNN's own behaviour for such inputs; no host wait).
+  bool guard_masked_nonfinite = true;
+};
+
+/// Run-time options of a forward call (and of a backward: attention_backward
+/// reads the same struct); the implementation's in ImplementationOptions.
+struct ForwardOptions : ImplementationOptions {
+  /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  /// Global position of query row 0 and key row 0 (masks see global positions).
+  index_type q_offset = 0;
+  index_type k_offset = 0;
+  /// Check the mask's classify() against allowed() on a sample of boxes
+  /// before the work (kernel/policy_check.hpp); always on with
+  /// -DBLOCKATTN_CHECK_POLICIES.
+  bool check_policies = false;
   /// fp32 storage on CUDA: the single-device forward's products on tensor
   /// cores (kernel/cuda/flash_forward_f32.hpp; head dims 64 and 128, no score
   /// policy, 16-byte aligned rows, finite q, k, v: one pass over each that the
@@ -65,12 +80,6 @@ struct ForwardOptions {
   /// it has not yet run on a GPU (bench/gpu_session.sh checks it against fp64
   /// and times it).
   Fp32TensorCores fp32_tensor_cores = Fp32TensorCores::off;
-  /// 16-bit calls that cuDNN takes, when the mask hides keys: first check V
-  /// for inf / NaN (one pass over V that the host waits for) and take
-  /// BlockAttn's kernels where it holds one, since cuDNN multiplies the P = 0
-  /// of masked keys into V (0 * inf = NaN in rows that cannot see it). false:
-  /// skip the check (cuDNN's own behaviour for such inputs; no host wait).
-  bool guard_masked_nonfinite = true;
   /// When set, the call adds the block pairs each implementation computed
   /// (BlockPathCounts: portable, fused, fused band pieces).
   BlockPathCounts* paths = nullptr;

@@ -32,21 +32,6 @@ struct HostTiles {
   static constexpr int dim_granule = std::is_same<T, float>::value ? 16 : 8;
 };
 
-/// AVX-512F, fp32 (32 registers of 16 floats): 6x64 micro tiles (24
-/// accumulators, 4 B vectors, 1 broadcast) run by the explicit 512-bit kernels
-/// of host/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a
-/// 16-core Sapphire Rapids Xeon (1 and 16 threads, N = 1024 / 4096 / 16384)
-/// this ran ~1.8x the portable loops; 12x32 and 6x32 micro tiles, 48- and
-/// 192-row query tiles and 256-key tiles were no faster (docs/history/measurements.md).
-template <int HeadDim>
-struct HostTiles<HostIsa::avx512, float, HeadDim> {
-  static constexpr int block_q = 96;
-  static constexpr int block_k = 128;
-  static constexpr int micro_rows = 6;
-  static constexpr int micro_cols = 64;
-  static constexpr int dim_granule = 16;
-};
-
 /// AVX2 + FMA (16 registers of 8 floats): the BLIS-style 6x16 fp32 micro tile
 /// (12 accumulators, 2 B vectors, 1 broadcast) run by the explicit kernels of
 /// host/micro_gemm_simd.hpp, in 96x128 tiles for every head dim. On a Zen 3
@@ -61,6 +46,17 @@ struct HostTiles<HostIsa::avx2, float, HeadDim> {
   static constexpr int micro_rows = 6;
   static constexpr int micro_cols = 16;
   static constexpr int dim_granule = 16;
+};
+
+/// AVX-512F, fp32 (32 registers of 16 floats): 6x64 micro tiles (24
+/// accumulators, 4 B vectors, 1 broadcast) run by the explicit 512-bit kernels
+/// of host/micro_gemm_simd.hpp, in the AVX2 96x128 tiles for every head dim. On a
+/// 16-core Sapphire Rapids Xeon (1 and 16 threads, N = 1024 / 4096 / 16384)
+/// this ran ~1.8x the portable loops; 12x32 and 6x32 micro tiles, 48- and
+/// 192-row query tiles and 256-key tiles were no faster (docs/history/measurements.md).
+template <int HeadDim>
+struct HostTiles<HostIsa::avx512, float, HeadDim> : HostTiles<HostIsa::avx2, float, 0> {
+  static constexpr int micro_cols = 64;
 };
 
 // AVX2, fp64: the default shape and the portable kernel, unchanged, so that
@@ -88,14 +84,20 @@ struct HostTiles<HostIsa::neon, float, HeadDim> : HostTiles<HostIsa::avx2, float
 template <HostIsa Isa, class T>
 struct HostBackwardTiles : HostTiles<Isa, T, 0> {};
 
-/// AVX2, fp32: 48x96 with 6x16 micro tiles (of 48/96 query rows x 48/96/192
-/// keys on Zen 3, the one within noise of the best at N = 1024 and 16384,
-/// D = 64 and 128).
-template <>
-struct HostBackwardTiles<HostIsa::avx2, float> : HostTiles<HostIsa::avx2, float, 0> {
+/// fp32 48x96 with the ISA's forward micro tiles: on AVX2 (6x16; of 48/96
+/// query rows x 48/96/192 keys on Zen 3, the one within noise of the best at
+/// N = 1024 and 16384, D = 64 and 128), and on SSE2 and NEON.
+template <HostIsa Isa>
+struct HostBackwardTiles48x96 : HostTiles<Isa, float, 0> {
   static constexpr int block_q = 48;
   static constexpr int block_k = 96;
 };
+template <>
+struct HostBackwardTiles<HostIsa::avx2, float> : HostBackwardTiles48x96<HostIsa::avx2> {};
+template <>
+struct HostBackwardTiles<HostIsa::sse2, float> : HostBackwardTiles48x96<HostIsa::sse2> {};
+template <>
+struct HostBackwardTiles<HostIsa::neon, float> : HostBackwardTiles48x96<HostIsa::neon> {};
 /// AVX-512, fp32: 64x64 with 4x64 micro tiles (16 accumulators) and the
 /// explicit kernels; of 32..96 query rows x 64..128 keys with 4x64, 6x32 and
 /// 12x32 micro tiles on Sapphire Rapids, the best or within noise of it.
@@ -104,16 +106,6 @@ struct HostBackwardTiles<HostIsa::avx512, float> : HostTiles<HostIsa::avx512, fl
   static constexpr int block_q = 64;
   static constexpr int block_k = 64;
   static constexpr int micro_rows = 4;
-};
-template <>
-struct HostBackwardTiles<HostIsa::sse2, float> : HostTiles<HostIsa::sse2, float, 0> {
-  static constexpr int block_q = 48;
-  static constexpr int block_k = 96;
-};
-template <>
-struct HostBackwardTiles<HostIsa::neon, float> : HostTiles<HostIsa::neon, float, 0> {
-  static constexpr int block_q = 48;
-  static constexpr int block_k = 96;
 };
 
 /// The host ISA a default shape names for a kind of execution space: the

@@ -34,12 +34,10 @@ Prediction predict_backward(const Problem& problem, const Mask& mask, const Hard
                             bool count_pairs = false, int rank_stride = 1, bool keep_steps = true) {
   using B = typename Schedule::backward_type;
   Prediction pr;
-  const int P = problem.P;
-  if (std::string why = detail::name_prediction<Partition, Schedule, Mask>(pr, problem);
-      !why.empty())
-    return detail::invalid(std::move(pr), std::move(why));
-  Problem p = problem;  // buffers sized for the longest rank, as the run's
-  p.most = max_local_length<Partition>(p.N, P);
+  Problem p;
+  if (auto invalid = detail::start_prediction<Partition, Schedule, Mask>(pr, problem, p))
+    return std::move(*invalid);
+  const int P = p.P;
   const int bq = p.backward_block_q(), bk = p.backward_block_k();
   detail::PairWork<Partition, Mask> w(mask, p.N, P, bq, bk, count_pairs);
   if (std::string why = detail::implement_why_not<Partition, Schedule>(mask, p.N, P, w);
@@ -51,7 +49,7 @@ Prediction predict_backward(const Problem& problem, const Mask& mask, const Hard
   ctx.reach = w.ring_reach();
   const int steps = B::steps(ctx), total = steps + 1;
   pr.ranks.resize(std::size_t(P));
-  const std::int64_t inputs = detail::backward_input_bytes(p);
+  const std::int64_t inputs = detail::input_bytes(p, true);
   const double pair_flops = 10.0 * bq * bk * p.dim * double(p.batch) * p.heads;
   // A message waits in the bucket of the step that completes it; its
   // receiver's post time (the start of dst_step) is filled in once that step

@@ -69,11 +69,8 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   const auto a2a = [&](std::int64_t chunk_bytes) {
     return detail::alltoall_seconds(hw, 0, P, 1, chunk_bytes);
   };
-  const std::int64_t s = p.dtype_bytes;
-  const double lse_a2a = a2a(b * n * hq * cs);
-  const double in = (bwd ? 3 : 1) * a2a(chunk_row * hq * s) + 2 * a2a(chunk_row * hk * s) +
-                    (bwd ? lse_a2a : 0.0),
-               out = a2a(chunk_row * hq * s) + (bwd ? 2 * a2a(chunk_row * hk * cs) : lse_a2a);
+  const auto [in, out] =
+      detail::head_alltoalls(a2a, bwd, chunk_row, hq, hk, p.dtype_bytes, cs, b * n * hq * cs);
   Problem local = p;
   local.heads = u.heads_per_rank;
   StepPlan st;
@@ -87,10 +84,7 @@ Prediction predict_ulysses(const Problem& p, const Mask& mask, const Hardware& h
   st.bytes_sent = st.bytes_received = vol.sent;
   st.start_s = 0;
   st.end_s = in + st.compute_s + out;
-  const std::int64_t inputs =
-      bwd ? detail::backward_input_bytes(widest)
-          : detail::rows_bytes(widest, 2 * p.heads + 2 * p.kv_heads, p.dim) +
-                detail::state_bytes(widest);
+  const std::int64_t inputs = detail::input_bytes(widest, bwd);
   pr.ranks.resize(std::size_t(P));
   for (int r = 0; r < P; ++r) {
     RankPlan& rp = pr.ranks[std::size_t(r)];
@@ -169,21 +163,17 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
   };
   // Backward: O, dO and LSE join Q, K, V on the way in; dQ, dK, dV go back
   // in the storage type (the ring's gradients).
-  const double lse_a2a = a2a(std::int64_t(p.batch) * n * u.heads_per_rank * cs);
-  const double in = (bwd ? 3 : 1) * a2a(chunk_row * u.heads_per_rank * s) +
-                    2 * a2a(chunk_row * u.kv_heads_per_rank * s) + (bwd ? lse_a2a : 0.0),
-               out = a2a(chunk_row * u.heads_per_rank * s) +
-                     (bwd ? 2 * a2a(chunk_row * u.kv_heads_per_rank * s) : lse_a2a);
+  const auto [in, out] =
+      detail::head_alltoalls(a2a, bwd, chunk_row, u.heads_per_rank, u.kv_heads_per_rank, s, s,
+                             std::int64_t(p.batch) * n * u.heads_per_rank * cs);
   Problem widest = p;
   widest.most = n;
-  const std::int64_t inputs =
-      bwd ? detail::backward_input_bytes(widest)
-          : detail::rows_bytes(widest, 2 * p.heads + 2 * p.kv_heads, p.dim) +
-                detail::state_bytes(widest);
+  const std::int64_t inputs = detail::input_bytes(widest, bwd);
   pr.ranks.resize(std::size_t(P));
   for (int r = 0; r < P; ++r) {
     const RankPlan& rr = ring.ranks[std::size_t(g.group(r))];
-    RankPlan& rp = pr.ranks[std::size_t(r)];
+    // The ring's steps and sums; the group's all-to-alls and buffers below.
+    RankPlan& rp = pr.ranks[std::size_t(r)] = rr;
     const index_type Ng = group_tokens(g.group(r));
     const index_type most = impl::EvenCut{Ng, ulysses}.length(0);
     const UlyssesForwardVolume vol =
@@ -191,12 +181,6 @@ Prediction predict_hybrid(const Problem& p, const Mask& mask, const Hardware& hw
                                       rr.workspace_bytes, most)
             : ulysses_forward_volume(u, p.batch, Ng, p.dim, p.dtype_bytes, cs, rr.workspace_bytes,
                                      most);
-    rp.steps = rr.steps;
-    rp.step_count = rr.step_count;
-    rp.idle_step_count = rr.idle_step_count;
-    rp.compute_s = rr.compute_s;
-    rp.sent = rr.sent;
-    rp.network = rr.network;
     for (auto& st : rp.steps) {
       st.start_s += in;
       st.end_s += in;

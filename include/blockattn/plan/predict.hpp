@@ -49,19 +49,16 @@ Prediction predict(const Problem& problem, const Mask& mask, const Hardware& hw,
     return predict_reference<Partition, Schedule>(problem, mask, hw, count_pairs, rank_stride);
   } else {
     Prediction pr;
-    const int P = problem.P;
-    if (std::string why = detail::name_prediction<Partition, Schedule, Mask>(pr, problem);
-        !why.empty())
-      return detail::invalid(std::move(pr), std::move(why));
-    Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
-    p.most = max_local_length<Partition>(p.N, P);
+    Problem p;
+    if (auto invalid = detail::start_prediction<Partition, Schedule, Mask>(pr, problem, p))
+      return std::move(*invalid);
+    const int P = p.P;
     detail::PairWork<Partition, Mask> w(mask, p.N, P, p.block_q, p.block_k, count_pairs);
     if (std::string why = detail::implement_why_not<Partition, Schedule>(mask, p.N, P, w);
         !why.empty())
       return detail::invalid(std::move(pr), std::move(why));
     pr.ranks.resize(std::size_t(P));
-    const std::int64_t inputs =
-        detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
+    const std::int64_t inputs = detail::input_bytes(p, false);
     for (auto& rp : pr.ranks) rp.input_bytes = inputs;
     detail::forward_model<Schedule>::run(pr, p, hw, w, rank_stride, keep_steps);
     return detail::finished(std::move(pr), p, mask, hw);

@@ -34,12 +34,10 @@ template <class Partition, class Schedule, class Mask>
 Prediction predict_reference(const Problem& problem, const Mask& mask, const Hardware& hw,
                              bool count_pairs = false, int rank_stride = 1) {
   Prediction pr;
-  const int P = problem.P;
-  if (std::string why = detail::name_prediction<Partition, Schedule, Mask>(pr, problem);
-      !why.empty())
-    return detail::invalid(std::move(pr), std::move(why));
-  Problem p = problem;  // buffers sized for the longest rank, as DistributedAttention's
-  p.most = max_local_length<Partition>(p.N, P);
+  Problem p;
+  if (auto invalid = detail::start_prediction<Partition, Schedule, Mask>(pr, problem, p))
+    return std::move(*invalid);
+  const int P = p.P;
   if constexpr (Schedule::template supports<Partition, Mask>)
     if (std::string why = Schedule::template can_implement<Partition>(mask, p.N, P); !why.empty())
       return detail::invalid(std::move(pr), std::move(why));
@@ -49,8 +47,7 @@ Prediction predict_reference(const Problem& problem, const Mask& mask, const Har
   std::vector<std::int64_t> ws;
   detail::schedule_plan<Schedule>(p, ctx, msgs, ws);
   pr.ranks.resize(std::size_t(P));
-  const std::int64_t inputs =
-      detail::rows_bytes(p, 2 * p.heads + 2 * p.kv_heads, p.dim) + detail::state_bytes(p);
+  const std::int64_t inputs = detail::input_bytes(p, false);
   for (int r = 0; r < P; ++r) {
     RankPlan& rp = pr.ranks[std::size_t(r)];
     rp.input_bytes = inputs;

@@ -26,15 +26,9 @@
 
 namespace blockattn {
 
-struct AllGatherSchedule {
+struct AllGatherSchedule : AnyPartitionAndMask {  // every partition and mask
   using schedule_type = AllGatherSchedule;
   static constexpr const char* name() { return "all-gather"; }
-  template <class Partition, class Mask>
-  static constexpr bool supports = true;
-  template <class Partition, class Mask>
-  static std::string can_implement(const Mask&, index_type, int) {
-    return {};
-  }
 
   /// Step s computes the block of rank (r - s) mod P; beyond the ring reach
   /// every such pair is empty, so the steps stop there.

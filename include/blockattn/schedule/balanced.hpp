@@ -58,6 +58,22 @@ inline int balanced_helper_of(int rank, int step, int P) {
   return rank + step - P;
 }
 
+/// The inputs of step t + 1 that `rank` posts at step t of both directions,
+/// done by the end of step t: K/V from the owner of the remote block to the
+/// rank that owns its queries (K/V slot 1 + (t + 1) mod 2); Q (with dO, LSE,
+/// D backward) to the helper (query slot 1 + (t + 1) mod 2).
+inline void balanced_inputs(int rank, int t, int P, std::vector<ScheduledTransfer>& x) {
+  const int u = t + 1;
+  if (u >= balanced_steps(P)) return;
+  const int slot = 1 + u % 2;
+  if (rank >= u) x.push_back({rank - u, rank, Payload::kv, t, t, false, t, 0, slot});
+  if (rank + u < P) x.push_back({rank, rank + u, Payload::kv, t, t, false, t, 0, slot});
+  if (const int r = balanced_helps(rank, u, P); r >= 0)
+    x.push_back({r, rank, Payload::q, t, t, false, t, 0, slot});
+  if (const int h = balanced_helper_of(rank, u, P); h >= 0)
+    x.push_back({rank, h, Payload::q, t, t, false, t, 0, slot});
+}
+
 /// What `rank` does over a whole balanced run (decides which buffers it needs).
 struct BalancedRoles {
   bool owns_remote = false;  // computes its queries against another rank's keys
@@ -95,15 +111,7 @@ struct BalancedBackward {
     if (owner) out.kv_slot = 1 + t % 2, out.dkv_slot = t % 2;
     if (helper) out.q_slot = 1 + t % 2, out.dq_slot = t % 2;
     auto& x = out.transfers;
-    if (const int u = t + 1; u < balanced_steps(P)) {
-      const int slot = 1 + u % 2;
-      if (rank >= u) x.push_back({rank - u, rank, Payload::kv, t, t, false, t, 0, slot});
-      if (rank + u < P) x.push_back({rank, rank + u, Payload::kv, t, t, false, t, 0, slot});
-      if (const int r = balanced_helps(rank, u, P); r >= 0)
-        x.push_back({r, rank, Payload::q, t, t, false, t, 0, slot});
-      if (const int h = balanced_helper_of(rank, u, P); h >= 0)
-        x.push_back({rank, h, Payload::q, t, t, false, t, 0, slot});
-    }
+    balanced_inputs(rank, t, P, x);
     // Partials of step t: into the own gradients of the block's rank.
     const int i = t % 2;
     if (owner) x.push_back({rank, task.k_rank, Payload::dkv, t, t, true, t + 1, i, i, -1});
@@ -156,17 +164,7 @@ struct BalancedSchedule {
     out.q_slot = helper ? 1 + t % 2 : 0;
     out.result_slot = helper ? t % 2 : -1;
     auto& x = out.transfers;
-    if (const int u = t + 1; u < balanced_steps(P)) {
-      // Inputs of step u, done by the end of step t: K/V from the owner of
-      // the remote block to the rank that owns its queries; Q to the helper.
-      const int slot = 1 + u % 2;
-      if (rank >= u) x.push_back({rank - u, rank, Payload::kv, t, t, false, t, 0, slot});
-      if (rank + u < P) x.push_back({rank, rank + u, Payload::kv, t, t, false, t, 0, slot});
-      if (const int r = balanced_helps(rank, u, P); r >= 0)
-        x.push_back({r, rank, Payload::q, t, t, false, t, 0, slot});
-      if (const int h = balanced_helper_of(rank, u, P); h >= 0)
-        x.push_back({rank, h, Payload::q, t, t, false, t, 0, slot});
-    }
+    balanced_inputs(rank, t, P, x);
     // Results of step t travel during step t + 1 and merge at its end.
     if (const int h = balanced_helper_of(rank, t, P); h >= 0)
       x.push_back({h, rank, Payload::result, t, t, true, t + 1, t % 2, t % 2});

@@ -109,18 +109,11 @@ struct QRingBackward {
 /// pairs further round are empty under the mask. `Backward` picks the
 /// backward's ring.
 template <class Backward>
-struct BasicRingSchedule {
+struct BasicRingSchedule : AnyPartitionAndMask {  // every partition and mask
   using schedule_type = BasicRingSchedule;
   using backward_type = Backward;
   static constexpr const char* name() {
     return std::is_same<Backward, KVRingBackward>::value ? "ring" : "burst";
-  }
-  /// Every partition and mask work with the ring.
-  template <class Partition, class Mask>
-  static constexpr bool supports = true;
-  template <class Partition, class Mask>
-  static std::string can_implement(const Mask&, index_type, int) {
-    return {};
   }
   static int steps(const ScheduleContext& c) { return ring_steps(c); }
   static void step(const ScheduleContext& c, int rank, int s, ForwardStep& out) {

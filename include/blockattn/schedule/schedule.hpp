@@ -18,6 +18,8 @@
 //   using backward_type = B;       // the backward's description: B::steps(context) and
 //                                  // B::step(const ScheduleContext&, int rank, int s,
 //                                  //         BackwardStep&)
+// A schedule that takes every partition and mask may inherit both from
+// AnyPartitionAndMask (the ring's and the all-gather's do).
 // Everything else is derived from these: the workspace (forward_slots), the
 // messages (schedule_transfers), the tasks (schedule_task).
 // impl::check_schedule<S>() turns a missing member into a static_assert that
@@ -215,6 +217,17 @@ inline std::int64_t backward_workspace_bytes(const BackwardSlots& u, const Backw
          std::int64_t(u.dq_out + u.dq_in) * b.dq + std::int64_t(u.dkv_out + u.dkv_in) * b.dkv +
          b.own;
 }
+
+/// supports and can_implement() of a schedule that takes every partition and
+/// mask: true, and "" (no reason against).
+struct AnyPartitionAndMask {
+  template <class Partition, class Mask>
+  static constexpr bool supports = true;
+  template <class Partition, class Mask>
+  static std::string can_implement(const Mask&, index_type, int) {
+    return {};
+  }
+};
 
 template <class S, class = void>
 struct is_schedule : std::false_type {};

@@ -32,12 +32,6 @@ namespace blockattn::impl {
 template <class Partition, class Mask, class ExecSpace, class Xfer, class V, class KV, class VV>
 class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>> {
   using Base = StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>>;
-  using Base::m_c;
-  using Base::m_exec;
-  using Base::m_mask;
-  using Base::m_rank;
-  using Base::m_scale;
-  using Base::m_x;
 
  public:
   using Base::work;
@@ -138,7 +132,7 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
   void set_plan(int steps) { m_arrive.assign(std::size_t(steps) + 1, {}); }
 
   void post(const ScheduledTransfer& t, std::vector<request>& list, StepStats& st) {
-    Posting<Xfer> go(m_x, t, m_rank, list);
+    Posting<Xfer> go(this->m_x, t, this->m_rank, list);
     const bool send = go.send;
     const int slot = go.slot;
     const std::size_t i = std::size_t(slot);
@@ -188,11 +182,11 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
     if (computed && st.path == BlockPath::portable) {
       st.path = BlockPath::portable;
       if (m_packed != f.kv_slot) {
-        m_keys.keys = int(m_c.lengths[std::size_t(task.k_rank)]);
+        m_keys.keys = int(this->m_c.lengths[std::size_t(task.k_rank)]);
         if (f.kv_slot == 0 && !m_kv_copy)
-          pack_backward_keys(m_exec, m_k, m_v, m_keys);
+          pack_backward_keys(this->m_exec, m_k, m_v, m_keys);
         else
-          pack_backward_keys(m_exec, m_kv[std::size_t(f.kv_slot)][0],
+          pack_backward_keys(this->m_exec, m_kv[std::size_t(f.kv_slot)][0],
                              m_kv[std::size_t(f.kv_slot)][1], m_keys);
         m_packed = f.kv_slot;
       }
@@ -204,34 +198,35 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
       const PackedQueries<T, mem>* rows = nullptr;
       if constexpr (half) {
         if (m_widened != f.q_slot)
-          widen_backward_queries(m_exec, m_qs[std::size_t(f.q_slot)], m_wide);
+          widen_backward_queries(this->m_exec, m_qs[std::size_t(f.q_slot)], m_wide);
         m_widened = f.q_slot;
         rows = &m_wide;
       } else {
         rows = &m_qs[std::size_t(f.q_slot)];
       }
       const auto pos = [&](int r) { return this->positions(r); };
-      backward_block(m_exec, m_c.task(task.q_rank, task.k_rank), *rows, m_keys, dqt, dkt, dvt,
-                     m_mask, pos(task.q_rank), pos(task.k_rank), m_scale, blk);
+      backward_block(this->m_exec, this->m_c.task(task.q_rank, task.k_rank), *rows, m_keys, dqt,
+                     dkt, dvt, this->m_mask, pos(task.q_rank), pos(task.k_rank), this->m_scale,
+                     blk);
     }
     if (computed) {
       m_dq_written = m_dq_written || f.dq_slot < 0;
       m_dkv_written = m_dkv_written || f.dkv_slot < 0;
     } else if (!task.idle()) {
-      if (f.dq_slot >= 0) Kokkos::deep_copy(m_exec, dqt, T(0));
+      if (f.dq_slot >= 0) Kokkos::deep_copy(this->m_exec, dqt, T(0));
       if (f.dkv_slot >= 0) {
-        Kokkos::deep_copy(m_exec, dkt, T(0));
-        Kokkos::deep_copy(m_exec, dvt, T(0));
+        Kokkos::deep_copy(this->m_exec, dkt, T(0));
+        Kokkos::deep_copy(this->m_exec, dvt, T(0));
       }
     }
-    for (auto& r : due[std::size_t(s)]) m_x.test(r);
-    m_exec.fence();
+    for (auto& r : due[std::size_t(s)]) this->m_x.test(r);
+    this->m_exec.fence();
     return computed;
   }
 
   /// Adds the partials that arrived by the end of step s.
   void arrived(int s) {
-    const BlockExtents& e = m_c.e;
+    const BlockExtents& e = this->m_c.e;
     for (const Arrival& a : m_arrive[std::size_t(s)]) {
       if (a.what == Payload::kv && a.slot == m_packed) m_packed = -1;  // a new block in the slot
       if (a.what == Payload::q && a.slot == m_widened) m_widened = -1;
@@ -239,14 +234,15 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
       if (a.what == Payload::dq) {
         const auto& in = m_dq_in[std::size_t(a.slot)];
         if (a.add_to >= 0)
-          add_views(m_exec, m_dq_out[std::size_t(a.add_to)], in);
+          add_views(this->m_exec, m_dq_out[std::size_t(a.add_to)], in);
         else
           home(m_own[0], rows_of(in, e.queries), m_dq_written);
       } else if (a.what == Payload::dkv) {
         const auto& in = m_dkv_in[std::size_t(a.slot)];
         for (int j = 0; j < 2; ++j) {
           if (a.add_to >= 0) {
-            add_views(m_exec, m_dkv_out[std::size_t(a.add_to)][std::size_t(j)], in[std::size_t(j)]);
+            add_views(this->m_exec, m_dkv_out[std::size_t(a.add_to)][std::size_t(j)],
+                      in[std::size_t(j)]);
           } else {
             bool written = m_dkv_written;
             home(m_own[std::size_t(j) + 1], rows_of(in[std::size_t(j)], e.keys), written);
@@ -255,29 +251,29 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
         if (a.add_to < 0) m_dkv_written = true;
       }
     }
-    m_exec.fence();
+    this->m_exec.fence();
   }
 
   /// After the loop: the caller's gradients from the sums (copied, or rounded
   /// once to 16 bits); gradients no task wrote are 0.
   template <class DQV, class DKV, class DVV>
   void finish(const DQV& dq, const DKV& dk, const DVV& dv) {
-    if (!m_dq_written) Kokkos::deep_copy(m_exec, m_own[0], T(0));
+    if (!m_dq_written) Kokkos::deep_copy(this->m_exec, m_own[0], T(0));
     if (!m_dkv_written) {
-      Kokkos::deep_copy(m_exec, m_own[1], T(0));
-      Kokkos::deep_copy(m_exec, m_own[2], T(0));
+      Kokkos::deep_copy(this->m_exec, m_own[1], T(0));
+      Kokkos::deep_copy(this->m_exec, m_own[2], T(0));
     }
     const auto out = [&](const auto& target, const B4& sum) {
       if (same_memory(sum, target)) return;
       if constexpr (half)
-        convert_views(m_exec, target, sum);
+        convert_views(this->m_exec, target, sum);
       else
-        Kokkos::deep_copy(m_exec, target, sum);
+        Kokkos::deep_copy(this->m_exec, target, sum);
     };
     out(dq, m_own[0]);
     out(dk, m_own[1]);
     out(dv, m_own[2]);
-    m_exec.fence();
+    this->m_exec.fence();
   }
 
  private:
@@ -292,15 +288,15 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
   /// kernels take it.
   BlockPath pair(const BlockTask& task, int q_slot, int kv_slot, const B4& dqt, const B4& dkt,
                  const B4& dvt, bool acc_dq, bool acc_dkv, int& pieces) {
-    const BlockExtents te = m_c.task(task.q_rank, task.k_rank);
+    const BlockExtents te = this->m_c.task(task.q_rank, task.k_rank);
     const auto qp = this->positions(task.q_rank);
     const auto kp = this->positions(task.k_rank);
     const auto run = [&](const auto& k, const auto& v) {
-      if (task.q_rank == m_rank)
-        return m_pairs->own(te, k, v, qp, kp, m_mask, m_scale, dqt, dkt, dvt, acc_dq, acc_dkv,
-                            pieces);
-      return m_pairs->travelled(te, m_qs[std::size_t(q_slot)], q_slot, k, v, qp, kp, m_mask,
-                                m_scale, dqt, dkt, dvt, acc_dq, acc_dkv, pieces);
+      if (task.q_rank == this->m_rank)
+        return m_pairs->own(te, k, v, qp, kp, this->m_mask, this->m_scale, dqt, dkt, dvt, acc_dq,
+                            acc_dkv, pieces);
+      return m_pairs->travelled(te, m_qs[std::size_t(q_slot)], q_slot, k, v, qp, kp, this->m_mask,
+                                this->m_scale, dqt, dkt, dvt, acc_dq, acc_dkv, pieces);
     };
     if (kv_slot == 0 && !m_kv_copy) return run(m_k, m_v);
     const auto& kv = m_kv[std::size_t(kv_slot)];
@@ -311,9 +307,9 @@ class BackwardSteps : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<V>
   template <class In>
   void home(const B4& own, const In& in, bool& written) {
     if (written)
-      add_views(m_exec, own, in);
+      add_views(this->m_exec, own, in);
     else
-      Kokkos::deep_copy(m_exec, own, in);
+      Kokkos::deep_copy(this->m_exec, own, in);
     written = true;
   }
 

@@ -36,13 +36,6 @@ class ForwardSteps
     : StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<typename OV::non_const_value_type>> {
   using Base =
       StepContext<Partition, Mask, ExecSpace, Xfer, compute_t<typename OV::non_const_value_type>>;
-  using Base::m_c;
-  using Base::m_exec;
-  using Base::m_layout;
-  using Base::m_mask;
-  using Base::m_rank;
-  using Base::m_scale;
-  using Base::m_x;
 
  public:
   using Base::work;
@@ -132,7 +125,7 @@ class ForwardSteps
   }
 
   void post(const ScheduledTransfer& t, std::vector<request>& list, StepStats& st) {
-    Posting<Xfer> go(m_x, t, m_rank, list);
+    Posting<Xfer> go(this->m_x, t, this->m_rank, list);
     const bool send = go.send;
     const int slot = go.slot;
     const std::size_t i = std::size_t(slot);
@@ -163,28 +156,28 @@ class ForwardSteps
     const int kv_slot = m_comm ? f.kv_slot : 0;
     const PackedKV<V, mem>& kv = m_kv[std::size_t(kv_slot)];
     // The block pair's extents; without communication the queries are ours.
-    BlockExtents te = task.idle() ? m_c.e : m_c.task(task.q_rank, task.k_rank);
-    if (!m_comm && te.queries > m_c.e.queries) te.queries = m_c.e.queries;
+    BlockExtents te = task.idle() ? this->m_c.e : this->m_c.task(task.q_rank, task.k_rank);
+    if (!m_comm && te.queries > this->m_c.e.queries) te.queries = this->m_c.e.queries;
     const auto pos = [&](int r) { return this->positions(r); };
-    const bool own = task.q_rank == m_rank;
+    const bool own = task.q_rank == this->m_rank;
     const bool finish = own && s == m_last_own && !m_merges;
     // The dispatcher's implementations other than the kernels (own pairs
     // merge into the state; a helper's result goes to its slot).
     if (computed && own) {
       st.path = m_pairs.own(
-          te, m_q, kv, m_mask, pos(m_rank), pos(task.k_rank), m_scale, m_state.state, o_sum(),
-          [&] { open_state(); }, st.fused_pieces);
+          te, m_q, kv, this->m_mask, pos(this->m_rank), pos(task.k_rank), this->m_scale,
+          m_state.state, o_sum(), [&] { open_state(); }, st.fused_pieces);
       if (st.path != BlockPath::portable) {
-        if (finish) m_state.state.finalize(m_exec, o_sum(), m_o, m_lse, m_c.e.dim);
-        m_exec.fence();
+        if (finish) m_state.state.finalize(this->m_exec, o_sum(), m_o, m_lse, this->m_c.e.dim);
+        this->m_exec.fence();
         return true;
       }
     } else if (computed && m_comm) {
       const Result& out = m_hout[std::size_t(f.result_slot)];
-      st.path = m_pairs.helper(te, m_qs[std::size_t(f.q_slot)], kv, m_mask, pos(task.q_rank),
-                               pos(task.k_rank), m_scale, out.o, out.lse, st.fused_pieces);
+      st.path = m_pairs.helper(te, m_qs[std::size_t(f.q_slot)], kv, this->m_mask, pos(task.q_rank),
+                               pos(task.k_rank), this->m_scale, out.o, out.lse, st.fused_pieces);
       if (st.path != BlockPath::portable) {
-        m_exec.fence();
+        this->m_exec.fence();
         return true;
       }
     }
@@ -196,7 +189,7 @@ class ForwardSteps
         b.resume = m_opened;
         b.finish = finish;
         b.skip_keys = !computed;
-        launch_chunked(te, m_q, kp, m_o, m_lse, pos(m_rank), pos(task.k_rank), b, in_flight);
+        launch_chunked(te, m_q, kp, m_o, m_lse, pos(this->m_rank), pos(task.k_rank), b, in_flight);
         m_opened = true;
       }
     } else if (!task.idle()) {
@@ -214,7 +207,7 @@ class ForwardSteps
         launch_chunked(te, m_q, kp, out.o, out.lse, pos(task.q_rank), pos(task.k_rank), b,
                        in_flight);
     }
-    m_exec.fence();
+    this->m_exec.fence();
     return computed;
   }
 
@@ -225,9 +218,9 @@ class ForwardSteps
     open_state();
     for (const int i : slots) {
       const Result& r = m_rout[std::size_t(i)];
-      m_state.state.merge_partial(m_exec, o_sum(), r.o, r.lse, m_c.e.dim);
+      m_state.state.merge_partial(this->m_exec, o_sum(), r.o, r.lse, this->m_c.e.dim);
     }
-    m_exec.fence();
+    this->m_exec.fence();
   }
 
   /// After the loop: normalises the merged state into o and lse (when
@@ -235,8 +228,8 @@ class ForwardSteps
   bool finish() {
     if (!m_merges) return false;
     open_state();
-    m_state.state.finalize(m_exec, o_sum(), m_o, m_lse, m_c.e.dim);
-    m_exec.fence();
+    m_state.state.finalize(this->m_exec, o_sum(), m_o, m_lse, this->m_c.e.dim);
+    this->m_exec.fence();
     return true;
   }
 
@@ -254,7 +247,7 @@ class ForwardSteps
       return m_o;
   }
   void open_state() {
-    if (!m_opened) m_state.state.init(m_exec, o_sum(), m_c.e.dim);
+    if (!m_opened) m_state.state.init(this->m_exec, o_sum(), this->m_c.e.dim);
     m_opened = true;
   }
 
@@ -269,12 +262,12 @@ class ForwardSteps
   void launch_chunked(const BlockExtents& e, const Q& q, const PackedKV<T, mem>& kv, const O& o,
                       const L& lse, const Pos& qpos, const Pos& kpos,
                       ForwardBlockState<T, mem> state, std::vector<request*>& reqs) {
-    const int league = m_layout.forward_league(e);
+    const int league = this->m_layout.forward_league(e);
     const int chunks = reqs.empty() ? 1 : (league < progress_chunks ? league : progress_chunks);
     if (chunks == 0) return;
     int per = (league + chunks - 1) / chunks;  // teams per launch
     if constexpr (impl::is_host_space_v<ExecSpace>) {
-      const int threads = m_exec.concurrency() > 1 ? int(m_exec.concurrency()) : 1;
+      const int threads = this->m_exec.concurrency() > 1 ? int(this->m_exec.concurrency()) : 1;
       per = (per + threads - 1) / threads * threads;
     }
     if (per < 1) per = 1;
@@ -282,10 +275,10 @@ class ForwardSteps
     do {
       state.league_begin = begin;
       state.league_end = league - begin > per ? begin + per : league;
-      forward_block(m_exec, e, q, kv, o, lse, m_mask, qpos, kpos, m_scale, state);
+      forward_block(this->m_exec, e, q, kv, o, lse, this->m_mask, qpos, kpos, this->m_scale, state);
       if (!reqs.empty()) {
-        m_exec.fence();
-        for (auto* r : reqs) m_x.test(*r);
+        this->m_exec.fence();
+        for (auto* r : reqs) this->m_x.test(*r);
       }
       begin = state.league_end;
     } while (begin < league);

@@ -324,6 +324,44 @@ struct HeadExchange {
   void out_lse(const LFull& full, const L& lse) {
     ulysses_lse_from_heads(comm, exec, full, lse, hl, fq, where, sent, live);
   }
+  /// The rows a backward takes in: q, k, v, o, dout to the head split.
+  template <class V>
+  struct BackwardRows {
+    UlyssesBuf4<V, ExecSpace> q, k, v, o, dout;
+  };
+  template <class V, class QV, class KV, class VV, class OV, class DOV>
+  BackwardRows<V> backward_in(const QV& q, const KV& k, const VV& v, const OV& o, const DOV& dout) {
+    return {in<V>(q, false), in<V>(k, true), in<V>(v, true), in<V>(o, false), in<V>(dout, false)};
+  }
+  /// The gradients back to the sequence split (dK, dV: replicated heads summed in C).
+  template <class C, class GQ, class GK, class DQV, class DKV, class DVV>
+  void gradients_out(const GQ& dqf, const GK& dkf, const GK& dvf, const DQV& dq, const DKV& dk,
+                     const DVV& dv) {
+    out<C>(dqf, dq, false);
+    out<C>(dkf, dk, true);
+    out<C>(dvf, dv, true);
+  }
+  /// The local attention's extents: the whole sequence (N rows) on this rank's heads.
+  BlockExtents local_extents(const BlockExtents& e, index_type N) const {
+    BlockExtents fe = e;
+    fe.queries = fe.keys = int(N);
+    fe.heads = hl;
+    fe.kv_heads = kl;
+    return fe;
+  }
+  /// Runs f (the local attention) with `packed` bytes (its kernels' packed
+  /// operands) counted alive; the seconds it took, to its fence.
+  template <class F>
+  double run_local(std::int64_t packed, F&& f) {
+    live.add(packed);
+    const auto c0 = std::chrono::steady_clock::now();
+    f();
+    exec.fence();
+    const double busy =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
+    live.sub(packed);
+    return busy;
+  }
   /// A buffer of `rows` rows for `heads` heads, counted alive.
   template <class T>
   UlyssesBuf4<T, ExecSpace> buffer(const char* label, int batch, index_type rows, int heads,
@@ -349,6 +387,9 @@ struct HeadExchange {
 template <class Derived, class Communicator, class Mask, class ExecSpace>
 class HeadParallelCalls {
  public:
+  Communicator& communicator() { return m_comm; }
+  const Mask& mask() const { return m_mask; }
+
   /// O and LSE of this rank's queries; the same arguments and results as
   /// DistributedAttention::forward. Collective.
   template <class QV, class KV, class VV, class OV, class LV>

@@ -97,22 +97,11 @@ class Transfers {
 
   template <class View>
   transfer_type send(const View& v, int peer, int step, Message m) {
-    transfer_type t;
-    t.request = comm_isend(m_comm, m_exec, v, peer, message_tag(step, m));
-    t.peer = peer;
-    t.step = step;
-    t.message = m;
-    return t;
+    return post<false>(v, peer, step, m);
   }
   template <class View>
   transfer_type receive(const View& v, int peer, int step, Message m) {
-    transfer_type t;
-    t.request = comm_irecv(m_comm, m_exec, v, peer, message_tag(step, m));
-    t.peer = peer;
-    t.step = step;
-    t.message = m;
-    t.receive = true;
-    return t;
+    return post<true>(v, peer, step, m);
   }
 
   /// Progresses the transfer; true once it completed.
@@ -157,6 +146,17 @@ class Transfers {
   }
 
  private:
+  template <bool Receive, class View>
+  transfer_type post(const View& v, int peer, int step, Message m) {
+    transfer_type t;
+    t.request = comm_post<Receive>(m_comm, m_exec, v, peer, message_tag(step, m));
+    t.peer = peer;
+    t.step = step;
+    t.message = m;
+    t.receive = Receive;
+    return t;
+  }
+
   Comm& m_comm;
   ExecSpace m_exec;
   const char* m_function;

@@ -25,6 +25,16 @@
 namespace blockattn {
 namespace impl {
 
+/// The member types every distributed driver (DistributedAttention,
+/// UlyssesAttention, HybridAttention) names.
+template <class Partition, class Mask, class Communicator, class ExecSpace>
+struct DriverTypes {
+  using partition_type = Partition;
+  using mask_type = Mask;
+  using communicator_type = Communicator;
+  using execution_space = ExecSpace;
+};
+
 /// `describe(Fingerprint&)` adds the driver's fields after "call" (schedule,
 /// partition, grid); `extra()` runs more per-rank checks (the backward's);
 /// `opts` is the driver's DistributedOptions (scale, check_policies, and

@@ -115,6 +115,19 @@ FlashOperand flash_operand(const View& x) {
 }
 
 #if defined(BLOCKATTN_FLASH_CUDA)
+/// What the forward and backward kernels' arguments share: LSE, extents, scale.
+template <class A, class LV>
+void flash_shared_args(A& a, const BlockExtents& e, const LV& lse, float scale) {
+  a.lse = lse.data();
+  for (int i = 0; i < 3; ++i) a.lse_stride[i] = std::int64_t(lse.stride(i));
+  a.batch = e.batch;
+  a.heads = e.heads;
+  a.kv_heads = e.kv_heads;
+  a.queries = e.queries;
+  a.keys = e.keys;
+  a.scale = scale;
+}
+
 /// The forward kernels' arguments (cuda/flash_forward.hpp Args) of a call; false
 /// where an operand is not one (empty, or its head dim strided).
 template <class OV, class LV>
@@ -127,22 +140,13 @@ bool flash_args(const BlockExtents& e, const FlashOperand& q, const FlashOperand
   a.k = k.data;
   a.v = v.data;
   a.o = const_cast<void*>(out.data);
-  a.lse = lse.data();
+  flash_shared_args(a, e, lse, scale);
   for (int i = 0; i < 3; ++i) {
     a.q_stride[i] = q.stride[i];
     a.k_stride[i] = k.stride[i];
     a.v_stride[i] = v.stride[i];
     a.o_stride[i] = out.stride[i];
   }
-  a.lse_stride[0] = std::int64_t(lse.stride(0));
-  a.lse_stride[1] = std::int64_t(lse.stride(1));
-  a.lse_stride[2] = std::int64_t(lse.stride(2));
-  a.batch = e.batch;
-  a.heads = e.heads;
-  a.kv_heads = e.kv_heads;
-  a.queries = e.queries;
-  a.keys = e.keys;
-  a.scale = scale;
   return true;
 }
 #endif
@@ -257,20 +261,11 @@ bool flash_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, c
     a.dq = const_cast<void*>(ops[5].data);
     a.dk = const_cast<void*>(ops[6].data);
     a.dv = const_cast<void*>(ops[7].data);
-    a.lse = lse.data();
     std::int64_t* strides[8] = {a.q_stride,    a.k_stride,  a.v_stride,  a.o_stride,
                                 a.dout_stride, a.dq_stride, a.dk_stride, a.dv_stride};
     for (int x = 0; x < 8; ++x)
       for (int i = 0; i < 3; ++i) strides[x][i] = ops[x].stride[i];
-    a.lse_stride[0] = std::int64_t(lse.stride(0));
-    a.lse_stride[1] = std::int64_t(lse.stride(1));
-    a.lse_stride[2] = std::int64_t(lse.stride(2));
-    a.batch = e.batch;
-    a.heads = e.heads;
-    a.kv_heads = e.kv_heads;
-    a.queries = e.queries;
-    a.keys = e.keys;
-    a.scale = scale;
+    flash_shared_args(a, e, lse, scale);
     if (!flash::supports(a, e.dim)) return false;
     if (has_nonfinite(exec, q) || has_nonfinite(exec, k) || has_nonfinite(exec, v) ||
         has_nonfinite(exec, o) || has_nonfinite(exec, dout))

@@ -54,16 +54,23 @@ constexpr FusedType fused_type() {
   return std::is_same<V, bf16>::value ? FusedType::bf16 : FusedType::fp16;
 }
 
+/// A fused operand at `data` with (batch, head, sequence, dim) element strides.
+inline FusedTensor fused_tensor(const void* data, std::size_t b, std::size_t h, std::size_t s,
+                                std::size_t d) {
+  FusedTensor t;
+  t.data = data;
+  t.stride[0] = std::int64_t(b);
+  t.stride[1] = std::int64_t(h);
+  t.stride[2] = std::int64_t(s);
+  t.stride[3] = std::int64_t(d);
+  return t;
+}
+
 /// Rows [row0, ...) of a (batch, seq, heads, dim) View as a fused operand.
 template <class View>
 FusedTensor fused_rows(const View& x, index_type row0) {
-  FusedTensor t;
-  t.data = x.data() + row0 * index_type(x.stride(1));
-  t.stride[0] = std::int64_t(x.stride(0));
-  t.stride[1] = std::int64_t(x.stride(2));
-  t.stride[2] = std::int64_t(x.stride(1));
-  t.stride[3] = std::int64_t(x.stride(3));
-  return t;
+  return fused_tensor(x.data() + row0 * index_type(x.stride(1)), x.stride(0), x.stride(2),
+                      x.stride(1), x.stride(3));
 }
 
 /// The operand t (rows from 0) from row row0 on: stride[2] is the sequence
@@ -76,13 +83,8 @@ inline FusedTensor fused_offset(FusedTensor t, index_type row0, std::size_t elem
 /// Rows [row0, ...) of a (batch, heads, seq) LSE View.
 template <class View>
 FusedTensor fused_lse(const View& x, index_type row0) {
-  FusedTensor t;
-  t.data = x.data() + row0 * index_type(x.stride(2));
-  t.stride[0] = std::int64_t(x.stride(0));
-  t.stride[1] = std::int64_t(x.stride(1));
-  t.stride[2] = std::int64_t(x.stride(2));
-  t.stride[3] = 1;
-  return t;
+  return fused_tensor(x.data() + row0 * index_type(x.stride(2)), x.stride(0), x.stride(1),
+                      x.stride(2), 1);
 }
 
 /// The fused calls' workspace, kept per stream between calls: calls on one

@@ -60,7 +60,7 @@ inline float amx_float(std::uint16_t x) {
 /// The AMX backward functor (see the top of this file). GS: the storage type
 /// of dk and dv.
 template <class ExecSpace, class Mask, class QPos, class KPos, class GS>
-struct AmxBackwardKernel {
+struct AmxBackwardKernel : BlockExtents {
   using memory_space = typename ExecSpace::memory_space;
   using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_type = typename policy_type::member_type;
@@ -68,8 +68,8 @@ struct AmxBackwardKernel {
                             Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   static constexpr int BK = amx_bwd_bk, BQ = amx_bwd_bq;
 
-  const std::uint16_t* queries = nullptr;  // AmxBackwardOperands.queries, .keys
-  const std::uint16_t* keys = nullptr;
+  const std::uint16_t* q_ops = nullptr;  // AmxBackwardOperands.queries, .keys
+  const std::uint16_t* k_ops = nullptr;
   const unsigned char *q_bad = nullptr, *do_bad = nullptr, *k_bad = nullptr;
   const float *lse2 = nullptr, *drow = nullptr;
   float* dqt = nullptr;  // (slices, batch, head, da, nq): dQ^T, unscaled, zero on entry
@@ -77,7 +77,6 @@ struct AmxBackwardKernel {
   Mask mask;
   QPos qpos;
   KPos kpos;
-  int batch = 0, heads = 0, kv_heads = 0, queries_n = 0, keys_n = 0, dim = 0;
   int da = 0, nq = 0, nk = 0, group = 1, slices = 1, scratch_level = 0;
   bool accumulate = false, matrix_tiles = true;
   float scale = 1.0f;
@@ -128,7 +127,7 @@ struct AmxBackwardKernel {
 
     const std::size_t qs = std::size_t(nq) * da, ks = std::size_t(nk) * da;
     const std::size_t kpair = std::size_t(b) * kv_heads + hk;
-    const std::uint16_t* const ka = keys + 3 * kpair * ks;
+    const std::uint16_t* const ka = k_ops + 3 * kpair * ks;
     const std::uint16_t* const va = ka + ks;
     const std::uint16_t* const kt = va + ks;
     if (matrix_tiles) amx_configure();
@@ -142,7 +141,7 @@ struct AmxBackwardKernel {
     const int k_tiles = nk / BK, q_tiles = nq / BQ;
     for (int kb = slice; kb < k_tiles; kb += slices) {
       const int k0 = kb * BK;
-      const int k_rows = keys_n - k0 < BK ? keys_n - k0 : BK;
+      const int k_rows = keys - k0 < BK ? keys - k0 : BK;
       if (k_rows <= 0) break;
       std::memset(dka, 0, sizeof(float) * BK * da);
       std::memset(dva, 0, sizeof(float) * BK * da);
@@ -153,14 +152,14 @@ struct AmxBackwardKernel {
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
         const std::size_t qpair = std::size_t(b) * heads + h;
-        const std::uint16_t* const qb = queries + 4 * qpair * qs;
+        const std::uint16_t* const qb = q_ops + 4 * qpair * qs;
         const std::uint16_t* const dob = qb + qs;
         const std::uint16_t* const qv = dob + qs;
         const std::uint16_t* const dov = qv + qs;
         float* const dq_head = dqt + ((std::size_t(slice) * batch + b) * heads + h) * qs;
         for (int qt = 0; qt < q_tiles; ++qt) {
           const int q0 = qt * BQ;
-          const int q_rows = queries_n - q0 < BQ ? queries_n - q0 : BQ;
+          const int q_rows = queries - q0 < BQ ? queries - q0 : BQ;
           if (q_rows <= 0) break;
           const TileKind kind = mask.classify(qpos(q0), qpos(q0 + q_rows - 1) + 1, kpos(k0),
                                               kpos(k0 + k_rows - 1) + 1);

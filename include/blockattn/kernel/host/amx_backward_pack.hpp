@@ -128,6 +128,21 @@ inline bool amx_store_key_rows(const std::uint16_t* k16, const std::uint16_t* v1
   return bad;
 }
 
+/// f(g, b, h, pair) for group g (of 16 or 32 rows or keys) of each (batch b,
+/// head h) of batch x heads with `groups` groups each; pair = b heads + h.
+template <class ExecSpace, class F>
+void for_each_group(const ExecSpace& exec, const char* label, int batch, int heads, int groups,
+                    F f) {
+  const std::int64_t pairs = std::int64_t(batch) * heads;
+  Kokkos::parallel_for(
+      label,
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, pairs * groups),
+      [=](const std::int64_t it) {
+        const std::size_t pair = std::size_t(it / groups);
+        f(int(it % groups), int(pair / std::size_t(heads)), int(pair % std::size_t(heads)), pair);
+      });
+}
+
 /// Fills `ops` from the fp32 packed query and key sides (values that are bf16
 /// values: exact). `buffers`: a single call's cached buffer to carve the
 /// operands from (nullptr: allocate them).
@@ -138,10 +153,9 @@ void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
                        AmxBackwardOperands<MemorySpace>& ops, Buffers* buffers = nullptr) {
   allocate_amx_backward(e, ops, buffers);
   const int da = ops.da, nq = ops.nq, nk = ops.nk;
-  const std::size_t bh = std::size_t(e.batch) * e.heads, bk = std::size_t(e.batch) * e.kv_heads;
   std::uint16_t* const qbase = ops.queries.data();
   std::uint16_t* const kbase = ops.keys.data();
-  const int queries = e.queries, nkeys = e.keys, heads = e.heads, kv_heads = e.kv_heads;
+  const int queries = e.queries, nkeys = e.keys;
   const int dp = int(rows.q.extent(3));
   const int vbk = int(keys.vt.extent(4));
   const std::size_t qs = ops.q_size(), ks = ops.k_size();
@@ -155,53 +169,39 @@ void pack_amx_backward(const ExecSpace& exec, const BlockExtents& e,
   auto do_bad = ops.do_bad;
   auto k_bad = ops.k_bad;
   // The query side: one group of 16 rows of one (batch, head) per iteration.
-  Kokkos::parallel_for(
-      "blockattn::pack_amx_queries",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
-                                                                      std::int64_t(bh) * (nq / 16)),
-      [=](const std::int64_t it) {
-        const int g = int(it % (nq / 16));
-        const std::size_t pair = std::size_t(it / (nq / 16));
-        const int h = int(pair % std::size_t(heads)), b = int(pair / std::size_t(heads));
-        std::uint16_t* const qb = qbase + 4 * pair * qs;
-        std::uint16_t* const dob = qb + qs;
-        std::uint16_t* const qv = dob + qs;
-        std::uint16_t* const dov = qv + qs;
-        // The group's 16 rows as bf16 bits (exact: the packed values are bf16 values).
-        alignas(64) std::uint16_t ql[16 * amx_bwd_max_dim], dl[16 * amx_bwd_max_dim];
-        for (int r = 0; r < 16; ++r) {
-          const int i = 16 * g + r;
-          const bool in = i < queries;
-          const int live = in ? (dp < da ? dp : da) : 0;
-          const float* const qr = in ? &q(b, h, i, 0) : nullptr;
-          const float* const dr = in ? &dout(b, h, i, 0) : nullptr;
-          for (int d = 0; d < live; ++d) {
-            ql[r * da + d] = amx_bits(qr[d]);
-            dl[r * da + d] = amx_bits(dr[d]);
-          }
-          for (int d = live; d < da; ++d) ql[r * da + d] = dl[r * da + d] = 0;
-          lse2p(pair * nq + i) = in ? lse2(b, h, i) : -infinity<float>();
-          drowp(pair * nq + i) = in ? drow(b, h, i) : 0.0f;
-        }
-        bool bad_q, bad_do;
-        amx_store_query_rows(ql, dl, da, nq, 16 * g, qb, dob, qv, dov, bad_q, bad_do);
-        q_bad(pair * (nq / 16) + g) = bad_q;
-        do_bad(pair * (nq / 16) + g) = bad_do;
-      });
+  for_each_group(exec, "blockattn::pack_amx_queries", e.batch, e.heads, nq / 16,
+                 [=](const int g, const int b, const int h, const std::size_t pair) {
+                   std::uint16_t* const qb = qbase + 4 * pair * qs;  // then dO^T, Q, dO: qs apart
+                   std::uint16_t *const dob = qb + qs, *const qv = dob + qs, *const dov = qv + qs;
+                   // The group's 16 rows as bf16 bits (exact: the packed values are bf16 values).
+                   alignas(64) std::uint16_t ql[16 * amx_bwd_max_dim], dl[16 * amx_bwd_max_dim];
+                   for (int r = 0; r < 16; ++r) {
+                     const int i = 16 * g + r;
+                     const bool in = i < queries;
+                     const int live = in ? (dp < da ? dp : da) : 0;
+                     const float* const qr = in ? &q(b, h, i, 0) : nullptr;
+                     const float* const dr = in ? &dout(b, h, i, 0) : nullptr;
+                     for (int d = 0; d < live; ++d) {
+                       ql[r * da + d] = amx_bits(qr[d]);
+                       dl[r * da + d] = amx_bits(dr[d]);
+                     }
+                     for (int d = live; d < da; ++d) ql[r * da + d] = dl[r * da + d] = 0;
+                     lse2p(pair * nq + i) = in ? lse2(b, h, i) : -infinity<float>();
+                     drowp(pair * nq + i) = in ? drow(b, h, i) : 0.0f;
+                   }
+                   bool bad_q, bad_do;
+                   amx_store_query_rows(ql, dl, da, nq, 16 * g, qb, dob, qv, dov, bad_q, bad_do);
+                   q_bad(pair * (nq / 16) + g) = bad_q;
+                   do_bad(pair * (nq / 16) + g) = bad_do;
+                 });
   auto kr = keys.k;
   auto vt = keys.vt;
   // The key side: one group of 16 keys of one (batch, kv head) per iteration.
-  Kokkos::parallel_for(
-      "blockattn::pack_amx_keys",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
-                                                                      std::int64_t(bk) * (nk / 16)),
-      [=](const std::int64_t it) {
-        const int g = int(it % (nk / 16));
-        const std::size_t pair = std::size_t(it / (nk / 16));
-        const int hk = int(pair % std::size_t(kv_heads)), b = int(pair / std::size_t(kv_heads));
-        std::uint16_t* const ka = kbase + 3 * pair * ks;
-        std::uint16_t* const va = ka + ks;
-        std::uint16_t* const kt = va + ks;
+  for_each_group(
+      exec, "blockattn::pack_amx_keys", e.batch, e.kv_heads, nk / 16,
+      [=](const int g, const int b, const int hk, const std::size_t pair) {
+        std::uint16_t* const ka = kbase + 3 * pair * ks;  // then V, K^T: ks apart
+        std::uint16_t *const va = ka + ks, *const kt = va + ks;
         // 16 keys of K and V gathered here (K rows, V from its d-major
         // panels), then written as rows (K, V) and as 16-key runs of K^T.
         std::uint16_t kloc[16 * amx_bwd_max_dim], vloc[16 * amx_bwd_max_dim];
@@ -336,31 +336,27 @@ void amx_rowsum_d(const ExecSpace& exec, const DOV& dout, const OV& o, bool tile
   const int da = (dim + 31) / 32 * 32, groups = (queries + 31) / 32;
   auto drow = p.drow;
   const std::ptrdiff_t ds = std::ptrdiff_t(dout.stride(3)), os = std::ptrdiff_t(o.stride(3));
-  Kokkos::parallel_for("blockattn::amx_rowsum_d",
-                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, std::int64_t(p.q.extent(0)) * heads * groups),
-                       [=](const std::int64_t it) {
-                         const int g = int(it % groups), h = int((it / groups) % heads),
-                                   b = int(it / (std::int64_t(groups) * heads));
-                         std::uint16_t ob[32 * amx_bwd_max_dim], db[32 * amx_bwd_max_dim];
-                         for (int r = 0; r < 32; ++r) {
-                           const int i = 32 * g + r;
-                           const int live = i < queries ? dim : 0;
-                           if (live > 0) {
-                             const auto* const orow = &o(b, i, h, 0);
-                             const auto* const drow_ = &dout(b, i, h, 0);
-                             for (int x = 0; x < live; ++x) {
-                               ob[r * da + x] = orow[x * os].bits;
-                               db[r * da + x] = drow_[x * ds].bits;
-                             }
-                           }
-                           for (int x = live; x < da; ++x) ob[r * da + x] = db[r * da + x] = 0;
-                         }
-                         float d[32];
-                         amx_row_dots(ob, db, da, tiles, d);
-                         for (int r = 0; r < 32 && 32 * g + r < queries; ++r)
-                           drow(b, h, 32 * g + r) = d[r];
-                       });
+  for_each_group(exec, "blockattn::amx_rowsum_d", int(p.q.extent(0)), heads, groups,
+                 [=](const int g, const int b, const int h, std::size_t) {
+                   std::uint16_t ob[32 * amx_bwd_max_dim], db[32 * amx_bwd_max_dim];
+                   for (int r = 0; r < 32; ++r) {
+                     const int i = 32 * g + r;
+                     const int live = i < queries ? dim : 0;
+                     if (live > 0) {
+                       const auto* const orow = &o(b, i, h, 0);
+                       const auto* const drow_ = &dout(b, i, h, 0);
+                       for (int x = 0; x < live; ++x) {
+                         ob[r * da + x] = orow[x * os].bits;
+                         db[r * da + x] = drow_[x * ds].bits;
+                       }
+                     }
+                     for (int x = live; x < da; ++x) ob[r * da + x] = db[r * da + x] = 0;
+                   }
+                   float d[32];
+                   amx_row_dots(ob, db, da, tiles, d);
+                   for (int r = 0; r < 32 && 32 * g + r < queries; ++r)
+                     drow(b, h, 32 * g + r) = d[r];
+                 });
 }
 
 /// pack_amx_backward straight from the caller's bf16 views (the
@@ -378,9 +374,7 @@ void pack_amx_backward_views(const ExecSpace& exec, const BlockExtents& e, const
                              Buffers* buffers = nullptr) {
   allocate_amx_backward(e, ops, buffers);
   const int da = ops.da, nq = ops.nq, nk = ops.nk;
-  const int queries = e.queries, nkeys = e.keys, heads = e.heads, kv_heads = e.kv_heads;
-  const int dim = e.dim;
-  const std::size_t bh = std::size_t(e.batch) * e.heads, bk = std::size_t(e.batch) * e.kv_heads;
+  const int queries = e.queries, nkeys = e.keys, dim = e.dim;
   const std::size_t qs = ops.q_size(), ks = ops.k_size();
   std::uint16_t* const qbase = ops.queries.data();
   std::uint16_t* const kbase = ops.keys.data();
@@ -400,69 +394,55 @@ void pack_amx_backward_views(const ExecSpace& exec, const BlockExtents& e, const
   };
   // The query side: one group of 32 rows of one (batch, head) per iteration
   // (amx_row_dots sums D of 32 rows at once).
-  Kokkos::parallel_for(
-      "blockattn::pack_amx_queries",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
-                                                                      std::int64_t(bh) * (nq / 32)),
-      [=](const std::int64_t it) {
-        const int g = int(it % (nq / 32));
-        const std::size_t pair = std::size_t(it / (nq / 32));
-        const int h = int(pair % std::size_t(heads)), b = int(pair / std::size_t(heads));
-        std::uint16_t* const qb = qbase + 4 * pair * qs;
-        std::uint16_t* const dob = qb + qs;
-        std::uint16_t* const qv = dob + qs;
-        std::uint16_t* const dov = qv + qs;
-        alignas(64) std::uint16_t ql[32 * amx_bwd_max_dim], dl[32 * amx_bwd_max_dim],
-            ol[32 * amx_bwd_max_dim];
-        for (int r = 0; r < 32; ++r) {
-          const int i = 32 * g + r;
-          const int live = i < queries ? dim : 0;
-          const std::size_t at = std::size_t(r) * da;
-          gather_row(ql + at, live > 0 ? &q(b, i, h, 0) : nullptr, sq, live);
-          gather_row(dl + at, live > 0 ? &dout(b, i, h, 0) : nullptr, sd, live);
-          gather_row(ol + at, live > 0 ? &o(b, i, h, 0) : nullptr, so, live);
-        }
-        float dsum[32];
-        amx_row_dots(ol, dl, da, tiles, dsum);
-        for (int s = 0; s < 2; ++s) {
-          const int i0 = 32 * g + 16 * s;  // the 16-row group's first row
-          const std::uint16_t* const q16 = ql + std::size_t(16 * s) * da;
-          const std::uint16_t* const d16 = dl + std::size_t(16 * s) * da;
-          bool bad_q, bad_do;
-          amx_store_query_rows(q16, d16, da, nq, i0, qb, dob, qv, dov, bad_q, bad_do);
-          q_bad[pair * (nq / 16) + i0 / 16] = bad_q;
-          do_bad[pair * (nq / 16) + i0 / 16] = bad_do;
-        }
-        for (int r = 0; r < 32; ++r) {
-          const int i = 32 * g + r;
-          const bool in = i < queries;
-          lse2p[pair * nq + i] = in ? float(lse(b, h, i)) * log2e<float> : -infinity<float>();
-          drowp[pair * nq + i] = in ? dsum[r] : 0.0f;
-        }
-      });
+  for_each_group(exec, "blockattn::pack_amx_queries", e.batch, e.heads, nq / 32,
+                 [=](const int g, const int b, const int h, const std::size_t pair) {
+                   std::uint16_t* const qb = qbase + 4 * pair * qs;  // then dO^T, Q, dO: qs apart
+                   std::uint16_t *const dob = qb + qs, *const qv = dob + qs, *const dov = qv + qs;
+                   alignas(64) std::uint16_t ql[32 * amx_bwd_max_dim], dl[32 * amx_bwd_max_dim],
+                       ol[32 * amx_bwd_max_dim];
+                   for (int r = 0; r < 32; ++r) {
+                     const int i = 32 * g + r;
+                     const int live = i < queries ? dim : 0;
+                     const std::size_t at = std::size_t(r) * da;
+                     gather_row(ql + at, live > 0 ? &q(b, i, h, 0) : nullptr, sq, live);
+                     gather_row(dl + at, live > 0 ? &dout(b, i, h, 0) : nullptr, sd, live);
+                     gather_row(ol + at, live > 0 ? &o(b, i, h, 0) : nullptr, so, live);
+                   }
+                   float dsum[32];
+                   amx_row_dots(ol, dl, da, tiles, dsum);
+                   for (int s = 0; s < 2; ++s) {
+                     const int i0 = 32 * g + 16 * s;  // the 16-row group's first row
+                     const std::uint16_t* const q16 = ql + std::size_t(16 * s) * da;
+                     const std::uint16_t* const d16 = dl + std::size_t(16 * s) * da;
+                     bool bad_q, bad_do;
+                     amx_store_query_rows(q16, d16, da, nq, i0, qb, dob, qv, dov, bad_q, bad_do);
+                     q_bad[pair * (nq / 16) + i0 / 16] = bad_q;
+                     do_bad[pair * (nq / 16) + i0 / 16] = bad_do;
+                   }
+                   for (int r = 0; r < 32; ++r) {
+                     const int i = 32 * g + r;
+                     const bool in = i < queries;
+                     lse2p[pair * nq + i] =
+                         in ? float(lse(b, h, i)) * log2e<float> : -infinity<float>();
+                     drowp[pair * nq + i] = in ? dsum[r] : 0.0f;
+                   }
+                 });
   const std::ptrdiff_t sk = k.stride(3), sv = v.stride(3);
   // The key side: one group of 16 keys of one (batch, kv head) per iteration.
-  Kokkos::parallel_for(
-      "blockattn::pack_amx_keys",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
-                                                                      std::int64_t(bk) * (nk / 16)),
-      [=](const std::int64_t it) {
-        const int g = int(it % (nk / 16));
-        const std::size_t pair = std::size_t(it / (nk / 16));
-        const int hk = int(pair % std::size_t(kv_heads)), b = int(pair / std::size_t(kv_heads));
-        std::uint16_t* const ka = kbase + 3 * pair * ks;
-        std::uint16_t* const va = ka + ks;
-        std::uint16_t* const kt = va + ks;
-        const int n0 = 16 * g;
-        std::uint16_t kl[16 * amx_bwd_max_dim], vl[16 * amx_bwd_max_dim];
-        for (int i = 0; i < 16; ++i) {
-          const int n = n0 + i;
-          const int live = n < nkeys ? dim : 0;
-          gather_row(kl + i * da, live > 0 ? &k(b, n, hk, 0) : nullptr, sk, live);
-          gather_row(vl + i * da, live > 0 ? &v(b, n, hk, 0) : nullptr, sv, live);
-        }
-        k_bad[pair * (nk / 16) + g] = amx_store_key_rows(kl, vl, da, nk, n0, ka, va, kt);
-      });
+  for_each_group(exec, "blockattn::pack_amx_keys", e.batch, e.kv_heads, nk / 16,
+                 [=](const int g, const int b, const int hk, const std::size_t pair) {
+                   std::uint16_t* const ka = kbase + 3 * pair * ks;  // then V, K^T: ks apart
+                   std::uint16_t *const va = ka + ks, *const kt = va + ks;
+                   const int n0 = 16 * g;
+                   std::uint16_t kl[16 * amx_bwd_max_dim], vl[16 * amx_bwd_max_dim];
+                   for (int i = 0; i < 16; ++i) {
+                     const int n = n0 + i;
+                     const int live = n < nkeys ? dim : 0;
+                     gather_row(kl + i * da, live > 0 ? &k(b, n, hk, 0) : nullptr, sk, live);
+                     gather_row(vl + i * da, live > 0 ? &v(b, n, hk, 0) : nullptr, sv, live);
+                   }
+                   k_bad[pair * (nk / 16) + g] = amx_store_key_rows(kl, vl, da, nk, n0, ka, va, kt);
+                 });
 }
 #endif  // BLOCKATTN_AMX_BACKWARD
 

@@ -78,15 +78,20 @@ auto as_pair_out3(const View& x) {
 }
 
 /// A call of kind Call (ForwardPairCall, BackwardPairCall) of storage V on
-/// ExecSpace, with the fields both kinds share; the built-in position maps
-/// as AffinePositions (canonical_positions).
+/// ExecSpace, with the fields both kinds share (q, k, v among them); the
+/// built-in position maps as AffinePositions (canonical_positions).
 template <template <class, class, class, class, class> class Call, class ExecSpace, class V,
-          class Mask, class QP, class KP, class T>
-auto pair_call(const BlockExtents& e, const Mask& mask, const QP& qpos, const KP& kpos, T scale) {
+          class QV, class KV, class VV, class Mask, class QP, class KP, class T>
+auto pair_call(const BlockExtents& e, const QV& q, const KV& k, const VV& v, const Mask& mask,
+               const QP& qpos, const KP& kpos, T scale) {
   using CQ = std::decay_t<decltype(canonical_positions(qpos))>;
   using CK = std::decay_t<decltype(canonical_positions(kpos))>;
-  Call<V, typename ExecSpace::memory_space, Mask, CQ, CK> c;
+  using mem = typename ExecSpace::memory_space;
+  Call<V, mem, Mask, CQ, CK> c;
   c.extents = e;
+  c.q = PairIn4<V, mem>(q);
+  c.k = PairIn4<V, mem>(k);
+  c.v = PairIn4<V, mem>(v);
   c.mask = mask;
   c.qpos = canonical_positions(qpos);
   c.kpos = canonical_positions(kpos);
@@ -103,11 +108,7 @@ bool user_forward(const ExecSpace& exec, const BlockExtents& e, const QV& q, con
                   const VV& v, const OV& o, const LV& lse, const Mask& mask, const QP& qpos,
                   const KP& kpos, T scale) {
   using V = typename QV::non_const_value_type;
-  using mem = typename ExecSpace::memory_space;
-  auto c = pair_call<ForwardPairCall, ExecSpace, V>(e, mask, qpos, kpos, scale);
-  c.q = PairIn4<V, mem>(q);
-  c.k = PairIn4<V, mem>(k);
-  c.v = PairIn4<V, mem>(v);
+  auto c = pair_call<ForwardPairCall, ExecSpace, V>(e, q, k, v, mask, qpos, kpos, scale);
   c.o = as_pair_out4(o);
   c.lse = as_pair_out3(lse);
   return BlockProductImplementation<ExecSpace, V, Mask>::forward(exec, c);
@@ -124,11 +125,8 @@ bool user_backward(const ExecSpace& exec, const BlockExtents& e, const QV& q, co
                    T scale) {
   using V = typename QV::non_const_value_type;
   using mem = typename ExecSpace::memory_space;
-  auto c = pair_call<BackwardPairCall, ExecSpace, V>(e, mask, qpos, kpos, scale);
-  c.q = PairIn4<V, mem>(q);
+  auto c = pair_call<BackwardPairCall, ExecSpace, V>(e, q, k, v, mask, qpos, kpos, scale);
   c.dout = PairIn4<V, mem>(dout);
-  c.k = PairIn4<V, mem>(k);
-  c.v = PairIn4<V, mem>(v);
   c.lse = PairIn3<T, mem>(lse);
   c.delta = PairIn3<T, mem>(delta);
   c.dq = as_pair_out4(dq);

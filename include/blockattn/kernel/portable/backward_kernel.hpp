@@ -9,11 +9,11 @@
 //   dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K.
 // S and dP are computed twice (once per kernel): 7 tile products instead of
 // FlashAttention-2's 5, in exchange for deterministic results without atomics.
-//   FusedKernel  one team per (batch, kv head): all three gradients with 5 tile
-//                products, the team owning every query row of its GQA group so
-//                that it adds dS K into their dQ accumulators without atomics.
-//                Used on host spaces when there are enough (batch, kv head)
-//                pairs for the threads; bitwise the same results.
+// KeyKernel with `fused` (one team per (batch, kv head, slice)) computes all
+// three gradients with 5 tile products, the team owning every query row of its
+// GQA group so that it adds dS K into their dQ accumulators without atomics.
+// Used on host spaces when there are enough (batch, kv head) pairs for the
+// threads; bitwise the same results.
 #pragma once
 
 #include <blockattn/core/config.hpp>
@@ -23,6 +23,7 @@
 #include <blockattn/kernel/impl/mask_columns.hpp>
 #include <blockattn/kernel/portable/micro_gemm.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
+#include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/score.hpp>
 
@@ -35,7 +36,7 @@ namespace blockattn::impl {
 /// turns S and dP of one (query tile, key tile) into P and dS in scratch.
 template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
           class GS = T>
-struct BackwardCommon {
+struct BackwardCommon : BlockExtents {
   using memory_space = typename ExecSpace::memory_space;
   using policy_type = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_type = typename policy_type::member_type;
@@ -52,15 +53,12 @@ struct BackwardCommon {
   static_assert(BK % MR == 0,
                 "BlockAttn: backward tile shape: block_k must be a multiple of micro_rows");
 
-  typename PackedQueries<T, memory_space>::row_view qrows, dorows;  // packed query side
-  typename PackedQueries<T, memory_space>::vec_view lse2v, drv;
-  typename PackedKeys<T, memory_space>::panel_view kt, vt;
-  typename PackedKeys<T, memory_space>::row_view krows;
+  PackedQueries<T, memory_space> qside;  // the packed query side: Q, dO, LSE log2 e, D
+  PackedKeys<T, memory_space> kside;     // the packed key side: K^T, V^T panels, K rows
   Mask mask;
   QPos qpos;
   KPos kpos;
-  int batch = 0, heads = 0, kv_heads = 0, queries = 0, keys = 0, dim = 0, dim_padded = 0;
-  int group = 1, q_tiles = 0, k_tiles = 0, scratch_level = 0;
+  int dim_padded = 0, group = 1, q_tiles = 0, k_tiles = 0, scratch_level = 0;
   bool accumulate = false;  // add to dq / dk / dv instead of overwriting
   T scale = T(1);
 
@@ -92,7 +90,8 @@ struct BackwardCommon {
     const T *q, *dout, *lse2, *drow;
   };
   KOKKOS_INLINE_FUNCTION QueryTile query_tile(int b, int h, int q0) const {
-    return QueryTile{&qrows(b, h, q0, 0), &dorows(b, h, q0, 0), &lse2v(b, h, q0), &drv(b, h, q0)};
+    return QueryTile{&qside.q(b, h, q0, 0), &qside.dout(b, h, q0, 0), &qside.lse2(b, h, q0),
+                     &qside.drow(b, h, q0)};
   }
 
   /// S = Q K^T into ss and dP = dO V^T into dps, then P into ss and dS into dps.
@@ -102,8 +101,8 @@ struct BackwardCommon {
                                         const T* qs, const T* dos, const T* lse2, const T* dr,
                                         T* ss, T* dps) const {
     const int p = dp();
-    const T* const kt_tile = &kt(b, hk, kb, 0, 0);
-    const T* const vt_tile = &vt(b, hk, kb, 0, 0);
+    const T* const kt_tile = &kside.kt(b, hk, kb, 0, 0);
+    const T* const vt_tile = &kside.vt(b, hk, kb, 0, 0);
     Kokkos::parallel_for(
         Kokkos::TeamThreadRange(team, 2 * (BQ / MR) * (BK / NR)), [&](const int t) {
           const int which = t / ((BQ / MR) * (BK / NR)), u = t % ((BQ / MR) * (BK / NR));
@@ -279,6 +278,37 @@ struct BackwardCommon {
       }
   }
 
+  /// dQ (BQ, p) += dS (BQ, BK) K (BK, p) on micro tile u of a tile pair (dS
+  /// query-major at dps, K rows at k_tile, dQ rows p apart at dq); the select
+  /// form where K holds an inf or NaN.
+  KOKKOS_INLINE_FUNCTION static void dq_micro_tile(int u, int p, const Poisoned& bad, const T* dps,
+                                                   const T* k_tile, T* dq, const T* ones) {
+    const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
+    if (bad.k)
+      select_gemm(dps + r0 * BK, k_tile + c0, p, dq + r0 * p + c0, p);
+    else
+      micro_gemm<MR, NRO, BK, isa>(BK, dps + r0 * BK, BK, k_tile + c0, p, dq + r0 * p + c0, p,
+                                   ones + r0);
+  }
+  /// Micro tile t of `tiles` x 2 of a tile pair: dV (BK, p) += P^T dO for t <
+  /// tiles, else dK (BK, p) += dS^T Q (P at ss, dS at dps, query-major; the
+  /// sums rows p apart at dva, dka); the select form where Q / dO holds an
+  /// inf or NaN.
+  KOKKOS_INLINE_FUNCTION static void dkv_micro_tile(int t, int tiles, int p, const Poisoned& bad,
+                                                    const T* ss, const T* dps, const T* qs,
+                                                    const T* dos, T* dka, T* dva) {
+    const bool dv_side = t < tiles;
+    const int u = dv_side ? t : t - tiles;
+    const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
+    const T* const a = (dv_side ? ss : dps) + r0;
+    const T* const b = (dv_side ? dos : qs) + c0;
+    T* const c = (dv_side ? dva : dka) + r0 * p + c0;
+    if (dv_side ? bad.dout : bad.q)
+      select_gemm_at(a, b, p, c, p);
+    else
+      micro_gemm_at<MR, NRO, BQ, isa>(BQ, a, BK, b, p, c, p);
+  }
+
   KOKKOS_INLINE_FUNCTION TileKind classify(int q0, int q_rows, int k0, int k_rows) const {
     return mask.classify(qpos(q0), qpos(q0 + q_rows - 1) + 1, kpos(k0), kpos(k0 + k_rows - 1) + 1);
   }
@@ -289,10 +319,30 @@ struct BackwardCommon {
   }
 };
 
-/// dK and dV of one key tile (kv head hk) over all query tiles of its group.
-template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
-          class GS = T>
-struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS> {
+/// Which gradients a BackwardKernel computes.
+enum class BackwardSide { queries, keys };
+
+/// The backward kernels, a team per tile of one side:
+///
+/// BackwardSide::queries (QueryKernel): dQ of one query tile over all key
+/// tiles, a team per (batch, head, query tile).
+///
+/// BackwardSide::keys (KeyKernel): dK and dV of key tiles of one (batch, kv
+/// head) over all query tiles of its GQA group: a team per (batch, kv head,
+/// slice) takes the key tiles slice, slice + slices, .. (slices = k_tiles: a
+/// team per key tile). With `fused`, dQ too, with 5 tile products per tile
+/// pair (S, dP, dV += P^T dO, dK += dS^T Q, dQ += dS K): dQ accumulates in
+/// `dqacc` (slices x batch, head, queries_padded, dim_padded; zero on entry,
+/// unscaled), which finish_dq() sums over the slices and scales into dq; each
+/// slice has its own dQ accumulator (several slices: for fewer (batch, kv
+/// head) pairs than threads). Every sum of dK and dV runs in one order (heads,
+/// then query tiles ascending, the same micro tiles) whatever the slices and
+/// `fused`, and with one slice dQ's runs in QueryKernel's (key tiles
+/// ascending): the fused results are bitwise those of the two-kernel path;
+/// with several slices dQ adds the slices' partial sums.
+template <BackwardSide Side, class ExecSpace, class T, int StaticD, class Shape, class Mask,
+          class QPos, class KPos, class GS = T>
+struct BackwardKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS> {
   using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS>;
   using Base::BK;
   using Base::BQ;
@@ -300,10 +350,18 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
   using Base::NRO;
   using typename Base::member_type;
   using typename Base::out4;
-  out4 dk, dv;  // (batch, keys, kv_heads, dim)
+  out4 dq;      // queries: (batch, queries, heads, dim)
+  out4 dk, dv;  // keys: (batch, keys, kv_heads, dim)
+  typename PackedQueries<T, typename Base::memory_space>::row_view dqacc;
+  int slices = 1;      // keys: teams per (batch, kv head), each with its own dQ accumulator
+  bool fused = false;  // keys: dQ too (into dqacc)
 
-  static std::size_t scratch_bytes(int dim_padded) {
-    return (Base::tile_scratch_elems(dim_padded) + std::size_t(BK) * dim_padded) * sizeof(T);
+  /// Team scratch bytes; with_dq: a fused keys kernel.
+  static std::size_t scratch_bytes(int dim_padded, bool with_dq) {
+    const std::size_t extra = Side == BackwardSide::queries
+                                  ? std::size_t(BQ)
+                                  : std::size_t(BK) * dim_padded + (with_dq ? BQ : 0);
+    return (Base::tile_scratch_elems(dim_padded) + extra) * sizeof(T);
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
@@ -312,82 +370,14 @@ struct KeyKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos
 
   /// One team's work (operator(), inside a function of the shape's ISA).
   KOKKOS_INLINE_FUNCTION void run(const member_type& team) const {
-    const int p = this->dp();
-    const int league = team.league_rank();
-    const int kb = league % this->k_tiles;
-    const int hk = (league / this->k_tiles) % this->kv_heads;
-    const int b = league / (this->k_tiles * this->kv_heads);
-    const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
-    auto& sp = team.team_scratch(this->scratch_level);
-    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
-    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
-    T* dka = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
-    T* dva = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
-      dka[i] = T(0);
-      dva[i] = T(0);
-    });
-    team.team_barrier();
-    for (int g = 0; g < this->group; ++g) {
-      const int h = hk * this->group + g;
-      for (int qt = 0; qt < this->q_tiles; ++qt) {
-        const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
-        const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
-        if (kind == TileKind::empty) continue;
-        const auto qt_ = this->query_tile(b, h, q0);
-        const T *qs = qt_.q, *dos = qt_.dout;
-        this->tile_p_ds(team, b, h, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
-                        qt_.drow, ss, dps);
-        const auto bad = this->poisoned(team, kind, qs, dos, nullptr);
-        // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q   (P, dS stored query-major)
-        const int tiles = (BK / MR) * (p / NRO);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2 * tiles), [&](const int t) {
-          const int which = t / tiles, u = t % tiles;
-          const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
-          if (which == 0) {
-            if (bad.dout)
-              Base::select_gemm_at(ss + r0, dos + c0, p, dva + r0 * p + c0, p);
-            else
-              micro_gemm_at<MR, NRO, BQ, Base::isa>(BQ, ss + r0, BK, dos + c0, p, dva + r0 * p + c0,
-                                                    p);
-          } else {
-            if (bad.q)
-              Base::select_gemm_at(dps + r0, qs + c0, p, dka + r0 * p + c0, p);
-            else
-              micro_gemm_at<MR, NRO, BQ, Base::isa>(BQ, dps + r0, BK, qs + c0, p, dka + r0 * p + c0,
-                                                    p);
-          }
-        });
-        team.team_barrier();
-      }
-    }
-    this->store_key_rows(team, dk, dv, b, hk, k0, k_rows, dka, dva, p);
-  }
-};
-
-/// dQ of one query tile over all key tiles.
-template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
-          class GS = T>
-struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS> {
-  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS>;
-  using Base::BK;
-  using Base::BQ;
-  using Base::MR;
-  using Base::NRO;
-  using typename Base::member_type;
-  using typename Base::out4;
-  out4 dq;  // (batch, queries, heads, dim)
-
-  static std::size_t scratch_bytes(int dim_padded) {
-    return (Base::tile_scratch_elems(dim_padded) + BQ) * sizeof(T);
+    if constexpr (Side == BackwardSide::queries)
+      run_queries(team);
+    else
+      run_keys(team);
   }
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    run_in_isa<Base::isa>([&] { run(team); });
-  }
-
-  /// One team's work (operator(), inside a function of the shape's ISA).
-  KOKKOS_INLINE_FUNCTION void run(const member_type& team) const {
+  /// dQ of one query tile over all key tiles.
+  KOKKOS_INLINE_FUNCTION void run_queries(const member_type& team) const {
     const int p = this->dp();
     const int league = team.league_rank();
     const int qt = this->q_tiles - 1 - league % this->q_tiles;
@@ -407,7 +397,7 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
       for (int d = 0; d < p; ++d) dqa[r * p + d] = T(0);
     });
     team.team_barrier();
-    const T* const k_head = &this->krows(b, hk, 0, 0);
+    const T* const k_head = &this->kside.k(b, hk, 0, 0);
     for (int kb = 0; kb < this->k_tiles; ++kb) {
       const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
       const TileKind kind = this->classify(q0, q_rows, k0, k_rows);
@@ -417,12 +407,7 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
       const T* const k_tile = k_head + static_cast<std::ptrdiff_t>(k0) * p;
       const auto bad = this->poisoned(team, kind, nullptr, nullptr, k_tile);
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (BQ / MR) * (p / NRO)), [&](const int t) {
-        const int r0 = (t / (p / NRO)) * MR, c0 = (t % (p / NRO)) * NRO;
-        if (bad.k)
-          Base::select_gemm(dps + r0 * BK, k_tile + c0, p, dqa + r0 * p + c0, p);
-        else
-          micro_gemm<MR, NRO, BK, Base::isa>(BK, dps + r0 * BK, BK, k_tile + c0, p,
-                                             dqa + r0 * p + c0, p, ones + r0);
+        Base::dq_micro_tile(t, p, bad, dps, k_tile, dqa, ones);
       });
       team.team_barrier();
     }
@@ -437,43 +422,9 @@ struct QueryKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
       }
     });
   }
-};
 
-/// dQ, dK and dV of every key tile of one (batch, kv head) with 5 tile
-/// products per tile pair (S, dP, dV += P^T dO, dK += dS^T Q, dQ += dS K).
-/// dQ accumulates in `dqacc` (slices x batch, head, queries_padded,
-/// dim_padded; zero on entry, unscaled), which finish_dq() sums over the
-/// slices and scales into dq. With `slices` > 1, a team per (batch, kv head,
-/// slice) takes the key tiles slice, slice + slices, .. and its own dQ
-/// accumulator: for fewer (batch, kv head) pairs than threads. Every sum of dK
-/// and dV, and with one slice of dQ, runs in the order of QueryKernel (dQ: key
-/// tiles ascending) and KeyKernel (dK, dV: heads, then query tiles ascending)
-/// with the same micro tiles, so those results are bitwise those of the
-/// two-kernel path; with several slices dQ adds the slices' partial sums.
-template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
-          class GS = T>
-struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS> {
-  using Base = BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS>;
-  using Base::BK;
-  using Base::BQ;
-  using Base::MR;
-  using Base::NRO;
-  using typename Base::member_type;
-  using typename Base::out4;
-  out4 dk, dv;  // (batch, keys, kv_heads, dim)
-  typename PackedQueries<T, typename Base::memory_space>::row_view dqacc;
-  int slices = 1;  // teams per (batch, kv head), each with its own dQ accumulator
-
-  static std::size_t scratch_bytes(int dim_padded) {
-    return (Base::tile_scratch_elems(dim_padded) + std::size_t(BK) * dim_padded + BQ) * sizeof(T);
-  }
-
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    run_in_isa<Base::isa>([&] { run(team); });
-  }
-
-  /// One team's work (operator(), inside a function of the shape's ISA).
-  KOKKOS_INLINE_FUNCTION void run(const member_type& team) const {
+  /// dK and dV (and with `fused` dQ) of a team's key tiles.
+  KOKKOS_INLINE_FUNCTION void run_keys(const member_type& team) const {
     const int p = this->dp();
     const int slice = team.league_rank() % slices;
     const int pair = team.league_rank() / slices;
@@ -484,9 +435,10 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
     T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
     T* dka = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
     T* dva = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
-    T* ones = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) { ones[r] = T(1); });
-    const T* const k_head = &this->krows(b, hk, 0, 0);
+    T* ones = fused ? static_cast<T*>(sp.get_shmem(sizeof(T) * BQ)) : nullptr;
+    if (fused)
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) { ones[r] = T(1); });
+    const T* const k_head = &this->kside.k(b, hk, 0, 0);
     for (int kb = slice; kb < this->k_tiles; kb += slices) {
       const int k0 = kb * BK, k_rows = this->keys - k0 < BK ? this->keys - k0 : BK;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BK * p), [&](const int i) {
@@ -505,38 +457,15 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
           const T *qs = qt_.q, *dos = qt_.dout;
           this->tile_p_ds(team, b, h, hk, kb, q0, q_rows, k0, k_rows, kind, qs, dos, qt_.lse2,
                           qt_.drow, ss, dps);
-          const auto bad = this->poisoned(team, kind, qs, dos, k_tile);
-          T* const dq_tile = &dqacc(slice * this->batch + b, h, q0, 0);
-          const int kv_tiles = (BK / MR) * (p / NRO), q_tiles_ = (BQ / MR) * (p / NRO);
+          const auto bad = this->poisoned(team, kind, qs, dos, fused ? k_tile : nullptr);
+          T* const dq_tile = fused ? &dqacc(slice * this->batch + b, h, q0, 0) : nullptr;
+          const int kv_tiles = (BK / MR) * (p / NRO), q_tiles_ = fused ? (BQ / MR) * (p / NRO) : 0;
           Kokkos::parallel_for(
               Kokkos::TeamThreadRange(team, 2 * kv_tiles + q_tiles_), [&](const int t) {
-                if (t < 2 * kv_tiles) {
-                  // dV (BK, p) += P^T dO;  dK (BK, p) += dS^T Q
-                  const int which = t / kv_tiles, u = t % kv_tiles;
-                  const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
-                  if (which == 0) {
-                    if (bad.dout)
-                      Base::select_gemm_at(ss + r0, dos + c0, p, dva + r0 * p + c0, p);
-                    else
-                      micro_gemm_at<MR, NRO, BQ, Base::isa>(BQ, ss + r0, BK, dos + c0, p,
-                                                            dva + r0 * p + c0, p);
-                  } else {
-                    if (bad.q)
-                      Base::select_gemm_at(dps + r0, qs + c0, p, dka + r0 * p + c0, p);
-                    else
-                      micro_gemm_at<MR, NRO, BQ, Base::isa>(BQ, dps + r0, BK, qs + c0, p,
-                                                            dka + r0 * p + c0, p);
-                  }
-                } else {
-                  // dQ (BQ, p) += dS (BQ, BK) K (BK, p)
-                  const int u = t - 2 * kv_tiles;
-                  const int r0 = (u / (p / NRO)) * MR, c0 = (u % (p / NRO)) * NRO;
-                  if (bad.k)
-                    Base::select_gemm(dps + r0 * BK, k_tile + c0, p, dq_tile + r0 * p + c0, p);
-                  else
-                    micro_gemm<MR, NRO, BK, Base::isa>(BK, dps + r0 * BK, BK, k_tile + c0, p,
-                                                       dq_tile + r0 * p + c0, p, ones + r0);
-                }
+                if (t < 2 * kv_tiles)
+                  Base::dkv_micro_tile(t, kv_tiles, p, bad, ss, dps, qs, dos, dka, dva);
+                else
+                  Base::dq_micro_tile(t - 2 * kv_tiles, p, bad, dps, k_tile, dq_tile, ones);
               });
           team.team_barrier();
         }
@@ -547,8 +476,17 @@ struct FusedKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos, KP
   }
 };
 
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class GS = T>
+using QueryKernel =
+    BackwardKernel<BackwardSide::queries, ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS>;
+template <class ExecSpace, class T, int StaticD, class Shape, class Mask, class QPos, class KPos,
+          class GS = T>
+using KeyKernel =
+    BackwardKernel<BackwardSide::keys, ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, GS>;
+
 /// dq = [dq +] scale * (sum over the slices of dqacc) on the valid rows (the
-/// first `queries` of dq, which may have more) and columns (FusedKernel's dQ;
+/// first `queries` of dq, which may have more) and columns (the fused KeyKernel's dQ;
 /// slice s holds rows s * batch .. of dqacc; slices added in ascending order).
 template <class ExecSpace, class T, class AccView, class DQV>
 void finish_dq(const ExecSpace& exec, const AccView& dqacc, const DQV& dq, int queries, T scale,

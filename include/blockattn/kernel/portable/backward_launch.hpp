@@ -31,7 +31,7 @@ struct BackwardBlock {
   /// Which kernels: chosen from the sizes and the threads (automatic), or
   /// forced (tests compare both; the fused one only runs on host spaces).
   enum class Kernels { automatic, split, fused } kernels = Kernels::automatic;
-  /// The fused kernel's teams per (batch, kv head) (FusedKernel::slices); 0:
+  /// The fused kernel's teams per (batch, kv head) (KeyKernel::slices with `fused`); 0:
   /// chosen with the kernels.
   int key_slices = 0;
   /// The packed operands hold bf16 values (bf16 inputs): on host spaces with
@@ -109,8 +109,9 @@ void launch_backward_amx(const ExecSpace& exec, const ForwardExtents& e,
       std::size_t(slices) * e.batch * e.heads * std::size_t(ops.da) * ops.nq);
   Kokkos::deep_copy(exec, dqt, 0.0f);
   K f;
-  f.queries = ops.queries.data();
-  f.keys = ops.keys.data();
+  static_cast<BlockExtents&>(f) = e;
+  f.q_ops = ops.queries.data();
+  f.k_ops = ops.keys.data();
   f.q_bad = ops.q_bad.data();
   f.do_bad = ops.do_bad.data();
   f.k_bad = ops.k_bad.data();
@@ -122,12 +123,6 @@ void launch_backward_amx(const ExecSpace& exec, const ForwardExtents& e,
   f.mask = mask;
   f.qpos = qpos;
   f.kpos = kpos;
-  f.batch = e.batch;
-  f.heads = e.heads;
-  f.kv_heads = e.kv_heads;
-  f.queries_n = e.queries;
-  f.keys_n = e.keys;
-  f.dim = e.dim;
   f.da = ops.da;
   f.nq = ops.nq;
   f.nk = ops.nk;
@@ -178,22 +173,12 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
     throw std::logic_error(
         "BlockAttn: matrix-engine operands given to a backward pair that does not run on it");
   auto setup = [&](auto& f) {
-    f.qrows = queries.q;
-    f.dorows = queries.dout;
-    f.lse2v = queries.lse2;
-    f.drv = queries.drow;
-    f.kt = keys.kt;
-    f.vt = keys.vt;
-    f.krows = keys.k;
+    static_cast<BlockExtents&>(f) = e;
+    f.qside = queries;
+    f.kside = keys;
     f.mask = mask;
     f.qpos = qpos;
     f.kpos = kpos;
-    f.batch = e.batch;
-    f.heads = e.heads;
-    f.kv_heads = e.kv_heads;
-    f.queries = e.queries;
-    f.keys = e.keys;
-    f.dim = e.dim;
     f.dim_padded = int(keys.k.extent(3));
     f.group = e.heads / e.kv_heads;
     f.q_tiles = (e.queries + Shape::block_q - 1) / Shape::block_q;
@@ -209,7 +194,7 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
     policy.set_scratch_size(f.scratch_level, Kokkos::PerTeam(bytes));
     Kokkos::parallel_for(label, policy, f);
   };
-  // One pass with 5 tile products (FusedKernel) when a team per (batch, kv
+  // One pass with 5 tile products (the fused KeyKernel) when a team per (batch, kv
   // head) keeps every thread busy: on host spaces, at least as many pairs as
   // threads and either a multiple of them or at least 4 per thread. Bitwise
   // the same results as the two kernels below.
@@ -232,19 +217,19 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
   using K = BackwardBlock::Kernels;
   if (is_host_space_v<ExecSpace> && blk.run_dq && blk.run_dkv && blk.kernels != K::split &&
       (busy || blk.kernels == K::fused || slices > 1)) {
-    using FK = FusedKernel<ExecSpace, T, SD, Shape, Mask, QPos, KPos, value_of<DKV>>;
-    FK f;
+    KK f;
     setup(f);
-    f.dk = typename FK::out4(dk);
-    f.dv = typename FK::out4(dv);
+    f.dk = typename KK::out4(dk);
+    f.dv = typename KK::out4(dv);
     f.accumulate = blk.accumulate_dkv;
     f.slices = slices;
+    f.fused = true;
     using acc_view = typename PackedQueries<T, typename ExecSpace::memory_space>::row_view;
     f.dqacc =
         allocate_view<acc_view>(buffers, "blockattn::dq_accumulator", std::size_t(slices) * e.batch,
                                 e.heads, f.q_tiles * Shape::block_q, f.dim_padded);
     Kokkos::deep_copy(exec, f.dqacc, T(0));
-    launch(f, pairs * slices, FK::scratch_bytes(f.dim_padded), "blockattn::backward_fused");
+    launch(f, pairs * slices, KK::scratch_bytes(f.dim_padded, true), "blockattn::backward_fused");
     finish_dq(exec, f.dqacc, dq, e.queries, scale, blk.accumulate_dq, slices);
     return;
   }
@@ -253,7 +238,7 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
     setup(f);
     f.dq = typename QK::out4(dq);
     f.accumulate = blk.accumulate_dq;
-    launch(f, e.batch * e.heads * f.q_tiles, QK::scratch_bytes(f.dim_padded),
+    launch(f, e.batch * e.heads * f.q_tiles, QK::scratch_bytes(f.dim_padded, false),
            "blockattn::backward_dq");
   }
   if (blk.run_dkv) {
@@ -262,7 +247,8 @@ void launch_backward(const ExecSpace& exec, const ForwardExtents& e,
     f.dk = typename KK::out4(dk);
     f.dv = typename KK::out4(dv);
     f.accumulate = blk.accumulate_dkv;
-    launch(f, e.batch * e.kv_heads * f.k_tiles, KK::scratch_bytes(f.dim_padded),
+    f.slices = f.k_tiles > 0 ? f.k_tiles : 1;  // a team per key tile
+    launch(f, e.batch * e.kv_heads * f.k_tiles, KK::scratch_bytes(f.dim_padded, false),
            "blockattn::backward_dkdv");
   }
 }

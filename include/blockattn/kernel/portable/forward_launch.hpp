@@ -67,6 +67,21 @@ bool forward_uses_matrix(HostMatrix setting) {
 }
 
 #if BLOCKATTN_HOST_AMX
+/// f(u, b, hk, kb, kd, vd) for key tile kb of each (batch b, kv head hk) of a
+/// block packed as pack_amx_kv's at dst (kp keys per head, head dim da): kd
+/// and vd are the head's K and V, u the tile's flat index.
+template <class ExecSpace, class F>
+void for_each_amx_kv_tile(const ExecSpace& exec, std::uint16_t* dst, int batch, int heads,
+                          int tiles, std::size_t kp, int da, F f) {
+  Kokkos::parallel_for(
+      "blockattn::pack_amx_kv", Kokkos::RangePolicy<ExecSpace>(exec, 0, batch * heads * tiles),
+      [=](const int u) {
+        const int kb = u % tiles, hk = (u / tiles) % heads, b = u / (tiles * heads);
+        std::uint16_t* const kd = dst + (std::size_t(b) * heads + hk) * 2 * kp * da;
+        f(u, b, hk, kb, kd, kd + kp * da);
+      });
+}
+
 /// K and V of a packed block (fp32 widenings of bf16 values) as the AMX
 /// forward reads them, per (batch, kv head) with kp = tiles * BK keys:
 ///   K (kp x da): for each 16-key chunk j, da / 2 VNNI rows p of the 16 keys'
@@ -93,18 +108,15 @@ Kokkos::View<std::uint16_t*, Kokkos::HostSpace> pack_amx_kv(
   auto v = kv.v;
   std::uint16_t* const dst = out.data();
   unsigned char* const flags = bad.data();
-  Kokkos::parallel_for(
-      "blockattn::pack_amx_kv", Kokkos::RangePolicy<ExecSpace>(exec, 0, batch * heads * tiles),
-      [=](const int u) {
-        const int kb = u % tiles, hk = (u / tiles) % heads, b = u / (tiles * heads);
-        std::uint16_t* const kd = dst + (std::size_t(b) * heads + hk) * 2 * kp * da;
-        std::uint16_t* const vd = kd + kp * da;
-        flags[u] =
-            amx_pack_tile(&kt(b, hk, kb, 0, 0), &v(b, hk, kb * BK, 0), BK, KP, vp, dp, da,
-                          kd + std::size_t(kb) * BK * da, vd + std::size_t(kb) * BK * 16, kp * 16)
-                ? 1
-                : 0;
-      });
+  for_each_amx_kv_tile(exec, dst, batch, heads, tiles, kp, da,
+                       [=](const int u, const int b, const int hk, const int kb,
+                           std::uint16_t* const kd, std::uint16_t* const vd) {
+                         flags[u] = amx_pack_tile(&kt(b, hk, kb, 0, 0), &v(b, hk, kb * BK, 0), BK,
+                                                  KP, vp, dp, da, kd + std::size_t(kb) * BK * da,
+                                                  vd + std::size_t(kb) * BK * 16, kp * 16)
+                                        ? 1
+                                        : 0;
+                       });
   return out;
 }
 
@@ -133,12 +145,10 @@ Kokkos::View<std::uint16_t*, Kokkos::HostSpace> pack_amx_kv_views(
   const bool fast_k = ks == 1 && dim % 32 == 0 && dim == da && k_key % 2 == 0 &&
                       reinterpret_cast<std::uintptr_t>(k.data()) % 4 == 0;
   const bool fast_v = vs == 1 && dim % 16 == 0;
-  Kokkos::parallel_for(
-      "blockattn::pack_amx_kv", Kokkos::RangePolicy<ExecSpace>(exec, 0, batch * heads * tiles),
-      [=](const int u) {
-        const int kb = u % tiles, hk = (u / tiles) % heads, b = u / (tiles * heads);
-        std::uint16_t* const kd = dst + (std::size_t(b) * heads + hk) * 2 * kp * da;
-        std::uint16_t* const vd = kd + kp * da;
+  for_each_amx_kv_tile(
+      exec, dst, batch, heads, tiles, kp, da,
+      [=](const int u, const int b, const int hk, const int kb, std::uint16_t* const kd,
+          std::uint16_t* const vd) {
         for (int j = kb * bk / 16; j < (kb + 1) * bk / 16; ++j) {
           std::uint16_t* const kj = kd + std::size_t(j) * 16 * da;
           if (fast_k && 16 * j + 15 < keys) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -69,15 +70,22 @@ inline double backward_tile_seconds(const Problem& p, const Hardware& hw, const 
   return (double(t.full) + hw.backward_partial_cost() * double(t.partial)) * per_tile / rate;
 }
 
-/// `pr` named for Partition x Schedule; why Partition cannot split N over P
-/// or the schedule does not take the partition with this mask, or "".
+/// Starts a prediction: `pr` named for Partition x Schedule and `p` the
+/// problem with buffers sized for the longest rank (as the run's). The
+/// invalid prediction where Partition cannot split N over P or the schedule
+/// does not take the partition with this mask, else nothing.
 template <class Partition, class Schedule, class Mask>
-std::string name_prediction(Prediction& pr, const Problem& problem) {
+std::optional<Prediction> start_prediction(Prediction& pr, const Problem& problem, Problem& p) {
   // One static_assert per missing member of the schedule (impl::check_schedule).
   static_assert(sizeof(impl::schedule_complete<Schedule>) > 0, "");
   pr.partition = Partition::name();
   pr.schedule = Schedule::name();
-  return layout_why_not<Partition, Schedule, Mask>(problem.N, problem.P);
+  if (std::string why = layout_why_not<Partition, Schedule, Mask>(problem.N, problem.P);
+      !why.empty())
+    return invalid(std::move(pr), std::move(why));
+  p = problem;
+  p.most = max_local_length<Partition>(p.N, p.P);
+  return std::nullopt;
 }
 
 /// The whole sequence on one rank, same kernel model, for p.pass.
@@ -101,10 +109,29 @@ Prediction finished(Prediction pr, const Problem& p, const Mask& mask, const Har
   return pr;
 }
 
-/// The caller's Views of a backward on a rank of the longest length: q, o,
-/// dO, dQ; k, v, dK, dV; LSE.
-inline std::int64_t backward_input_bytes(const Problem& p) {
-  return rows_bytes(p, 4 * p.heads + 4 * p.kv_heads, p.dim) + state_bytes(p);
+/// The caller's Views on a rank of the longest length: forward q, k, v, o,
+/// LSE; backward q, o, dO, dQ; k, v, dK, dV; LSE.
+inline std::int64_t input_bytes(const Problem& p, bool backward) {
+  const int per_head = backward ? 4 : 2;
+  return rows_bytes(p, per_head * p.heads + per_head * p.kv_heads, p.dim) + state_bytes(p);
+}
+
+/// The seconds of a head-parallel pass's all-to-alls, a2a(chunk bytes) each,
+/// chunks of chunk_row elements per head: in Q, K, V (backward: and O, dO,
+/// LSE), out O, LSE (backward: dQ, and dK, dV of kv_grad_bytes per element);
+/// hq, hk heads per rank, s the storage bytes, lse_chunk an LSE chunk's bytes.
+struct HeadAlltoalls {
+  double in = 0, out = 0;
+};
+template <class A2a>
+HeadAlltoalls head_alltoalls(const A2a& a2a, bool bwd, std::int64_t chunk_row, std::int64_t hq,
+                             std::int64_t hk, std::int64_t s, std::int64_t kv_grad_bytes,
+                             std::int64_t lse_chunk) {
+  const double lse = a2a(lse_chunk);
+  HeadAlltoalls r;
+  r.in = (bwd ? 3 : 1) * a2a(chunk_row * hq * s) + 2 * a2a(chunk_row * hk * s) + (bwd ? lse : 0.0);
+  r.out = a2a(chunk_row * hq * s) + (bwd ? 2 * a2a(chunk_row * hk * kv_grad_bytes) : lse);
+  return r;
 }
 
 /// Schedule::can_implement() for predict() and predict_backward(), from the
