@@ -23,6 +23,7 @@
 #include <blockattn/mpi_communicator.hpp>
 
 #include "../tools/cli_args.hpp"
+#include "mpi_main.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -234,13 +235,8 @@ void bench(Comm& comm, const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  // Every rank reads the same command line and meets the library's errors
-  // (collective checks) together: rank 0 prints, every rank exits 2.
-  const int rc =
-      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_balance", usage_text, rank == 0, [&] {
+  return bench_mpi::mpi_kokkos_main(
+      argc, argv, "blockattn_bench_balance", usage_text, [&](const int rank) {
         Args a;
         const std::string error = parse(argc, argv, a);
         if (!error.empty()) {
@@ -251,6 +247,4 @@ int main(int argc, char** argv) {
         bench(comm, a);
         return 0;
       });
-  MPI_Finalize();
-  return rc;
 }

@@ -21,6 +21,7 @@
 #include <blockattn/mpi_communicator.hpp>
 
 #include "../tools/cli_args.hpp"
+#include "mpi_main.hpp"
 
 #include <chrono>
 #include <cmath>
@@ -357,11 +358,8 @@ void run(Comm& comm, const Args& a, const Mask& mask) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const int rc =
-      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_plan", usage_text, rank == 0, [&] {
+  return bench_mpi::mpi_kokkos_main(
+      argc, argv, "blockattn_bench_plan", usage_text, [&](const int rank) {
         Args a;
         const std::string error = parse(argc, argv, a);
         if (!error.empty()) {  // every rank read the same command line
@@ -375,6 +373,4 @@ int main(int argc, char** argv) {
           run(comm, a, causal_window(a.window));
         return 0;
       });
-  MPI_Finalize();
-  return rc;
 }

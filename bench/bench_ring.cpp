@@ -18,6 +18,7 @@
 #include <blockattn/mpi_communicator.hpp>
 
 #include "../tools/cli_args.hpp"
+#include "mpi_main.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -191,11 +192,8 @@ command line or an error the library reports (printed by rank 0).
 )";
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const int rc =
-      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_ring", usage_text, rank == 0, [&] {
+  return bench_mpi::mpi_kokkos_main(
+      argc, argv, "blockattn_bench_ring", usage_text, [&](const int rank) {
         Comm comm(MPI_COMM_WORLD);
         bool mem = false, byt = false;
         int c = 4096, reps = 5;
@@ -242,6 +240,4 @@ int main(int argc, char** argv) {
           run(blockattn::fp16{});
         return 0;
       });
-  MPI_Finalize();
-  return rc;
 }

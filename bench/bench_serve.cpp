@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../tools/cli_args.hpp"
+#include "mpi_main.hpp"
 
 namespace {
 
@@ -164,11 +165,8 @@ library reports (printed by rank 0).
 )";
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const int rc =
-      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_serve", usage_text, rank == 0, [&] {
+  return bench_mpi::mpi_kokkos_main(
+      argc, argv, "blockattn_bench_serve", usage_text, [&](const int rank) {
         Comm comm(MPI_COMM_WORLD);
         int keys = 65536, batch = 1, reps = 5;
         std::string error;
@@ -201,6 +199,4 @@ int main(int argc, char** argv) {
         run<float>(comm, keys, batch, 32, 8, 128, reps);
         return 0;
       });
-  MPI_Finalize();
-  return rc;
 }

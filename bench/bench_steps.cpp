@@ -26,6 +26,7 @@
 #include <Kokkos_Random.hpp>
 
 #include "../tools/cli_args.hpp"
+#include "mpi_main.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -230,11 +231,8 @@ command line or an error the library reports (printed by rank 0).
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const int rc =
-      blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_steps", usage_text, rank == 0, [&] {
+  return bench_mpi::mpi_kokkos_main(
+      argc, argv, "blockattn_bench_steps", usage_text, [&](const int rank) {
         Comm comm(MPI_COMM_WORLD);
         bench_steps::Args a;
         std::string error;
@@ -291,6 +289,4 @@ int main(int argc, char** argv) {
           with(blockattn::RingSchedule{});
         return 0;
       });
-  MPI_Finalize();
-  return rc;
 }
