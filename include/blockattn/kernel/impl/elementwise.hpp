@@ -15,18 +15,31 @@
 
 namespace blockattn::impl {
 
+/// One element of combine_into: a = A(b) (converted) or a += b. (A class
+/// rather than `if constexpr` in the kernels' lambdas: nvcc rejects an
+/// extended lambda that first captures a variable inside `if constexpr`.)
+template <bool Add>
+struct Combine {
+  template <class A, class B>
+  KOKKOS_INLINE_FUNCTION static void apply(A& a, const B& b) {
+    a = A(b);
+  }
+};
+template <>
+struct Combine<true> {
+  template <class A, class B>
+  KOKKOS_INLINE_FUNCTION static void apply(A& a, const B& b) {
+    a += b;
+  }
+};
+
 /// a = b (Add false, converted) or a += b (Add true) for i < n of flat spans.
 template <bool Add, class ExecSpace, class TA, class TB>
 void combine_flat(const ExecSpace& exec, TA* const pa, const TB* const pb, const std::int64_t n) {
   Kokkos::parallel_for(
       Add ? "blockattn::add_into" : "blockattn::convert",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, n),
-      KOKKOS_LAMBDA(const std::int64_t i) {
-        if constexpr (Add)
-          pa[i] += pb[i];
-        else
-          pa[i] = TA(pb[i]);
-      });
+      KOKKOS_LAMBDA(const std::int64_t i) { Combine<Add>::apply(pa[i], pb[i]); });
 }
 
 /// a = b or a += b element-wise (see the top of this file). Same
@@ -37,7 +50,6 @@ template <bool Add, class ExecSpace, class AV, class BV>
 void combine_into(const ExecSpace& exec, const AV& a, const BV& b) {
   static_assert(unsigned(AV::rank) == 4 && unsigned(BV::rank) == 4,
                 "blockattn::impl::combine_into: rank-4 Views");
-  using TA = typename AV::non_const_value_type;
   const std::int64_t n1 = std::int64_t(a.extent(1)), n2 = std::int64_t(a.extent(2)),
                      n3 = std::int64_t(a.extent(3));
   const std::int64_t n = std::int64_t(a.extent(0)) * n1 * n2 * n3;
@@ -55,10 +67,7 @@ void combine_into(const ExecSpace& exec, const AV& a, const BV& b) {
       KOKKOS_LAMBDA(const std::int64_t i) {
         const std::int64_t d = i % n3, r = i / n3, h = r % n2, r2 = r / n2, q = r2 % n1,
                            bb = r2 / n1;
-        if constexpr (Add)
-          a(bb, q, h, d) += b(bb, q, h, d);
-        else
-          a(bb, q, h, d) = TA(b(bb, q, h, d));
+        Combine<Add>::apply(a(bb, q, h, d), b(bb, q, h, d));
       });
 }
 
