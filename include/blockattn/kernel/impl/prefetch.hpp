@@ -105,6 +105,37 @@ KOKKOS_FORCEINLINE_FUNCTION void prefetch_span_l2(const void* p, std::size_t byt
 #endif
 }
 
+/// The key and value rows of a decode kernel's next tile, asked for row by
+/// row (row(j): key j's K and V rows; every row at once: all()). The vector
+/// tile products ask for row j as their own loop reaches key j of the current
+/// tile, so the misses spread over the tile's arithmetic: one burst of every
+/// row before the tile (64 KB of requests for fp32 at D = 128) filled the
+/// core's miss buffers, stalled it until they drained and left memory idle
+/// during the arithmetic that followed (decode_prefetch_level's note).
+struct DecodePrefetch {
+  const char* k = nullptr;                 // key row 0 of the next tile
+  const char* v = nullptr;                 // value row 0
+  std::size_t k_stride = 0, v_stride = 0;  // bytes between rows
+  std::size_t bytes = 0;                   // bytes of one row
+  int rows = 0;                            // rows in the next tile (0: none)
+  int level = 0;                           // decode_prefetch_level's
+  KOKKOS_INLINE_FUNCTION void row(int j) const {
+    if (j >= rows) return;
+    const char* const kr = k + std::size_t(j) * k_stride;
+    const char* const vr = v + std::size_t(j) * v_stride;
+    if (level == 1) {
+      prefetch_span(kr, bytes);
+      prefetch_span(vr, bytes);
+    } else {
+      prefetch_span_l2(kr, bytes);
+      prefetch_span_l2(vr, bytes);
+    }
+  }
+  KOKKOS_INLINE_FUNCTION void all() const {
+    for (int j = 0; j < rows; ++j) row(j);
+  }
+};
+
 /// Whether the host CPU is AMD's (CPUID leaf 0), read once.
 inline bool host_cpu_is_amd() {
 #if BLOCKATTN_PREFETCH_CPUID
@@ -127,17 +158,26 @@ inline bool host_cpu_is_amd() {
 /// 1 into the first-level cache (prefetch_span), 2 into the second
 /// (prefetch_span_l2). `stream`: the rows of one kv head are adjacent in
 /// memory (a sequential stream the hardware prefetchers follow);
-/// `tile_bytes`: the keys and values of one tile. Measured (bench_decode,
-/// 2 threads, 65536 keys, best of 5, alternating binaries): on a Zen 4, with
-/// no software prefetch streams of tiles up to 16 KB ran up to 1.8x faster
-/// than with the first-level one, which displaced the tile being computed
-/// (bf16, 16 heads, D = 64: 13.3 -> 7.7 ms), 32 KB tiles (fp32, D = 128) ran
-/// best with the second-level one, and so did strided rows (batch, keys,
-/// heads, dim): 1.2-1.8x the first-level one's rate; on an AMX Xeon the
-/// first-level one had taken a stream from 0.89 to 1.07x (fp32) and 0.64 to
-/// 0.83x (bf16) the rate of a plain read of the same bytes.
-inline int decode_prefetch_level(bool stream, std::size_t tile_bytes) {
+/// `tile_bytes`: the keys and values of one tile; `spread`: the rows are
+/// asked for key by key inside the tile products (DecodePrefetch::row), not
+/// in one burst before the tile.
+///
+/// Measured with the burst (bench_decode, 2 threads, 65536 keys, best of 5,
+/// alternating binaries): on a Zen 4, with no software prefetch streams of
+/// tiles up to 16 KB ran up to 1.8x faster than with the first-level one,
+/// which displaced the tile being computed (bf16, 16 heads, D = 64: 13.3 ->
+/// 7.7 ms), 32 KB tiles (fp32, D = 128) ran best with the second-level one,
+/// and so did strided rows (batch, keys, heads, dim): 1.2-1.8x the
+/// first-level one's rate; on an AMX Xeon the first-level one had taken a
+/// stream from 0.89 to 1.07x (fp32) and 0.64 to 0.83x (bf16) the rate of a
+/// plain read of the same bytes. Spread, on a Zen 3 (1 thread, D = 128 and
+/// 64, fp32 and bf16, 8 to 32 heads, heads-major): the second-level one ran
+/// every shape 1.2-1.35x faster than none, 16 KB tiles included, and within
+/// 3 % of the first-level one; on AMD the spread requests go to the second
+/// level (the Zen 4's 16 KB rule was measured with the burst only).
+inline int decode_prefetch_level(bool stream, std::size_t tile_bytes, bool spread) {
   if (!host_cpu_is_amd()) return 1;
+  if (spread) return 2;
   return stream && tile_bytes <= (std::size_t(16) << 10) ? 0 : 2;
 }
 

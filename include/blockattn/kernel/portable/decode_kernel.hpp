@@ -176,10 +176,11 @@ struct DecodeKernel {
   Pos kpos;
   T scale_log2;  // scale * log2(e)
   DecodeGrid g;
-  bool unit = true;        // k, v, q rows contiguous in head_dim
-  int prefetch = 1;        // host: the next tile's rows (decode_prefetch_level)
-  HostIsa isa = host_isa;  // host: the vector ISA of the tile products (dispatched_host_isa)
-  bool bf16_dot = false;   // host, bf16: the AVX512-BF16 products (decode_bf16.hpp)
+  bool unit = true;         // k, v, q rows contiguous in head_dim
+  int prefetch = 1;         // host: the next tile's rows at once (decode_prefetch_level)
+  int prefetch_spread = 0;  // host: ... key by key in the vector tile products (0: at once)
+  HostIsa isa = host_isa;   // host: the vector ISA of the tile products (dispatched_host_isa)
+  bool bf16_dot = false;    // host, bf16: the AVX512-BF16 products (decode_bf16.hpp)
 
   /// Host spaces with fp32 compute: the explicit-vector tile products
   /// (decode_simd.hpp) where the keys and values have unit stride.
@@ -350,20 +351,23 @@ struct DecodeKernel {
         if (unit) {
           // The next tile's keys and values (prefetch.hpp): decode streams K
           // and V once, and the prefetch keeps the loads ahead of this tile's
-          // arithmetic (at the level decode_prefetch_level picked).
-          if (prefetch != 0 && j0 + KT < k_end) {
-            const int nn = int(k_end - (j0 + KT) < KT ? k_end - (j0 + KT) : KT);
-            const std::size_t bytes = std::size_t(D) * sizeof(S);
-            for (int j = 0; j < nn; ++j) {
-              const S* kr = &k(b, int(j0 + KT + j), kvh, 0);
-              const S* vr = &v(b, int(j0 + KT + j), kvh, 0);
-              if (prefetch == 1) {
-                prefetch_span(kr, bytes);
-                prefetch_span(vr, bytes);
-              } else {
-                prefetch_span_l2(kr, bytes);
-                prefetch_span_l2(vr, bytes);
-              }
+          // arithmetic (at the level decode_prefetch_level picked): asked for
+          // key by key by the vector products that read K in place, else at
+          // once here.
+          const bool spread =
+              !std::is_void<V>::value && !Dot && !widened_tiles && prefetch_spread != 0;
+          DecodePrefetch next;
+          next.level = spread ? prefetch_spread : prefetch;
+          if (next.level != 0 && j0 + KT < k_end) {
+            next.k = reinterpret_cast<const char*>(&k(b, int(j0 + KT), kvh, 0));
+            next.v = reinterpret_cast<const char*>(&v(b, int(j0 + KT), kvh, 0));
+            next.k_stride = std::size_t(k.stride(1)) * sizeof(S);
+            next.v_stride = std::size_t(v.stride(1)) * sizeof(S);
+            next.bytes = std::size_t(D) * sizeof(S);
+            next.rows = int(k_end - (j0 + KT) < KT ? k_end - (j0 + KT) : KT);
+            if (!spread) {
+              next.all();
+              next.rows = 0;
             }
           }
 #if BLOCKATTN_SIMD_KERNELS
@@ -377,10 +381,10 @@ struct DecodeKernel {
               for (int j = 0; j < nk; ++j)
                 load_row(kvw + std::size_t(j) * D, &k(b, int(j0 + j), kvh, 0), 1, D);
               decode_scores_simd<V>(qs, nr, static_cast<const T*>(kvw), std::size_t(D), nk, D, ss,
-                                    KT);
+                                    KT, DecodePrefetch{});
             } else {
               decode_scores_simd<V>(qs, nr, &k(b, int(j0), kvh, 0), std::size_t(k.stride(1)), nk, D,
-                                    ss, KT);
+                                    ss, KT, next);
             }
           } else
 #endif
