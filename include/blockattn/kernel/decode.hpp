@@ -228,12 +228,6 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     if constexpr (impl::is_host_space_v<ExecSpace>) {
       const bool stream = kern.unit && std::size_t(k.stride(1)) == std::size_t(e.dim) &&
                           std::size_t(v.stride(1)) == std::size_t(e.dim);
-      const std::size_t tile_bytes = 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S);
-      kern.prefetch = impl::decode_prefetch_level(stream, tile_bytes, false);
-      // Spread over the tile products where the rows stream; strided rows
-      // (sequence-major, several kv heads) kept the burst: spread, they ran
-      // 0.77-1.2x its rate on a Zen 3 (bench_decode, fp32 and bf16).
-      kern.prefetch_spread = stream ? impl::decode_prefetch_level(stream, tile_bytes, true) : 0;
       kern.isa = impl::dispatched_host_isa();
       // One row per kv head over keys that stream (heads-major, contiguous):
       // the read bounds the step, and the fp32 vectors ran it 5-8 % faster
@@ -242,6 +236,17 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
       // faster on the dot products (GQA groups 1.2-1.8x; decode_bf16.hpp).
       kern.bf16_dot = impl::decode_uses_bf16_dot<ExecSpace, S>(opts.host_matrix) &&
                       !(stream && g.group * g.rows == 1);
+      // bf16 rows that stream, on the fp32 vectors: tiles of 128 keys (each
+      // tile's fixed work over 4x the keys; a Zen 3, 65 536 keys, 8/8, 16/16
+      // and 32/8 heads, D = 64 and 128: 1.0-1.23x the rate of 32-key tiles;
+      // fp32 tiles of 64 or 128 keys ran 0.88-1.05x, so fp32 keeps 32).
+      if (std::is_same<S, bf16>::value && stream && !kern.bf16_dot) g.key_tile = 128;
+      const std::size_t tile_bytes = 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S);
+      kern.prefetch = impl::decode_prefetch_level(stream, tile_bytes, false);
+      // Spread over the tile products where the rows stream; strided rows
+      // (sequence-major, several kv heads) kept the burst: spread, they ran
+      // 0.77-1.2x its rate on a Zen 3 (bench_decode, fp32 and bf16).
+      kern.prefetch_spread = stream ? impl::decode_prefetch_level(stream, tile_bytes, true) : 0;
     }
     if (g.splits > 1) {
       const std::int64_t n = g.splits * g.state_rows();
