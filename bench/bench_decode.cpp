@@ -2,7 +2,9 @@
 // Decode benchmarks (serving): one query row per sequence against a long key
 // cache, split-KV on one device, as tokens/s and as GB/s of K/V read, next to
 // a plain read of the same bytes measured in the same run (decode is memory
-// bound: the read is its ceiling). --prefill: chunked prefill on one device,
+// bound: the read is its ceiling), and with --torch=FILE PyTorch's
+// scaled_dot_product_attention on the same shapes (bench/torch_decode.py,
+// same threads, just before). --prefill: chunked prefill on one device,
 // the decode kernel next to the forward's kernels and next to one
 // attention_forward call of the same rows and keys (its ceiling).
 #include <blockattn/blockattn.hpp>
@@ -14,7 +16,10 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <limits>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -66,9 +71,25 @@ double read_seconds(const V& a, const V& b, int reps) {
   });
 }
 
+/// PyTorch's decode times from bench/torch_decode.py: "<dtype> <heads|seq> B keys H Hkv D ms"
+/// per line, keyed by everything but the time.
+std::map<std::string, double> read_torch(const std::string& path) {
+  std::map<std::string, double> out;
+  std::ifstream in(path);
+  std::string dtype, cache;
+  int b = 0, n = 0, h = 0, hkv = 0, d = 0;
+  double ms = 0;
+  while (in >> dtype >> cache >> b >> n >> h >> hkv >> d >> ms) {
+    std::ostringstream key;
+    key << dtype << ' ' << cache << ' ' << b << ' ' << n << ' ' << h << ' ' << hkv << ' ' << d;
+    out[key.str()] = ms;
+  }
+  return out;
+}
+
 template <class T>
-void decode_rows(int batch, int keys, int heads, int kv_heads, int dim, int reps,
-                 bool heads_major) {
+void decode_rows(int batch, int keys, int heads, int kv_heads, int dim, int reps, bool heads_major,
+                 const std::map<std::string, double>& torch) {
   using CT = blockattn::compute_t<T>;
   Kokkos::View<T****, Kokkos::LayoutRight, Mem> q("q", batch, 1, heads, dim),
       o("o", batch, 1, heads, dim);
@@ -106,10 +127,18 @@ void decode_rows(int batch, int keys, int heads, int kv_heads, int dim, int reps
   });
   const double t_read = read_seconds(ks, vs, reps);
   const double bytes = 2.0 * double(ks.span()) * sizeof(T);
-  std::printf("%-5s %-5s %5d %7d %3d %3d %4d %10.3f %10.1f %9.2f %9.2f %6.2f\n",
+  std::ostringstream key;
+  key << blockattn::value_type_name<T>() << ' ' << (heads_major ? "heads" : "seq") << ' ' << batch
+      << ' ' << keys << ' ' << heads << ' ' << kv_heads << ' ' << dim;
+  const auto it = torch.find(key.str());
+  std::printf("%-5s %-5s %5d %7d %3d %3d %4d %10.3f %10.1f %9.2f %9.2f %6.2f",
               blockattn::value_type_name<T>(), heads_major ? "heads" : "seq", batch, keys, heads,
               kv_heads, dim, t_dec * 1e3, batch / t_dec, bytes / t_dec * 1e-9,
               bytes / t_read * 1e-9, t_read / t_dec);
+  if (it != torch.end())
+    std::printf(" %10.3f %7.2f\n", it->second, it->second / (t_dec * 1e3));
+  else
+    std::printf(" %10s %7s\n", "-", "-");
 }
 
 /// One prefill chunk of `rows` rows after `cached` tokens of one sequence
@@ -178,6 +207,9 @@ Decode (serving) benchmarks: one query row per sequence against a cache of
 tokens/s, GB/s of K/V read, and a plain read of the same bytes in the same run
 (read GB/s; ratio = decode's share of it).
   --keys N      cached keys per sequence [65536]
+  --torch=FILE  PyTorch's times of the same shapes (bench/torch_decode.py, same
+                threads, just before): columns torch ms and x torch (its time
+                / ours: above 1, ours is faster)
   --prefill     chunked prefill instead: chunks of 1 .. 1024 rows after 4096
                 and 16384 cached tokens (H = 8, kv heads 2, D = 128; fp32 and
                 bf16), ms with the decode kernel, with the forward's kernels
@@ -194,12 +226,16 @@ int main(int argc, char** argv) {
   return blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_decode", usage_text, true, [&] {
     int keys = 65536, batch = 1, reps = 5;
     bool prefill = false;
+    std::map<std::string, double> torch;
     std::string error;
     for (int i = 1; i < argc && error.empty(); ++i) {
       const std::string f = argv[i];
       if (f == "--prefill")
         prefill = true;
-      else if (f != "--keys" && f != "--batch" && f != "--reps")
+      else if (f.rfind("--torch=", 0) == 0) {
+        if (!std::ifstream(f.substr(8))) error = "cannot read " + f.substr(8) + " (--torch)";
+        torch = read_torch(f.substr(8));
+      } else if (f != "--keys" && f != "--batch" && f != "--reps")
         error = "unknown argument " + f + " (blockattn_bench_decode --help lists the flags)";
       else if (i + 1 >= argc)
         error = f + " needs a value";
@@ -234,15 +270,17 @@ int main(int argc, char** argv) {
     std::printf(
         "Decode, one query row per sequence, causal, %d threads (%s); host matrix "
         "engine %s (bf16 on AVX512-BF16 dot products where it is avx512-bf16; "
-        "BLOCKATTN_HOST_MATRIX=off: the fp32 vectors)\n",
-        Exec{}.concurrency(), Exec::name(), blockattn::host_matrix_engine().name());
-    std::printf("%-5s %-5s %5s %7s %3s %3s %4s %10s %10s %9s %9s %6s\n", "type", "cache", "B",
-                "keys", "H", "Hkv", "D", "ms/step", "tokens/s", "GB/s", "read GB/s", "ratio");
+        "BLOCKATTN_HOST_MATRIX=off: the fp32 vectors); PyTorch: %s\n",
+        Exec{}.concurrency(), Exec::name(), blockattn::host_matrix_engine().name(),
+        torch.empty() ? "not run" : "scaled_dot_product_attention, same run, same threads");
+    std::printf("%-5s %-5s %5s %7s %3s %3s %4s %10s %10s %9s %9s %6s %10s %7s\n", "type", "cache",
+                "B", "keys", "H", "Hkv", "D", "ms/step", "tokens/s", "GB/s", "read GB/s", "ratio",
+                "torch ms", "x torch");
     const int shapes[][3] = {{8, 8, 128}, {32, 8, 128}, {8, 1, 128}, {16, 16, 64}};
     for (const auto& s : shapes) {
       for (bool heads_major : {true, false}) {
-        decode_rows<float>(batch, keys, s[0], s[1], s[2], reps, heads_major);
-        decode_rows<blockattn::bf16>(batch, keys, s[0], s[1], s[2], reps, heads_major);
+        decode_rows<float>(batch, keys, s[0], s[1], s[2], reps, heads_major, torch);
+        decode_rows<blockattn::bf16>(batch, keys, s[0], s[1], s[2], reps, heads_major, torch);
       }
     }
     return 0;

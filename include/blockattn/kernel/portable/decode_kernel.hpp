@@ -40,16 +40,26 @@ namespace impl {
 inline constexpr int max_decode_splits = 64;
 
 /// How one decode launch cuts its work (host side).
+/// A team's rows are consecutive in the sequence's rows ordered (kv head,
+/// head of its group, query): row f is head f / rows, query f % rows, kv head
+/// f / (group * rows). Without cross_heads a team's rows share one kv head;
+/// with it (host spaces, sequence-major caches) they run on over the kv
+/// heads, and the team reads the adjacent rows of its kv heads key by key.
 struct DecodeGrid {
   int batch = 0, heads = 0, kv_heads = 0, rows = 0, dim = 0;
-  int group = 1;      // heads / kv_heads
-  int row_tile = 1;   // team rows (of the group x rows rows of one kv head)
-  int row_tiles = 1;  // ceil(group * rows / row_tile)
-  int key_tile = 32;  // keys per scratch tile
-  int splits = 1;     // key ranges per (sequence, kv head)
-  int team_size = 1;  // threads per team (1 on host spaces)
+  int group = 1;             // heads / kv_heads
+  int row_tile = 1;          // team rows
+  int row_tiles = 1;         // ceil(span_rows() / row_tile)
+  int key_tile = 32;         // keys per scratch tile
+  int splits = 1;            // key ranges per (sequence, kv head)
+  int team_size = 1;         // threads per team (1 on host spaces)
+  bool cross_heads = false;  // a team's rows may span kv heads
+  /// The rows the row tiles cut: one kv head's group, or the sequence's.
+  KOKKOS_INLINE_FUNCTION int span_rows() const {
+    return group * rows * (cross_heads ? kv_heads : 1);
+  }
   KOKKOS_INLINE_FUNCTION std::int64_t league() const {
-    return std::int64_t(batch) * kv_heads * row_tiles * splits;
+    return std::int64_t(batch) * (cross_heads ? 1 : kv_heads) * row_tiles * splits;
   }
   KOKKOS_INLINE_FUNCTION std::int64_t state_rows() const {
     return std::int64_t(batch) * heads * rows;
@@ -213,12 +223,13 @@ struct DecodeKernel {
 
   /// The scores of the tile's rows against keys [j0, j0 + nk) by the team:
   /// one (row, key) pair per thread.
-  KOKKOS_INLINE_FUNCTION void scores_generic(const member& m, int b, int kvh, std::int64_t j0,
-                                             int nk, int nr, int r0, index_type q0, TileKind kind,
+  KOKKOS_INLINE_FUNCTION void scores_generic(const member& m, int b, std::int64_t j0, int nk,
+                                             int nr, int r0, index_type q0, TileKind kind,
                                              const T* qs, T* ss) const {
     const int D = g.dim, KT = g.key_tile;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * nk), [&](const int e) {
       const int r = e / nk, j = e % nk;
+      const int kvh = (r0 + r) / (g.group * g.rows);
       const index_type kp = kpos(j0 + j);
       const index_type qp = q0 + (r0 + r) % g.rows;
       T s;
@@ -233,7 +244,7 @@ struct DecodeKernel {
       }
       if constexpr (has_score_mod_v<Mask>)  // the allowed pairs' logits through the policy
         if (kind != TileKind::partial || mask.allowed(qp, kp))
-          s = mask.score(s * ln2<T>, qp, kp, kvh * g.group + (r0 + r) / g.rows) * log2e<T>;
+          s = mask.score(s * ln2<T>, qp, kp, (r0 + r) / g.rows) * log2e<T>;
       ss[std::size_t(r) * KT + j] = s;
     });
   }
@@ -280,12 +291,24 @@ struct DecodeKernel {
     t /= g.splits;
     const int rt = int(t % g.row_tiles);
     t /= g.row_tiles;
-    const int kvh = int(t % g.kv_heads);
-    const int b = int(t / g.kv_heads);
+    const int kv_first = g.cross_heads ? 0 : int(t % g.kv_heads);
+    const int b = g.cross_heads ? int(t) : int(t / g.kv_heads);
     const int D = g.dim, KT = g.key_tile, R = g.row_tile;
     const int group_rows = g.group * g.rows;
-    const int r0 = rt * R;
-    const int nr = r0 + R <= group_rows ? R : group_rows - r0;
+    // Rows r0 .. r0 + nr - 1 of the sequence's (DecodeGrid), of kv heads
+    // kvh_lo .. kvh_hi.
+    const int r0 = kv_first * group_rows + rt * R;
+    const int nr = rt * R + R <= g.span_rows() ? R : g.span_rows() - rt * R;
+    const int kvh_lo = r0 / group_rows, kvh_hi = (r0 + nr - 1) / group_rows;
+    // f(kv head, its first row in the tile, its rows) for each kv head's run
+    // of the tile's rows.
+    const auto for_each_kv_head = [&](auto&& f) {
+      for (int kvh = kvh_lo; kvh <= kvh_hi; ++kvh) {
+        const int lo = kvh * group_rows - r0 > 0 ? kvh * group_rows - r0 : 0;
+        const int hi = (kvh + 1) * group_rows - r0 < nr ? (kvh + 1) * group_rows - r0 : nr;
+        f(kvh, lo, hi - lo);
+      }
+    };
 
     const scratch1 buf(m.team_scratch(0), std::size_t(R) * (2 * std::size_t(D) + KT + 3));
     T* qs = buf.data();                // R x D: q * scale * log2(e)
@@ -305,12 +328,12 @@ struct DecodeKernel {
     const std::int64_t k_end = std::int64_t(len) * (split + 1) / g.splits;
     const index_type q0 = q_positions(b);
 
-    // Row r of the tile: head kvh * group + (r0 + r) / rows, query (r0 + r) % rows.
+    // Row r of the tile: head (r0 + r) / rows, query (r0 + r) % rows.
     if constexpr (is_host_space_v<ExecSpace>) {
       // A row at a time (its indices once: per element, their divisions cost
       // a team of 256 in-cache keys as much as its products).
       Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
-        const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
+        const int h = (r0 + r) / g.rows, i = (r0 + r) % g.rows;
         T* const qr = qs + std::size_t(r) * D;
         T* const orow = os + std::size_t(r) * D;
         for (int d = 0; d < D; ++d) {
@@ -323,7 +346,7 @@ struct DecodeKernel {
     } else {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * D), [&](const int e) {
         const int r = e / D, d = e % D;
-        const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
+        const int h = (r0 + r) / g.rows, i = (r0 + r) % g.rows;
         qs[std::size_t(r) * D + d] = T(to_compute(q(b, i, h, d))) * scale_log2;
         os[std::size_t(r) * D + d] = T(0);
       });
@@ -359,44 +382,50 @@ struct DecodeKernel {
           DecodePrefetch next;
           next.level = spread ? prefetch_spread : prefetch;
           if (next.level != 0 && j0 + KT < k_end) {
-            next.k = reinterpret_cast<const char*>(&k(b, int(j0 + KT), kvh, 0));
-            next.v = reinterpret_cast<const char*>(&v(b, int(j0 + KT), kvh, 0));
+            // The rows of the tile's kv heads (adjacent where they are several:
+            // decode_grid's cross_heads).
+            next.k = reinterpret_cast<const char*>(&k(b, int(j0 + KT), kvh_lo, 0));
+            next.v = reinterpret_cast<const char*>(&v(b, int(j0 + KT), kvh_lo, 0));
             next.k_stride = std::size_t(k.stride(1)) * sizeof(S);
             next.v_stride = std::size_t(v.stride(1)) * sizeof(S);
-            next.bytes = std::size_t(D) * sizeof(S);
+            next.bytes = std::size_t(kvh_hi - kvh_lo + 1) * std::size_t(D) * sizeof(S);
             next.rows = int(k_end - (j0 + KT) < KT ? k_end - (j0 + KT) : KT);
             if (!spread) {
               next.all();
               next.rows = 0;
             }
           }
-#if BLOCKATTN_SIMD_KERNELS
-          if constexpr (Dot) {
+          // Each kv head's rows against its keys; the first asks for the
+          // next tile's rows (next.row) as it goes.
+          for_each_kv_head([&](const int kvh, const int lo, const int n) {
+            const std::size_t qo = std::size_t(lo) * D, so = std::size_t(lo) * KT;
+            if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
-            decode_scores_bf16(q16, nr, &k(b, int(j0), kvh, 0).bits, std::size_t(k.stride(1)), nk,
-                               D, scale_log2, ss, KT);
+              decode_scores_bf16(q16 + qo, n, &k(b, int(j0), kvh, 0).bits, std::size_t(k.stride(1)),
+                                 nk, D, scale_log2, ss + so, KT);
 #endif
-          } else if constexpr (!std::is_void<V>::value) {
-            if constexpr (widened_tiles) {
-              for (int j = 0; j < nk; ++j)
-                load_row(kvw + std::size_t(j) * D, &k(b, int(j0 + j), kvh, 0), 1, D);
-              decode_scores_simd<V>(qs, nr, static_cast<const T*>(kvw), std::size_t(D), nk, D, ss,
-                                    KT, DecodePrefetch{});
+            } else if constexpr (!std::is_void<V>::value) {
+#if BLOCKATTN_SIMD_KERNELS
+              if constexpr (widened_tiles) {
+                for (int j = 0; j < nk; ++j)
+                  load_row(kvw + std::size_t(j) * D, &k(b, int(j0 + j), kvh, 0), 1, D);
+                decode_scores_simd<V>(qs + qo, n, static_cast<const T*>(kvw), std::size_t(D), nk, D,
+                                      ss + so, KT, DecodePrefetch{});
+              } else {
+                decode_scores_simd<V>(qs + qo, n, &k(b, int(j0), kvh, 0), std::size_t(k.stride(1)),
+                                      nk, D, ss + so, KT, kvh == kvh_lo ? next : DecodePrefetch{});
+              }
+#endif
             } else {
-              decode_scores_simd<V>(qs, nr, &k(b, int(j0), kvh, 0), std::size_t(k.stride(1)), nk, D,
-                                    ss, KT, next);
+              const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
+              for (int r = lo; r < lo + n; ++r)
+                host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
             }
-          } else
-#endif
-          {
-            const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
-            for (int r = 0; r < nr; ++r)
-              host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
-          }
+          });
           if constexpr (has_score_mod_v<Mask>)
             for (int r = 0; r < nr; ++r) {
               const index_type qp = q0 + (r0 + r) % g.rows;
-              const int h = kvh * g.group + (r0 + r) / g.rows;
+              const int h = (r0 + r) / g.rows;
               T* const sr = ss + std::size_t(r) * KT;
               for (int j = 0; j < nk; ++j)
                 sr[j] = mask.score(sr[j] * ln2<T>, qp, kpos(j0 + j), h) * log2e<T>;
@@ -408,10 +437,10 @@ struct DecodeKernel {
                 if (!mask.allowed(qp, kpos(j0 + j))) ss[std::size_t(r) * KT + j] = -infinity<T>();
             }
         } else {
-          scores_generic(m, b, kvh, j0, nk, nr, r0, q0, kind, qs, ss);
+          scores_generic(m, b, j0, nk, nr, r0, q0, kind, qs, ss);
         }
       } else {
-        scores_generic(m, b, kvh, j0, nk, nr, r0, q0, kind, qs, ss);
+        scores_generic(m, b, j0, nk, nr, r0, q0, kind, qs, ss);
       }
       m.team_barrier();
       // Online softmax per row: m' = max(m, max S), P = 2^(S - m'), l = a l + sum P.
@@ -450,31 +479,36 @@ struct DecodeKernel {
       // O = a O + P V.
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit) {
-#if BLOCKATTN_SIMD_KERNELS
-          if constexpr (Dot) {
+          for_each_kv_head([&](const int kvh, const int lo, const int n) {
+            const std::size_t oo = std::size_t(lo) * D, so = std::size_t(lo) * KT;
+            if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
-            decode_pv_bf16(os, as, ss, KT, nr, &v(b, int(j0), kvh, 0).bits,
-                           std::size_t(v.stride(1)), nk, D, p16, p16_stride(g));
+              decode_pv_bf16(os + oo, as + lo, ss + so, KT, n, &v(b, int(j0), kvh, 0).bits,
+                             std::size_t(v.stride(1)), nk, D, p16 + std::size_t(lo) * p16_stride(g),
+                             p16_stride(g));
 #endif
-          } else if constexpr (!std::is_void<V>::value) {
-            if constexpr (widened_tiles) {
-              for (int j = 0; j < nk; ++j)
-                load_row(kvw + std::size_t(j) * D, &v(b, int(j0 + j), kvh, 0), 1, D);
-              decode_pv_simd<V>(os, as, ss, KT, nr, static_cast<const T*>(kvw), std::size_t(D), nk,
-                                D);
+            } else if constexpr (!std::is_void<V>::value) {
+#if BLOCKATTN_SIMD_KERNELS
+              if constexpr (widened_tiles) {
+                for (int j = 0; j < nk; ++j)
+                  load_row(kvw + std::size_t(j) * D, &v(b, int(j0 + j), kvh, 0), 1, D);
+                decode_pv_simd<V>(os + oo, as + lo, ss + so, KT, n, static_cast<const T*>(kvw),
+                                  std::size_t(D), nk, D);
+              } else {
+                decode_pv_simd<V>(os + oo, as + lo, ss + so, KT, n, &v(b, int(j0), kvh, 0),
+                                  std::size_t(v.stride(1)), nk, D);
+              }
+#endif
             } else {
-              decode_pv_simd<V>(os, as, ss, KT, nr, &v(b, int(j0), kvh, 0),
-                                std::size_t(v.stride(1)), nk, D);
+              const auto value = [&](int j) -> const S* { return &v(b, int(j0 + j), kvh, 0); };
+              for (int r = lo; r < lo + n; ++r)
+                host_pv<T, S>(os + std::size_t(r) * D, as[r], ss + std::size_t(r) * KT, value, nk,
+                              D);
             }
-          } else
-#endif
-          {
-            const auto value = [&](int j) -> const S* { return &v(b, int(j0 + j), kvh, 0); };
-            for (int r = 0; r < nr; ++r)
-              host_pv<T, S>(os + std::size_t(r) * D, as[r], ss + std::size_t(r) * KT, value, nk, D);
-          }
+          });
         } else {
           for (int r = 0; r < nr; ++r) {
+            const int kvh = (r0 + r) / group_rows;
             T* orow = os + std::size_t(r) * D;
             const T* pr = ss + std::size_t(r) * KT;
             for (int d = 0; d < D; ++d) {
@@ -488,6 +522,7 @@ struct DecodeKernel {
       } else {
         Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr * D), [&](const int e) {
           const int r = e / D, d = e % D;
+          const int kvh = (r0 + r) / group_rows;
           const T* pr = ss + std::size_t(r) * KT;
           T acc = os[e] * as[r];
           for (int j = 0; j < nk; ++j)
@@ -500,7 +535,7 @@ struct DecodeKernel {
 
     // Out: the open state of this split, or the normalised row.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
-      const int h = kvh * g.group + (r0 + r) / g.rows, i = (r0 + r) % g.rows;
+      const int h = (r0 + r) / g.rows, i = (r0 + r) % g.rows;
       const T* orow = os + std::size_t(r) * D;
       if (g.splits == 1) {
         // The sink in the normalisation: O rounded once into a 16-bit o.
