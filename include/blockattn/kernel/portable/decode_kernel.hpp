@@ -398,22 +398,24 @@ struct DecodeKernel {
           // Each kv head's rows against its keys; the first asks for the
           // next tile's rows (next.row) as it goes.
           for_each_kv_head([&](const int kvh, const int lo, const int n) {
-            const std::size_t qo = std::size_t(lo) * D, so = std::size_t(lo) * KT;
             if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
-              decode_scores_bf16(q16 + qo, n, &k(b, int(j0), kvh, 0).bits, std::size_t(k.stride(1)),
-                                 nk, D, scale_log2, ss + so, KT);
+              decode_scores_bf16(q16 + std::size_t(lo) * D, n, &k(b, int(j0), kvh, 0).bits,
+                                 std::size_t(k.stride(1)), nk, D, scale_log2,
+                                 ss + std::size_t(lo) * KT, KT);
 #endif
             } else if constexpr (!std::is_void<V>::value) {
 #if BLOCKATTN_SIMD_KERNELS
               if constexpr (widened_tiles) {
                 for (int j = 0; j < nk; ++j)
                   load_row(kvw + std::size_t(j) * D, &k(b, int(j0 + j), kvh, 0), 1, D);
-                decode_scores_simd<V>(qs + qo, n, static_cast<const T*>(kvw), std::size_t(D), nk, D,
-                                      ss + so, KT, DecodePrefetch{});
+                decode_scores_simd<V>(qs + std::size_t(lo) * D, n, static_cast<const T*>(kvw),
+                                      std::size_t(D), nk, D, ss + std::size_t(lo) * KT, KT,
+                                      DecodePrefetch{});
               } else {
-                decode_scores_simd<V>(qs + qo, n, &k(b, int(j0), kvh, 0), std::size_t(k.stride(1)),
-                                      nk, D, ss + so, KT, kvh == kvh_lo ? next : DecodePrefetch{});
+                decode_scores_simd<V>(qs + std::size_t(lo) * D, n, &k(b, int(j0), kvh, 0),
+                                      std::size_t(k.stride(1)), nk, D, ss + std::size_t(lo) * KT,
+                                      KT, kvh == kvh_lo ? next : DecodePrefetch{});
               }
 #endif
             } else {
@@ -480,23 +482,22 @@ struct DecodeKernel {
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit) {
           for_each_kv_head([&](const int kvh, const int lo, const int n) {
-            const std::size_t oo = std::size_t(lo) * D, so = std::size_t(lo) * KT;
             if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
-              decode_pv_bf16(os + oo, as + lo, ss + so, KT, n, &v(b, int(j0), kvh, 0).bits,
-                             std::size_t(v.stride(1)), nk, D, p16 + std::size_t(lo) * p16_stride(g),
-                             p16_stride(g));
+              decode_pv_bf16(os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT, KT, n,
+                             &v(b, int(j0), kvh, 0).bits, std::size_t(v.stride(1)), nk, D,
+                             p16 + std::size_t(lo) * p16_stride(g), p16_stride(g));
 #endif
             } else if constexpr (!std::is_void<V>::value) {
 #if BLOCKATTN_SIMD_KERNELS
               if constexpr (widened_tiles) {
                 for (int j = 0; j < nk; ++j)
                   load_row(kvw + std::size_t(j) * D, &v(b, int(j0 + j), kvh, 0), 1, D);
-                decode_pv_simd<V>(os + oo, as + lo, ss + so, KT, n, static_cast<const T*>(kvw),
-                                  std::size_t(D), nk, D);
+                decode_pv_simd<V>(os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT, KT,
+                                  n, static_cast<const T*>(kvw), std::size_t(D), nk, D);
               } else {
-                decode_pv_simd<V>(os + oo, as + lo, ss + so, KT, n, &v(b, int(j0), kvh, 0),
-                                  std::size_t(v.stride(1)), nk, D);
+                decode_pv_simd<V>(os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT, KT,
+                                  n, &v(b, int(j0), kvh, 0), std::size_t(v.stride(1)), nk, D);
               }
 #endif
             } else {
