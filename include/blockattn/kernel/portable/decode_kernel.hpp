@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Split-KV attention for a few query rows against a long key cache
 // (FlashDecoding): the keys of every (sequence, kv head) are cut into
-// `splits` ranges; one team attends one range for every query row of the kv
-// head's group (GQA: the group's heads read the keys once), keeping (O, m, l)
-// in scratch, and writes an open partial state; a second pass merges the
-// splits of each row (the online-softmax rules of softmax_state.hpp).
+// `splits` ranges; one team attends one range for up to 16 query rows of the
+// kv head's group (GQA: the group's heads read the keys once; on host spaces
+// over sequence-major caches the rows of consecutive kv heads, DecodeGrid),
+// keeping (O, m, l) in scratch, and writes an open partial state; a second
+// pass merges the splits of each row (the online-softmax rules of
+// softmax_state.hpp).
 //
 // Decode is memory bound: the kernel reads the caller's K and V in place (any
 // strides; unit stride in head_dim streams), never packs them, and converts
