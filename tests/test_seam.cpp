@@ -65,7 +65,7 @@ struct ForwardRows {
   KOKKOS_INLINE_FUNCTION void operator()(int b, int i, int h) const {
     using T = typename Call::compute_type;
     const int D = c.extents.dim, G = c.extents.heads / c.extents.kv_heads, hk = h / G;
-    double m = -std::numeric_limits<double>::infinity(), l = 0.0, acc[blockattn::max_head_dim];
+    double m = -blockattn::impl::infinity<double>(), l = 0.0, acc[blockattn::max_head_dim];
     for (int d = 0; d < D; ++d) acc[d] = 0.0;
     for (int j = 0; j < c.extents.keys; ++j) {
       if (!c.mask.allowed(c.qpos(i), c.kpos(j))) continue;
@@ -78,7 +78,7 @@ struct ForwardRows {
       m = mn;
     }
     for (int d = 0; d < D; ++d) c.o(b, i, h, d) = T(l > 0.0 ? acc[d] / l + bump : 0.0);
-    c.lse(b, h, i) = l > 0.0 ? T(m + std::log(l)) : -std::numeric_limits<T>::infinity();
+    c.lse(b, h, i) = l > 0.0 ? T(m + std::log(l)) : -blockattn::impl::infinity<T>();
   }
 };
 
@@ -91,7 +91,7 @@ struct BackwardRows {
     using T = typename Call::compute_type;
     const int D = c.extents.dim, G = c.extents.heads / c.extents.kv_heads, hk = h / G;
     const double lse = double(c.lse(b, h, i)), scale = double(c.scale);
-    if (lse == -std::numeric_limits<double>::infinity()) return;
+    if (lse == -blockattn::impl::infinity<double>()) return;
     for (int j = 0; j < c.extents.keys; ++j) {
       if (!c.mask.allowed(c.qpos(i), c.kpos(j))) continue;
       double p, ds;
@@ -113,7 +113,7 @@ struct BackwardKeys {
     for (int h = hk * G; h < (hk + 1) * G; ++h)
       for (int i = 0; i < c.extents.queries; ++i) {
         const double lse = double(c.lse(b, h, i));
-        if (lse == -std::numeric_limits<double>::infinity()) continue;
+        if (lse == -blockattn::impl::infinity<double>()) continue;
         if (!c.mask.allowed(c.qpos(i), c.kpos(j))) continue;
         double p, ds;
         p_and_ds(c, b, i, h, j, hk, lse, p, ds);
