@@ -9,6 +9,7 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/portable/decode_kernel.hpp>
+#include <blockattn/kernel/portable/decode_merge.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
