@@ -141,6 +141,72 @@ void decode_rows(int batch, int keys, int heads, int kv_heads, int dim, int reps
     std::printf(" %10s %7s\n", "-", "-");
 }
 
+/// A paged cache against the contiguous one (heads-major, as KVCache and
+/// PagedKVCache keep them): the same keys in pages of `ps` slots, the pages
+/// in shuffled pool order (as a long-running server's pool is), both decoded
+/// alternately, best of reps each; ratio = contiguous time / paged time.
+template <class T>
+void paged_rows(int batch, int keys, int heads, int kv_heads, int dim, int ps, int reps) {
+  using CT = blockattn::compute_t<T>;
+  using Strided = Kokkos::View<T****, Kokkos::LayoutStride, Mem>;
+  using Right = Kokkos::View<T****, Kokkos::LayoutRight, Mem>;
+  Right q("q", batch, 1, heads, dim), o("o", batch, 1, heads, dim);
+  Right ks("k", batch, kv_heads, keys, dim), vs("v", batch, kv_heads, keys, dim);
+  const Kokkos::LayoutStride l(batch, ks.stride(0), keys, ks.stride(2), kv_heads, ks.stride(1), dim,
+                               1);
+  const Strided k(ks.data(), l), v(vs.data(), l);
+  const int per = (keys + ps - 1) / ps, pages = batch * per;
+  Right kp("kp", pages, kv_heads, ps, dim), vp("vp", pages, kv_heads, ps, dim);
+  const Kokkos::LayoutStride lp(pages, kp.stride(0), ps, kp.stride(2), kv_heads, kp.stride(1), dim,
+                                1);
+  const Strided kpv(kp.data(), lp), vpv(vp.data(), lp);
+  Kokkos::View<int**, Mem> table("table", batch, per);
+  auto th = Kokkos::create_mirror_view(table);
+  std::vector<int> order(static_cast<std::size_t>(pages));
+  for (int i = 0; i < pages; ++i) order[std::size_t(i)] = i;
+  std::uint64_t x = 88172645463325252ull;  // xorshift: a fixed shuffle
+  for (int i = pages - 1; i > 0; --i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::swap(order[std::size_t(i)], order[std::size_t(x % std::uint64_t(i + 1))]);
+  }
+  for (int b = 0; b < batch; ++b)
+    for (int p = 0; p < per; ++p) th(b, p) = order[std::size_t(b * per + p)];
+  Kokkos::deep_copy(table, th);
+  Kokkos::View<CT***, Kokkos::LayoutRight, Mem> lse("lse", batch, heads, 1);
+  Kokkos::View<int*, Mem> len("len", batch);
+  Kokkos::View<blockattn::index_type*, Mem> qpos("qpos", batch);
+  Kokkos::deep_copy(q, T(0.01f));
+  Kokkos::deep_copy(ks, T(0.02f));
+  Kokkos::deep_copy(vs, T(0.5f));
+  Kokkos::deep_copy(kp, T(0.02f));
+  Kokkos::deep_copy(vp, T(0.5f));
+  Kokkos::deep_copy(len, keys);
+  Kokkos::deep_copy(qpos, blockattn::index_type(keys));
+  blockattn::DecodeOptions opts;
+  opts.max_length = keys;
+  double t_flat = 1e30, t_paged = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    t_flat = std::min(t_flat, best_of(1, [&] {
+                        blockattn::attention_decode(Exec{}, q, k, v, len, qpos, o, lse,
+                                                    blockattn::CausalMask{},
+                                                    blockattn::OffsetPositions{}, opts);
+                      }));
+    t_paged = std::min(t_paged, best_of(1, [&] {
+                         blockattn::attention_decode_paged(Exec{}, q, kpv, vpv, table, len, qpos, o,
+                                                           lse, blockattn::CausalMask{},
+                                                           blockattn::OffsetPositions{}, opts);
+                       }));
+  }
+  const double t_read = read_seconds(ks, vs, reps);
+  const double bytes = 2.0 * double(ks.span()) * sizeof(T);
+  std::printf("%-5s %5d %5d %7d %3d %3d %4d %10.3f %10.3f %6.2f %9.2f %9.2f %6.2f\n",
+              blockattn::value_type_name<T>(), ps, batch, keys, heads, kv_heads, dim, t_flat * 1e3,
+              t_paged * 1e3, t_flat / t_paged, bytes / t_paged * 1e-9, bytes / t_read * 1e-9,
+              t_read / t_paged);
+}
+
 /// One prefill chunk of `rows` rows after `cached` tokens of one sequence
 /// (prefill_attention over a one-rank cache, causal; the append included),
 /// with the decode kernel and with the forward's kernels, next to
@@ -215,6 +281,9 @@ tokens/s, GB/s of K/V read, and a plain read of the same bytes in the same run
                 bf16), ms with the decode kernel, with the forward's kernels
                 (ServeOptions::prefill_forward_rows) and of one attention_forward
                 of the same rows and keys; GFLOP/s on allowed pairs
+  --paged       a paged cache (attention_decode_paged; pages of 16, 64 and
+                256 slots in shuffled pool order) next to the contiguous one:
+                ms of each, x = contiguous / paged, GB/s, read GB/s, ratio
   --batch B     sequences [1]
   --reps R      best of R [5]
   --help, -h    this text
@@ -225,13 +294,15 @@ command line or an error the library reports.
 int main(int argc, char** argv) {
   return blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_decode", usage_text, true, [&] {
     int keys = 65536, batch = 1, reps = 5;
-    bool prefill = false;
+    bool prefill = false, paged = false;
     std::map<std::string, double> torch;
     std::string error;
     for (int i = 1; i < argc && error.empty(); ++i) {
       const std::string f = argv[i];
       if (f == "--prefill")
         prefill = true;
+      else if (f == "--paged")
+        paged = true;
       else if (f.rfind("--torch=", 0) == 0) {
         if (!std::ifstream(f.substr(8))) error = "cannot read " + f.substr(8) + " (--torch)";
         torch = read_torch(f.substr(8));
@@ -264,6 +335,24 @@ int main(int argc, char** argv) {
         for (int rows : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 256, 1024}) {
           prefill_rows<float>(cached, rows, 8, 2, 128, reps);
           prefill_rows<blockattn::bf16>(cached, rows, 8, 2, 128, reps);
+        }
+      return 0;
+    }
+    if (paged) {
+      std::printf(
+          "Decode over a paged cache (attention_decode_paged) and over the same keys stored "
+          "contiguously, one query row per sequence, causal, %d threads (%s), host matrix "
+          "engine %s; the two alternated, best of %d each; x = contiguous ms / paged ms; ratio = "
+          "paged's share of the plain read's rate\n",
+          Exec{}.concurrency(), Exec::name(), blockattn::host_matrix_engine().name(), reps);
+      std::printf("%-5s %5s %5s %7s %3s %3s %4s %10s %10s %6s %9s %9s %6s\n", "type", "page", "B",
+                  "keys", "H", "Hkv", "D", "ms contig", "ms paged", "x", "GB/s", "read GB/s",
+                  "ratio");
+      const int shapes[][3] = {{8, 8, 128}, {32, 8, 128}, {8, 1, 128}, {16, 16, 64}};
+      for (const auto& sh : shapes)
+        for (int ps : {16, 64, 256}) {
+          paged_rows<float>(batch, keys, sh[0], sh[1], sh[2], ps, reps);
+          paged_rows<blockattn::bf16>(batch, keys, sh[0], sh[1], sh[2], ps, reps);
         }
       return 0;
     }

@@ -2,11 +2,12 @@
 // Serving example: a small causal transformer layer (random weights: token
 // embedding, Q/K/V projections with GQA, attention, output projection with a
 // residual, unembedding) generating tokens greedily for two sequences of
-// different prompt lengths, with the KV cache sharded across the MPI ranks.
+// different prompt lengths, with the KV cache sharded across the MPI ranks
+// in pages (PagedKVCache: pages of 8 tokens taken as the sequences grow).
 // Prompts go in by chunked prefill (prefill_attention), every new token by
 // decode (decode_attention). Every step's attention output is checked against
-// the same model run on one rank (a SelfCommunicator and an unsharded cache),
-// and so are the generated tokens.
+// the same model run on one rank (a SelfCommunicator and an unsharded,
+// contiguous KVCache), and so are the generated tokens.
 //
 //   mpiexec -n 3 ./blockattn_serve [--steps S] [--chunk C] [--placement roundrobin|contiguous]
 //                                  [--merge tree|ring] [--dtype fp32|bf16]
@@ -20,6 +21,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -76,17 +78,16 @@ Kokkos::View<T****, Mem> to_view(const std::vector<float>& x, int n, int h) {
 
 /// One model (its cache on `comm`): the next token after each sequence's
 /// tokens, and the attention outputs of the last call (for the check).
-template <class T, class Comm, class Placement>
+template <class T, class Comm, class Cache>
 struct Model {
   Comm comm;
   const Weights& w;
-  blockattn::KVCache<T, Exec, Placement> cache;
+  Cache cache;
   blockattn::ServeOptions opts;
   std::vector<float> last_attention;  // every output row of the last call
 
-  Model(const Comm& c, const Weights& weights, int sequences, blockattn::index_type capacity,
-        const Placement& p, blockattn::MergeAlgorithm merge)
-      : comm(c), w(weights), cache(c, sequences, capacity, kv_heads, hd, p) {
+  Model(const Comm& c, const Weights& weights, Cache&& kv, blockattn::MergeAlgorithm merge)
+      : comm(c), w(weights), cache(std::move(kv)) {
     opts.merge = merge;
   }
 
@@ -150,7 +151,8 @@ struct Model {
     copy_rows(q, qv, heads);
     copy_rows(k, kv, kv_heads);
     copy_rows(v, vv, kv_heads);
-    cache.append(Exec{}, kv, vv);
+    // Collective: a full pool on one rank throws on every rank.
+    blockattn::append_kv(comm, Exec{}, cache, -1, kv, vv);
     Kokkos::View<blockattn::compute_t<T>***, Mem> lse("lse", B, heads, 1);
     blockattn::decode_attention(comm, Exec{}, cache, qv, o, lse, blockattn::CausalMask{}, opts);
     last_attention = gather(o, B);
@@ -204,12 +206,18 @@ int run(const Args& args, const Placement& placement, blockattn::index_type per_
        44, 59, 23, 7,  81, 64, 6,  28, 62, 8,  62, 8,  3},
       {27, 18, 28, 18, 28, 45, 90, 45, 23, 53, 60, 28, 74, 71, 35, 26, 62, 49, 77, 57}};
   const int B = int(prompts.size());
-  Model<T, blockattn::MpiCommunicator<>, Placement> sharded(comm, w, B, per_rank_capacity,
-                                                            placement, merge);
-  // The same model on one rank: an unsharded cache of the whole capacity.
+  // This rank's pages: enough for its share of both sequences, 8 tokens a page.
+  constexpr int page = 8;
+  const int pages = B * int((per_rank_capacity + page - 1) / page);
+  using Paged = blockattn::PagedKVCache<T, Exec, Placement>;
+  Model<T, blockattn::MpiCommunicator<>, Paged> sharded(
+      comm, w, Paged(comm, B, pages, page, kv_heads, hd, placement, per_rank_capacity * P), merge);
+  // The same model on one rank: an unsharded, contiguous cache of the whole capacity.
   const blockattn::index_type whole = per_rank_capacity * P;
-  Model<T, blockattn::SelfCommunicator, blockattn::RoundRobinPlacement> single(
-      blockattn::SelfCommunicator{}, w, B, whole, blockattn::RoundRobinPlacement{1}, merge);
+  using Flat = blockattn::KVCache<T, Exec, blockattn::RoundRobinPlacement>;
+  blockattn::SelfCommunicator self;
+  Model<T, blockattn::SelfCommunicator, Flat> single(
+      self, w, Flat(self, B, whole, kv_heads, hd, blockattn::RoundRobinPlacement{1}), merge);
   const double tol = std::is_same<T, float>::value ? 1e-4 : 2e-2;
   double worst = 0.0;
   bool same_tokens = true;
@@ -233,13 +241,14 @@ int run(const Args& args, const Placement& placement, blockattn::index_type per_
   const bool ok = worst <= tol && same_tokens;
   if (rank == 0) {
     std::printf(
-        "serve: %d ranks, %s, %s merge, %s; prompts of %zu and %zu tokens, chunk %d, %d "
-        "decode steps\n",
-        P, args.placement.c_str(), args.merge.c_str(), args.dtype.c_str(), prompts[0].size(),
+        "serve: %d ranks, %s, %s merge, %s, paged cache (pages of %d); prompts of %zu and %zu "
+        "tokens, chunk %d, %d decode steps\n",
+        P, args.placement.c_str(), args.merge.c_str(), args.dtype.c_str(), page, prompts[0].size(),
         prompts[1].size(), args.chunk, args.steps);
     for (int b = 0; b < B; ++b) {
-      std::printf("  sequence %d: cache %lld tokens (%d on rank 0); generated", b,
-                  (long long)sharded.cache.length(b), sharded.cache.local_length(b));
+      std::printf("  sequence %d: cache %lld tokens (%d on rank 0, %d pages); generated", b,
+                  (long long)sharded.cache.length(b), sharded.cache.local_length(b),
+                  sharded.cache.pages_of(b));
       for (int t : generated[std::size_t(b)]) std::printf(" %d", t);
       std::printf("\n");
     }
@@ -253,8 +262,8 @@ int run(const Args& args, const Placement& placement, blockattn::index_type per_
 
 const char* const usage_text = R"(usage: mpiexec -n P blockattn_serve [flags]
 A small causal transformer layer generating tokens for two sequences with its
-KV cache sharded over the ranks (chunked prefill, then decode), checked at
-every step against the same model on one rank.
+KV cache sharded over the ranks in pages (chunked prefill, then decode),
+checked at every step against the same model on one rank.
   --steps S        decode steps [24]
   --chunk C        prefill chunk [16]
   --placement X    roundrobin|contiguous [roundrobin]

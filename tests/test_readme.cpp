@@ -7,7 +7,7 @@
 // code breaks this test; a new block fails to compile here until it is given
 // a context below. Snippets in the order of the pages: README.md,
 // docs/distributed.md, docs/planner.md, docs/extending.md (9-11),
-// docs/serving.md (12, 13), docs/score.md (14-16).
+// docs/serving.md (12-14), docs/score.md (15-17).
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -18,7 +18,7 @@
 
 #include <readme_snippets.hpp>
 
-static_assert(BLOCKATTN_README_SNIPPETS == 16,
+static_assert(BLOCKATTN_README_SNIPPETS == 17,
               "the ```cpp blocks of README.md or docs/ changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
@@ -35,9 +35,9 @@ struct MyMask : blockattn::CausalMask {};
 using snippet11::MyMask;
 #include <readme_snippet_11.inc>
 
-namespace snippet15 {  // docs/score.md: a score policy of your own
-#include <readme_snippet_15.inc>
-}  // namespace snippet15
+namespace snippet16 {  // docs/score.md: a score policy of your own
+#include <readme_snippet_16.inc>
+}  // namespace snippet16
 
 namespace {
 
@@ -257,7 +257,33 @@ TEST_CASE("docs/serving.md snippet 12: prefill, append, decode over a sharded ca
   CHECK(lc(0, 0, C - 1) == doctest::Approx(std::log(double(C))));
 }
 
-TEST_CASE("docs/serving.md snippet 13: merge_attention, n parts and two in place") {
+TEST_CASE("docs/serving.md snippet 13: a paged cache, fork, release") {
+  blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const Kokkos::DefaultExecutionSpace exec;
+  const blockattn::index_type max_tokens = 200;
+  const blockattn::RoundRobinPlacement place{1};
+  using B4 = Kokkos::View<blockattn::bf16****>;
+  const int C = 100;  // sequence 0's prompt
+  B4 q_chunk("q", 1, C, 8, 128), k_chunk("k", 1, C, 8, 128), v_chunk("v", 1, C, 8, 128),
+      o_chunk("o", 1, C, 8, 128);
+  V3 lse_chunk("lse", 1, 8, C);
+  B4 k_new("k", 64, 1, 8, 128), v_new("v", 64, 1, 8, 128), q_new("q", 64, 1, 8, 128),
+      o_new("o", 64, 1, 8, 128);
+  V3 lse_new("lse", 64, 8, 1);
+#include <readme_snippet_13.inc>
+  Kokkos::fence();
+  CHECK(cache.length(0) == C + 1);
+  CHECK(cache.length(1) == 0);
+  CHECK(cache.length(2) == 71);
+  CHECK(cache.length(63) == 1);
+  // Zero inputs: every visible logit is 0, so LSE = log(visible keys).
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse_new);
+  CHECK(lh(0, 0, 0) == doctest::Approx(std::log(double(C + 1))));
+  CHECK(lh(2, 0, 0) == doctest::Approx(std::log(71.0)));
+  CHECK(lh(63, 0, 0) == doctest::Approx(0.0));
+}
+
+TEST_CASE("docs/serving.md snippet 14: merge_attention, n parts and two in place") {
   const Kokkos::DefaultExecutionSpace exec;
   const int n = 2, B = 1, R = 3, H = 2, D = 8;
   Kokkos::View<float*****> o_parts("o_parts", n, B, R, H, D);
@@ -273,7 +299,7 @@ TEST_CASE("docs/serving.md snippet 13: merge_attention, n parts and two in place
   Kokkos::deep_copy(o_a, 1.0f);
   Kokkos::deep_copy(o_b, 5.0f);
   Kokkos::deep_copy(lse_b, float(std::log(3.0)));
-#include <readme_snippet_13.inc>
+#include <readme_snippet_14.inc>
   Kokkos::fence();
   auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
   auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
@@ -285,7 +311,7 @@ TEST_CASE("docs/serving.md snippet 13: merge_attention, n parts and two in place
   CHECK(lah(0, 1, 2) == doctest::Approx(std::log(4.0)));
 }
 
-TEST_CASE("docs/score.md snippets 14 to 16: policies, your own, sinks") {
+TEST_CASE("docs/score.md snippets 15 to 17: policies, your own, sinks") {
   using Comm = blockattn::MpiCommunicator<>;
   using Exec = Kokkos::DefaultExecutionSpace;
   Comm comm(MPI_COMM_WORLD);
@@ -295,16 +321,16 @@ TEST_CASE("docs/score.md snippets 14 to 16: policies, your own, sinks") {
       dout("do", B, n, H, D), dq("dq", B, n, H, D), dk("dk", B, n, H, D), dv("dv", B, n, H, D);
   V3 lse("lse", B, H, n);
   {
-#include <readme_snippet_14.inc>
+#include <readme_snippet_15.inc>
     attn.forward(q, k, v, o, lse);
     Kokkos::fence();
     CHECK(all_finite(lse));
   }
-  blockattn::attention_forward(exec, q, k, v, o, lse, snippet15::mask);
+  blockattn::attention_forward(exec, q, k, v, o, lse, snippet16::mask);
   Kokkos::fence();
   CHECK(all_finite(lse));
   {
-#include <readme_snippet_16.inc>
+#include <readme_snippet_17.inc>
     Kokkos::fence();
     CHECK(all_finite(dq));
   }

@@ -11,6 +11,7 @@
 #include <blockattn/distributed/hybrid.hpp>
 #include <blockattn/distributed/kv_cache.hpp>
 #include <blockattn/distributed/options.hpp>
+#include <blockattn/distributed/paged_kv_cache.hpp>
 #include <blockattn/distributed/ulysses.hpp>
 #include <blockattn/kernel/attention_backward.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
@@ -18,6 +19,7 @@
 #include <blockattn/kernel/block_implementation.hpp>
 #include <blockattn/kernel/block_product.hpp>
 #include <blockattn/kernel/decode.hpp>
+#include <blockattn/kernel/decode_paged.hpp>
 #include <blockattn/kernel/dispatch.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>

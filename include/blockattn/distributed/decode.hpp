@@ -13,10 +13,12 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/distributed/impl/cache_access.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
 #include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/kv_cache.hpp>
+#include <blockattn/distributed/paged_kv_cache.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/decode.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -230,19 +232,17 @@ bool prefill_on_forward_pays(const ExecSpace& exec, const ServeOptions& opts, in
 /// rank's L cached keys of it at cache.positions()(j), into o, lse (the
 /// partial result of this rank's shard, or the result when the shard is the
 /// whole sequence). Fences `exec` (the position table is the call's).
-template <class ExecSpace, class T, class Placement, class QV, class OV, class LV, class Mask>
-void prefill_on_forward(const ExecSpace& exec, const char* fn,
-                        const KVCache<T, ExecSpace, Placement>& cache, int s, const QV& q,
-                        const OV& o, const LV& lse, const Mask& mask, const ServeOptions& opts,
-                        const SinkLogits& sinks) {
-  using CT = compute_t<T>;
+template <class ExecSpace, class Cache, class QV, class OV, class LV, class Mask>
+void prefill_on_forward(const ExecSpace& exec, const char* fn, const Cache& cache, int s,
+                        const QV& q, const OV& o, const LV& lse, const Mask& mask,
+                        const ServeOptions& opts, const SinkLogits& sinks) {
+  using CT = compute_t<typename Cache::value_type>;
   using mem = typename ExecSpace::memory_space;
   const index_type L = cache.local_length(s), N = index_type(q.extent(1));
   const index_type q0 = cache.length(s) - N;
-  const auto range = Kokkos::make_pair(s, s + 1);
-  const auto slots = Kokkos::make_pair(index_type(0), L);
-  const auto k = Kokkos::subview(cache.keys(), range, slots, Kokkos::ALL, Kokkos::ALL);
-  const auto v = Kokkos::subview(cache.values(), range, slots, Kokkos::ALL, Kokkos::ALL);
+  const auto kv = shard_rows(exec, cache, s, L);  // a paged cache's pages gathered
+  const auto& k = kv.first;
+  const auto& v = kv.second;
   ForwardOptions fo;
   fo.host_matrix = opts.host_matrix;
   fo.sinks = sinks;
@@ -270,13 +270,13 @@ void prefill_on_forward(const ExecSpace& exec, const char* fn,
 
 /// The common part of decode_attention and prefill_attention: sequences
 /// [s0, s1) of the cache, their last q.extent(1) tokens as queries.
-template <class C, class ExecSpace, class T, class Placement, class QV, class OV, class LV,
-          class Mask>
-void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
-                  const KVCache<T, ExecSpace, Placement>& cache, int s0, int s1, const QV& q,
-                  const OV& o, const LV& lse, const Mask& mask, const ServeOptions& opts,
-                  std::string error, index_type appending = 0,
+template <class C, class ExecSpace, class Cache, class QV, class OV, class LV, class Mask>
+void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& cache, int s0,
+                  int s1, const QV& q, const OV& o, const LV& lse, const Mask& mask,
+                  const ServeOptions& opts, std::string error, index_type appending = 0,
                   const std::function<void()>& after_consensus = {}, bool prefill = false) {
+  using T = typename Cache::value_type;
+  using Placement = typename Cache::placement_type;
   using CT = compute_t<T>;
   using mem = typename ExecSpace::memory_space;
   const int B = s1 - s0;
@@ -340,7 +340,8 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
         .text("merge", merge_name(opts.merge))
         .number("splits", opts.splits)
         .real("scale", opts.scale, to_text(opts.scale))
-        .text("placement", type_name<Placement>());
+        .text("placement", type_name<Placement>())
+        .number("page size (0: contiguous)", cache_page_size(cache));
     const auto pp = cache.placement().parameters();
     for (std::size_t i = 0; i < pp.size(); ++i)
       f.number("placement parameter " + std::to_string(i), pp[i]);
@@ -372,8 +373,6 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
   }
   Kokkos::deep_copy(qpos, qh);
   const auto range = Kokkos::make_pair(s0, s1);
-  const auto k = Kokkos::subview(cache.keys(), range, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
-  const auto v = Kokkos::subview(cache.values(), range, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
   const auto len = Kokkos::subview(cache.local_lengths(), range);
   DecodeOptions dopts;
   dopts.scale = opts.scale;
@@ -388,7 +387,7 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
       prefill_on_forward(exec, fn, cache, s0, q, out, out_lse, mask, opts, sinks);
     } else {
       dopts.sinks = sinks;
-      attention_decode(exec, q, k, v, len, qpos, out, out_lse, mask, cache.positions(), dopts);
+      cache_decode(exec, cache, s0, s1, q, len, qpos, out, out_lse, mask, dopts);
     }
   };
   if (comm.size() == 1 && std::is_same<typename OV::non_const_value_type, T>::value) {
@@ -409,7 +408,8 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
 
 }  // namespace impl
 
-/// Decode over a sharded KV cache: for every sequence of `cache`, the queries
+/// Decode over a sharded KV cache (a KVCache or a PagedKVCache, whose pages
+/// are read in place): for every sequence of `cache`, the queries
 /// q (sequences, rows, heads, head_dim) of its last `rows` tokens (appended
 /// to the cache before the call) attend every cached token of the sequence,
 /// on whichever rank it lives, under `mask` on global positions (query i of
@@ -417,11 +417,13 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn,
 /// head_dim), (sequences, heads, rows), the same on every rank. Collective
 /// over comm; a configuration that differs between ranks throws the same
 /// error on every rank.
-template <class C, class ExecSpace, class T, class Placement, class QV, class OV, class LV,
-          class Mask = CausalMask>
-void decode_attention(C& comm, const ExecSpace& exec, const KVCache<T, ExecSpace, Placement>& cache,
-                      const QV& q, const OV& o, const LV& lse, const Mask& mask = {},
-                      const ServeOptions& opts = {}) {
+template <class C, class ExecSpace, class Cache, class QV, class OV, class LV,
+          class Mask = CausalMask,
+          class = std::enable_if_t<impl::is_serving_cache<Cache>::value &&
+                                   std::is_same<typename Cache::execution_space, ExecSpace>::value>>
+void decode_attention(C& comm, const ExecSpace& exec, const Cache& cache, const QV& q, const OV& o,
+                      const LV& lse, const Mask& mask = {}, const ServeOptions& opts = {}) {
+  using T = typename Cache::value_type;
   impl::check_communicator<C>();
   static_assert(Kokkos::is_view<QV>::value && QV::rank == 4 &&
                     std::is_same<typename QV::non_const_value_type, T>::value,
@@ -435,12 +437,17 @@ void decode_attention(C& comm, const ExecSpace& exec, const KVCache<T, ExecSpace
 /// own), then the chunk's queries q (1, tokens, heads, head_dim) attend the
 /// whole cached sequence, themselves included, under `mask` (causal: each
 /// sees the cache and the chunk up to itself). o, lse: (1, tokens, heads,
-/// head_dim), (1, heads, tokens). Collective over comm.
-template <class C, class ExecSpace, class T, class Placement, class QV, class KV, class VV,
-          class OV, class LV, class Mask = CausalMask>
-void prefill_attention(C& comm, const ExecSpace& exec, KVCache<T, ExecSpace, Placement>& cache,
-                       int seq, const QV& q, const KV& k, const VV& v, const OV& o, const LV& lse,
-                       const Mask& mask = {}, const ServeOptions& opts = {}) {
+/// head_dim), (1, heads, tokens). Collective over comm. `cache`: a KVCache
+/// or a PagedKVCache (the forward's kernels read a copy of a paged shard;
+/// the decode kernel its pages).
+template <class C, class ExecSpace, class Cache, class QV, class KV, class VV, class OV, class LV,
+          class Mask = CausalMask,
+          class = std::enable_if_t<impl::is_serving_cache<Cache>::value &&
+                                   std::is_same<typename Cache::execution_space, ExecSpace>::value>>
+void prefill_attention(C& comm, const ExecSpace& exec, Cache& cache, int seq, const QV& q,
+                       const KV& k, const VV& v, const OV& o, const LV& lse, const Mask& mask = {},
+                       const ServeOptions& opts = {}) {
+  using T = typename Cache::value_type;
   impl::check_communicator<C>();
   static_assert(Kokkos::is_view<QV>::value && QV::rank == 4 &&
                     std::is_same<typename QV::non_const_value_type, T>::value,
@@ -470,6 +477,48 @@ void prefill_attention(C& comm, const ExecSpace& exec, KVCache<T, ExecSpace, Pla
   impl::attend_cache(
       comm, exec, fn, cache, s0, s0 + 1, q, o, lse, mask, opts, error, n,
       [&] { cache.append(exec, seq, k, v); }, /*prefill=*/true);
+}
+
+/// Appends k, v (sequences, tokens, kv_heads, head_dim) to every sequence of
+/// `cache` (seq = -1; k, v: (1, tokens, ...) for one sequence `seq`) as one
+/// collective call: each rank checks its part (the shapes; a PagedKVCache
+/// its own pool's free pages), the ranks agree, and either every rank
+/// appends or every rank throws the same error, nothing appended anywhere.
+template <class C, class ExecSpace, class Cache, class KV, class VV,
+          class = std::enable_if_t<impl::is_serving_cache<Cache>::value &&
+                                   std::is_same<typename Cache::execution_space, ExecSpace>::value>>
+void append_kv(C& comm, const ExecSpace& exec, Cache& cache, int seq, const KV& k, const VV& v,
+               const ServeOptions& opts = {}) {
+  impl::check_communicator<C>();
+  const char* fn = "append_kv";
+  std::string error;
+  const int s0 = seq < 0 ? 0 : seq, s1 = seq < 0 ? cache.sequences() : seq + 1;
+  if (seq >= cache.sequences())
+    error = std::string("blockattn::") + fn + ": argument 'seq' = " + std::to_string(seq) +
+            ", expected -1 (all) or 0 .. " + std::to_string(cache.sequences() - 1);
+  else if (comm.rank() != cache.rank() || comm.size() != cache.size())
+    error = std::string("blockattn::") + fn + ": the cache is rank " +
+            std::to_string(cache.rank()) + " of " + std::to_string(cache.size()) +
+            ", the communicator rank " + std::to_string(comm.rank()) + " of " +
+            std::to_string(comm.size()) + "; expected the cache of this communicator's rank";
+  else {
+    try {
+      cache.check_append(fn, s0, s1, k, v, "k", "v");
+    } catch (const invalid_argument& e) {
+      error = e.what();
+    }
+  }
+  if (opts.check_config) {
+    impl::Fingerprint f;
+    f.text("call", fn).number("sequence", seq).number("tokens (k.extent(1))", k.extent(1));
+    impl::reach_consensus(comm, fn, error, f);
+  } else if (!error.empty()) {
+    throw invalid_argument(error);
+  }
+  if (seq < 0)
+    cache.append(exec, k, v);
+  else
+    cache.append(exec, seq, k, v);
 }
 
 }  // namespace blockattn

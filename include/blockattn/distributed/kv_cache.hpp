@@ -103,11 +103,13 @@ struct is_placement<P,
 /// indices per element (three 64-bit divisions and the placement's per
 /// element) and appended 131 072 bf16 tokens (2 kv heads, D = 128) at 0.42
 /// GB/s on a 2-core Zen 4.
-template <class ExecSpace, class Storage, class New, class Start, class Placement>
-void kv_cache_append(const ExecSpace& exec, const Storage& kc, const Storage& vc, const New& kn,
-                     const New& vn, const Start& start, const Placement& pl, int rank, int P,
-                     int s0, index_type n) {
-  const int H = int(kc.extent(1)), D = int(kc.extent(3));
+/// `dest` says where slot `slot` of sequence `seq`, kv head g goes:
+/// dest.k(seq, g, slot), dest.v(seq, g, slot) (pointers to head_dim values).
+template <class ExecSpace, class Dest, class New, class Start, class Placement>
+void kv_cache_append(const ExecSpace& exec, const Dest& dest, const New& kn, const New& vn,
+                     const Start& start, const Placement& pl, int rank, int P, int s0,
+                     index_type n) {
+  const int H = int(kn.extent(2)), D = int(kn.extent(3));
   const std::int64_t rows = std::int64_t(kn.extent(0)) * n * H;
   if (rows == 0) return;
   constexpr int per_team = 16;  // rows of one team
@@ -132,8 +134,8 @@ void kv_cache_append(const ExecSpace& exec, const Storage& kc, const Storage& vc
           // the vector lambda over views did the views' index arithmetic per
           // element and GCC -O2 did not inline it (a call per element: 8x
           // slower than -O3).
-          typename Storage::value_type* const kd = &kc(s0 + b, g, slot, 0);
-          typename Storage::value_type* const vd = &vc(s0 + b, g, slot, 0);
+          auto* const kd = dest.k(s0 + b, g, slot);
+          auto* const vd = dest.v(s0 + b, g, slot);
           const auto* const ks = &kn(b, int(t), g, 0);
           const auto* const vs = &vn(b, int(t), g, 0);
           const std::ptrdiff_t sk = std::ptrdiff_t(kn.stride(3)), sv = std::ptrdiff_t(vn.stride(3));
@@ -144,6 +146,18 @@ void kv_cache_append(const ExecSpace& exec, const Storage& kc, const Storage& vc
         });
       });
 }
+/// The destination of KVCache's appends: slot `slot` of (seq, g) in its
+/// (sequence, kv_head, slot, head_dim) storage.
+template <class Storage>
+struct ContiguousSlots {
+  Storage kc, vc;
+  KOKKOS_INLINE_FUNCTION typename Storage::value_type* k(int seq, int g, index_type slot) const {
+    return &kc(seq, g, slot, 0);
+  }
+  KOKKOS_INLINE_FUNCTION typename Storage::value_type* v(int seq, int g, index_type slot) const {
+    return &vc(seq, g, slot, 0);
+  }
+};
 }  // namespace impl
 
 /// The keys and values of `sequences` sequences on this rank: the tokens the
@@ -344,13 +358,13 @@ class KVCache {
     const Kokkos::View<const T****, Kokkos::LayoutStride, mem,
                        Kokkos::MemoryTraits<Kokkos::Unmanaged>>
         kn(k_new), vn(v_new);
-    const storage_type kc = m_k, vc = m_v;
     const Placement pl = m_placement;
     const int rank = m_rank, P = m_size;
     Kokkos::View<index_type*, Kokkos::HostSpace> start_h("blockattn::kv_cache_start", s1 - s0);
     for (int s = s0; s < s1; ++s) start_h(s - s0) = m_length[std::size_t(s)];
     const auto start = Kokkos::create_mirror_view_and_copy(mem(), start_h);
-    impl::kv_cache_append(exec, kc, vc, kn, vn, start, pl, rank, P, s0, n);
+    impl::kv_cache_append(exec, impl::ContiguousSlots<storage_type>{m_k, m_v}, kn, vn, start, pl,
+                          rank, P, s0, n);
     exec.fence();  // start_h / start are freed here
     for (int s = s0; s < s1; ++s) {
       m_length[std::size_t(s)] += n;

@@ -142,6 +142,133 @@ DecodeGrid decode_grid(const ExecSpace& exec, const BlockExtents& e, index_type 
 }
 }  // namespace impl
 
+namespace impl {
+/// The checks attention_decode and attention_decode_paged share (after
+/// validate_forward's): lengths, q_positions, splits, mask and sinks; returns
+/// the longest cache (opts.max_length, or read from lengths), at most
+/// `capacity` (named `cap_name`).
+template <class ExecSpace, class QV, class LenV, class PosV, class Mask>
+index_type decode_checks(const ExecSpace& exec, const char* fn, const BlockExtents& e, const QV& q,
+                         const LenV& lengths, const PosV& q_positions, const Mask& mask,
+                         const DecodeOptions& opts, const char* cap_name, index_type capacity) {
+  using mem = typename ExecSpace::memory_space;
+  if (e.queries == 0) fail(fn, "argument 'q' has extent(1) (rows) = 0, expected >= 1");
+  require_accessible<ExecSpace, typename LenV::memory_space>(fn, "lengths");
+  require_accessible<ExecSpace, typename PosV::memory_space>(fn, "q_positions");
+  require_extent(fn, "lengths", lengths, 0, "batch", q.extent(0), "the batch of q");
+  require_extent(fn, "q_positions", q_positions, 0, "batch", q.extent(0), "the batch of q");
+  if (opts.splits < 0 || opts.splits > max_decode_splits)
+    fail(fn, "argument 'opts.splits' is ", opts.splits, ", expected 0 (automatic) .. ",
+         max_decode_splits);
+  index_type max_len = opts.max_length;
+  if (max_len < 0) {
+    int lo = 0, hi = 0;
+    length_range(exec,
+                 Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(lengths),
+                 lo, hi);
+    if (lo < 0) fail(fn, "argument 'lengths' holds ", lo, ", expected >= 0");
+    max_len = hi;
+  }
+  if (max_len > capacity)
+    fail(fn, "argument 'lengths' holds ", max_len, " keys, expected at most ", cap_name, " = ",
+         capacity, " (the cache's capacity)");
+  if (const std::string why = score_check(mask, e.heads); !why.empty())
+    fail(fn, "argument 'mask': ", why);
+  check_sinks(fn, opts.sinks, SinkGradient(), e.heads, false);
+  return max_len;
+}
+
+/// The launch of attention_decode (and of attention_decode_paged: k, v the
+/// pools, `pages` the block table), after the checks: e, max_len checked.
+template <class ExecSpace, class QV, class KV, class VV, class LenV, class PosV, class OV, class LV,
+          class Mask, class KPos>
+void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_len, const QV& q,
+                   const KV& k, const VV& v, const LenV& lengths, const PosV& q_positions,
+                   const OV& o, const LV& lse, const Mask& mask, const KPos& kpos,
+                   const DecodeOptions& opts,
+                   const DecodePages<typename ExecSpace::memory_space>& pages) {
+  using S = typename QV::non_const_value_type;
+  using OS = typename OV::non_const_value_type;
+  using T = compute_t<S>;
+  using mem = typename ExecSpace::memory_space;
+  const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
+  const bool unit = k.extent(3) <= 1 || (k.stride(3) == 1 && v.stride(3) == 1);
+  // Host, sequence-major rows ((batch, keys, kv_heads, dim), each key's kv
+  // heads adjacent): a team's rows run over kv heads, and it reads each key's
+  // rows of its kv heads at once. Per kv head, a team read D values out of
+  // every kv_heads x D; on a Zen 3 (65 536 keys, 8/8, 32/8 and 16/16 heads,
+  // fp32 and bf16, 1 and 2 threads) the teams over kv heads ran 1.4-1.9x
+  // faster.
+  const bool cross_heads = impl::is_host_space_v<ExecSpace> && unit && e.kv_heads > 1 &&
+                           std::size_t(k.stride(2)) == std::size_t(e.dim) &&
+                           std::size_t(v.stride(2)) == std::size_t(e.dim);
+  impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits, cross_heads);
+
+  impl::DecodeKernel<ExecSpace, T, S, S, OS, Mask, KPos> kern;
+  kern.q = q;
+  kern.k = k;
+  kern.v = v;
+  kern.o = o;
+  kern.lse = lse;
+  kern.lengths = lengths;
+  kern.q_positions = q_positions;
+  kern.mask = mask;
+  kern.kpos = kpos;
+  kern.pages = pages;
+  if (opts.sinks.data() != nullptr)
+    kern.sinks = impl::sink_view<mem>(opts.sinks.data(), opts.sinks.extent(0));
+  kern.scale_log2 = scale * impl::log2e<T>;
+  kern.unit = unit;
+  if constexpr (impl::is_host_space_v<ExecSpace>) {
+    const bool stream = kern.unit && std::size_t(k.stride(1)) == std::size_t(e.dim) &&
+                        std::size_t(v.stride(1)) == std::size_t(e.dim);
+    kern.isa = impl::dispatched_host_isa();
+    // One row per kv head over keys that stream (heads-major, contiguous):
+    // the read bounds the step, and the fp32 vectors ran it 5-8 % faster
+    // than the dot products on a 2-core Zen 4 (bf16, 8 heads at D = 128,
+    // 16 at D = 64, 65 536 keys); the other shapes measured ran 1.03-1.8x
+    // faster on the dot products (GQA groups 1.2-1.8x; decode_bf16.hpp).
+    kern.bf16_dot = impl::decode_uses_bf16_dot<ExecSpace, S>(opts.host_matrix) &&
+                    !(stream && g.group * g.rows == 1);
+    // bf16 rows that stream, on the fp32 vectors: tiles of 128 keys (each
+    // tile's fixed work over 4x the keys; a Zen 3, 65 536 keys, 8/8, 16/16
+    // and 32/8 heads, D = 64 and 128: 1.0-1.23x the rate of 32-key tiles;
+    // fp32 tiles of 64 or 128 keys ran 0.88-1.05x, so fp32 keeps 32).
+    if (std::is_same<S, bf16>::value && stream && !kern.bf16_dot) g.key_tile = 128;
+    const std::size_t tile_bytes = 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S);
+    kern.prefetch = impl::decode_prefetch_level(stream, tile_bytes, false);
+    // Spread over the tile products where the rows stream or a team reads
+    // its kv heads' adjacent rows (cross_heads); other strided rows keep
+    // the burst (per kv head, sequence-major rows ran 0.77-1.2x its rate
+    // spread on a Zen 3, bench_decode, fp32 and bf16).
+    kern.prefetch_spread =
+        stream || cross_heads ? impl::decode_prefetch_level(true, tile_bytes, true) : 0;
+  }
+  if (g.splits > 1) {
+    const std::int64_t n = g.splits * g.state_rows();
+    kern.part_o = Kokkos::View<T*, mem>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_o"), n * e.dim);
+    kern.part_m = Kokkos::View<T*, mem>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_m"), n);
+    kern.part_l = Kokkos::View<T*, mem>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_l"), n);
+  }
+  kern.g = g;
+  using Policy = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+  Policy policy(exec, int(g.league()), g.team_size);
+  policy.set_scratch_size(0, Kokkos::PerTeam(kern.scratch_bytes(g)));
+  Kokkos::parallel_for("blockattn::decode", policy, kern);
+  if (g.splits > 1) {
+    impl::DecodeMerge<ExecSpace, T, OS> merge{kern.o,      kern.lse, kern.part_o, kern.part_m,
+                                              kern.part_l, g,        kern.sinks};
+    Kokkos::parallel_for(
+        "blockattn::decode_merge",
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, g.state_rows()),
+        merge);
+  }
+}
+}  // namespace impl
+
 /// Attention of a few query rows per sequence against a key cache, the keys
 /// of each (sequence, kv head) split over teams and merged (FlashDecoding).
 ///
@@ -180,110 +307,14 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
                 "BlockAttn: attention_decode's q_positions must be a rank-1 View of "
                 "blockattn::index_type (batch)");
   if constexpr (impl::decode_views_ok<QV, KV, VV, OV, LV>() && is_mask_policy_v<Mask>) {
-    using S = typename QV::non_const_value_type;
-    using OS = typename OV::non_const_value_type;
-    using T = compute_t<S>;
     using mem = typename ExecSpace::memory_space;
     const char* fn = "attention_decode";
     // k may have no slot (an empty cache): only q's extents must be positive.
     const BlockExtents e = impl::validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
-    if (e.queries == 0) impl::fail(fn, "argument 'q' has extent(1) (rows) = 0, expected >= 1");
-    impl::require_accessible<ExecSpace, typename LenV::memory_space>(fn, "lengths");
-    impl::require_accessible<ExecSpace, typename PosV::memory_space>(fn, "q_positions");
-    impl::require_extent(fn, "lengths", lengths, 0, "batch", q.extent(0), "the batch of q");
-    impl::require_extent(fn, "q_positions", q_positions, 0, "batch", q.extent(0), "the batch of q");
-    if (opts.splits < 0 || opts.splits > impl::max_decode_splits)
-      impl::fail(fn, "argument 'opts.splits' is ", opts.splits, ", expected 0 (automatic) .. ",
-                 impl::max_decode_splits);
-    index_type max_len = opts.max_length;
-    if (max_len < 0) {
-      int lo = 0, hi = 0;
-      impl::length_range(
-          exec, Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(lengths), lo,
-          hi);
-      if (lo < 0) impl::fail(fn, "argument 'lengths' holds ", lo, ", expected >= 0");
-      max_len = hi;
-    }
-    if (max_len > index_type(k.extent(1)))
-      impl::fail(fn, "argument 'lengths' holds ", max_len,
-                 " keys, expected at most k.extent(1) = ", k.extent(1), " (the cache's capacity)");
-    if (const std::string why = impl::score_check(mask, e.heads); !why.empty())
-      impl::fail(fn, "argument 'mask': ", why);
-    impl::check_sinks(fn, opts.sinks, SinkGradient(), e.heads, false);
-    const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
-    const bool unit = k.extent(3) <= 1 || (k.stride(3) == 1 && v.stride(3) == 1);
-    // Host, sequence-major rows ((batch, keys, kv_heads, dim), each key's kv
-    // heads adjacent): a team's rows run over kv heads, and it reads each key's
-    // rows of its kv heads at once. Per kv head, a team read D values out of
-    // every kv_heads x D; on a Zen 3 (65 536 keys, 8/8, 32/8 and 16/16 heads,
-    // fp32 and bf16, 1 and 2 threads) the teams over kv heads ran 1.4-1.9x
-    // faster.
-    const bool cross_heads = impl::is_host_space_v<ExecSpace> && unit && e.kv_heads > 1 &&
-                             std::size_t(k.stride(2)) == std::size_t(e.dim) &&
-                             std::size_t(v.stride(2)) == std::size_t(e.dim);
-    impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits, cross_heads);
-
-    impl::DecodeKernel<ExecSpace, T, S, S, OS, Mask, KPos> kern;
-    kern.q = q;
-    kern.k = k;
-    kern.v = v;
-    kern.o = o;
-    kern.lse = lse;
-    kern.lengths = lengths;
-    kern.q_positions = q_positions;
-    kern.mask = mask;
-    kern.kpos = kpos;
-    if (opts.sinks.data() != nullptr)
-      kern.sinks = impl::sink_view<mem>(opts.sinks.data(), opts.sinks.extent(0));
-    kern.scale_log2 = scale * impl::log2e<T>;
-    kern.unit = unit;
-    if constexpr (impl::is_host_space_v<ExecSpace>) {
-      const bool stream = kern.unit && std::size_t(k.stride(1)) == std::size_t(e.dim) &&
-                          std::size_t(v.stride(1)) == std::size_t(e.dim);
-      kern.isa = impl::dispatched_host_isa();
-      // One row per kv head over keys that stream (heads-major, contiguous):
-      // the read bounds the step, and the fp32 vectors ran it 5-8 % faster
-      // than the dot products on a 2-core Zen 4 (bf16, 8 heads at D = 128,
-      // 16 at D = 64, 65 536 keys); the other shapes measured ran 1.03-1.8x
-      // faster on the dot products (GQA groups 1.2-1.8x; decode_bf16.hpp).
-      kern.bf16_dot = impl::decode_uses_bf16_dot<ExecSpace, S>(opts.host_matrix) &&
-                      !(stream && g.group * g.rows == 1);
-      // bf16 rows that stream, on the fp32 vectors: tiles of 128 keys (each
-      // tile's fixed work over 4x the keys; a Zen 3, 65 536 keys, 8/8, 16/16
-      // and 32/8 heads, D = 64 and 128: 1.0-1.23x the rate of 32-key tiles;
-      // fp32 tiles of 64 or 128 keys ran 0.88-1.05x, so fp32 keeps 32).
-      if (std::is_same<S, bf16>::value && stream && !kern.bf16_dot) g.key_tile = 128;
-      const std::size_t tile_bytes = 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S);
-      kern.prefetch = impl::decode_prefetch_level(stream, tile_bytes, false);
-      // Spread over the tile products where the rows stream or a team reads
-      // its kv heads' adjacent rows (cross_heads); other strided rows keep
-      // the burst (per kv head, sequence-major rows ran 0.77-1.2x its rate
-      // spread on a Zen 3, bench_decode, fp32 and bf16).
-      kern.prefetch_spread =
-          stream || cross_heads ? impl::decode_prefetch_level(true, tile_bytes, true) : 0;
-    }
-    if (g.splits > 1) {
-      const std::int64_t n = g.splits * g.state_rows();
-      kern.part_o = Kokkos::View<T*, mem>(
-          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_o"), n * e.dim);
-      kern.part_m = Kokkos::View<T*, mem>(
-          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_m"), n);
-      kern.part_l = Kokkos::View<T*, mem>(
-          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::decode_l"), n);
-    }
-    kern.g = g;
-    using Policy = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
-    Policy policy(exec, int(g.league()), g.team_size);
-    policy.set_scratch_size(0, Kokkos::PerTeam(kern.scratch_bytes(g)));
-    Kokkos::parallel_for("blockattn::decode", policy, kern);
-    if (g.splits > 1) {
-      impl::DecodeMerge<ExecSpace, T, OS> merge{kern.o,      kern.lse, kern.part_o, kern.part_m,
-                                                kern.part_l, g,        kern.sinks};
-      Kokkos::parallel_for(
-          "blockattn::decode_merge",
-          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, g.state_rows()),
-          merge);
-    }
+    const index_type max_len = impl::decode_checks(exec, fn, e, q, lengths, q_positions, mask, opts,
+                                                   "k.extent(1)", index_type(k.extent(1)));
+    impl::decode_launch(exec, e, max_len, q, k, v, lengths, q_positions, o, lse, mask, kpos, opts,
+                        impl::DecodePages<mem>{});
   }
 }
 

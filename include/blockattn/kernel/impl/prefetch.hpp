@@ -119,10 +119,31 @@ struct DecodePrefetch {
   std::size_t bytes = 0;                   // bytes of one row
   int rows = 0;                            // rows in the next tile (0: none)
   int level = 0;                           // decode_prefetch_level's
-  KOKKOS_INLINE_FUNCTION void row(int j) const {
+  int offset = 0;                          // row(j) asks for row offset + j
+  // Paged caches (DecodePages): row i is key first + i, in page
+  // pages[(first + i) >> shift * page_step] at slot (first + i) & mask; k
+  // and v are then slot 0 of pool page 0, k_page and v_page the bytes
+  // between pool pages. pages == nullptr: rows i at k + i * k_stride.
+  const int* pages = nullptr;
+  std::ptrdiff_t page_step = 1;
+  std::int64_t first = 0;
+  int shift = 0;
+  std::size_t k_page = 0, v_page = 0;
+  KOKKOS_INLINE_FUNCTION void row(int jj) const {
+    const int j = jj + offset;
     if (j >= rows) return;
-    const char* const kr = k + std::size_t(j) * k_stride;
-    const char* const vr = v + std::size_t(j) * v_stride;
+    const char* kr;
+    const char* vr;
+    if (pages != nullptr) {
+      const std::int64_t key = first + j;
+      const std::size_t page = std::size_t(pages[(key >> shift) * page_step]);
+      const std::size_t slot = std::size_t(key & ((std::int64_t(1) << shift) - 1));
+      kr = k + page * k_page + slot * k_stride;
+      vr = v + page * v_page + slot * v_stride;
+    } else {
+      kr = k + std::size_t(j) * k_stride;
+      vr = v + std::size_t(j) * v_stride;
+    }
     if (level == 1) {
       prefetch_span(kr, bytes);
       prefetch_span(vr, bytes);
@@ -132,7 +153,7 @@ struct DecodePrefetch {
     }
   }
   KOKKOS_INLINE_FUNCTION void all() const {
-    for (int j = 0; j < rows; ++j) row(j);
+    for (int j = 0; j < rows; ++j) row(j - offset);
   }
 };
 

@@ -9,7 +9,8 @@
 // softmax_state.hpp).
 //
 // Decode is memory bound: the kernel reads the caller's K and V in place (any
-// strides; unit stride in head_dim streams), never packs them, and converts
+// strides; unit stride in head_dim streams; or the pages of a paged cache,
+// decode_pages.hpp), never packs them, and converts
 // 16-bit storage to the compute type as it reads. On host spaces with fp32
 // compute and unit stride, the tile products run in explicit vectors
 // (decode_simd.hpp; the run-time dispatched ISA, isa.hpp): fp32 and bf16
@@ -27,6 +28,8 @@
 #include <blockattn/kernel/impl/prefetch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/isa.hpp>
+#include <blockattn/kernel/portable/decode_pages.hpp>
+#include <blockattn/kernel/portable/decode_rows.hpp>
 #include <blockattn/kernel/sinks.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -68,101 +71,6 @@ struct DecodeGrid {
   }
 };
 
-template <class T>
-KOKKOS_INLINE_FUNCTION T to_compute(const T& x) {
-  return x;
-}
-KOKKOS_INLINE_FUNCTION float to_compute(const bf16& x) {
-  return float(x);
-}
-KOKKOS_INLINE_FUNCTION float to_compute(const fp16& x) {
-  return float(x);
-}
-
-/// q . k over n values with independent lane sums (vectorises without
-/// reassociation flags); k in storage type S, converted as read.
-template <class T, class S>
-KOKKOS_INLINE_FUNCTION T decode_dot(const T* q, const S* k, int n) {
-  constexpr int L = sizeof(T) == 4 ? 16 : 8;
-  T acc[L];
-  for (int l = 0; l < L; ++l) acc[l] = T(0);
-  int d = 0;
-  for (; d + L <= n; d += L)
-    for (int l = 0; l < L; ++l) acc[l] += q[d + l] * T(to_compute(k[d + l]));
-  T s = T(0);
-  for (; d < n; ++d) s += q[d] * T(to_compute(k[d]));
-  for (int l = 0; l < L; ++l) s += acc[l];
-  return s;
-}
-
-/// Host: the scores q . k_j of one row against nk keys (key(j) -> const S*,
-/// head_dim contiguous), four keys at a time (eight independent FMA chains).
-template <class T, class S, class Key>
-KOKKOS_INLINE_FUNCTION void host_scores(const T* q, const Key& key, int nk, int D, T* out) {
-  constexpr int L = sizeof(T) == 4 ? 16 : 8;
-  int j = 0;
-  for (; j + 4 <= nk; j += 4) {
-    const S* k0 = key(j);
-    const S* k1 = key(j + 1);
-    const S* k2 = key(j + 2);
-    const S* k3 = key(j + 3);
-    T a0[L], a1[L], a2[L], a3[L];
-    for (int l = 0; l < L; ++l) a0[l] = a1[l] = a2[l] = a3[l] = T(0);
-    int d = 0;
-    for (; d + L <= D; d += L)
-      for (int l = 0; l < L; ++l) {
-        const T x = q[d + l];
-        a0[l] += x * T(to_compute(k0[d + l]));
-        a1[l] += x * T(to_compute(k1[d + l]));
-        a2[l] += x * T(to_compute(k2[d + l]));
-        a3[l] += x * T(to_compute(k3[d + l]));
-      }
-    T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
-    for (; d < D; ++d) {
-      s0 += q[d] * T(to_compute(k0[d]));
-      s1 += q[d] * T(to_compute(k1[d]));
-      s2 += q[d] * T(to_compute(k2[d]));
-      s3 += q[d] * T(to_compute(k3[d]));
-    }
-    for (int l = 0; l < L; ++l) {
-      s0 += a0[l];
-      s1 += a1[l];
-      s2 += a2[l];
-      s3 += a3[l];
-    }
-    out[j] = s0;
-    out[j + 1] = s1;
-    out[j + 2] = s2;
-    out[j + 3] = s3;
-  }
-  for (; j < nk; ++j) out[j] = decode_dot(q, key(j), D);
-}
-
-/// Host: o = a o + sum_j p_j v_j over nk keys (value(j) -> const S*), the
-/// output in registers across the keys, C columns at a time.
-template <class T, class S, class Value>
-KOKKOS_INLINE_FUNCTION void host_pv(T* o, T a, const T* p, const Value& value, int nk, int D) {
-  constexpr int C = sizeof(T) == 4 ? 64 : 32;
-  int d0 = 0;
-  for (; d0 + C <= D; d0 += C) {
-    T acc[C];
-    for (int l = 0; l < C; ++l) acc[l] = o[d0 + l] * a;
-    for (int j = 0; j < nk; ++j) {
-      const T pj = p[j];
-      if (pj == T(0)) continue;  // a masked key: its value is never read (NaN stays out)
-      const S* vr = value(j) + d0;
-      for (int l = 0; l < C; ++l) acc[l] += pj * T(to_compute(vr[l]));
-    }
-    for (int l = 0; l < C; ++l) o[d0 + l] = acc[l];
-  }
-  for (int d = d0; d < D; ++d) {
-    T acc = o[d] * a;
-    for (int j = 0; j < nk; ++j)
-      if (p[j] != T(0)) acc += p[j] * T(to_compute(value(j)[d]));
-    o[d] = acc;
-  }
-}
-
 /// The split-KV pass: one team per (sequence, kv head, row tile, split).
 /// q, o: (batch, rows, heads, dim); k, v: (batch, capacity, kv_heads, dim)
 /// strided, k(b, j, g, 0 .. dim) contiguous when stride(3) == 1 (checked by
@@ -193,6 +101,7 @@ struct DecodeKernel {
   int prefetch_spread = 0;  // host: ... key by key in the vector tile products (0: at once)
   HostIsa isa = host_isa;   // host: the vector ISA of the tile products (dispatched_host_isa)
   bool bf16_dot = false;    // host, bf16: the AVX512-BF16 products (decode_bf16.hpp)
+  DecodePages<mem> pages;   // where key j is: k(b, j, ...) or a paged pool's slot
 
   /// Host spaces with fp32 compute: the explicit-vector tile products
   /// (decode_simd.hpp) where the keys and values have unit stride.
@@ -217,7 +126,7 @@ struct DecodeKernel {
   }
 
   static std::size_t scratch_bytes(const DecodeGrid& g) {
-    std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 3);
+    std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 4);
     if (widened_tiles) n += std::size_t(g.key_tile) * g.dim;
     n += bf16_scratch(g);
     return scratch1::shmem_size(n);
@@ -238,11 +147,11 @@ struct DecodeKernel {
       if (kind == TileKind::partial && !mask.allowed(qp, kp)) {
         s = -infinity<T>();
       } else if (unit) {
-        s = decode_dot(qs + std::size_t(r) * D, &k(b, int(j0 + j), kvh, 0), D);
+        s = decode_dot(qs + std::size_t(r) * D, pages.row(k, b, j0 + j, kvh), D);
       } else {
         s = T(0);
         for (int d = 0; d < D; ++d)
-          s += qs[std::size_t(r) * D + d] * T(to_compute(k(b, int(j0 + j), kvh, d)));
+          s += qs[std::size_t(r) * D + d] * T(to_compute(pages.at(k, b, j0 + j, kvh, d)));
       }
       if constexpr (has_score_mod_v<Mask>)  // the allowed pairs' logits through the policy
         if (kind != TileKind::partial || mask.allowed(qp, kp))
@@ -311,23 +220,38 @@ struct DecodeKernel {
         f(kvh, lo, hi - lo);
       }
     };
+    // f(first, count) for each run of adjacent slots of keys [j0, j0 + nk)
+    // (the tile itself unless the cache is paged).
+    [[maybe_unused]] const auto for_each_run = [&](const std::int64_t j0, const int nk, auto&& f) {
+      for (int a = 0; a < nk;) {
+        const std::int64_t e = pages.run_end(j0 + a) - j0;
+        const int c = int(e < nk ? e : nk) - a;
+        f(a, c);
+        a += c;
+      }
+    };
 
-    const scratch1 buf(m.team_scratch(0), std::size_t(R) * (2 * std::size_t(D) + KT + 3));
-    T* qs = buf.data();                // R x D: q * scale * log2(e)
-    T* os = qs + std::size_t(R) * D;   // R x D: unnormalised O
-    T* ss = os + std::size_t(R) * D;   // R x KT: scores, then P
-    T* ms = ss + std::size_t(R) * KT;  // R: running max (base 2)
-    T* ls = ms + R;                    // R: running sum
-    T* as = ls + R;                    // R: this tile's rescale factor
-    [[maybe_unused]] T* kvw = as + R;  // KT x D: a widened K or V tile (widened_tiles)
+    const scratch1 buf(m.team_scratch(0), std::size_t(R) * (2 * std::size_t(D) + KT + 4));
+    T* qs = buf.data();                  // R x D: q * scale * log2(e)
+    T* os = qs + std::size_t(R) * D;     // R x D: unnormalised O
+    T* ss = os + std::size_t(R) * D;     // R x KT: scores, then P
+    T* ms = ss + std::size_t(R) * KT;    // R: running max (base 2)
+    T* ls = ms + R;                      // R: running sum
+    T* as = ls + R;                      // R: this tile's rescale factor
+    T* ones = as + R;                    // R: 1 (a paged tile's later runs)
+    [[maybe_unused]] T* kvw = ones + R;  // KT x D: a widened K or V tile (widened_tiles)
     // Dot: R x D q as stored, then R x p16_stride(g) P in bf16.
     [[maybe_unused]] std::uint16_t* q16 = reinterpret_cast<std::uint16_t*>(
         kvw + (widened_tiles ? std::size_t(KT) * D : std::size_t(0)));
     [[maybe_unused]] std::uint16_t* p16 = q16 + std::size_t(R) * D;
 
     const int len = lengths(b);
-    const std::int64_t k_begin = std::int64_t(len) * split / g.splits;
-    const std::int64_t k_end = std::int64_t(len) * (split + 1) / g.splits;
+    // The split's keys from a multiple of 16 (tiles, and so the bf16 dot
+    // products' key pairs, start where a paged cache's pages do).
+    const std::int64_t k_begin = (std::int64_t(len) * split / g.splits) & ~std::int64_t(15);
+    const std::int64_t k_end =
+        split + 1 == g.splits ? len
+                              : (std::int64_t(len) * (split + 1) / g.splits) & ~std::int64_t(15);
     const index_type q0 = q_positions(b);
 
     // Row r of the tile: head (r0 + r) / rows, query (r0 + r) % rows.
@@ -356,6 +280,7 @@ struct DecodeKernel {
     Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
       ms[r] = -infinity<T>();
       ls[r] = T(0);
+      ones[r] = T(1);
     });
     m.team_barrier();
 
@@ -386,8 +311,19 @@ struct DecodeKernel {
           if (next.level != 0 && j0 + KT < k_end) {
             // The rows of the tile's kv heads (adjacent where they are several:
             // decode_grid's cross_heads).
-            next.k = reinterpret_cast<const char*>(&k(b, int(j0 + KT), kvh_lo, 0));
-            next.v = reinterpret_cast<const char*>(&v(b, int(j0 + KT), kvh_lo, 0));
+            if (pages.paged) {
+              next.pages = &pages.table(b, 0);
+              next.page_step = std::ptrdiff_t(pages.table.stride(1));
+              next.first = j0 + KT;
+              next.shift = pages.shift;
+              next.k_page = std::size_t(k.stride(0)) * sizeof(S);
+              next.v_page = std::size_t(v.stride(0)) * sizeof(S);
+              next.k = reinterpret_cast<const char*>(&k(0, 0, kvh_lo, 0));
+              next.v = reinterpret_cast<const char*>(&v(0, 0, kvh_lo, 0));
+            } else {
+              next.k = reinterpret_cast<const char*>(&k(b, int(j0 + KT), kvh_lo, 0));
+              next.v = reinterpret_cast<const char*>(&v(b, int(j0 + KT), kvh_lo, 0));
+            }
             next.k_stride = std::size_t(k.stride(1)) * sizeof(S);
             next.v_stride = std::size_t(v.stride(1)) * sizeof(S);
             next.bytes = std::size_t(kvh_hi - kvh_lo + 1) * std::size_t(D) * sizeof(S);
@@ -397,31 +333,38 @@ struct DecodeKernel {
               next.rows = 0;
             }
           }
-          // Each kv head's rows against its keys; the first asks for the
-          // next tile's rows (next.row) as it goes.
+          // Each kv head's rows against its keys, a run of adjacent rows at a
+          // time (the tile, or its pages: decode_pages.hpp); the first asks
+          // for the next tile's rows (next.row) as it goes.
           for_each_kv_head([&](const int kvh, const int lo, const int n) {
             if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
-              decode_scores_bf16(q16 + std::size_t(lo) * D, n, &k(b, int(j0), kvh, 0).bits,
-                                 std::size_t(k.stride(1)), nk, D, scale_log2,
-                                 ss + std::size_t(lo) * KT, KT);
+              for_each_run(j0, nk, [&](const int a, const int c) {
+                decode_scores_bf16(q16 + std::size_t(lo) * D, n,
+                                   &pages.row(k, b, j0 + a, kvh)->bits, std::size_t(k.stride(1)), c,
+                                   D, scale_log2, ss + std::size_t(lo) * KT + a, KT);
+              });
 #endif
             } else if constexpr (!std::is_void<V>::value) {
 #if BLOCKATTN_SIMD_KERNELS
               if constexpr (widened_tiles) {
                 for (int j = 0; j < nk; ++j)
-                  load_row(kvw + std::size_t(j) * D, &k(b, int(j0 + j), kvh, 0), 1, D);
+                  load_row(kvw + std::size_t(j) * D, pages.row(k, b, j0 + j, kvh), 1, D);
                 decode_scores_simd<V>(qs + std::size_t(lo) * D, n, static_cast<const T*>(kvw),
                                       std::size_t(D), nk, D, ss + std::size_t(lo) * KT, KT,
                                       DecodePrefetch{});
               } else {
-                decode_scores_simd<V>(qs + std::size_t(lo) * D, n, &k(b, int(j0), kvh, 0),
-                                      std::size_t(k.stride(1)), nk, D, ss + std::size_t(lo) * KT,
-                                      KT, kvh == kvh_lo ? next : DecodePrefetch{});
+                for_each_run(j0, nk, [&](const int a, const int c) {
+                  DecodePrefetch ask = kvh == kvh_lo ? next : DecodePrefetch{};
+                  ask.offset = a;
+                  decode_scores_simd<V>(qs + std::size_t(lo) * D, n, pages.row(k, b, j0 + a, kvh),
+                                        std::size_t(k.stride(1)), c, D,
+                                        ss + std::size_t(lo) * KT + a, KT, ask);
+                });
               }
 #endif
             } else {
-              const auto key = [&](int j) -> const S* { return &k(b, int(j0 + j), kvh, 0); };
+              const auto key = [&](int j) -> const S* { return pages.row(k, b, j0 + j, kvh); };
               for (int r = lo; r < lo + n; ++r)
                 host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
             }
@@ -483,27 +426,34 @@ struct DecodeKernel {
       // O = a O + P V.
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit) {
+          // O = a O + P V run by run: the later runs rescale by 1 (exact).
           for_each_kv_head([&](const int kvh, const int lo, const int n) {
             if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
-              decode_pv_bf16(os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT, KT, n,
-                             &v(b, int(j0), kvh, 0).bits, std::size_t(v.stride(1)), nk, D,
-                             p16 + std::size_t(lo) * p16_stride(g), p16_stride(g));
+              for_each_run(j0, nk, [&](const int a, const int c) {
+                decode_pv_bf16(os + std::size_t(lo) * D, (a == 0 ? as : ones) + lo,
+                               ss + std::size_t(lo) * KT + a, KT, n,
+                               &pages.row(v, b, j0 + a, kvh)->bits, std::size_t(v.stride(1)), c, D,
+                               p16 + std::size_t(lo) * p16_stride(g), p16_stride(g));
+              });
 #endif
             } else if constexpr (!std::is_void<V>::value) {
 #if BLOCKATTN_SIMD_KERNELS
               if constexpr (widened_tiles) {
                 for (int j = 0; j < nk; ++j)
-                  load_row(kvw + std::size_t(j) * D, &v(b, int(j0 + j), kvh, 0), 1, D);
+                  load_row(kvw + std::size_t(j) * D, pages.row(v, b, j0 + j, kvh), 1, D);
                 decode_pv_simd<V>(os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT, KT,
                                   n, static_cast<const T*>(kvw), std::size_t(D), nk, D);
               } else {
-                decode_pv_simd<V>(os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT, KT,
-                                  n, &v(b, int(j0), kvh, 0), std::size_t(v.stride(1)), nk, D);
+                for_each_run(j0, nk, [&](const int a, const int c) {
+                  decode_pv_simd<V>(os + std::size_t(lo) * D, (a == 0 ? as : ones) + lo,
+                                    ss + std::size_t(lo) * KT + a, KT, n,
+                                    pages.row(v, b, j0 + a, kvh), std::size_t(v.stride(1)), c, D);
+                });
               }
 #endif
             } else {
-              const auto value = [&](int j) -> const S* { return &v(b, int(j0 + j), kvh, 0); };
+              const auto value = [&](int j) -> const S* { return pages.row(v, b, j0 + j, kvh); };
               for (int r = lo; r < lo + n; ++r)
                 host_pv<T, S>(os + std::size_t(r) * D, as[r], ss + std::size_t(r) * KT, value, nk,
                               D);
@@ -517,7 +467,7 @@ struct DecodeKernel {
             for (int d = 0; d < D; ++d) {
               T acc = orow[d] * as[r];
               for (int j = 0; j < nk; ++j)
-                if (pr[j] != T(0)) acc += pr[j] * T(to_compute(v(b, int(j0 + j), kvh, d)));
+                if (pr[j] != T(0)) acc += pr[j] * T(to_compute(pages.at(v, b, j0 + j, kvh, d)));
               orow[d] = acc;
             }
           }
@@ -529,7 +479,7 @@ struct DecodeKernel {
           const T* pr = ss + std::size_t(r) * KT;
           T acc = os[e] * as[r];
           for (int j = 0; j < nk; ++j)
-            if (pr[j] != T(0)) acc += pr[j] * T(to_compute(v(b, int(j0 + j), kvh, d)));
+            if (pr[j] != T(0)) acc += pr[j] * T(to_compute(pages.at(v, b, j0 + j, kvh, d)));
           os[e] = acc;
         });
       }
