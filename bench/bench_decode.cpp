@@ -141,12 +141,42 @@ void decode_rows(int batch, int keys, int heads, int kv_heads, int dim, int reps
     std::printf(" %10s %7s\n", "-", "-");
 }
 
-/// A paged cache against the contiguous one (heads-major, as KVCache and
-/// PagedKVCache keep them): the same keys in pages of `ps` slots, the pages
-/// in shuffled pool order (as a long-running server's pool is), both decoded
-/// alternately, best of reps each; ratio = contiguous time / paged time.
+/// A plain read of the pages of a (kv_heads, pages, page_size, dim) pool in
+/// the order of `table` (batch, pages per sequence): each kv head's slots of
+/// one page are one contiguous chunk, read where the table points.
+template <class V, class Table>
+double read_pages_seconds(const V& kp, const V& vp, const Table& table, int reps) {
+  using S = typename V::non_const_value_type;
+  const int heads = int(kp.extent(0)), per = int(table.extent(1));
+  const std::int64_t chunks = std::int64_t(table.extent(0)) * per * heads;
+  const std::int64_t words = std::int64_t(kp.extent(2) * kp.extent(3) * sizeof(S) / 8);
+  return best_of(reps, [&] {
+    std::uint64_t sum = 0;
+    Kokkos::parallel_reduce(
+        "bench::read_pages", Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(0, chunks),
+        KOKKOS_LAMBDA(const std::int64_t c, std::uint64_t& s) {
+          const int g = int(c % heads), p = int((c / heads) % per), b = int(c / heads / per);
+          const int page = table(b, p);
+          const auto* pk = reinterpret_cast<const std::uint64_t*>(&kp(g, page, 0, 0));
+          const auto* pv = reinterpret_cast<const std::uint64_t*>(&vp(g, page, 0, 0));
+          std::uint64_t acc = 0;
+          for (std::int64_t i = 0; i < words; ++i) acc += pk[i] ^ pv[i];
+          s += acc;
+        },
+        sum);
+    if (sum == 12345) std::printf(" ");
+  });
+}
+
+/// A paged cache against the contiguous one (heads-major; the pool kv head
+/// outermost, as PagedKVCache keeps it): the same keys in pages of `ps`
+/// slots, in pool order (as a fresh pool or a prefill takes them) or
+/// shuffled (a long-running server's pool), both decoded alternately, best of
+/// reps each; x = contiguous time / paged time; read GB/s: a plain read of
+/// the contiguous cache, and of the pages in the table's order.
 template <class T>
-void paged_rows(int batch, int keys, int heads, int kv_heads, int dim, int ps, int reps) {
+void paged_rows(int batch, int keys, int heads, int kv_heads, int dim, int ps, bool shuffled,
+                int reps) {
   using CT = blockattn::compute_t<T>;
   using Strided = Kokkos::View<T****, Kokkos::LayoutStride, Mem>;
   using Right = Kokkos::View<T****, Kokkos::LayoutRight, Mem>;
@@ -156,8 +186,8 @@ void paged_rows(int batch, int keys, int heads, int kv_heads, int dim, int ps, i
                                1);
   const Strided k(ks.data(), l), v(vs.data(), l);
   const int per = (keys + ps - 1) / ps, pages = batch * per;
-  Right kp("kp", pages, kv_heads, ps, dim), vp("vp", pages, kv_heads, ps, dim);
-  const Kokkos::LayoutStride lp(pages, kp.stride(0), ps, kp.stride(2), kv_heads, kp.stride(1), dim,
+  Right kp("kp", kv_heads, pages, ps, dim), vp("vp", kv_heads, pages, ps, dim);
+  const Kokkos::LayoutStride lp(pages, kp.stride(1), ps, kp.stride(2), kv_heads, kp.stride(0), dim,
                                 1);
   const Strided kpv(kp.data(), lp), vpv(vp.data(), lp);
   Kokkos::View<int**, Mem> table("table", batch, per);
@@ -165,7 +195,7 @@ void paged_rows(int batch, int keys, int heads, int kv_heads, int dim, int ps, i
   std::vector<int> order(static_cast<std::size_t>(pages));
   for (int i = 0; i < pages; ++i) order[std::size_t(i)] = i;
   std::uint64_t x = 88172645463325252ull;  // xorshift: a fixed shuffle
-  for (int i = pages - 1; i > 0; --i) {
+  for (int i = shuffled ? pages - 1 : 0; i > 0; --i) {
     x ^= x << 13;
     x ^= x >> 7;
     x ^= x << 17;
@@ -200,11 +230,13 @@ void paged_rows(int batch, int keys, int heads, int kv_heads, int dim, int ps, i
                        }));
   }
   const double t_read = read_seconds(ks, vs, reps);
+  const double t_pages = read_pages_seconds(kp, vp, table, reps);
   const double bytes = 2.0 * double(ks.span()) * sizeof(T);
-  std::printf("%-5s %5d %5d %7d %3d %3d %4d %10.3f %10.3f %6.2f %9.2f %9.2f %6.2f\n",
-              blockattn::value_type_name<T>(), ps, batch, keys, heads, kv_heads, dim, t_flat * 1e3,
-              t_paged * 1e3, t_flat / t_paged, bytes / t_paged * 1e-9, bytes / t_read * 1e-9,
-              t_read / t_paged);
+  std::printf("%-5s %5d %-8s %5d %7d %3d %3d %4d %9.3f %9.3f %6.2f %8.2f %8.2f %8.2f %6.2f\n",
+              blockattn::value_type_name<T>(), ps, shuffled ? "shuffled" : "pool", batch, keys,
+              heads, kv_heads, dim, t_flat * 1e3, t_paged * 1e3, t_flat / t_paged,
+              bytes / t_paged * 1e-9, bytes / t_read * 1e-9, bytes / t_pages * 1e-9,
+              t_pages / t_paged);
 }
 
 /// One prefill chunk of `rows` rows after `cached` tokens of one sequence
@@ -282,8 +314,10 @@ tokens/s, GB/s of K/V read, and a plain read of the same bytes in the same run
                 (ServeOptions::prefill_forward_rows) and of one attention_forward
                 of the same rows and keys; GFLOP/s on allowed pairs
   --paged       a paged cache (attention_decode_paged; pages of 16, 64 and
-                256 slots in shuffled pool order) next to the contiguous one:
-                ms of each, x = contiguous / paged, GB/s, read GB/s, ratio
+                256 slots, in pool order and shuffled) next to the contiguous
+                one: ms of each, x = contiguous / paged, GB/s, a plain read of
+                the contiguous cache and of the pages in the table's order,
+                ratio = paged decode's share of the latter
   --batch B     sequences [1]
   --reps R      best of R [5]
   --help, -h    this text
@@ -342,18 +376,20 @@ int main(int argc, char** argv) {
       std::printf(
           "Decode over a paged cache (attention_decode_paged) and over the same keys stored "
           "contiguously, one query row per sequence, causal, %d threads (%s), host matrix "
-          "engine %s; the two alternated, best of %d each; x = contiguous ms / paged ms; ratio = "
-          "paged's share of the plain read's rate\n",
+          "engine %s; the two alternated, best of %d each; x = contiguous ms / paged ms; read: "
+          "a plain read of the contiguous cache, pages: of the pages in the table's order "
+          "(GB/s); ratio = paged decode's share of the pages' read\n",
           Exec{}.concurrency(), Exec::name(), blockattn::host_matrix_engine().name(), reps);
-      std::printf("%-5s %5s %5s %7s %3s %3s %4s %10s %10s %6s %9s %9s %6s\n", "type", "page", "B",
-                  "keys", "H", "Hkv", "D", "ms contig", "ms paged", "x", "GB/s", "read GB/s",
-                  "ratio");
+      std::printf("%-5s %5s %-8s %5s %7s %3s %3s %4s %9s %9s %6s %8s %8s %8s %6s\n", "type", "page",
+                  "order", "B", "keys", "H", "Hkv", "D", "ms contig", "ms paged", "x", "GB/s",
+                  "read", "pages", "ratio");
       const int shapes[][3] = {{8, 8, 128}, {32, 8, 128}, {8, 1, 128}, {16, 16, 64}};
       for (const auto& sh : shapes)
-        for (int ps : {16, 64, 256}) {
-          paged_rows<float>(batch, keys, sh[0], sh[1], sh[2], ps, reps);
-          paged_rows<blockattn::bf16>(batch, keys, sh[0], sh[1], sh[2], ps, reps);
-        }
+        for (int ps : {16, 64, 256})
+          for (bool shuffled : {false, true}) {
+            paged_rows<float>(batch, keys, sh[0], sh[1], sh[2], ps, shuffled, reps);
+            paged_rows<blockattn::bf16>(batch, keys, sh[0], sh[1], sh[2], ps, shuffled, reps);
+          }
       return 0;
     }
     std::printf(

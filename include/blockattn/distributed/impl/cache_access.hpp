@@ -14,6 +14,7 @@
 #include <blockattn/kernel/decode_paged.hpp>
 
 #include <type_traits>
+#include <utility>
 
 namespace blockattn {
 namespace impl {
@@ -66,16 +67,12 @@ auto shard_rows(const ExecSpace&, const KVCache<T, ExecSpace, P>& cache, int s, 
   return std::make_pair(Kokkos::subview(cache.keys(), range, slots, Kokkos::ALL, Kokkos::ALL),
                         Kokkos::subview(cache.values(), range, slots, Kokkos::ALL, Kokkos::ALL));
 }
-template <class ExecSpace, class T, class P>
-auto shard_rows(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P>& cache, int s,
-                index_type L) {
-  using mem = typename ExecSpace::memory_space;
-  using Out = Kokkos::View<T****, Kokkos::LayoutRight, mem>;
+/// The gather of shard_rows over a paged cache (a function of its own: nvcc
+/// takes no extended lambda in a function with a deduced return type).
+template <class ExecSpace, class T, class P, class Out>
+void gather_pages(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P>& cache, int s,
+                  index_type L, const Out& k, const Out& v) {
   const int H = cache.kv_heads(), D = cache.dim();
-  Out k(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::paged_gather_k"), 1,
-        std::size_t(L), H, D);
-  Out v(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::paged_gather_v"), 1,
-        std::size_t(L), H, D);
   const auto kp = cache.keys(), vp = cache.values();
   const auto table = cache.block_table();
   int shift = 0;
@@ -92,7 +89,18 @@ auto shard_rows(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P>& cach
           v(0, j, g, d) = vp(page, slot, g, d);
         }
       });
-  return std::make_pair(k, v);
+}
+template <class ExecSpace, class T, class P>
+std::pair<Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>,
+          Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>>
+shard_rows(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P>& cache, int s, index_type L) {
+  using Out = Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
+  Out k(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::paged_gather_k"), 1,
+        std::size_t(L), cache.kv_heads(), cache.dim());
+  Out v(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::paged_gather_v"), 1,
+        std::size_t(L), cache.kv_heads(), cache.dim());
+  gather_pages(exec, cache, s, L, k, v);
+  return {k, v};
 }
 
 }  // namespace impl
