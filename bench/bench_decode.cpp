@@ -141,6 +141,65 @@ void decode_rows(int batch, int keys, int heads, int kv_heads, int dim, int reps
     std::printf(" %10s %7s\n", "-", "-");
 }
 
+/// An 8-bit cache (attention_decode_quantized, heads-major, one fp32 scale
+/// per row) against the bf16 cache of the same shape, alternated, best of
+/// reps each: tokens/s of each and their ratio; GB/s of the 8-bit cache's
+/// bytes (codes and scales) and a plain read of them.
+template <class S>
+void quant_rows(int batch, int keys, int heads, int kv_heads, int dim, int reps) {
+  using blockattn::bf16;
+  using Strided16 = Kokkos::View<bf16****, Kokkos::LayoutStride, Mem>;
+  using StridedQ = Kokkos::View<S****, Kokkos::LayoutStride, Mem>;
+  using StridedS = Kokkos::View<float***, Kokkos::LayoutStride, Mem>;
+  Kokkos::View<bf16****, Kokkos::LayoutRight, Mem> q("q", batch, 1, heads, dim),
+      o("o", batch, 1, heads, dim);
+  Kokkos::View<bf16****, Kokkos::LayoutRight, Mem> kb("k", batch, kv_heads, keys, dim),
+      vb("v", batch, kv_heads, keys, dim);
+  Kokkos::View<S****, Kokkos::LayoutRight, Mem> kq("kq", batch, kv_heads, keys, dim),
+      vq("vq", batch, kv_heads, keys, dim);
+  Kokkos::View<float***, Kokkos::LayoutRight, Mem> ksc("ks", batch, kv_heads, keys),
+      vsc("vs", batch, kv_heads, keys);
+  const Kokkos::LayoutStride l(batch, kb.stride(0), keys, kb.stride(2), kv_heads, kb.stride(1), dim,
+                               1);
+  const Kokkos::LayoutStride ls(batch, ksc.stride(0), keys, ksc.stride(2), kv_heads, ksc.stride(1));
+  const Strided16 k(kb.data(), l), v(vb.data(), l);
+  const StridedQ k8(kq.data(), l), v8(vq.data(), l);
+  const StridedS ks(ksc.data(), ls), vs(vsc.data(), ls);
+  Kokkos::View<float***, Kokkos::LayoutRight, Mem> lse("lse", batch, heads, 1);
+  Kokkos::View<int*, Mem> len("len", batch);
+  Kokkos::View<blockattn::index_type*, Mem> qpos("qpos", batch);
+  Kokkos::deep_copy(q, bf16(0.01f));
+  Kokkos::deep_copy(kb, bf16(0.02f));
+  Kokkos::deep_copy(vb, bf16(0.5f));
+  Kokkos::deep_copy(kq, S(blockattn::impl::quantize<S>(40.0f)));
+  Kokkos::deep_copy(vq, S(blockattn::impl::quantize<S>(100.0f)));
+  Kokkos::deep_copy(ksc, 0.0005f);
+  Kokkos::deep_copy(vsc, 0.005f);
+  Kokkos::deep_copy(len, keys);
+  Kokkos::deep_copy(qpos, blockattn::index_type(keys));
+  blockattn::DecodeOptions opts;
+  opts.max_length = keys;
+  double t16 = 1e30, t8 = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    t16 = std::min(t16, best_of(1, [&] {
+                     blockattn::attention_decode(Exec{}, q, k, v, len, qpos, o, lse,
+                                                 blockattn::CausalMask{},
+                                                 blockattn::OffsetPositions{}, opts);
+                   }));
+    t8 = std::min(t8, best_of(1, [&] {
+                    blockattn::attention_decode_quantized(Exec{}, q, k8, v8, ks, vs, len, qpos, o,
+                                                          lse, blockattn::CausalMask{},
+                                                          blockattn::OffsetPositions{}, opts);
+                  }));
+  }
+  const double t_read = read_seconds(kq, vq, reps);
+  const double bytes = 2.0 * double(kq.span()) * sizeof(S) + 2.0 * double(ksc.span()) * 4;
+  std::printf("%-8s %5d %7d %3d %3d %4d %9.3f %9.3f %10.0f %10.0f %6.2f %8.2f %9.2f %6.2f\n",
+              blockattn::quant_type_name<S>(), batch, keys, heads, kv_heads, dim, t16 * 1e3,
+              t8 * 1e3, batch / t16, batch / t8, t16 / t8, bytes / t8 * 1e-9,
+              2.0 * double(kq.span()) * sizeof(S) / t_read * 1e-9, t_read / t8);
+}
+
 /// A plain read of the pages of a (kv_heads, pages, page_size, dim) pool in
 /// the order of `table` (batch, pages per sequence): each kv head's slots of
 /// one page are one contiguous chunk, read where the table points.
@@ -318,6 +377,11 @@ tokens/s, GB/s of K/V read, and a plain read of the same bytes in the same run
                 one: ms of each, x = contiguous / paged, GB/s, a plain read of
                 the contiguous cache and of the pages in the table's order,
                 ratio = paged decode's share of the latter
+  --quant       8-bit caches (attention_decode_quantized: fp8_e4m3,
+                fp8_e5m2, int8, bf16 queries) next to the bf16 cache of the
+                same shape: ms and tokens/s of each, x = the 8-bit cache's
+                tokens/s over bf16's, GB/s of its bytes, a plain read of its
+                codes, ratio
   --batch B     sequences [1]
   --reps R      best of R [5]
   --help, -h    this text
@@ -328,7 +392,7 @@ command line or an error the library reports.
 int main(int argc, char** argv) {
   return blockattn_cli::kokkos_main(argc, argv, "blockattn_bench_decode", usage_text, true, [&] {
     int keys = 65536, batch = 1, reps = 5;
-    bool prefill = false, paged = false;
+    bool prefill = false, paged = false, quant = false;
     std::map<std::string, double> torch;
     std::string error;
     for (int i = 1; i < argc && error.empty(); ++i) {
@@ -337,6 +401,8 @@ int main(int argc, char** argv) {
         prefill = true;
       else if (f == "--paged")
         paged = true;
+      else if (f == "--quant")
+        quant = true;
       else if (f.rfind("--torch=", 0) == 0) {
         if (!std::ifstream(f.substr(8))) error = "cannot read " + f.substr(8) + " (--torch)";
         torch = read_torch(f.substr(8));
@@ -370,6 +436,25 @@ int main(int argc, char** argv) {
           prefill_rows<float>(cached, rows, 8, 2, 128, reps);
           prefill_rows<blockattn::bf16>(cached, rows, 8, 2, 128, reps);
         }
+      return 0;
+    }
+    if (quant) {
+      std::printf(
+          "Decode over 8-bit caches (attention_decode_quantized, one fp32 scale per row, "
+          "heads-major) next to a bf16 cache of the same shape (attention_decode), bf16 "
+          "queries, one row per sequence, causal, %d threads (%s); alternated, best of %d "
+          "each; x = 8-bit tokens/s / bf16 tokens/s; ratio = the 8-bit decode's share of a "
+          "plain read of its codes\n",
+          Exec{}.concurrency(), Exec::name(), reps);
+      std::printf("%-8s %5s %7s %3s %3s %4s %9s %9s %10s %10s %6s %8s %9s %6s\n", "cache", "B",
+                  "keys", "H", "Hkv", "D", "ms bf16", "ms 8-bit", "tok/s bf16", "tok/s 8b", "x",
+                  "GB/s", "read GB/s", "ratio");
+      const int shapes[][3] = {{8, 8, 128}, {32, 8, 128}, {8, 1, 128}, {16, 16, 64}};
+      for (const auto& sh : shapes) {
+        quant_rows<blockattn::fp8_e4m3>(batch, keys, sh[0], sh[1], sh[2], reps);
+        quant_rows<blockattn::fp8_e5m2>(batch, keys, sh[0], sh[1], sh[2], reps);
+        quant_rows<std::int8_t>(batch, keys, sh[0], sh[1], sh[2], reps);
+      }
       return 0;
     }
     if (paged) {

@@ -27,7 +27,8 @@ set(_rank_top 5)
 # chooses an implementation) < the entry points. A backend includes no other backend
 # (portable/ only host/), and nothing runs back up.
 set(_ba_kernel_seam block_product:4 instantiate:5 portable_call:6 dispatch:7
-                    attention_forward:8 attention_backward:9 decode:8 decode_paged:9)
+                    attention_forward:8 attention_backward:9 decode:8 decode_paged:9
+                    decode_quantized:9)
 function(_kernel_rank path out_rank out_group)  # path relative to include/blockattn/kernel
   if(path MATCHES "^(impl)/")
     set(r 1)

@@ -6,6 +6,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/core/quant.hpp>
 #include <blockattn/distributed/decode.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
 #include <blockattn/distributed/hybrid.hpp>
@@ -20,6 +21,7 @@
 #include <blockattn/kernel/block_product.hpp>
 #include <blockattn/kernel/decode.hpp>
 #include <blockattn/kernel/decode_paged.hpp>
+#include <blockattn/kernel/decode_quantized.hpp>
 #include <blockattn/kernel/dispatch.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/work.hpp>

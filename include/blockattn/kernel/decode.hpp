@@ -187,9 +187,10 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_
                    const OV& o, const LV& lse, const Mask& mask, const KPos& kpos,
                    const DecodeOptions& opts,
                    const DecodePages<typename ExecSpace::memory_space>& pages) {
-  using S = typename QV::non_const_value_type;
+  using QS = typename QV::non_const_value_type;
+  using S = typename KV::non_const_value_type;  // QS, or an 8-bit type (pages.kscale)
   using OS = typename OV::non_const_value_type;
-  using T = compute_t<S>;
+  using T = compute_t<QS>;
   using mem = typename ExecSpace::memory_space;
   const T scale = impl::softmax_scale<T>(opts.scale, e.dim);
   const bool unit = k.extent(3) <= 1 || (k.stride(3) == 1 && v.stride(3) == 1);
@@ -204,7 +205,7 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_
                            std::size_t(v.stride(2)) == std::size_t(e.dim);
   impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits, cross_heads);
 
-  impl::DecodeKernel<ExecSpace, T, S, S, OS, Mask, KPos> kern;
+  impl::DecodeKernel<ExecSpace, T, QS, S, OS, Mask, KPos> kern;
   kern.q = q;
   kern.k = k;
   kern.v = v;
@@ -228,13 +229,15 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_
     // than the dot products on a 2-core Zen 4 (bf16, 8 heads at D = 128,
     // 16 at D = 64, 65 536 keys); the other shapes measured ran 1.03-1.8x
     // faster on the dot products (GQA groups 1.2-1.8x; decode_bf16.hpp).
-    kern.bf16_dot = impl::decode_uses_bf16_dot<ExecSpace, S>(opts.host_matrix) &&
+    kern.bf16_dot = std::is_same<QS, S>::value &&
+                    impl::decode_uses_bf16_dot<ExecSpace, S>(opts.host_matrix) &&
                     !(stream && g.group * g.rows == 1);
     // bf16 rows that stream, on the fp32 vectors: tiles of 128 keys (each
     // tile's fixed work over 4x the keys; a Zen 3, 65 536 keys, 8/8, 16/16
     // and 32/8 heads, D = 64 and 128: 1.0-1.23x the rate of 32-key tiles;
     // fp32 tiles of 64 or 128 keys ran 0.88-1.05x, so fp32 keeps 32).
-    if (std::is_same<S, bf16>::value && stream && !kern.bf16_dot) g.key_tile = 128;
+    if ((std::is_same<S, bf16>::value || is_kv_quant_v<S>)&&stream && !kern.bf16_dot)
+      g.key_tile = 128;
     const std::size_t tile_bytes = 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S);
     kern.prefetch = impl::decode_prefetch_level(stream, tile_bytes, false);
     // Spread over the tile products where the rows stream or a team reads

@@ -66,6 +66,8 @@ template <class V, bool Pinned = false, class S>
 inline void decode_load(typename V::type& x, const S* p) {
   if constexpr (std::is_same<S, bf16>::value)
     V::load_bf16_to(x, reinterpret_cast<const std::uint16_t*>(p));
+  else if constexpr (is_kv_quant_v<S>)  // 8-bit codes (their scales applied outside)
+    V::load_codes_to(x, p);
   else if constexpr (Pinned)
     V::load_pinned(x, p);
   else

@@ -283,6 +283,7 @@ inline void simd_p_ds_row(float* __restrict__ s, float* __restrict__ dp, int n, 
 #undef BLOCKATTN_SIMD_512
 #undef BLOCKATTN_TARGET_256
 #undef BLOCKATTN_TARGET_512
+#undef BLOCKATTN_TARGET_WIDEN8
 
 #if defined(__NVCC__)
 #pragma nv_diagnostic pop

@@ -6,6 +6,7 @@
 // here and undefines them at its end.
 #pragma once
 
+#include <blockattn/core/quant.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/isa.hpp>
 
@@ -104,6 +105,46 @@ namespace blockattn::impl {
     x = sub(a, b);                                                     \
   }
 
+#if defined(BLOCKATTN_SIMD_512) || defined(BLOCKATTN_SIMD_256)
+#if defined(__AVX2__)
+#define BLOCKATTN_TARGET_WIDEN8
+#else
+#define BLOCKATTN_TARGET_WIDEN8 BLOCKATTN_TARGET_AVX2
+#endif
+/// 8 codes of an 8-bit KV cache at p widened to fp32, exactly
+/// (core/quant.hpp): int8 by sign extension; fp8 by moving the magnitude
+/// bits under fp32's exponent and scaling by 2^120 (E4M3) or 2^112 (E5M2),
+/// subnormals included, then the codes apart (E4M3 S.1111.111: NaN; E5M2
+/// exponent 31: inf or NaN) and the sign.
+BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_i8(const std::int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+template <int Shift, int MaxFinite>
+BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_fp8(const std::uint8_t* p, float scale) {
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7f));
+  __m256 f =
+      _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, Shift)), _mm256_set1_ps(scale));
+  const __m256i special = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(MaxFinite));
+  // E4M3: NaN (quiet); E5M2: inf with mantissa 0, else NaN.
+  const __m256i bits =
+      Shift == 20
+          ? _mm256_set1_epi32(0x7fc00000)
+          : _mm256_or_si256(_mm256_set1_epi32(0x7f800000),
+                            _mm256_slli_epi32(_mm256_and_si256(mag, _mm256_set1_epi32(3)), 21));
+  f = _mm256_blendv_ps(f, _mm256_castsi256_ps(bits), _mm256_castsi256_ps(special));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+}
+BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_e4m3(const std::uint8_t* p) {
+  return widen8_fp8<20, 0x7e>(p, 1.329227995784916e36f);  // 2^120
+}
+BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_e5m2(const std::uint8_t* p) {
+  return widen8_fp8<21, 0x7b>(p, 5.192296858534828e33f);  // 2^112
+}
+#endif
+
 #if defined(BLOCKATTN_SIMD_512)
 /// One 512-bit AVX-512 vector of floats and its operations.
 struct SimdVec512 {
@@ -180,6 +221,21 @@ struct SimdVec512 {
     // The maskz forms: see exp2_nonpositive.
     const __m512i w = _mm512_maskz_cvtepu16_epi32(0xFFFF, h);
     x = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, w, 16));
+  }
+  /// x = 16 codes of an 8-bit cache widened to fp32: two halves of 8
+  /// (widen8_*, the AVX2 conversions) joined.
+  BLOCKATTN_TARGET_512 static type join(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+  }
+  BLOCKATTN_TARGET_512 static void load_codes_to(type& x, const std::int8_t* p) {
+    x = join(widen8_i8(p), widen8_i8(p + 8));
+  }
+  BLOCKATTN_TARGET_512 static void load_codes_to(type& x, const fp8_e4m3* p) {
+    x = join(widen8_e4m3(&p->bits), widen8_e4m3(&p[8].bits));
+  }
+  BLOCKATTN_TARGET_512 static void load_codes_to(type& x, const fp8_e5m2* p) {
+    x = join(widen8_e5m2(&p->bits), widen8_e5m2(&p[8].bits));
   }
   /// out[j] = the sum of x[j]'s lanes for j < 16, the 16 sums by a tree of
   /// two-source permutes (lane_pair_sum), in reduce_add's pairwise order:
@@ -293,6 +349,16 @@ struct SimdVec256 {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  /// x = 8 codes of an 8-bit cache widened to fp32 (widen8_*).
+  BLOCKATTN_TARGET_256 static void load_codes_to(type& x, const std::int8_t* p) {
+    x = widen8_i8(p);
+  }
+  BLOCKATTN_TARGET_256 static void load_codes_to(type& x, const fp8_e4m3* p) {
+    x = widen8_e4m3(&p->bits);
+  }
+  BLOCKATTN_TARGET_256 static void load_codes_to(type& x, const fp8_e5m2* p) {
+    x = widen8_e5m2(&p->bits);
+  }
   /// out[j] = the sum of x[j]'s lanes for j < 8: horizontal adds of
   /// neighbouring lanes (two levels), then the 128-bit halves added.
   BLOCKATTN_TARGET_256 static void lane_sums_to(float* out, const type (&x)[8]) {
@@ -361,6 +427,13 @@ struct SimdVec128 {
   static float reduce_max(type x) {
     const float a = x[0] > x[2] ? x[0] : x[2], b = x[1] > x[3] ? x[1] : x[3];
     return a > b ? a : b;
+  }
+  /// x = 4 codes of an 8-bit cache widened to fp32 (dequantize, core/quant.hpp).
+  template <class S>
+  static void load_codes_to(type& x, const S* p) {
+    float f[4];
+    for (int l = 0; l < 4; ++l) f[l] = dequantize(p[l]);
+    std::memcpy(&x, f, sizeof(x));
   }
   /// The lane sum, pairwise as the wider variants.
   static float reduce_add(type x) {

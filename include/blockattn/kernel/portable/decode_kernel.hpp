@@ -109,6 +109,29 @@ struct DecodeKernel {
   /// Their fp16 K and V tiles widened to fp32 in scratch, one at a time
   /// (fp32 and bf16 are read in place, bf16 widened as it is loaded).
   static constexpr bool widened_tiles = host_vectors && std::is_same<S, fp16>::value;
+  /// 8-bit K and V (core/quant.hpp): each row times its scale (pages.kscale,
+  /// pages.vscale); the host vector products read the codes in place
+  /// (widened in registers, decode_load) and the scales multiply each key's
+  /// scores and each value's P.
+  static constexpr bool quant = is_kv_quant_v<S>;
+  /// k's or v's value (b, key j, kv head g, dim d) in the compute type.
+  template <class KV, class SV>
+  KOKKOS_INLINE_FUNCTION T kv_at(const KV& kv, const SV& sc, int b, std::int64_t j, int g,
+                                 int d) const {
+    if constexpr (quant)
+      return T(dequantize(pages.at(kv, b, j, g, d))) * T(pages.scale(sc, b, j, g));
+    else
+      return T(to_compute(pages.at(kv, b, j, g, d)));
+  }
+  /// Row j of kv (kv head g) into fp32 at out: widened, or dequantized.
+  template <class KV, class SV>
+  KOKKOS_INLINE_FUNCTION void widen_row(float* out, const KV& kv, const SV& sc, int b,
+                                        std::int64_t j, int g, int D) const {
+    if constexpr (quant)
+      dequant_row(out, pages.row(kv, b, j, g), pages.scale(sc, b, j, g), D);
+    else
+      load_row(out, pages.row(kv, b, j, g), 1, D);
+  }
   /// bf16 q, k and v: the AVX512-BF16 products can run (where bf16_dot says).
 #if BLOCKATTN_DECODE_BF16
   static constexpr bool bf16_dot_capable =
@@ -146,12 +169,12 @@ struct DecodeKernel {
       T s;
       if (kind == TileKind::partial && !mask.allowed(qp, kp)) {
         s = -infinity<T>();
-      } else if (unit) {
+      } else if (unit && !quant) {
         s = decode_dot(qs + std::size_t(r) * D, pages.row(k, b, j0 + j, kvh), D);
       } else {
         s = T(0);
         for (int d = 0; d < D; ++d)
-          s += qs[std::size_t(r) * D + d] * T(to_compute(pages.at(k, b, j0 + j, kvh, d)));
+          s += qs[std::size_t(r) * D + d] * kv_at(k, pages.kscale, b, j0 + j, kvh, d);
       }
       if constexpr (has_score_mod_v<Mask>)  // the allowed pairs' logits through the policy
         if (kind != TileKind::partial || mask.allowed(qp, kp))
@@ -298,7 +321,7 @@ struct DecodeKernel {
       if (kind == TileKind::empty) continue;
       // Scores S = q k^T (base 2, scaled), masked to -inf.
       if constexpr (is_host_space_v<ExecSpace>) {
-        if (unit) {
+        if (unit && (!quant || !std::is_void<V>::value)) {  // 8-bit: the vectors' widened tiles
           // The next tile's keys and values (prefetch.hpp): decode streams K
           // and V once, and the prefetch keeps the loads ahead of this tile's
           // arithmetic (at the level decode_prefetch_level picked): asked for
@@ -349,7 +372,7 @@ struct DecodeKernel {
 #if BLOCKATTN_SIMD_KERNELS
               if constexpr (widened_tiles) {
                 for (int j = 0; j < nk; ++j)
-                  load_row(kvw + std::size_t(j) * D, pages.row(k, b, j0 + j, kvh), 1, D);
+                  widen_row(kvw + std::size_t(j) * D, k, pages.kscale, b, j0 + j, kvh, D);
                 decode_scores_simd<V>(qs + std::size_t(lo) * D, n, static_cast<const T*>(kvw),
                                       std::size_t(D), nk, D, ss + std::size_t(lo) * KT, KT,
                                       DecodePrefetch{});
@@ -369,6 +392,13 @@ struct DecodeKernel {
                 host_scores<T, S>(qs + std::size_t(r) * D, key, nk, D, ss + std::size_t(r) * KT);
             }
           });
+          if constexpr (quant)  // each key's scores times its scale
+            for_each_kv_head([&](const int kvh, const int lo, const int n) {
+              for (int j = 0; j < nk; ++j) {
+                const T sc = T(pages.scale(pages.kscale, b, j0 + j, kvh));
+                for (int r = lo; r < lo + n; ++r) ss[std::size_t(r) * KT + j] *= sc;
+              }
+            });
           if constexpr (has_score_mod_v<Mask>)
             for (int r = 0; r < nr; ++r) {
               const index_type qp = q0 + (r0 + r) % g.rows;
@@ -425,7 +455,14 @@ struct DecodeKernel {
       m.team_barrier();
       // O = a O + P V.
       if constexpr (is_host_space_v<ExecSpace>) {
-        if (unit) {
+        if (unit && (!quant || !std::is_void<V>::value)) {
+          if constexpr (quant)  // each value's P times its scale (l has the P)
+            for_each_kv_head([&](const int kvh, const int lo, const int n) {
+              for (int j = 0; j < nk; ++j) {
+                const T sc = T(pages.scale(pages.vscale, b, j0 + j, kvh));
+                for (int r = lo; r < lo + n; ++r) ss[std::size_t(r) * KT + j] *= sc;
+              }
+            });
           // O = a O + P V run by run: the later runs rescale by 1 (exact).
           for_each_kv_head([&](const int kvh, const int lo, const int n) {
             if constexpr (Dot) {
@@ -441,7 +478,7 @@ struct DecodeKernel {
 #if BLOCKATTN_SIMD_KERNELS
               if constexpr (widened_tiles) {
                 for (int j = 0; j < nk; ++j)
-                  load_row(kvw + std::size_t(j) * D, pages.row(v, b, j0 + j, kvh), 1, D);
+                  widen_row(kvw + std::size_t(j) * D, v, pages.vscale, b, j0 + j, kvh, D);
                 decode_pv_simd<V>(os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT, KT,
                                   n, static_cast<const T*>(kvw), std::size_t(D), nk, D);
               } else {
@@ -467,7 +504,7 @@ struct DecodeKernel {
             for (int d = 0; d < D; ++d) {
               T acc = orow[d] * as[r];
               for (int j = 0; j < nk; ++j)
-                if (pr[j] != T(0)) acc += pr[j] * T(to_compute(pages.at(v, b, j0 + j, kvh, d)));
+                if (pr[j] != T(0)) acc += pr[j] * kv_at(v, pages.vscale, b, j0 + j, kvh, d);
               orow[d] = acc;
             }
           }
@@ -479,7 +516,7 @@ struct DecodeKernel {
           const T* pr = ss + std::size_t(r) * KT;
           T acc = os[e] * as[r];
           for (int j = 0; j < nk; ++j)
-            if (pr[j] != T(0)) acc += pr[j] * T(to_compute(pages.at(v, b, j0 + j, kvh, d)));
+            if (pr[j] != T(0)) acc += pr[j] * kv_at(v, pages.vscale, b, j0 + j, kvh, d);
           os[e] = acc;
         });
       }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/core/quant.hpp>
 
 #include <cstdint>
 
@@ -26,6 +27,17 @@ struct DecodePages {
       table;
   bool paged = false;
   int shift = 0;  // log2(page size)
+  /// 8-bit caches (core/quant.hpp): one fp32 scale per (slot, kv head),
+  /// indexed as k's first three extents; empty otherwise.
+  Kokkos::View<const float***, Kokkos::LayoutStride, Mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>
+      kscale, vscale;
+
+  /// sc(slot of key j of sequence b, kv head g).
+  template <class SV>
+  KOKKOS_INLINE_FUNCTION float scale(const SV& sc, int b, std::int64_t j, int g) const {
+    if (!paged) return sc(b, int(j), g);
+    return sc(table(b, int(j >> shift)), int(j & ((std::int64_t(1) << shift) - 1)), g);
+  }
 
   /// &kv(slot of key j of sequence b, kv head g, 0).
   template <class KV>

@@ -7,6 +7,7 @@
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/core/quant.hpp>
 
 namespace blockattn {
 namespace impl {
@@ -20,6 +21,13 @@ KOKKOS_INLINE_FUNCTION float to_compute(const bf16& x) {
 }
 KOKKOS_INLINE_FUNCTION float to_compute(const fp16& x) {
   return float(x);
+}
+
+/// out[d] = code d of an 8-bit row times its scale s, d < n (a loop the
+/// compiler vectorises: the fp8 codes are widened by bit moves, dequantize).
+template <class S>
+KOKKOS_INLINE_FUNCTION void dequant_row(float* out, const S* in, float s, int n) {
+  for (int d = 0; d < n; ++d) out[d] = dequantize(in[d]) * s;
 }
 
 /// q . k over n values with independent lane sums (vectorises without
