@@ -7,10 +7,13 @@
 // Prompts go in by chunked prefill (prefill_attention), every new token by
 // decode (decode_attention). Every step's attention output is checked against
 // the same model run on one rank (a SelfCommunicator and an unsharded,
-// contiguous KVCache), and so are the generated tokens.
+// contiguous KVCache), and so are the generated tokens. --kv-cache fp8 or
+// int8 stores both caches' rows as 8-bit codes with a scale per row
+// (fp8_e4m3 or int8: half the bytes of bf16).
 //
 //   mpiexec -n 3 ./blockattn_serve [--steps S] [--chunk C] [--placement roundrobin|contiguous]
 //                                  [--merge tree|ring] [--dtype fp32|bf16]
+//                                  [--kv-cache values|fp8|int8]
 #include <blockattn/blockattn.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
@@ -190,10 +193,10 @@ double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
 
 struct Args {
   int steps = 24, chunk = 16;
-  std::string placement = "roundrobin", merge = "tree", dtype = "fp32";
+  std::string placement = "roundrobin", merge = "tree", dtype = "fp32", kv = "values";
 };
 
-template <class T, class Placement>
+template <class T, class S, class Placement>
 int run(const Args& args, const Placement& placement, blockattn::index_type per_rank_capacity) {
   blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
   const int rank = comm.rank(), P = comm.size();
@@ -209,12 +212,12 @@ int run(const Args& args, const Placement& placement, blockattn::index_type per_
   // This rank's pages: enough for its share of both sequences, 8 tokens a page.
   constexpr int page = 8;
   const int pages = B * int((per_rank_capacity + page - 1) / page);
-  using Paged = blockattn::PagedKVCache<T, Exec, Placement>;
+  using Paged = blockattn::PagedKVCache<T, Exec, Placement, S>;
   Model<T, blockattn::MpiCommunicator<>, Paged> sharded(
       comm, w, Paged(comm, B, pages, page, kv_heads, hd, placement, per_rank_capacity * P), merge);
   // The same model on one rank: an unsharded, contiguous cache of the whole capacity.
   const blockattn::index_type whole = per_rank_capacity * P;
-  using Flat = blockattn::KVCache<T, Exec, blockattn::RoundRobinPlacement>;
+  using Flat = blockattn::KVCache<T, Exec, blockattn::RoundRobinPlacement, S>;
   blockattn::SelfCommunicator self;
   Model<T, blockattn::SelfCommunicator, Flat> single(
       self, w, Flat(self, B, whole, kv_heads, hd, blockattn::RoundRobinPlacement{1}), merge);
@@ -241,9 +244,10 @@ int run(const Args& args, const Placement& placement, blockattn::index_type per_
   const bool ok = worst <= tol && same_tokens;
   if (rank == 0) {
     std::printf(
-        "serve: %d ranks, %s, %s merge, %s, paged cache (pages of %d); prompts of %zu and %zu "
-        "tokens, chunk %d, %d decode steps\n",
-        P, args.placement.c_str(), args.merge.c_str(), args.dtype.c_str(), page, prompts[0].size(),
+        "serve: %d ranks, %s, %s merge, %s, paged cache (pages of %d, %s); prompts of %zu and "
+        "%zu tokens, chunk %d, %d decode steps\n",
+        P, args.placement.c_str(), args.merge.c_str(), args.dtype.c_str(), page,
+        args.kv == "values" ? args.dtype.c_str() : args.kv.c_str(), prompts[0].size(),
         prompts[1].size(), args.chunk, args.steps);
     for (int b = 0; b < B; ++b) {
       std::printf("  sequence %d: cache %lld tokens (%d on rank 0, %d pages); generated", b,
@@ -260,6 +264,20 @@ int run(const Args& args, const Placement& placement, blockattn::index_type per_
   return ok ? 0 : 1;
 }
 
+/// run<T, S> for the value type and cache storage of the command line.
+template <class Placement>
+int dispatch(const Args& a, const Placement& p, blockattn::index_type cap) {
+  using blockattn::bf16;
+  using blockattn::fp8_e4m3;
+  if (a.dtype == "fp32")
+    return a.kv == "fp8"    ? run<float, fp8_e4m3>(a, p, cap)
+           : a.kv == "int8" ? run<float, std::int8_t>(a, p, cap)
+                            : run<float, float>(a, p, cap);
+  return a.kv == "fp8"    ? run<bf16, fp8_e4m3>(a, p, cap)
+         : a.kv == "int8" ? run<bf16, std::int8_t>(a, p, cap)
+                          : run<bf16, bf16>(a, p, cap);
+}
+
 const char* const usage_text = R"(usage: mpiexec -n P blockattn_serve [flags]
 A small causal transformer layer generating tokens for two sequences with its
 KV cache sharded over the ranks in pages (chunked prefill, then decode),
@@ -269,6 +287,8 @@ checked at every step against the same model on one rank.
   --placement X    roundrobin|contiguous [roundrobin]
   --merge M        tree|ring [tree]
   --dtype T        fp32|bf16 [fp32]
+  --kv-cache K     values|fp8|int8: the caches' rows as the values, or as
+                   fp8_e4m3 / int8 codes with a scale per row [values]
   --help, -h       this text
 Exit status 1: a result differs from the one-rank run; 2: a bad command line.
 )";
@@ -292,7 +312,7 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc && error.empty(); ++i) {
       const std::string f = argv[i];
       if (f != "--steps" && f != "--chunk" && f != "--placement" && f != "--merge" &&
-          f != "--dtype")
+          f != "--dtype" && f != "--kv-cache")
         error = "unknown argument " + f + " (blockattn_serve --help lists the flags)";
       else if (i + 1 >= argc)
         error = f + " needs a value";
@@ -304,9 +324,13 @@ int main(int argc, char** argv) {
         const std::string v = argv[++i];
         const bool valid = (f == "--placement" && (v == "roundrobin" || v == "contiguous")) ||
                            (f == "--merge" && (v == "tree" || v == "ring")) ||
-                           (f == "--dtype" && (v == "fp32" || v == "bf16"));
+                           (f == "--dtype" && (v == "fp32" || v == "bf16")) ||
+                           (f == "--kv-cache" && (v == "values" || v == "fp8" || v == "int8"));
         if (!valid) error = f + ": unknown value '" + v + "' (see --help)";
-        (f == "--placement" ? a.placement : f == "--merge" ? a.merge : a.dtype) = v;
+        (f == "--placement" ? a.placement
+         : f == "--merge"   ? a.merge
+         : f == "--dtype"   ? a.dtype
+                            : a.kv) = v;
       }
     }
     if (!error.empty()) {
@@ -317,11 +341,10 @@ int main(int argc, char** argv) {
     if (a.placement == "roundrobin") {
       const blockattn::RoundRobinPlacement p{2};
       const auto cap = p.local_capacity(longest, size);
-      return a.dtype == "fp32" ? run<float>(a, p, cap) : run<blockattn::bf16>(a, p, cap);
+      return dispatch(a, p, cap);
     }
     const blockattn::ContiguousPlacement p{(longest + size - 1) / size};
-    return a.dtype == "fp32" ? run<float>(a, p, p.tokens_per_rank)
-                             : run<blockattn::bf16>(a, p, p.tokens_per_rank);
+    return dispatch(a, p, p.tokens_per_rank);
   });
   Kokkos::finalize();
   MPI_Finalize();

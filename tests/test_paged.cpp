@@ -7,7 +7,9 @@
 // ranks (both placements, tree and ring merges, decode and chunked prefill
 // on both kernels) against a KVCache holding the same tokens, bit for bit;
 // prefix sharing with copy-on-write (a write after fork leaves the other
-// sequence's results unchanged); errors (a block table entry outside the
+// sequence's results unchanged); 8-bit paged and contiguous caches over
+// ranks (the same bits, within the fp32 bound of the dequantized values);
+// errors (a block table entry outside the
 // pool, a sequence released twice, an exhausted pool on one rank: every
 // rank throws, nothing appended anywhere).
 #include <doctest/doctest.h>
@@ -263,6 +265,96 @@ void check_paged_cache(Comm& comm, const Placement& pl, int ps, std::uint64_t se
   CHECK(paged.length(2) == t0);
 }
 
+/// Over ranks, 8-bit storage: a KVCache and a PagedKVCache of codes fed the
+/// same chunks give the same bits, and within the fp32 bound of the fp64
+/// attention of the dequantized values (the rows quantized here as the
+/// caches do: core/quant.hpp), decode with both merges and chunked prefill
+/// on both kernels.
+template <class S, class Placement>
+void check_quant_cache(Comm& comm, const Placement& pl, std::uint64_t seed) {
+  const int P = comm.size(), H = 4, Hkv = 2, D = 32, rows = 1, len = 300, total = 400;
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(1, total, H, D, rng, 2.0);
+  HostTensor k = random_tensor(1, total, Hkv, D, rng, 2.0);
+  HostTensor v = random_tensor(1, total, Hkv, D, rng);
+  // The dequantized values, row by row as store_row computes them.
+  auto dequantized = [](const HostTensor& t) {
+    HostTensor out = t;
+    for (int n = 0; n < t.n; ++n)
+      for (int h = 0; h < t.h; ++h) {
+        float amax = 0.0f;
+        for (int d = 0; d < t.d; ++d) amax = std::max(amax, std::abs(float(t(0, n, h, d))));
+        const float sc = impl::quant_scale<S>(amax, false);
+        for (int d = 0; d < t.d; ++d)
+          out(0, n, h, d) =
+              double(impl::dequantize(impl::quantize<S>(float(t(0, n, h, d)) / sc)) * sc);
+      }
+    return out;
+  };
+  for (HostTensor* t : {&q, &k, &v})
+    for (double& x : t->data) x = double(float(x));
+  const HostTensor kq = dequantized(k), vq = dequantized(v);
+  KVCache<float, ExecSpace, Placement, S> flat(comm, 1, pl.local_capacity(total, P), Hkv, D, pl);
+  PagedKVCache<float, ExecSpace, Placement, S> paged(comm, 1, 64, 16, Hkv, D, pl, total);
+  for (int t0 = 0; t0 < len;) {
+    const int n = std::min(len - t0, t0 == 0 ? 37 : 1 + t0 % 5);
+    const auto kr = rows_view<float>(k, 0, t0, n), vr = rows_view<float>(v, 0, t0, n);
+    flat.append(ExecSpace{}, 0, kr, vr);
+    append_kv(comm, ExecSpace{}, paged, 0, kr, vr);
+    t0 += n;
+  }
+  auto check = [&](const V4<float>& o, const V3<float>& lse, int q0, int n, const char* what) {
+    HostTensor qs(1, n, H, D), ks(1, q0 + n, Hkv, D), vs(1, q0 + n, Hkv, D);
+    for (int i = 0; i < n; ++i)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) qs(0, i, h, d) = q(0, q0 + i, h, d);
+    for (int j = 0; j < q0 + n; ++j)
+      for (int g = 0; g < Hkv; ++g)
+        for (int d = 0; d < D; ++d) {
+          ks(0, j, g, d) = kq(0, j, g, d);
+          vs(0, j, g, d) = vq(0, j, g, d);
+        }
+    const ReferenceResult ref =
+        reference_attention(qs, ks, vs, CausalMask{}, 1.0 / std::sqrt(double(D)), q0, 0);
+    const double tol = tolerance<float>(ref, D, q0 + n);
+    const ErrorReport r = compare(ref, o, lse);
+    INFO("P=", P, " ", impl::type_name<Placement>(), " ", std::string(quant_type_name<S>()), " ",
+         what, ": O err ", r.o_err, " LSE err ", r.lse_err, " bound ", tol);
+    CHECK(r.finite);
+    CHECK(r.o_err <= tol);
+    CHECK(r.lse_err <= tol);
+  };
+  V4<float> qd = rows_view<float>(q, 0, len - rows, rows);
+  for (MergeAlgorithm merge : {MergeAlgorithm::tree, MergeAlgorithm::ring}) {
+    ServeOptions opts;
+    opts.merge = merge;
+    V4<float> o_f("o", 1, rows, H, D), o_p("o", 1, rows, H, D);
+    V3<float> l_f("lse", 1, H, rows), l_p("lse", 1, H, rows);
+    decode_attention(comm, ExecSpace{}, flat, qd, o_f, l_f, CausalMask{}, opts);
+    decode_attention(comm, ExecSpace{}, paged, qd, o_p, l_p, CausalMask{}, opts);
+    Kokkos::fence();
+    CHECK(same_bits(o_f, o_p));
+    CHECK(same_bits(l_f, l_p));
+    check(o_p, l_p, len - rows, rows, "decode");
+  }
+  int t0 = len;
+  for (int chunk : {5, 64}) {
+    ServeOptions opts;
+    opts.prefill_forward_rows = chunk >= 64 ? 1 : 1 << 30;  // the forward's kernels: dequantized
+    V4<float> o_f("o", 1, chunk, H, D), o_p("o", 1, chunk, H, D);
+    V3<float> l_f("lse", 1, H, chunk), l_p("lse", 1, H, chunk);
+    const auto qr = rows_view<float>(q, 0, t0, chunk), kr = rows_view<float>(k, 0, t0, chunk),
+               vr = rows_view<float>(v, 0, t0, chunk);
+    prefill_attention(comm, ExecSpace{}, flat, 0, qr, kr, vr, o_f, l_f, CausalMask{}, opts);
+    prefill_attention(comm, ExecSpace{}, paged, 0, qr, kr, vr, o_p, l_p, CausalMask{}, opts);
+    Kokkos::fence();
+    CHECK(same_bits(o_f, o_p));
+    CHECK(same_bits(l_f, l_p));
+    check(o_p, l_p, t0, chunk, chunk >= 64 ? "prefill (forward)" : "prefill (decode kernel)");
+    t0 += chunk;
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("paged") {
@@ -488,5 +580,13 @@ TEST_SUITE("paged") {
     CHECK_THROWS_WITH_AS(
         (PagedKVCache<float, ExecSpace, ContiguousPlacement>(comm, 2, 4, 24, Hkv, D, pl)),
         doctest::Contains("argument 'page_size' = 24, expected a power of two"), invalid_argument);
+  }
+
+  TEST_CASE_TEMPLATE("an 8-bit cache over ranks: paged and contiguous alike, within the bound", S,
+                     fp8_e4m3, fp8_e5m2, std::int8_t) {
+    Comm comm(MPI_COMM_WORLD);
+    const int P = comm.size();
+    check_quant_cache<S>(comm, RoundRobinPlacement{1}, 5);
+    check_quant_cache<S>(comm, ContiguousPlacement{(400 + P - 1) / P}, 6);
   }
 }

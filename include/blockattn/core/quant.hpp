@@ -124,6 +124,7 @@ namespace impl {
 template <class S>
 KOKKOS_INLINE_FUNCTION S quantize(float y) {
   if constexpr (std::is_same<S, std::int8_t>::value) {
+    if (!(y == y)) return std::int8_t(0);  // NaN (its row's scale is NaN)
     const double r = y < -127.0f ? -127.0 : y > 127.0f ? 127.0 : double(y);
     int t = int(r >= 0.0 ? r + 0.5 : r - 0.5);  // to nearest, ties away (exact in double)
     const double d = double(t) - r;             // +-0.5 at a tie
@@ -132,6 +133,14 @@ KOKKOS_INLINE_FUNCTION S quantize(float y) {
   } else {
     return S(y);
   }
+}
+/// The scale of a row of n values x(0 .. n) (quantize_row): max|x| / q_max
+/// over the finite values (1 for a row of zeros); int8 rows with a NaN or an
+/// infinity get NaN.
+template <class S>
+KOKKOS_INLINE_FUNCTION float quant_scale(float amax, bool non_finite) {
+  if (std::is_same<S, std::int8_t>::value && non_finite) return bits_float(0x7fc00000u);
+  return amax > 0.0f ? amax / quant_max_v<S> : 1.0f;
 }
 /// The value of a code (the scale applied separately).
 KOKKOS_INLINE_FUNCTION float dequantize(std::int8_t c) {

@@ -341,7 +341,8 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& c
         .number("splits", opts.splits)
         .real("scale", opts.scale, to_text(opts.scale))
         .text("placement", type_name<Placement>())
-        .number("page size (0: contiguous)", cache_page_size(cache));
+        .number("page size (0: contiguous)", cache_page_size(cache))
+        .text("stored as", cache_storage_name<Cache>());
     const auto pp = cache.placement().parameters();
     for (std::size_t i = 0; i < pp.size(); ++i)
       f.number("placement parameter " + std::to_string(i), pp[i]);

@@ -18,6 +18,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/core/quant.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 
@@ -130,32 +131,64 @@ void kv_cache_append(const ExecSpace& exec, const Dest& dest, const New& kn, con
           const index_type pos = start(b) + t;
           if (pl.owner(pos, P) != rank) return;
           const index_type slot = pl.slot(pos, P);
-          // The row's four addresses once, then a copy of plain pointers:
-          // the vector lambda over views did the views' index arithmetic per
-          // element and GCC -O2 did not inline it (a call per element: 8x
-          // slower than -O3).
-          auto* const kd = dest.k(s0 + b, g, slot);
-          auto* const vd = dest.v(s0 + b, g, slot);
+          // The row's addresses once, then plain pointers: the vector
+          // lambda over views did the views' index arithmetic per element
+          // and GCC -O2 did not inline it (a call per element: 8x slower
+          // than -O3).
           const auto* const ks = &kn(b, int(t), g, 0);
           const auto* const vs = &vn(b, int(t), g, 0);
           const std::ptrdiff_t sk = std::ptrdiff_t(kn.stride(3)), sv = std::ptrdiff_t(vn.stride(3));
-          Kokkos::parallel_for(Kokkos::ThreadVectorRange(m, D), [&](const int d) {
-            kd[d] = ks[d * sk];
-            vd[d] = vs[d * sv];
-          });
+          dest.put(m, s0 + b, g, slot, ks, sk, vs, sv, D);
         });
       });
 }
+/// One row of D values x(d * st) into the cache: copied, or (8-bit
+/// storage) its scale (quant_scale of the finite values' max) into *scale
+/// and its codes into out.
+template <class Member, class S, class In>
+KOKKOS_INLINE_FUNCTION void store_row(const Member& m, S* out, float* scale, const In* x,
+                                      std::ptrdiff_t st, int D) {
+  if constexpr (!is_kv_quant_v<S>) {
+    (void)scale;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(m, D), [&](const int d) { out[d] = x[d * st]; });
+  } else {
+    float amax = 0.0f;
+    int bad = 0;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(m, D),
+        [&](const int d, float& mx) {
+          const float a = float(x[d * st]) < 0.0f ? -float(x[d * st]) : float(x[d * st]);
+          if (a <= 3.402823466e38f && a > mx) mx = a;  // finite values only
+        },
+        Kokkos::Max<float>(amax));
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(m, D),
+        [&](const int d, int& n) {
+          const float a = float(x[d * st]);
+          n += (a - a) != 0.0f ? 1 : 0;  // NaN for NaN and +-inf
+        },
+        bad);
+    const float s = quant_scale<S>(amax, bad > 0);
+    Kokkos::single(Kokkos::PerThread(m), [&] { *scale = s; });
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(m, D),
+                         [&](const int d) { out[d] = quantize<S>(float(x[d * st]) / s); });
+  }
+}
+
 /// The destination of KVCache's appends: slot `slot` of (seq, g) in its
-/// (sequence, kv_head, slot, head_dim) storage.
-template <class Storage>
+/// (sequence, kv_head, slot, head_dim) storage (and (sequence, kv_head, slot)
+/// scales of 8-bit storage).
+template <class Storage, class Scales>
 struct ContiguousSlots {
   Storage kc, vc;
-  KOKKOS_INLINE_FUNCTION typename Storage::value_type* k(int seq, int g, index_type slot) const {
-    return &kc(seq, g, slot, 0);
-  }
-  KOKKOS_INLINE_FUNCTION typename Storage::value_type* v(int seq, int g, index_type slot) const {
-    return &vc(seq, g, slot, 0);
+  Scales ks, vs;
+  template <class Member, class In>
+  KOKKOS_INLINE_FUNCTION void put(const Member& m, int seq, int g, index_type slot, const In* k,
+                                  std::ptrdiff_t sk, const In* v, std::ptrdiff_t sv, int D) const {
+    float* const ksp = ks.data() ? &ks(seq, g, slot) : nullptr;
+    float* const vsp = vs.data() ? &vs(seq, g, slot) : nullptr;
+    store_row(m, &kc(seq, g, slot, 0), ksp, k, sk, D);
+    store_row(m, &vc(seq, g, slot, 0), vsp, v, sv, D);
   }
 };
 }  // namespace impl
@@ -167,11 +200,15 @@ struct ContiguousSlots {
 /// head_dim), the library's order. T: float, double, bf16 or fp16 (16 bits
 /// halve the cache; decode computes in fp32).
 template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace,
-          class Placement = RoundRobinPlacement>
+          class Placement = RoundRobinPlacement, class Storage = T>
 class KVCache {
   static_assert(is_value_type_v<T>,
                 "BlockAttn: KVCache's value type must be float, double, blockattn::bf16 or "
                 "blockattn::fp16");
+  static_assert(std::is_same<Storage, T>::value ||
+                    (is_kv_quant_v<Storage> && !std::is_same<T, double>::value),
+                "BlockAttn: KVCache's Storage is its value type, or (float, bf16, fp16 values) "
+                "blockattn::fp8_e4m3, blockattn::fp8_e5m2 or std::int8_t with a scale per row");
   static_assert(impl::is_placement<Placement>::value,
                 "BlockAttn: a placement policy needs owner(t, P), slot(t, P), position(s, rank, "
                 "P), local_count(n, rank, P), local_capacity(n, P) and parameters() (see "
@@ -182,8 +219,13 @@ class KVCache {
   using execution_space = ExecSpace;
   using memory_space = typename ExecSpace::memory_space;
   using placement_type = Placement;
-  using view_type = Kokkos::View<T****, Kokkos::LayoutStride, memory_space>;
-  using storage_type = Kokkos::View<T****, Kokkos::LayoutRight, memory_space>;
+  /// What a slot holds: T, or 8-bit codes with a scale per (slot, kv head).
+  using stored_type = Storage;
+  static constexpr bool quantized = is_kv_quant_v<Storage>;
+  using view_type = Kokkos::View<Storage****, Kokkos::LayoutStride, memory_space>;
+  using storage_type = Kokkos::View<Storage****, Kokkos::LayoutRight, memory_space>;
+  using scale_view_type = Kokkos::View<float***, Kokkos::LayoutStride, memory_space>;
+  using scale_storage_type = Kokkos::View<float***, Kokkos::LayoutRight, memory_space>;
 
   /// The shard of rank `rank` of `size`: `capacity` slots per sequence (for a
   /// longest sequence of n tokens: placement.local_capacity(n, size)).
@@ -205,6 +247,10 @@ class KVCache {
                        sequences, kv_heads, capacity, dim);
     m_v = storage_type(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::kv_cache_v"),
                        sequences, kv_heads, capacity, dim);
+    if (quantized) {
+      m_ks = scale_storage_type("blockattn::kv_cache_k_scales", sequences, kv_heads, capacity);
+      m_vs = scale_storage_type("blockattn::kv_cache_v_scales", sequences, kv_heads, capacity);
+    }
     m_local = Kokkos::View<int*, memory_space>("blockattn::kv_cache_lengths", sequences);
     m_local_host = Kokkos::create_mirror_view(m_local);
     m_length.assign(std::size_t(sequences), 0);
@@ -222,8 +268,11 @@ class KVCache {
   index_type capacity() const { return index_type(m_k.extent(2)); }
   int dim() const { return int(m_k.extent(3)); }
   const Placement& placement() const { return m_placement; }
-  /// Bytes of this rank's K and V storage.
-  std::int64_t bytes() const { return 2 * std::int64_t(m_k.span()) * std::int64_t(sizeof(T)); }
+  /// Bytes of this rank's K and V storage (and scales).
+  std::int64_t bytes() const {
+    return 2 * std::int64_t(m_k.span()) * std::int64_t(sizeof(Storage)) +
+           2 * std::int64_t(m_ks.span()) * 4;
+  }
 
   /// Tokens of sequence `seq` (all ranks together).
   index_type length(int seq) const { return m_length.at(std::size_t(seq)); }
@@ -238,6 +287,10 @@ class KVCache {
   /// (sequence, slot, kv_head, head_dim) views of the shard's keys and values.
   view_type keys() const { return as_view(m_k); }
   view_type values() const { return as_view(m_v); }
+  /// 8-bit storage: the (sequence, slot, kv_head) scales of the keys' and
+  /// values' rows (empty otherwise).
+  scale_view_type k_scales() const { return as_scales(m_ks); }
+  scale_view_type v_scales() const { return as_scales(m_vs); }
   /// Local lengths per sequence, in the cache's memory space.
   const Kokkos::View<int*, memory_space>& local_lengths() const { return m_local; }
   /// Slot -> global position of this rank's shard.
@@ -319,6 +372,7 @@ class KVCache {
   int m_rank = 0, m_size = 1;
   Placement m_placement;
   storage_type m_k, m_v;
+  scale_storage_type m_ks, m_vs;
   Kokkos::View<int*, memory_space> m_local;
   typename Kokkos::View<int*, memory_space>::HostMirror m_local_host;
   std::vector<index_type> m_length;
@@ -327,6 +381,11 @@ class KVCache {
     const Kokkos::LayoutStride l(s.extent(0), s.stride(0), s.extent(2), s.stride(2), s.extent(1),
                                  s.stride(1), s.extent(3), s.stride(3));
     return view_type(s.data(), l);
+  }
+  static scale_view_type as_scales(const scale_storage_type& s) {
+    const Kokkos::LayoutStride l(s.extent(0), s.stride(0), s.extent(2), s.stride(2), s.extent(1),
+                                 s.stride(1));
+    return scale_view_type(s.data(), l);
   }
 
   void check_placement(const char* fn) const {
@@ -363,8 +422,9 @@ class KVCache {
     Kokkos::View<index_type*, Kokkos::HostSpace> start_h("blockattn::kv_cache_start", s1 - s0);
     for (int s = s0; s < s1; ++s) start_h(s - s0) = m_length[std::size_t(s)];
     const auto start = Kokkos::create_mirror_view_and_copy(mem(), start_h);
-    impl::kv_cache_append(exec, impl::ContiguousSlots<storage_type>{m_k, m_v}, kn, vn, start, pl,
-                          rank, P, s0, n);
+    impl::kv_cache_append(
+        exec, impl::ContiguousSlots<storage_type, scale_storage_type>{m_k, m_v, m_ks, m_vs}, kn, vn,
+        start, pl, rank, P, s0, n);
     exec.fence();  // start_h / start are freed here
     for (int s = s0; s < s1; ++s) {
       m_length[std::size_t(s)] += n;

@@ -24,16 +24,19 @@ namespace impl {
 /// Where PagedKVCache's appends go: slot `slot` of sequence `seq` is slot
 /// slot mod page_size of page table(seq, slot / page_size) of the
 /// (kv_heads, pages, page_size, head_dim) pools.
-template <class Pool, class Table>
+template <class Pool, class Scales, class Table>
 struct PagedSlots {
   Pool kp, vp;
+  Scales ks, vs;  // (kv_heads, pages, page_size) for 8-bit pools; empty otherwise
   Table table;
   int shift = 0;
-  KOKKOS_INLINE_FUNCTION typename Pool::value_type* k(int seq, int g, index_type slot) const {
-    return &kp(g, table(seq, int(slot >> shift)), int(slot & ((index_type(1) << shift) - 1)), 0);
-  }
-  KOKKOS_INLINE_FUNCTION typename Pool::value_type* v(int seq, int g, index_type slot) const {
-    return &vp(g, table(seq, int(slot >> shift)), int(slot & ((index_type(1) << shift) - 1)), 0);
+  template <class Member, class In>
+  KOKKOS_INLINE_FUNCTION void put(const Member& m, int seq, int g, index_type slot, const In* k,
+                                  std::ptrdiff_t sk, const In* v, std::ptrdiff_t sv, int D) const {
+    const int page = table(seq, int(slot >> shift));
+    const int at = int(slot & ((index_type(1) << shift) - 1));
+    store_row(m, &kp(g, page, at, 0), ks.data() ? &ks(g, page, at) : nullptr, k, sk, D);
+    store_row(m, &vp(g, page, at, 0), vs.data() ? &vs(g, page, at) : nullptr, v, sv, D);
   }
 };
 }  // namespace impl
@@ -58,11 +61,16 @@ struct PagedSlots {
 /// when a sequence's pages change. Every rank runs the same appends, forks
 /// and releases (as with KVCache); a rank's pool serves its own shard.
 template <class T, class ExecSpace = Kokkos::DefaultExecutionSpace,
-          class Placement = RoundRobinPlacement>
+          class Placement = RoundRobinPlacement, class Storage = T>
 class PagedKVCache {
   static_assert(is_value_type_v<T>,
                 "BlockAttn: PagedKVCache's value type must be float, double, blockattn::bf16 or "
                 "blockattn::fp16");
+  static_assert(std::is_same<Storage, T>::value ||
+                    (is_kv_quant_v<Storage> && !std::is_same<T, double>::value),
+                "BlockAttn: PagedKVCache's Storage is its value type, or (float, bf16, fp16 "
+                "values) blockattn::fp8_e4m3, blockattn::fp8_e5m2 or std::int8_t with a scale per "
+                "row");
   static_assert(impl::is_placement<Placement>::value,
                 "BlockAttn: a placement policy needs owner(t, P), slot(t, P), position(s, rank, "
                 "P), local_count(n, rank, P), local_capacity(n, P) and parameters() (see "
@@ -73,8 +81,12 @@ class PagedKVCache {
   using execution_space = ExecSpace;
   using memory_space = typename ExecSpace::memory_space;
   using placement_type = Placement;
-  using view_type = Kokkos::View<T****, Kokkos::LayoutStride, memory_space>;
-  using storage_type = Kokkos::View<T****, Kokkos::LayoutRight, memory_space>;
+  using stored_type = Storage;
+  static constexpr bool quantized = is_kv_quant_v<Storage>;
+  using view_type = Kokkos::View<Storage****, Kokkos::LayoutStride, memory_space>;
+  using storage_type = Kokkos::View<Storage****, Kokkos::LayoutRight, memory_space>;
+  using scale_view_type = Kokkos::View<float***, Kokkos::LayoutStride, memory_space>;
+  using scale_storage_type = Kokkos::View<float***, Kokkos::LayoutRight, memory_space>;
   using table_type = Kokkos::View<int**, Kokkos::LayoutRight, memory_space>;
 
   /// The shard of rank `rank` of `size`: a pool of `pages` pages of
@@ -106,6 +118,10 @@ class PagedKVCache {
                        kv_heads, pages, page_size, dim);
     m_v = storage_type(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::paged_v"),
                        kv_heads, pages, page_size, dim);
+    if (quantized) {
+      m_ks = scale_storage_type("blockattn::paged_k_scales", kv_heads, pages, page_size);
+      m_vs = scale_storage_type("blockattn::paged_v_scales", kv_heads, pages, page_size);
+    }
     m_table = table_type("blockattn::block_table", sequences, std::size_t(width));
     m_table_host = Kokkos::create_mirror_view(m_table);
     m_local = Kokkos::View<int*, memory_space>("blockattn::paged_lengths", sequences);
@@ -145,7 +161,10 @@ class PagedKVCache {
   index_type capacity() const { return index_type(m_table.extent(1)) * m_page_size; }
   const Placement& placement() const { return m_placement; }
   /// Bytes of this rank's K and V pools.
-  std::int64_t bytes() const { return 2 * std::int64_t(m_k.span()) * std::int64_t(sizeof(T)); }
+  std::int64_t bytes() const {
+    return 2 * std::int64_t(m_k.span()) * std::int64_t(sizeof(Storage)) +
+           2 * std::int64_t(m_ks.span()) * 4;
+  }
 
   index_type length(int seq) const { return m_length.at(std::size_t(seq)); }
   int local_length(int seq) const { return m_local_host(std::size_t(seq)); }
@@ -157,6 +176,9 @@ class PagedKVCache {
   /// (pages, page_size, kv_heads, head_dim) views of the pools.
   view_type keys() const { return as_view(m_k); }
   view_type values() const { return as_view(m_v); }
+  /// 8-bit pools: the (pages, page_size, kv_heads) scales of the rows.
+  scale_view_type k_scales() const { return as_scales(m_ks); }
+  scale_view_type v_scales() const { return as_scales(m_vs); }
   /// (sequences, pages per sequence): slot j of sequence s is slot j mod
   /// page_size of page block_table()(s, j / page_size).
   const table_type& block_table() const { return m_table; }
@@ -270,6 +292,7 @@ class PagedKVCache {
   Placement m_placement;
   int m_page_size = 16, m_shift = 0;
   storage_type m_k, m_v;
+  scale_storage_type m_ks, m_vs;
   table_type m_table;
   typename table_type::HostMirror m_table_host;
   Kokkos::View<int*, memory_space> m_local;
@@ -283,6 +306,11 @@ class PagedKVCache {
     const Kokkos::LayoutStride l(s.extent(1), s.stride(1), s.extent(2), s.stride(2), s.extent(0),
                                  s.stride(0), s.extent(3), s.stride(3));
     return view_type(s.data(), l);
+  }
+  static scale_view_type as_scales(const scale_storage_type& s) {
+    const Kokkos::LayoutStride l(s.extent(1), s.stride(1), s.extent(2), s.stride(2), s.extent(0),
+                                 s.stride(0));
+    return scale_view_type(s.data(), l);
   }
   void check_seq(const char* fn, const char* name, int seq) const {
     if (seq < 0 || seq >= sequences())
@@ -341,6 +369,12 @@ class PagedKVCache {
                               Kokkos::subview(m_k, g, shared, all, all));
             Kokkos::deep_copy(exec, Kokkos::subview(m_v, g, page, all, all),
                               Kokkos::subview(m_v, g, shared, all, all));
+            if (quantized) {
+              Kokkos::deep_copy(exec, Kokkos::subview(m_ks, g, page, all),
+                                Kokkos::subview(m_ks, g, shared, all));
+              Kokkos::deep_copy(exec, Kokkos::subview(m_vs, g, page, all),
+                                Kokkos::subview(m_vs, g, shared, all));
+            }
           }
           --m_refs[std::size_t(shared)];
           m_table_host(std::size_t(s), p) = page;
@@ -361,7 +395,8 @@ class PagedKVCache {
     Kokkos::View<index_type*, Kokkos::HostSpace> start_h("blockattn::paged_start", s1 - s0);
     for (int s = s0; s < s1; ++s) start_h(s - s0) = m_length[std::size_t(s)];
     const auto start = Kokkos::create_mirror_view_and_copy(mem(), start_h);
-    impl::PagedSlots<storage_type, table_type> dest{m_k, m_v, m_table, m_shift};
+    impl::PagedSlots<storage_type, scale_storage_type, table_type> dest{m_k,  m_v,     m_ks,
+                                                                        m_vs, m_table, m_shift};
     impl::kv_cache_append(exec, dest, kn, vn, start, m_placement, m_rank, m_size, s0, n);
     exec.fence();  // start_h / start are freed here
     for (int s = s0; s < s1; ++s) {

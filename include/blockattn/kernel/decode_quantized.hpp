@@ -59,7 +59,16 @@ void decode_quantized(const ExecSpace& exec, const char* fn, const QV& q, const 
       require_extent(fn, "k_scales", k_scales, d, names[d], k.extent(d), "the same extent of k");
       require_extent(fn, "v_scales", v_scales, d, names[d], v.extent(d), "the same extent of v");
     }
-    const BlockExtents e = validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
+    // Paged: q, o, lse and the scale against the sequences' slots seen as one
+    // (batch, capacity, kv_heads, head_dim) cache (never read through it).
+    using Logical =
+        Kokkos::View<const value_of<KV>****, Kokkos::LayoutStride, typename ExecSpace::memory_space,
+                     Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+    const Logical logical(k.data(), Kokkos::LayoutStride(q.extent(0), 1, std::size_t(capacity), 1,
+                                                         k.extent(2), 1, k.extent(3), 1));
+    const BlockExtents e =
+        pages.paged ? validate_forward<ExecSpace>(fn, q, logical, logical, o, lse, opts.scale, true)
+                    : validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
     const index_type max_len =
         decode_checks(exec, fn, e, q, lengths, q_positions, mask, opts, "k.extent(1)", capacity);
     pages.kscale = k_scales;

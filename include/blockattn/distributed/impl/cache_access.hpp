@@ -13,6 +13,7 @@
 #include <blockattn/kernel/decode.hpp>
 #include <blockattn/kernel/decode_paged.hpp>
 
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -21,85 +22,147 @@ namespace impl {
 
 template <class C>
 struct is_serving_cache : std::false_type {};
-template <class T, class E, class P>
-struct is_serving_cache<KVCache<T, E, P>> : std::true_type {};
-template <class T, class E, class P>
-struct is_serving_cache<PagedKVCache<T, E, P>> : std::true_type {};
+template <class T, class E, class P, class S>
+struct is_serving_cache<KVCache<T, E, P, S>> : std::true_type {};
+template <class T, class E, class P, class S>
+struct is_serving_cache<PagedKVCache<T, E, P, S>> : std::true_type {};
+
+template <class C>
+struct is_paged_cache : std::false_type {};
+template <class T, class E, class P, class S>
+struct is_paged_cache<PagedKVCache<T, E, P, S>> : std::true_type {};
 
 /// Slots per page of the cache (0: contiguous), for the ranks' fingerprint.
-template <class T, class E, class P>
-int cache_page_size(const KVCache<T, E, P>&) {
+template <class T, class E, class P, class S>
+int cache_page_size(const KVCache<T, E, P, S>&) {
   return 0;
 }
-template <class T, class E, class P>
-int cache_page_size(const PagedKVCache<T, E, P>& c) {
+template <class T, class E, class P, class S>
+int cache_page_size(const PagedKVCache<T, E, P, S>& c) {
   return c.page_size();
+}
+/// What a slot stores, by name.
+template <class Cache>
+std::string cache_storage_name() {
+  using S = typename Cache::stored_type;
+  if constexpr (is_kv_quant_v<S>)
+    return quant_type_name<S>();
+  else
+    return type_name<S>();
+}
+
+/// The paged kernel's view of a paged cache's sequences [s0, s1).
+template <class ExecSpace, class T, class P, class S>
+DecodePages<typename ExecSpace::memory_space> cache_pages(
+    const PagedKVCache<T, ExecSpace, P, S>& cache, int s0, int s1) {
+  DecodePages<typename ExecSpace::memory_space> pages;
+  pages.table = Kokkos::subview(cache.block_table(), Kokkos::make_pair(s0, s1), Kokkos::ALL);
+  pages.paged = true;
+  while ((1 << pages.shift) < cache.page_size()) ++pages.shift;
+  return pages;
 }
 
 /// attention_decode of sequences [s0, s1) of the shard: q (s1 - s0, rows,
 /// heads, head_dim), len and qpos their local lengths and first query
-/// positions.
-template <class ExecSpace, class T, class P, class QV, class LenV, class PosV, class OV, class LV,
-          class Mask>
-void cache_decode(const ExecSpace& exec, const KVCache<T, ExecSpace, P>& cache, int s0, int s1,
+/// positions; 8-bit caches through the dequantizing kernel.
+template <class ExecSpace, class T, class P, class S, class QV, class LenV, class PosV, class OV,
+          class LV, class Mask>
+void cache_decode(const ExecSpace& exec, const KVCache<T, ExecSpace, P, S>& cache, int s0, int s1,
                   const QV& q, const LenV& len, const PosV& qpos, const OV& o, const LV& lse,
                   const Mask& mask, const DecodeOptions& opts) {
   const auto range = Kokkos::make_pair(s0, s1);
   const auto k = Kokkos::subview(cache.keys(), range, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
   const auto v = Kokkos::subview(cache.values(), range, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
-  attention_decode(exec, q, k, v, len, qpos, o, lse, mask, cache.positions(), opts);
+  if constexpr (is_kv_quant_v<S>) {
+    const auto ks = Kokkos::subview(cache.k_scales(), range, Kokkos::ALL, Kokkos::ALL);
+    const auto vs = Kokkos::subview(cache.v_scales(), range, Kokkos::ALL, Kokkos::ALL);
+    decode_quantized(exec, "decode_attention", q, k, v, ks, vs, len, qpos, o, lse, mask,
+                     cache.positions(), opts, DecodePages<typename ExecSpace::memory_space>{},
+                     cache.capacity());
+  } else {
+    attention_decode(exec, q, k, v, len, qpos, o, lse, mask, cache.positions(), opts);
+  }
 }
-template <class ExecSpace, class T, class P, class QV, class LenV, class PosV, class OV, class LV,
-          class Mask>
-void cache_decode(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P>& cache, int s0, int s1,
-                  const QV& q, const LenV& len, const PosV& qpos, const OV& o, const LV& lse,
-                  const Mask& mask, const DecodeOptions& opts) {
-  const auto table = Kokkos::subview(cache.block_table(), Kokkos::make_pair(s0, s1), Kokkos::ALL);
-  decode_paged(exec, q, cache.keys(), cache.values(), table, len, qpos, o, lse, mask,
-               cache.positions(), opts, false);
+template <class ExecSpace, class T, class P, class S, class QV, class LenV, class PosV, class OV,
+          class LV, class Mask>
+void cache_decode(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P, S>& cache, int s0,
+                  int s1, const QV& q, const LenV& len, const PosV& qpos, const OV& o,
+                  const LV& lse, const Mask& mask, const DecodeOptions& opts) {
+  if constexpr (is_kv_quant_v<S>) {
+    decode_quantized(exec, "decode_attention", q, cache.keys(), cache.values(), cache.k_scales(),
+                     cache.v_scales(), len, qpos, o, lse, mask, cache.positions(), opts,
+                     cache_pages(cache, s0, s1), cache.capacity());
+  } else {
+    const auto table = Kokkos::subview(cache.block_table(), Kokkos::make_pair(s0, s1), Kokkos::ALL);
+    decode_paged(exec, q, cache.keys(), cache.values(), table, len, qpos, o, lse, mask,
+                 cache.positions(), opts, false);
+  }
 }
 
-/// Sequence s's first L local slots as (1, L, kv_heads, head_dim) K and V.
+/// The gather of shard_rows: k(0, j, g, d) = the value of slot j, kv head g
+/// of sequence s (dequantized for 8-bit storage), j < L (a function of its
+/// own: nvcc takes no extended lambda in a function with a deduced return
+/// type).
+template <class ExecSpace, class Cache, class Out>
+void gather_shard(const ExecSpace& exec, const Cache& cache,
+                  const DecodePages<typename ExecSpace::memory_space>& pages, int s, index_type L,
+                  const Out& k, const Out& v) {
+  using T = typename Out::value_type;
+  using S = typename Cache::stored_type;
+  const int H = cache.kv_heads(), D = cache.dim();
+  const auto kp = cache.keys(), vp = cache.values();
+  const auto ks = cache.k_scales(), vs = cache.v_scales();
+  const int b = pages.paged ? 0 : s;  // a paged cache's table rows start at s
+  const std::int64_t n = std::int64_t(L) * H;
+  Kokkos::parallel_for(
+      "blockattn::gather_shard",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, n),
+      KOKKOS_LAMBDA(const std::int64_t i) {
+        (void)ks;  // captured here, not first inside the if constexpr (nvcc)
+        (void)vs;
+        const int j = int(i / H), g = int(i % H);
+        const auto* kr = pages.row(kp, b, j, g);
+        const auto* vr = pages.row(vp, b, j, g);
+        if constexpr (is_kv_quant_v<S>) {
+          const float sk = pages.scale(ks, b, j, g), sv = pages.scale(vs, b, j, g);
+          for (int d = 0; d < D; ++d) {
+            k(0, j, g, d) = T(dequantize(kr[d * kp.stride(3)]) * sk);
+            v(0, j, g, d) = T(dequantize(vr[d * vp.stride(3)]) * sv);
+          }
+        } else {
+          for (int d = 0; d < D; ++d) {
+            k(0, j, g, d) = kr[d * kp.stride(3)];
+            v(0, j, g, d) = vr[d * vp.stride(3)];
+          }
+        }
+      });
+}
+
+/// Sequence s's first L local slots as (1, L, kv_heads, head_dim) K and V of
+/// the cache's value type: a subview of a contiguous cache that stores its
+/// values, a gathered copy of pages or of dequantized 8-bit rows.
 template <class ExecSpace, class T, class P>
-auto shard_rows(const ExecSpace&, const KVCache<T, ExecSpace, P>& cache, int s, index_type L) {
+auto shard_rows(const ExecSpace&, const KVCache<T, ExecSpace, P, T>& cache, int s, index_type L) {
   const auto range = Kokkos::make_pair(s, s + 1);
   const auto slots = Kokkos::make_pair(index_type(0), L);
   return std::make_pair(Kokkos::subview(cache.keys(), range, slots, Kokkos::ALL, Kokkos::ALL),
                         Kokkos::subview(cache.values(), range, slots, Kokkos::ALL, Kokkos::ALL));
 }
-/// The gather of shard_rows over a paged cache (a function of its own: nvcc
-/// takes no extended lambda in a function with a deduced return type).
-template <class ExecSpace, class T, class P, class Out>
-void gather_pages(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P>& cache, int s,
-                  index_type L, const Out& k, const Out& v) {
-  const int H = cache.kv_heads(), D = cache.dim();
-  const auto kp = cache.keys(), vp = cache.values();
-  const auto table = cache.block_table();
-  int shift = 0;
-  while ((1 << shift) < cache.page_size()) ++shift;
-  const std::int64_t n = std::int64_t(L) * H;
-  Kokkos::parallel_for(
-      "blockattn::paged_gather",
-      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, n),
-      KOKKOS_LAMBDA(const std::int64_t i) {
-        const int j = int(i / H), g = int(i % H);
-        const int page = table(s, j >> shift), slot = j & ((1 << shift) - 1);
-        for (int d = 0; d < D; ++d) {
-          k(0, j, g, d) = kp(page, slot, g, d);
-          v(0, j, g, d) = vp(page, slot, g, d);
-        }
-      });
-}
-template <class ExecSpace, class T, class P>
-std::pair<Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>,
-          Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>>
-shard_rows(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P>& cache, int s, index_type L) {
-  using Out = Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>;
-  Out k(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::paged_gather_k"), 1,
-        std::size_t(L), cache.kv_heads(), cache.dim());
-  Out v(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::paged_gather_v"), 1,
-        std::size_t(L), cache.kv_heads(), cache.dim());
-  gather_pages(exec, cache, s, L, k, v);
+template <class ExecSpace, class Cache>
+std::pair<Kokkos::View<typename Cache::value_type****, Kokkos::LayoutRight,
+                       typename ExecSpace::memory_space>,
+          Kokkos::View<typename Cache::value_type****, Kokkos::LayoutRight,
+                       typename ExecSpace::memory_space>>
+shard_rows(const ExecSpace& exec, const Cache& cache, int s, index_type L) {
+  using Out = Kokkos::View<typename Cache::value_type****, Kokkos::LayoutRight,
+                           typename ExecSpace::memory_space>;
+  Out k(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::shard_k"), 1, std::size_t(L),
+        cache.kv_heads(), cache.dim());
+  Out v(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::shard_v"), 1, std::size_t(L),
+        cache.kv_heads(), cache.dim());
+  DecodePages<typename ExecSpace::memory_space> pages;
+  if constexpr (is_paged_cache<Cache>::value) pages = cache_pages(cache, s, s + 1);
+  gather_shard(exec, cache, pages, s, L, k, v);
   return {k, v};
 }
 
