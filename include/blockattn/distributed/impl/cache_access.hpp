@@ -99,6 +99,18 @@ void cache_decode(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P, S>&
   }
 }
 
+/// A stored value in the value type T: an 8-bit code times its row's scale
+/// s, or the value itself.
+template <class T, class S>
+KOKKOS_INLINE_FUNCTION T stored_value(const S& x, float s) {
+  if constexpr (is_kv_quant_v<S>) {
+    return T(dequantize(x) * s);
+  } else {
+    (void)s;
+    return T(x);
+  }
+}
+
 /// The gather of shard_rows: k(0, j, g, d) = the value of slot j, kv head g
 /// of sequence s (dequantized for 8-bit storage), j < L (a function of its
 /// own: nvcc takes no extended lambda in a function with a deduced return
@@ -118,22 +130,16 @@ void gather_shard(const ExecSpace& exec, const Cache& cache,
       "blockattn::gather_shard",
       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, n),
       KOKKOS_LAMBDA(const std::int64_t i) {
-        (void)ks;  // captured here, not first inside the if constexpr (nvcc)
-        (void)vs;
         const int j = int(i / H), g = int(i % H);
         const auto* kr = pages.row(kp, b, j, g);
         const auto* vr = pages.row(vp, b, j, g);
-        if constexpr (is_kv_quant_v<S>) {
-          const float sk = pages.scale(ks, b, j, g), sv = pages.scale(vs, b, j, g);
-          for (int d = 0; d < D; ++d) {
-            k(0, j, g, d) = T(dequantize(kr[d * kp.stride(3)]) * sk);
-            v(0, j, g, d) = T(dequantize(vr[d * vp.stride(3)]) * sv);
-          }
-        } else {
-          for (int d = 0; d < D; ++d) {
-            k(0, j, g, d) = kr[d * kp.stride(3)];
-            v(0, j, g, d) = vr[d * vp.stride(3)];
-          }
+        // No `if constexpr` here: nvcc takes no extended lambda that first
+        // captures inside one (the scales of an unquantized cache: unread).
+        const float sk = is_kv_quant_v<S> ? pages.scale(ks, b, j, g) : 1.0f;
+        const float sv = is_kv_quant_v<S> ? pages.scale(vs, b, j, g) : 1.0f;
+        for (int d = 0; d < D; ++d) {
+          k(0, j, g, d) = stored_value<T>(kr[d * kp.stride(3)], sk);
+          v(0, j, g, d) = stored_value<T>(vr[d * vp.stride(3)], sv);
         }
       });
 }
