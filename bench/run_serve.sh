@@ -2,7 +2,8 @@
 # Serving benchmarks: single-device split-KV decode against a plain read of
 # the same K/V bytes and next to PyTorch's scaled_dot_product_attention of the
 # same shapes when torch imports (bench/torch_decode.py, just before, same
-# threads; 1 thread, then all), chunked prefill on the decode kernel and on
+# threads; 1 thread, then all; then paged caches next to the contiguous one
+# and 8-bit caches next to bf16), chunked prefill on the decode kernel and on
 # the forward's kernels next to one attention_forward call, then one
 # distributed decode step at
 # P = 1 and 2 (one rank per core of this machine) with the tree and the ring
@@ -44,6 +45,11 @@ for t in $(printf '%s\n' 1 "$cores" | sort -un); do
     torch_flag=(--torch="$tmp/torch_$t.txt")
   fi
   OMP_NUM_THREADS=$t "$decode" "$@" "${torch_flag[@]}"
+  echo
+  # Paged caches next to the contiguous one, 8-bit caches next to bf16.
+  OMP_NUM_THREADS=$t "$decode" --paged "$@"
+  echo
+  OMP_NUM_THREADS=$t "$decode" --quant "$@"
   echo
 done
 OMP_NUM_THREADS=$cores "$decode" --prefill "$@"
