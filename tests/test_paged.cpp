@@ -48,20 +48,6 @@ bool same_bits(const A& a, const B& b) {
          std::memcmp(ha.data(), hb.data(), ha.span() * sizeof(typename A::value_type)) == 0;
 }
 
-/// A fingerprint of a View's bits, the same on every rank iff the bits are.
-template <class View>
-bool same_bits_on_every_rank(Comm& comm, const View& x) {
-  auto h = to_host(x);
-  std::uint64_t f = 1469598103934665603ull;
-  const auto* p = reinterpret_cast<const unsigned char*>(h.data());
-  for (std::size_t i = 0; i < h.span() * sizeof(typename View::value_type); ++i) {
-    f ^= p[i];
-    f *= 1099511628211ull;
-  }
-  const std::int64_t v = std::int64_t(f >> 1);
-  return comm.allreduce(v, ReduceOp::min) == comm.allreduce(v, ReduceOp::max);
-}
-
 /// One device: the same keys contiguous (B, cap, Hkv, D) and in pages of
 /// `ps` slots, the pages of all sequences shuffled over the pool; decode of
 /// the last `rows` tokens of each sequence by both, compared bit for bit and

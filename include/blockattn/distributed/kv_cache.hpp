@@ -175,6 +175,25 @@ KOKKOS_INLINE_FUNCTION void store_row(const Member& m, S* out, float* scale, con
   }
 }
 
+/// The shape checks of an append of k_new, v_new (sequences, tokens,
+/// kv_heads, head_dim) to `sequences` sequences of a cache with `kv_heads`
+/// kv heads of head dim `dim` (KVCache's and PagedKVCache's check_append).
+template <class ExecSpace, class KV, class VV>
+void check_append_shapes(const char* fn, int sequences, int kv_heads, int dim, const KV& k_new,
+                         const VV& v_new, const char* k_name, const char* v_name) {
+  require_accessible<ExecSpace, typename KV::memory_space>(fn, k_name);
+  require_accessible<ExecSpace, typename VV::memory_space>(fn, v_name);
+  const char* names[4] = {"sequences", "tokens", "kv_heads", "head_dim"};
+  const std::size_t want[4] = {std::size_t(sequences), k_new.extent(1), std::size_t(kv_heads),
+                               std::size_t(dim)};
+  for (int d = 0; d < 4; ++d) {
+    require_extent(fn, k_name, k_new, d, names[d], want[d],
+                   d == 0 ? "the sequences appended to" : "the cache's");
+    require_extent(fn, v_name, v_new, d, names[d], want[d],
+                   d == 0 ? "the sequences appended to" : "the cache's");
+  }
+}
+
 /// The destination of KVCache's appends: slot `slot` of (seq, g) in its
 /// (sequence, kv_head, slot, head_dim) storage (and (sequence, kv_head, slot)
 /// scales of 8-bit storage).
@@ -338,17 +357,8 @@ class KVCache {
   template <class KV, class VV>
   void check_append(const char* fn, int s0, int s1, const KV& k_new, const VV& v_new,
                     const char* k_name = "k_new", const char* v_name = "v_new") const {
-    impl::require_accessible<ExecSpace, typename KV::memory_space>(fn, k_name);
-    impl::require_accessible<ExecSpace, typename VV::memory_space>(fn, v_name);
-    const char* names[4] = {"sequences", "tokens", "kv_heads", "head_dim"};
-    const std::size_t want[4] = {std::size_t(s1 - s0), k_new.extent(1), std::size_t(kv_heads()),
-                                 std::size_t(dim())};
-    for (int d = 0; d < 4; ++d) {
-      impl::require_extent(fn, k_name, k_new, d, names[d], want[d],
-                           d == 0 ? "the sequences appended to" : "the cache's");
-      impl::require_extent(fn, v_name, v_new, d, names[d], want[d],
-                           d == 0 ? "the sequences appended to" : "the cache's");
-    }
+    impl::check_append_shapes<ExecSpace>(fn, s1 - s0, kv_heads(), dim(), k_new, v_new, k_name,
+                                         v_name);
     // The same check on every rank (lengths are global): every shard must fit.
     for (int s = s0; s < s1 && k_new.extent(1) > 0; ++s) {
       const std::string full = overflow(s, index_type(k_new.extent(1)));

@@ -107,7 +107,7 @@ class PagedKVCache {
     if (dim < 1 || dim > 256)
       impl::fail(fn, "argument 'dim' = ", dim, ", expected 1 .. 256 (the largest head dim)");
     if (max_length < 0) impl::fail(fn, "argument 'max_length' = ", max_length, ", expected >= 0");
-    while ((1 << m_shift) < page_size) ++m_shift;
+    m_shift = impl::page_shift(page_size);
     const index_type slots =
         max_length > 0 ? placement.local_capacity(max_length, size) : index_type(pages) * page_size;
     const index_type width = std::max<index_type>(1, (slots + page_size - 1) / page_size);
@@ -151,6 +151,8 @@ class PagedKVCache {
   int kv_heads() const { return int(m_k.extent(0)); }
   int dim() const { return int(m_k.extent(3)); }
   int page_size() const { return m_page_size; }
+  /// log2(page_size()).
+  int page_shift() const { return m_shift; }
   /// Pages of this rank's pool, and of them the free ones.
   int pages() const { return int(m_k.extent(1)); }
   int free_pages() const { return int(m_free.size()); }
@@ -205,17 +207,8 @@ class PagedKVCache {
   template <class KV, class VV>
   void check_append(const char* fn, int s0, int s1, const KV& k_new, const VV& v_new,
                     const char* k_name = "k_new", const char* v_name = "v_new") const {
-    impl::require_accessible<ExecSpace, typename KV::memory_space>(fn, k_name);
-    impl::require_accessible<ExecSpace, typename VV::memory_space>(fn, v_name);
-    const char* names[4] = {"sequences", "tokens", "kv_heads", "head_dim"};
-    const std::size_t want[4] = {std::size_t(s1 - s0), k_new.extent(1), std::size_t(kv_heads()),
-                                 std::size_t(dim())};
-    for (int d = 0; d < 4; ++d) {
-      impl::require_extent(fn, k_name, k_new, d, names[d], want[d],
-                           d == 0 ? "the sequences appended to" : "the cache's");
-      impl::require_extent(fn, v_name, v_new, d, names[d], want[d],
-                           d == 0 ? "the sequences appended to" : "the cache's");
-    }
+    impl::check_append_shapes<ExecSpace>(fn, s1 - s0, kv_heads(), dim(), k_new, v_new, k_name,
+                                         v_name);
     const index_type n = index_type(k_new.extent(1));
     if (n == 0) return;
     for (int s = s0; s < s1; ++s)

@@ -19,6 +19,13 @@ inline bool decode_page_size_ok(std::size_t n) {
   return n >= 8 && n <= (std::size_t(1) << 20) && (n & (n - 1)) == 0;
 }
 
+/// log2 of a page size (a power of two).
+inline int page_shift(std::size_t page_size) {
+  int shift = 0;
+  while ((std::size_t(1) << shift) < page_size) ++shift;
+  return shift;
+}
+
 /// The first (sequence, page) of `table` whose entry, among the pages that
 /// hold keys (page p of sequence b with p * page_size < lengths(b)), is
 /// outside [0, pages): its flat index b * table.extent(1) + p, or -1. Waits
@@ -104,8 +111,7 @@ void decode_paged(const ExecSpace& exec, const QV& q, const KV& k_pages, const V
     const index_type max_len =
         decode_checks(exec, fn, e, q, lengths, q_positions, mask, opts,
                       "block_table.extent(1) * page_size", index_type(capacity));
-    int shift = 0;
-    while ((std::size_t(1) << shift) < ps) ++shift;
+    const int shift = page_shift(ps);
     const Kokkos::View<const int**, Kokkos::LayoutStride, mem,
                        Kokkos::MemoryTraits<Kokkos::Unmanaged>>
         table(block_table);

@@ -58,7 +58,7 @@ DecodePages<typename ExecSpace::memory_space> cache_pages(
   DecodePages<typename ExecSpace::memory_space> pages;
   pages.table = Kokkos::subview(cache.block_table(), Kokkos::make_pair(s0, s1), Kokkos::ALL);
   pages.paged = true;
-  while ((1 << pages.shift) < cache.page_size()) ++pages.shift;
+  pages.shift = cache.page_shift();
   return pages;
 }
 
