@@ -1,12 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Serving over ranks: decode and chunked prefill against a KVCache sharded
 // across the communicator's ranks. Each rank attends its shard (split-KV
-// inside, kernel/decode.hpp), then the partial results merge over the ranks:
-//   tree (Tree Attention): one max-allreduce of the LSEs, one sum-allreduce
-//        of e^(lse - max) (O, 1): log P collective steps, the same bits on
-//        every rank when the MPI's allreduce gives them (Open MPI's do);
-//   ring: every partial travels the ring (P - 1 steps), then every rank
-//        merges the P partials in rank order: the same bits on every rank.
+// inside, kernel/decode.hpp), then the partial results merge over the ranks
+// (tree or ring: distributed/impl/merge_ranks.hpp; the same bits on every
+// rank). ServeOptions: distributed/options.hpp.
 #pragma once
 
 #include <blockattn/comm/communicator.hpp>
@@ -15,9 +12,11 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/impl/cache_access.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/merge_ranks.hpp>
 #include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/distributed/impl/transfer.hpp>
 #include <blockattn/distributed/kv_cache.hpp>
+#include <blockattn/distributed/options.hpp>
 #include <blockattn/distributed/paged_kv_cache.hpp>
 #include <blockattn/kernel/attention_forward.hpp>
 #include <blockattn/kernel/decode.hpp>
@@ -33,163 +32,7 @@
 
 namespace blockattn {
 
-/// How the ranks' partial results (O, LSE) merge.
-enum class MergeAlgorithm { tree, ring };
-
-/// Options of decode_attention and prefill_attention.
-struct ServeOptions {
-  /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
-  double scale = std::numeric_limits<double>::quiet_NaN();
-  MergeAlgorithm merge = MergeAlgorithm::tree;
-  /// Key ranges per (sequence, kv head) on each rank; 0: automatic.
-  int splits = 0;
-  /// Compare the call's configuration across ranks first (one small
-  /// allreduce): a mismatch is a clear error on every rank instead of a hang
-  /// or a wrong answer. A serving loop that has checked may turn it off.
-  bool check_config = true;
-  /// > 0: a transfer of the ring merge that has not completed after this
-  /// many seconds throws blockattn::timeout_error naming the step, the peer
-  /// and the message (as DistributedOptions::timeout_seconds).
-  double timeout_seconds = 0.0;
-  /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
-  /// the execution space's memory, the same on every rank; folded into the
-  /// normalisation of the merge over the ranks (a 16-bit output is rounded
-  /// once). Empty: none.
-  SinkLogits sinks;
-  /// prefill_attention: a chunk of at least this many rows runs on
-  /// attention_forward's kernels (the shard's keys packed once for the whole
-  /// chunk, query tiles of up to 96 rows, bf16 on the host's matrix engine)
-  /// where, on a host space, its query tiles keep at least half of the
-  /// threads busy; otherwise on the split-KV decode kernel (query rows in
-  /// tiles of up to 16, the keys read again for each tile), as decode_attention
-  /// always does. A value above any chunk's rows keeps the decode kernel.
-  /// -1 (automatic): 24 for bf16 caches whose decode kernel runs AVX512-BF16
-  /// dot products (DecodeOptions::host_matrix), 12 otherwise. On a 2-core
-  /// Zen 4 (`blockattn_bench_decode --prefill`, 4096 and 16384 cached tokens):
-  /// fp32 and bf16 on fp32 vectors, the decode kernel ran chunks of 8 rows
-  /// 1.2-1.6x faster than the forward's kernels, those ran 12 rows 0.98-1.29x
-  /// and 16 rows 1.1-1.4x as fast as it (AVX-512 and AVX2 builds); bf16 on
-  /// the dot products, the decode kernel ran 16 rows 1.3-1.6x faster, 24
-  /// rows 0.94-1.06x, and the forward's kernels 32 rows 1.15-1.6x faster.
-  int prefill_forward_rows = -1;
-  /// bf16 on the host: a prefill chunk on the forward's kernels takes AMX /
-  /// AVX512-BF16 tile products where automatic takes them
-  /// (ForwardOptions::host_matrix); decode and short chunks on the split-KV
-  /// kernel take AVX512-BF16 dot products where the engine runs vectors
-  /// (DecodeOptions::host_matrix).
-  HostMatrix host_matrix = HostMatrix::automatic;
-};
-
 namespace impl {
-
-inline const char* merge_name(MergeAlgorithm m) {
-  return m == MergeAlgorithm::tree ? "tree" : "ring";
-}
-
-/// Row r of (batch, heads, rows) -> (b, h, i).
-struct RowIndex {
-  int rows, heads;
-  KOKKOS_INLINE_FUNCTION void operator()(std::int64_t r, int& b, int& h, int& i) const {
-    i = int(r % rows);
-    h = int((r / rows) % heads);
-    b = int(r / (std::int64_t(rows) * heads));
-  }
-};
-
-/// The merge over ranks of the rows' normalised partials (o_part, lse_part:
-/// compute type T) into o (storage OS) and lse, each head's sink folded into
-/// the normalisation (a 16-bit o is rounded once).
-template <class C, class ExecSpace, class T, class OV, class LV>
-void merge_over_ranks(
-    C& comm, const ExecSpace& exec, const char* fn, MergeAlgorithm algorithm, double timeout,
-    const Kokkos::View<T****, Kokkos::LayoutRight, typename ExecSpace::memory_space>& o_part,
-    const Kokkos::View<T***, Kokkos::LayoutRight, typename ExecSpace::memory_space>& lse_part,
-    const OV& o, const LV& lse, const SinkLogits& sinks) {
-  using mem = typename ExecSpace::memory_space;
-  using OS = typename OV::non_const_value_type;
-  sink_view<mem> sk;
-  if (sinks.data() != nullptr) sk = sink_view<mem>(sinks.data(), sinks.extent(0));
-  const int B = int(o.extent(0)), N = int(o.extent(1)), H = int(o.extent(2)), D = int(o.extent(3));
-  const std::int64_t rows = std::int64_t(B) * N * H;
-  const int P = comm.size();
-  // Row r = (b, h, i) packed as [O (D values), weight or LSE].
-  const RowIndex row_of{N, H};
-  const std::int64_t W = D + 1;
-  const Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>> each_row(exec, 0, rows);
-  if (algorithm == MergeAlgorithm::tree || P == 1) {
-    Kokkos::View<T*, mem> mx(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::mx"),
-                             rows);
-    Kokkos::parallel_for(
-        "blockattn::merge_max", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
-          int b, h, i;
-          row_of(r, b, h, i);
-          const T l = lse_part(b, h, i);
-          mx(r) = l == l ? l : -infinity<T>();  // a NaN part makes the row NaN below
-        });
-    allreduce_view(comm, exec, mx, ReduceOp::max);
-    Kokkos::View<T*, mem> buf(Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::merge"),
-                              rows * W);
-    Kokkos::parallel_for(
-        "blockattn::merge_scale", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
-          int b, h, i;
-          row_of(r, b, h, i);
-          const T l = lse_part(b, h, i);
-          // e^(lse - M): 0 for a part without a key, NaN for a NaN part.
-          const T w = l == -infinity<T>() ? T(0) : (l != l ? l : kmath::exp(l - mx(r)));
-          for (int d = 0; d < D; ++d) buf(r * W + d) = w != T(0) ? w * o_part(b, i, h, d) : T(0);
-          buf(r * W + D) = w;
-        });
-    allreduce_view(comm, exec, buf, ReduceOp::sum);
-    Kokkos::parallel_for(
-        "blockattn::merge_finish", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
-          int b, h, i;
-          row_of(r, b, h, i);
-          const T l = buf(r * W + D);
-          T f;
-          if (l == T(0)) {  // no rank saw a key
-            for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(T(0));
-            lse(b, h, i) = fold_sink(-infinity<T>(), sink_of<T>(sk, h), f);
-            return;
-          }
-          lse(b, h, i) = fold_sink(l != l ? l : mx(r) + kmath::log(l), sink_of<T>(sk, h), f);
-          const T inv = T(1) / l;
-          for (int d = 0; d < D; ++d) o(b, i, h, d) = OS(buf(r * W + d) * inv * f);
-        });
-    return;
-  }
-  // Ring: all P packed partials on every rank, then one merge in rank order.
-  Kokkos::View<T**, Kokkos::LayoutRight, mem> all(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::merge_parts"), P, rows * W);
-  const int me = comm.rank();
-  Kokkos::parallel_for(
-      "blockattn::merge_pack", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
-        int b, h, i;
-        row_of(r, b, h, i);
-        for (int d = 0; d < D; ++d) all(me, r * W + d) = o_part(b, i, h, d);
-        all(me, r * W + D) = lse_part(b, h, i);
-      });
-  exec.fence();
-  const int next = (me + 1) % P, prev = (me + P - 1) % P;
-  // Through the schedules' transfer layer: its one tag encoding and the timeout.
-  Transfers<C, ExecSpace> x(comm, exec, fn, timeout);
-  for (int step = 0; step < P - 1; ++step) {
-    // Send the partial received last step (our own first); receive prev's.
-    const int send_part = (me - step + P) % P, recv_part = (me - step - 1 + 2 * P) % P;
-    auto rr = x.receive(Kokkos::subview(all, recv_part, Kokkos::ALL), prev, step, Message::rows);
-    auto sr = x.send(Kokkos::subview(all, send_part, Kokkos::ALL), next, step, Message::rows);
-    x.wait(sr);
-    x.wait(rr);
-  }
-  Kokkos::parallel_for(
-      "blockattn::merge_ring", each_row, KOKKOS_LAMBDA(const std::int64_t r) {
-        int b, h, i;
-        row_of(r, b, h, i);
-        lse(b, h, i) = merge_row<T>(
-            P, D, [&](int s, int d) { return all(s, r * W + d); },
-            [&](int s) { return all(s, r * W + D); }, [&](int d, T x) { o(b, i, h, d) = OS(x); },
-            sink_of<T>(sk, h));
-      });
-}
 
 /// Whether the cache shard's key positions map(0 .. L) are map(0) + j * stride:
 /// then the kernels run them as AffinePositions, else from a table.
@@ -268,22 +111,16 @@ void prefill_on_forward(const ExecSpace& exec, const char* fn, const Cache& cach
   exec.fence();  // the kernels have read the table
 }
 
-/// The common part of decode_attention and prefill_attention: sequences
-/// [s0, s1) of the cache, their last q.extent(1) tokens as queries.
-template <class C, class ExecSpace, class Cache, class QV, class OV, class LV, class Mask>
-void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& cache, int s0,
-                  int s1, const QV& q, const OV& o, const LV& lse, const Mask& mask,
-                  const ServeOptions& opts, std::string error, index_type appending = 0,
-                  const std::function<void()>& after_consensus = {}, bool prefill = false) {
-  using T = typename Cache::value_type;
-  using Placement = typename Cache::placement_type;
-  using CT = compute_t<T>;
-  using mem = typename ExecSpace::memory_space;
-  const int B = s1 - s0;
-  const int N = int(q.extent(1)), H = int(q.extent(2)), D = int(q.extent(3));
-  // This rank's own checks (shapes; the library's own checks run in the
-  // kernel call below, after the ranks agree).
-  if (error.empty() && (comm.rank() != cache.rank() || comm.size() != cache.size()))
+/// This rank's checks of a serving call on `cache` (the library's own
+/// checks run in the kernel calls, after the ranks agree): the
+/// communicator, q (B sequences, rows, heads, head_dim) and opts. Returns
+/// the error, empty if none.
+template <class C, class Cache, class QV>
+std::string serve_call_error(C& comm, const char* fn, const Cache& cache, int B, const QV& q,
+                             const ServeOptions& opts) {
+  std::string error;
+  const int N = int(q.extent(1)), H = int(q.extent(2));
+  if (comm.rank() != cache.rank() || comm.size() != cache.size())
     error = std::string("blockattn::") + fn + ": the cache is rank " +
             std::to_string(cache.rank()) + " of " + std::to_string(cache.size()) +
             ", the communicator rank " + std::to_string(comm.rank()) + " of " +
@@ -302,9 +139,17 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& c
   if (error.empty() && opts.prefill_forward_rows < -1)
     error = std::string("blockattn::") + fn + ": argument 'opts.prefill_forward_rows' is " +
             std::to_string(opts.prefill_forward_rows) + ", expected -1 (automatic) or >= 0";
-  // Checks of o, lse and the sinks against q's rows and heads: reported once
-  // the ranks agree on q's (reach_consensus' `relative`), so that a q with
-  // the wrong rows on one rank is named, not the o that matches the others.
+  return error;
+}
+
+/// The checks of o, lse and the sinks against q's rows and heads: reported
+/// once the ranks agree on q's (reach_consensus' `relative`), so that a q
+/// with the wrong rows on one rank is named, not the o that matches the
+/// others.
+template <class QV, class OV, class LV>
+std::string serve_output_error(const char* fn, const QV& q, const OV& o, const LV& lse,
+                               const ServeOptions& opts) {
+  const char* names[4] = {"sequences", "rows", "heads", "head_dim"};
   std::string relative;
   for (int d = 0; d < 4 && relative.empty(); ++d)
     if (o.extent(d) != q.extent(d))
@@ -317,54 +162,62 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& c
       relative = std::string("blockattn::") + fn + ": argument 'lse' has extent(" +
                  std::to_string(d) + ") = " + std::to_string(lse.extent(d)) + ", expected " +
                  std::to_string(lse_want[d]) + " (lse is (sequences, heads, rows))";
-  if (relative.empty() && opts.sinks.data() != nullptr && int(opts.sinks.extent(0)) != H)
+  if (relative.empty() && opts.sinks.data() != nullptr && opts.sinks.extent(0) != q.extent(2))
     relative = std::string("blockattn::") + fn +
                ": argument 'opts.sinks' has extent(0) = " + std::to_string(opts.sinks.extent(0)) +
-               ", expected one sink logit per query head (" + std::to_string(H) + ")";
-  // `appending` tokens go into each sequence after the consensus (prefill).
-  for (int s = s0; s < s1 && error.empty(); ++s)
-    if (cache.length(s) + appending < N)
-      error = std::string("blockattn::") + fn + ": sequence " + std::to_string(s) + " holds " +
-              std::to_string(cache.length(s) + appending) + " tokens; the " + std::to_string(N) +
-              " query rows are its last tokens: append their keys and values first";
-  if (opts.check_config) {
-    Fingerprint f;
-    f.text("call", fn)
-        .text("value type", type_name<T>())
-        .number("sequences", B)
-        .number("first sequence", s0)
-        .number("rows (q.extent(1))", N)
-        .number("heads (q.extent(2))", H)
-        .number("kv heads", cache.kv_heads())
-        .number("head_dim", D)
-        .text("merge", merge_name(opts.merge))
-        .number("splits", opts.splits)
-        .real("scale", opts.scale, to_text(opts.scale))
-        .text("placement", type_name<Placement>())
-        .number("page size (0: contiguous)", cache_page_size(cache))
-        .text("stored as", cache_storage_name<Cache>());
-    const auto pp = cache.placement().parameters();
-    for (std::size_t i = 0; i < pp.size(); ++i)
-      f.number("placement parameter " + std::to_string(i), pp[i]);
-    std::uint64_t h = 1469598103934665603ull;
-    for (int s = s0; s < s1; ++s) {
-      h ^= std::uint64_t(cache.length(s));
-      h *= 1099511628211ull;
-    }
-    f.number("sequence lengths (hash)", std::int64_t(h));
-    f.number("tokens appended", appending);
-    if (prefill) {
-      f.number("prefill forward rows", opts.prefill_forward_rows);
-      f.number("host matrix", int(opts.host_matrix));
-    }
-    f.text("sinks", sink_text<ExecSpace>(opts.sinks));
-    add_mask(f, mask);
-    reach_consensus(comm, fn, error, f, 0, nullptr, relative);
-  } else if (!error.empty() || !relative.empty()) {
-    throw invalid_argument(error.empty() ? relative : error);
-  }
-  if (after_consensus) after_consensus();  // every rank agreed: the prefill's append
+               ", expected one sink logit per query head (" + std::to_string(q.extent(2)) + ")";
+  return relative;
+}
 
+/// What the ranks of a serving call compare: the call, the cache and the
+/// options (the caller adds its sequences and their lengths).
+template <class ExecSpace, class Cache, class Mask>
+Fingerprint serve_fingerprint(const char* fn, const Cache& cache, int H, int D, const Mask& mask,
+                              const ServeOptions& opts, bool prefill) {
+  using T = typename Cache::value_type;
+  Fingerprint f;
+  f.text("call", fn)
+      .text("value type", type_name<T>())
+      .number("heads (q.extent(2))", H)
+      .number("kv heads", cache.kv_heads())
+      .number("head_dim", D)
+      .text("merge", merge_name(opts.merge))
+      .number("splits", opts.splits)
+      .real("scale", opts.scale, to_text(opts.scale))
+      .text("placement", type_name<typename Cache::placement_type>())
+      .number("page size (0: contiguous)", cache_page_size(cache))
+      .text("stored as", cache_storage_name<Cache>());
+  const auto pp = cache.placement().parameters();
+  for (std::size_t i = 0; i < pp.size(); ++i)
+    f.number("placement parameter " + std::to_string(i), pp[i]);
+  if (prefill) {
+    f.number("prefill forward rows", opts.prefill_forward_rows);
+    f.number("host matrix", int(opts.host_matrix));
+  }
+  f.text("sinks", sink_text<ExecSpace>(opts.sinks));
+  add_mask(f, mask);
+  return f;
+}
+
+/// This rank's part of sequences [s0, s1): their last q.extent(1) tokens'
+/// queries q against the rank's shard, into out, out_lse (the rank's
+/// partial, or the result when P = 1). A prefill chunk (`prefill`, one
+/// sequence) of many rows runs on the forward's kernels, everything else on
+/// the split-KV decode kernel. The same work for the same sequence, rows
+/// and shard whatever else the call attends: a batched call gives the bits
+/// of separate ones.
+template <class ExecSpace, class Cache, class QV, class OV, class LV, class Mask>
+void attend_shard(const ExecSpace& exec, const char* fn, const Cache& cache, int s0, int s1,
+                  const QV& q, const OV& out, const LV& out_lse, const Mask& mask,
+                  const ServeOptions& opts, const SinkLogits& sinks, bool prefill) {
+  using T = typename Cache::value_type;
+  using mem = typename ExecSpace::memory_space;
+  const int B = s1 - s0;
+  const int N = int(q.extent(1)), H = int(q.extent(2)), D = int(q.extent(3));
+  if (prefill && B == 1 && prefill_on_forward_pays<T>(exec, opts, N, H, D)) {
+    prefill_on_forward(exec, fn, cache, s0, q, out, out_lse, mask, opts, sinks);
+    return;
+  }
   Kokkos::View<index_type*, mem> qpos("blockattn::q_positions", B);
   auto qh = Kokkos::create_mirror_view(qpos);
   int max_local = 0;
@@ -373,26 +226,54 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& c
     max_local = std::max(max_local, cache.local_length(s));
   }
   Kokkos::deep_copy(qpos, qh);
-  const auto range = Kokkos::make_pair(s0, s1);
-  const auto len = Kokkos::subview(cache.local_lengths(), range);
+  const auto len = Kokkos::subview(cache.local_lengths(), Kokkos::make_pair(s0, s1));
   DecodeOptions dopts;
   dopts.scale = opts.scale;
   dopts.splits = opts.splits;
   dopts.max_length = max_local;
   dopts.host_matrix = opts.host_matrix;
-  // A prefill chunk of many rows: the forward's kernels over this rank's
-  // shard; the split-KV decode kernel otherwise.
-  const bool forward = prefill && B == 1 && prefill_on_forward_pays<T>(exec, opts, N, H, D);
-  const auto attend = [&](const auto& out, const auto& out_lse, const SinkLogits& sinks) {
-    if (forward) {
-      prefill_on_forward(exec, fn, cache, s0, q, out, out_lse, mask, opts, sinks);
-    } else {
-      dopts.sinks = sinks;
-      cache_decode(exec, cache, s0, s1, q, len, qpos, out, out_lse, mask, dopts);
+  dopts.sinks = sinks;
+  cache_decode(exec, cache, s0, s1, q, len, qpos, out, out_lse, mask, dopts);
+}
+
+/// The common part of decode_attention and prefill_attention: sequences
+/// [s0, s1) of the cache, their last q.extent(1) tokens as queries.
+template <class C, class ExecSpace, class Cache, class QV, class OV, class LV, class Mask>
+void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& cache, int s0,
+                  int s1, const QV& q, const OV& o, const LV& lse, const Mask& mask,
+                  const ServeOptions& opts, std::string error, index_type appending = 0,
+                  const std::function<void()>& after_consensus = {}, bool prefill = false) {
+  using T = typename Cache::value_type;
+  using CT = compute_t<T>;
+  using mem = typename ExecSpace::memory_space;
+  const int B = s1 - s0;
+  const int N = int(q.extent(1)), H = int(q.extent(2)), D = int(q.extent(3));
+  if (error.empty()) error = serve_call_error(comm, fn, cache, B, q, opts);
+  const std::string relative = serve_output_error(fn, q, o, lse, opts);
+  // `appending` tokens go into each sequence after the consensus (prefill).
+  for (int s = s0; s < s1 && error.empty(); ++s)
+    if (cache.length(s) + appending < N)
+      error = std::string("blockattn::") + fn + ": sequence " + std::to_string(s) + " holds " +
+              std::to_string(cache.length(s) + appending) + " tokens; the " + std::to_string(N) +
+              " query rows are its last tokens: append their keys and values first";
+  if (opts.check_config) {
+    Fingerprint f = serve_fingerprint<ExecSpace>(fn, cache, H, D, mask, opts, prefill);
+    f.number("sequences", B).number("first sequence", s0).number("rows (q.extent(1))", N);
+    std::uint64_t h = 1469598103934665603ull;
+    for (int s = s0; s < s1; ++s) {
+      h ^= std::uint64_t(cache.length(s));
+      h *= 1099511628211ull;
     }
-  };
+    f.number("sequence lengths (hash)", std::int64_t(h));
+    f.number("tokens appended", appending);
+    reach_consensus(comm, fn, error, f, 0, nullptr, relative);
+  } else if (!error.empty() || !relative.empty()) {
+    throw invalid_argument(error.empty() ? relative : error);
+  }
+  if (after_consensus) after_consensus();  // every rank agreed: the prefill's append
+
   if (comm.size() == 1 && std::is_same<typename OV::non_const_value_type, T>::value) {
-    attend(o, lse, opts.sinks);
+    attend_shard(exec, fn, cache, s0, s1, q, o, lse, mask, opts, opts.sinks, prefill);
     return;
   }
   // Partials in the compute type (16-bit outputs are rounded once, after the merge).
@@ -400,7 +281,7 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& c
       Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::o_part"), B, N, H, D);
   Kokkos::View<CT***, Kokkos::LayoutRight, mem> lse_part(
       Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::lse_part"), B, H, N);
-  attend(o_part, lse_part, SinkLogits{});
+  attend_shard(exec, fn, cache, s0, s1, q, o_part, lse_part, mask, opts, SinkLogits{}, prefill);
   // Every rank merges the rows and folds the sinks in once, before the
   // output's one rounding.
   merge_over_ranks(comm, exec, fn, opts.merge, opts.timeout_seconds, o_part, lse_part, o, lse,

@@ -106,4 +106,51 @@ struct DistributedOptions : ImplementationOptions {
   SinkGradient sink_grad;
 };
 
+/// How the ranks' partial results (O, LSE) merge.
+enum class MergeAlgorithm { tree, ring };
+
+/// Options of decode_attention and prefill_attention.
+struct ServeOptions {
+  /// Softmax scale; NaN (the default) means 1 / sqrt(head_dim).
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  MergeAlgorithm merge = MergeAlgorithm::tree;
+  /// Key ranges per (sequence, kv head) on each rank; 0: automatic.
+  int splits = 0;
+  /// Compare the call's configuration across ranks first (one small
+  /// allreduce): a mismatch is a clear error on every rank instead of a hang
+  /// or a wrong answer. A serving loop that has checked may turn it off.
+  bool check_config = true;
+  /// > 0: a transfer of the ring merge that has not completed after this
+  /// many seconds throws blockattn::timeout_error naming the step, the peer
+  /// and the message (as DistributedOptions::timeout_seconds).
+  double timeout_seconds = 0.0;
+  /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
+  /// the execution space's memory, the same on every rank; folded into the
+  /// normalisation of the merge over the ranks (a 16-bit output is rounded
+  /// once). Empty: none.
+  SinkLogits sinks;
+  /// prefill_attention: a chunk of at least this many rows runs on
+  /// attention_forward's kernels (the shard's keys packed once for the whole
+  /// chunk, query tiles of up to 96 rows, bf16 on the host's matrix engine)
+  /// where, on a host space, its query tiles keep at least half of the
+  /// threads busy; otherwise on the split-KV decode kernel (query rows in
+  /// tiles of up to 16, the keys read again for each tile), as decode_attention
+  /// always does. A value above any chunk's rows keeps the decode kernel.
+  /// -1 (automatic): 24 for bf16 caches whose decode kernel runs AVX512-BF16
+  /// dot products (DecodeOptions::host_matrix), 12 otherwise. On a 2-core
+  /// Zen 4 (`blockattn_bench_decode --prefill`, 4096 and 16384 cached tokens):
+  /// fp32 and bf16 on fp32 vectors, the decode kernel ran chunks of 8 rows
+  /// 1.2-1.6x faster than the forward's kernels, those ran 12 rows 0.98-1.29x
+  /// and 16 rows 1.1-1.4x as fast as it (AVX-512 and AVX2 builds); bf16 on
+  /// the dot products, the decode kernel ran 16 rows 1.3-1.6x faster, 24
+  /// rows 0.94-1.06x, and the forward's kernels 32 rows 1.15-1.6x faster.
+  int prefill_forward_rows = -1;
+  /// bf16 on the host: a prefill chunk on the forward's kernels takes AMX /
+  /// AVX512-BF16 tile products where automatic takes them
+  /// (ForwardOptions::host_matrix); decode and short chunks on the split-KV
+  /// kernel take AVX512-BF16 dot products where the engine runs vectors
+  /// (DecodeOptions::host_matrix).
+  HostMatrix host_matrix = HostMatrix::automatic;
+};
+
 }  // namespace blockattn
