@@ -4,8 +4,10 @@
 // residual, unembedding) generating tokens greedily for two sequences of
 // different prompt lengths, with the KV cache sharded across the MPI ranks
 // in pages (PagedKVCache: pages of 8 tokens taken as the sequences grow).
-// Prompts go in by chunked prefill (prefill_attention), every new token by
-// decode (decode_attention). Every step's attention output is checked against
+// The first prompt goes in by chunked prefill (prefill_attention); then each
+// step is one mixed batch (batch_attention): the first sequence decodes while
+// the second one's prompt arrives in chunks, then both decode (continuous
+// batching). Every step's attention output is checked against
 // the same model run on one rank (a SelfCommunicator and an unsharded,
 // contiguous KVCache), and so are the generated tokens. --kv-cache fp8 or
 // int8 stores both caches' rows as 8-bit codes with a scale per row
@@ -143,34 +145,33 @@ struct Model {
     return next;
   }
 
-  /// One decode step: appends every sequence's newest token, returns the next ones.
-  std::vector<int> decode(const std::vector<int>& newest) {
-    const int B = int(newest.size());
+  /// One serving step (batch_attention): sequence seqs[i] brings tokens[i]
+  /// (one: its newest token, decoding; more: a chunk of its prompt), all in
+  /// one call; returns each sequence's next token (of its last row).
+  std::vector<int> step(const std::vector<int>& seqs, const std::vector<std::vector<int>>& tokens) {
+    blockattn::ServeBatch batch{seqs, {}};
+    std::vector<int> all;
+    for (const auto& t : tokens) {
+      batch.rows.push_back(int(t.size()));
+      all.insert(all.end(), t.begin(), t.end());
+    }
+    const int n = int(all.size());
     std::vector<float> x, q, k, v;
-    project(newest, x, q, k, v);
-    // (B, 1, h, hd) Views: sequence b's row is row b of the projections.
-    Kokkos::View<T****, Mem> qv("q", B, 1, heads, hd), kv("k", B, 1, kv_heads, hd),
-        vv("v", B, 1, kv_heads, hd), o("o", B, 1, heads, hd);
-    copy_rows(q, qv, heads);
-    copy_rows(k, kv, kv_heads);
-    copy_rows(v, vv, kv_heads);
-    // Collective: a full pool on one rank throws on every rank.
-    blockattn::append_kv(comm, Exec{}, cache, -1, kv, vv);
-    Kokkos::View<blockattn::compute_t<T>***, Mem> lse("lse", B, heads, 1);
-    blockattn::decode_attention(comm, Exec{}, cache, qv, o, lse, blockattn::CausalMask{}, opts);
-    last_attention = gather(o, B);
-    std::vector<int> next(static_cast<std::size_t>(B));
-    for (int b = 0; b < B; ++b) next[std::size_t(b)] = next_token(last_attention, x, b);
+    project(all, x, q, k, v);
+    Kokkos::View<T****, Mem> o("o", 1, n, heads, hd);
+    Kokkos::View<blockattn::compute_t<T>***, Mem> lse("lse", 1, heads, n);
+    // Collective: the appends and the rows of every sequence; a full pool on
+    // one rank throws on every rank, nothing appended.
+    blockattn::batch_attention(comm, Exec{}, cache, batch, to_view<T>(q, n, heads),
+                               to_view<T>(k, n, kv_heads), to_view<T>(v, n, kv_heads), o, lse,
+                               blockattn::CausalMask{}, opts);
+    last_attention = gather(o, n);
+    std::vector<int> next;
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      next.push_back(next_token(last_attention, x, int(batch.offset(i + 1)) - 1));
     return next;
   }
 
-  static void copy_rows(const std::vector<float>& x, const Kokkos::View<T****, Mem>& v, int h) {
-    auto m = Kokkos::create_mirror_view(v);
-    for (std::size_t b = 0; b < v.extent(0); ++b)
-      for (int j = 0; j < h; ++j)
-        for (int d = 0; d < hd; ++d) m(b, 0, j, d) = T(x[(b * std::size_t(h) + j) * hd + d]);
-    Kokkos::deep_copy(v, m);
-  }
   /// Rows of o (n rows of a (1, n, ...) or (n, 1, ...) View) as n x heads*hd floats.
   static std::vector<float> gather(const Kokkos::View<T****, Mem>& o, int n) {
     auto m = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
@@ -224,31 +225,50 @@ int run(const Args& args, const Placement& placement, blockattn::index_type per_
   const double tol = std::is_same<T, float>::value ? 1e-4 : 2e-2;
   double worst = 0.0;
   bool same_tokens = true;
+  // Sequence 0's prompt alone, in chunks (prefill_attention); then every
+  // step is one batch_attention: sequence 0 decodes while sequence 1's
+  // prompt arrives chunk by chunk (continuous batching), then both decode.
   std::vector<int> newest(static_cast<std::size_t>(B));
-  for (int b = 0; b < B; ++b) {
-    const int a = sharded.prefill(b, prompts[std::size_t(b)], args.chunk);
-    const int s = single.prefill(b, prompts[std::size_t(b)], args.chunk);
-    worst = std::max(worst, max_diff(sharded.last_attention, single.last_attention));
-    same_tokens = same_tokens && a == s;
-    newest[std::size_t(b)] = a;
-  }
   std::vector<std::vector<int>> generated(static_cast<std::size_t>(B));
-  for (int step = 0; step < args.steps; ++step) {
-    const std::vector<int> a = sharded.decode(newest);
-    const std::vector<int> s = single.decode(newest);
+  {
+    const int a = sharded.prefill(0, prompts[0], args.chunk);
+    const int s = single.prefill(0, prompts[0], args.chunk);
     worst = std::max(worst, max_diff(sharded.last_attention, single.last_attention));
     same_tokens = same_tokens && a == s;
-    for (int b = 0; b < B; ++b) generated[std::size_t(b)].push_back(newest[std::size_t(b)]);
-    newest = a;
+    newest[0] = a;
+  }
+  std::size_t prompt1 = 0;  // sequence 1's prompt tokens in the cache
+  int mixed = 0;            // steps that mixed a prefill chunk with a decode row
+  for (int step = 0; step < args.steps; ++step) {
+    std::vector<int> seqs = {0, 1};
+    std::vector<std::vector<int>> tokens = {{newest[0]}, {}};
+    const bool prefilling = prompt1 < prompts[1].size();
+    if (prefilling) {
+      const std::size_t end = std::min(prompts[1].size(), prompt1 + std::size_t(args.chunk));
+      tokens[1].assign(prompts[1].begin() + std::ptrdiff_t(prompt1),
+                       prompts[1].begin() + std::ptrdiff_t(end));
+      prompt1 = end;
+      ++mixed;
+    } else {
+      tokens[1] = {newest[1]};
+    }
+    const std::vector<int> a = sharded.step(seqs, tokens);
+    const std::vector<int> s = single.step(seqs, tokens);
+    worst = std::max(worst, max_diff(sharded.last_attention, single.last_attention));
+    same_tokens = same_tokens && a == s;
+    generated[0].push_back(newest[0]);
+    if (!prefilling) generated[1].push_back(newest[1]);
+    newest[0] = a[0];
+    if (prompt1 == prompts[1].size()) newest[1] = a[1];  // the prompt's last row's or decoded
   }
   const bool ok = worst <= tol && same_tokens;
   if (rank == 0) {
     std::printf(
         "serve: %d ranks, %s, %s merge, %s, paged cache (pages of %d, %s); prompts of %zu and "
-        "%zu tokens, chunk %d, %d decode steps\n",
+        "%zu tokens, chunk %d, %d steps (%d mixing a prefill chunk with a decode row)\n",
         P, args.placement.c_str(), args.merge.c_str(), args.dtype.c_str(), page,
         args.kv == "values" ? args.dtype.c_str() : args.kv.c_str(), prompts[0].size(),
-        prompts[1].size(), args.chunk, args.steps);
+        prompts[1].size(), args.chunk, args.steps, mixed);
     for (int b = 0; b < B; ++b) {
       std::printf("  sequence %d: cache %lld tokens (%d on rank 0, %d pages); generated", b,
                   (long long)sharded.cache.length(b), sharded.cache.local_length(b),
@@ -280,9 +300,10 @@ int dispatch(const Args& a, const Placement& p, blockattn::index_type cap) {
 
 const char* const usage_text = R"(usage: mpiexec -n P blockattn_serve [flags]
 A small causal transformer layer generating tokens for two sequences with its
-KV cache sharded over the ranks in pages (chunked prefill, then decode),
-checked at every step against the same model on one rank.
-  --steps S        decode steps [24]
+KV cache sharded over the ranks in pages (chunked prefill, then mixed steps:
+one sequence decoding while the other's prompt arrives in chunks), checked at
+every step against the same model on one rank.
+  --steps S        serving steps after the first prompt [24]
   --chunk C        prefill chunk [16]
   --placement X    roundrobin|contiguous [roundrobin]
   --merge M        tree|ring [tree]

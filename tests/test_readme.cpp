@@ -7,7 +7,7 @@
 // code breaks this test; a new block fails to compile here until it is given
 // a context below. Snippets in the order of the pages: README.md,
 // docs/distributed.md, docs/planner.md, docs/extending.md (9-11),
-// docs/serving.md (12-14), docs/score.md (15-17).
+// docs/serving.md (12-15), docs/score.md (16-18).
 #include <doctest/doctest.h>
 
 #include <blockattn/blockattn.hpp>
@@ -18,7 +18,7 @@
 
 #include <readme_snippets.hpp>
 
-static_assert(BLOCKATTN_README_SNIPPETS == 17,
+static_assert(BLOCKATTN_README_SNIPPETS == 18,
               "the ```cpp blocks of README.md or docs/ changed: give each one its context in "
               "tests/test_readme.cpp, which compiles and runs all of them");
 
@@ -35,9 +35,9 @@ struct MyMask : blockattn::CausalMask {};
 using snippet11::MyMask;
 #include <readme_snippet_11.inc>
 
-namespace snippet16 {  // docs/score.md: a score policy of your own
-#include <readme_snippet_16.inc>
-}  // namespace snippet16
+namespace snippet17 {  // docs/score.md: a score policy of your own
+#include <readme_snippet_17.inc>
+}  // namespace snippet17
 
 namespace {
 
@@ -283,7 +283,29 @@ TEST_CASE("docs/serving.md snippet 13: a paged cache, fork, release") {
   CHECK(lh(63, 0, 0) == doctest::Approx(0.0));
 }
 
-TEST_CASE("docs/serving.md snippet 14: merge_attention, n parts and two in place") {
+TEST_CASE("docs/serving.md snippet 14: a mixed batch") {
+  blockattn::MpiCommunicator<> comm(MPI_COMM_WORLD);
+  const Kokkos::DefaultExecutionSpace exec;
+  const blockattn::RoundRobinPlacement place{1};
+  using B4 = Kokkos::View<blockattn::bf16****>;
+  blockattn::KVCache<blockattn::bf16> cache(comm, 8, place.local_capacity(64, comm.size()), 2, 64,
+                                            place);
+  B4 q_rows("q", 1, 42, 4, 64), k_rows("k", 1, 42, 2, 64), v_rows("v", 1, 42, 2, 64),
+      o_rows("o", 1, 42, 4, 64);
+  V3 lse_rows("lse", 1, 4, 42);
+#include <readme_snippet_14.inc>
+  Kokkos::fence();
+  CHECK(cache.length(3) == 1);
+  CHECK(cache.length(6) == 40);
+  CHECK(cache.length(1) == 1);
+  // Zero inputs: every visible logit is 0, so LSE = log(visible keys).
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse_rows);
+  CHECK(lh(0, 0, 0) == doctest::Approx(0.0));
+  CHECK(lh(0, 0, 40) == doctest::Approx(std::log(40.0)));
+  CHECK(lh(0, 3, 41) == doctest::Approx(0.0));
+}
+
+TEST_CASE("docs/serving.md snippet 15: merge_attention, n parts and two in place") {
   const Kokkos::DefaultExecutionSpace exec;
   const int n = 2, B = 1, R = 3, H = 2, D = 8;
   Kokkos::View<float*****> o_parts("o_parts", n, B, R, H, D);
@@ -299,7 +321,7 @@ TEST_CASE("docs/serving.md snippet 14: merge_attention, n parts and two in place
   Kokkos::deep_copy(o_a, 1.0f);
   Kokkos::deep_copy(o_b, 5.0f);
   Kokkos::deep_copy(lse_b, float(std::log(3.0)));
-#include <readme_snippet_14.inc>
+#include <readme_snippet_15.inc>
   Kokkos::fence();
   auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
   auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
@@ -311,7 +333,7 @@ TEST_CASE("docs/serving.md snippet 14: merge_attention, n parts and two in place
   CHECK(lah(0, 1, 2) == doctest::Approx(std::log(4.0)));
 }
 
-TEST_CASE("docs/score.md snippets 15 to 17: policies, your own, sinks") {
+TEST_CASE("docs/score.md snippets 16 to 18: policies, your own, sinks") {
   using Comm = blockattn::MpiCommunicator<>;
   using Exec = Kokkos::DefaultExecutionSpace;
   Comm comm(MPI_COMM_WORLD);
@@ -321,16 +343,16 @@ TEST_CASE("docs/score.md snippets 15 to 17: policies, your own, sinks") {
       dout("do", B, n, H, D), dq("dq", B, n, H, D), dk("dk", B, n, H, D), dv("dv", B, n, H, D);
   V3 lse("lse", B, H, n);
   {
-#include <readme_snippet_15.inc>
+#include <readme_snippet_16.inc>
     attn.forward(q, k, v, o, lse);
     Kokkos::fence();
     CHECK(all_finite(lse));
   }
-  blockattn::attention_forward(exec, q, k, v, o, lse, snippet16::mask);
+  blockattn::attention_forward(exec, q, k, v, o, lse, snippet17::mask);
   Kokkos::fence();
   CHECK(all_finite(lse));
   {
-#include <readme_snippet_17.inc>
+#include <readme_snippet_18.inc>
     Kokkos::fence();
     CHECK(all_finite(dq));
   }

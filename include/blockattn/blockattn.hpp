@@ -7,6 +7,7 @@
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/core/quant.hpp>
+#include <blockattn/distributed/batch.hpp>
 #include <blockattn/distributed/decode.hpp>
 #include <blockattn/distributed/distributed_attention.hpp>
 #include <blockattn/distributed/hybrid.hpp>

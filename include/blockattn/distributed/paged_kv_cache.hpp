@@ -156,6 +156,12 @@ class PagedKVCache {
   /// Pages of this rank's pool, and of them the free ones.
   int pages() const { return int(m_k.extent(1)); }
   int free_pages() const { return int(m_free.size()); }
+  /// The pages of this rank's pool an append of `tokens` tokens to sequence
+  /// `seq` takes: new pages, and the copy of a shared page written into.
+  int pages_to_append(int seq, index_type tokens) const {
+    check_seq("PagedKVCache::pages_to_append", "seq", seq);
+    return tokens > 0 ? pages_needed(seq, seq + 1, tokens) : 0;
+  }
   /// Pages of sequence `seq` on this rank, and the sequences that reference page p.
   int pages_of(int seq) const { return m_held.at(std::size_t(seq)); }
   int references(int page) const { return m_refs.at(std::size_t(page)); }

@@ -143,6 +143,17 @@ DecodeGrid decode_grid(const ExecSpace& exec, const BlockExtents& e, index_type 
 }  // namespace impl
 
 namespace impl {
+/// Whether a decode team's rows span kv heads: host spaces, keys and values
+/// sequence-major with unit stride ((batch, keys, kv_heads, dim), each
+/// key's kv heads adjacent).
+template <class ExecSpace, class KV, class VV>
+bool decode_cross_heads(const KV& k, const VV& v, int kv_heads, int dim) {
+  const bool unit = k.extent(3) <= 1 || (k.stride(3) == 1 && v.stride(3) == 1);
+  return is_host_space_v<ExecSpace> && unit && kv_heads > 1 &&
+         std::size_t(k.stride(2)) == std::size_t(dim) &&
+         std::size_t(v.stride(2)) == std::size_t(dim);
+}
+
 /// The checks attention_decode and attention_decode_paged share (after
 /// validate_forward's): lengths, q_positions, splits, mask and sinks; returns
 /// the longest cache (opts.max_length, or read from lengths), at most
@@ -200,9 +211,7 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_
   // every kv_heads x D; on a Zen 3 (65 536 keys, 8/8, 32/8 and 16/16 heads,
   // fp32 and bf16, 1 and 2 threads) the teams over kv heads ran 1.4-1.9x
   // faster.
-  const bool cross_heads = impl::is_host_space_v<ExecSpace> && unit && e.kv_heads > 1 &&
-                           std::size_t(k.stride(2)) == std::size_t(e.dim) &&
-                           std::size_t(v.stride(2)) == std::size_t(e.dim);
+  const bool cross_heads = impl::decode_cross_heads<ExecSpace>(k, v, e.kv_heads, e.dim);
   impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits, cross_heads);
 
   impl::DecodeKernel<ExecSpace, T, QS, S, OS, Mask, KPos> kern;

@@ -99,6 +99,23 @@ void cache_decode(const ExecSpace& exec, const PagedKVCache<T, ExecSpace, P, S>&
   }
 }
 
+/// The key splits cache_decode takes for B sequences of N rows of H query
+/// heads whose longest shard holds max_len keys (decode_grid's choice, or
+/// `requested` > 0).
+template <class ExecSpace, class Cache>
+int cache_decode_splits(const ExecSpace& exec, const Cache& cache, int B, int N, int H,
+                        index_type max_len, int requested) {
+  BlockExtents e;
+  e.batch = B;
+  e.heads = H;
+  e.kv_heads = cache.kv_heads();
+  e.queries = N;
+  e.dim = cache.dim();
+  const bool cross = decode_cross_heads<ExecSpace>(cache.keys(), cache.values(), e.kv_heads, e.dim);
+  return decode_grid<compute_t<typename Cache::value_type>>(exec, e, max_len, requested, cross)
+      .splits;
+}
+
 /// A stored value in the value type T: an 8-bit code times its row's scale
 /// s, or the value itself.
 template <class T, class S>
