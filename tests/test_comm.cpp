@@ -158,6 +158,52 @@ void check_errors(Comm& comm) {
 
 }  // namespace
 
+TEST_CASE("host staging: buffers kept and reused, the data intact") {
+  // Host Views staged as device Views are (StagingOptions::stage_host_views):
+  // a ring exchange of n floats per round, then an all-to-all and an
+  // allreduce through the same buffers.
+  Mpi comm(MPI_COMM_WORLD, StagingOptions{4, true});
+  const int P = comm.size(), me = comm.rank();
+  const ExecSpace exec;
+  std::int64_t allocations = 0;
+  for (int n : {1000, 1000, 10, 50000, 1000, 50000}) {
+    Kokkos::View<float*, MemSpace> send("send", n), recv("recv", n);
+    auto h = Kokkos::create_mirror_view(send);
+    for (int i = 0; i < n; ++i) h(i) = float(me * 100000 + i);
+    Kokkos::deep_copy(send, h);
+    auto r = comm.irecv(exec, recv, (me + P - 1) % P, 7);
+    auto s = comm.isend(exec, send, (me + 1) % P, 7);
+    comm.wait(s);
+    comm.wait(r);
+    auto got = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recv);
+    const int from = (me + P - 1) % P;
+    int wrong = 0;
+    for (int i = 0; i < n; ++i) wrong += got(i) != float(from * 100000 + i) ? 1 : 0;
+    INFO("n = ", n);
+    CHECK(wrong == 0);
+    const StagingStats st = comm.staging_stats();
+    // Two buffers for the first size (a send and a receive), two more for
+    // the first size past 64 KiB; every other round reuses them.
+    allocations = st.allocations;
+    CHECK(st.kept <= 4);
+  }
+  const StagingStats st = comm.staging_stats();
+  CHECK(allocations == 4);
+  CHECK(st.reuses == 8);
+  CHECK(st.kept == 4);
+  check_alltoall(comm, 1000);
+  Kokkos::View<double*, MemSpace> x("x", 3);
+  Kokkos::deep_copy(x, double(me + 1));
+  comm.allreduce(exec, x, ReduceOp::sum);
+  auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
+  CHECK(xh(2) == doctest::Approx(double(P) * (P + 1) / 2));
+  CHECK(comm.staging_stats().allocations == 4);  // served by the kept buffers
+  // At most one buffer kept: the others are freed when they come back.
+  Mpi one(MPI_COMM_WORLD, StagingOptions{1, true});
+  check_alltoall(one, 100);
+  CHECK(one.staging_stats().kept == 1);
+}
+
 TEST_CASE("alltoall and alltoallv deliver every chunk where it belongs") {
   Mpi comm(MPI_COMM_WORLD);
   for (int count : {0, 1, 3, 1000}) check_alltoall(comm, count);

@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <blockattn/comm/communicator.hpp>
+#include <blockattn/comm/staging.hpp>
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 
@@ -25,6 +26,16 @@ namespace blockattn {
 struct HostStaged {};
 struct GpuAware {};
 
+/// How MpiCommunicator<HostStaged> stages device memory.
+struct StagingOptions {
+  /// Staging buffers kept between messages (page-locked where the device
+  /// has such memory; the smallest freed first beyond this many).
+  std::size_t kept_buffers = 16;
+  /// Stage host-accessible Views too (the path device Views take, on any
+  /// build: for testing it on CPUs).
+  bool stage_host_views = false;
+};
+
 template <class Transfer = HostStaged>
 class MpiCommunicator {
   static_assert(std::is_same<Transfer, HostStaged>::value ||
@@ -42,7 +53,11 @@ class MpiCommunicator {
     std::function<void()> finish;
   };
 
-  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD) : m_comm(comm) {
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD, const StagingOptions& staging = {})
+      : m_comm(comm),
+        m_staging(std::make_shared<impl::StagingPool>(staging.kept_buffers)),
+        m_stage_host(staging.stage_host_views),
+        m_kept(staging.kept_buffers) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized)
@@ -52,6 +67,10 @@ class MpiCommunicator {
     MPI_Comm_rank(m_comm, &m_rank);
     MPI_Comm_size(m_comm, &m_size);
   }
+
+  /// What the staging buffers did so far (shared by copies of this
+  /// communicator; a split() communicator has its own).
+  StagingStats staging_stats() const { return m_staging->stats(); }
 
   int rank() const { return m_rank; }
   int size() const { return m_size; }
@@ -122,10 +141,11 @@ class MpiCommunicator {
     const char* fn = "MpiCommunicator::allreduce";
     impl::require_contiguous(fn, "view", v);
     const int n = element_count(fn, std::int64_t(v.span()));
-    if constexpr (needs_staging<View>()) {
+    if (staged<View>()) {
       auto flat = impl::flat_view(v);
-      Kokkos::View<T*, Kokkos::HostSpace> h(
-          Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::allreduce"), flat.extent(0));
+      const auto buf = stage<View>(flat.extent(0) * sizeof(T));
+      const Kokkos::View<T*, staging_space_of<View>, Kokkos::MemoryTraits<Kokkos::Unmanaged>> h(
+          reinterpret_cast<T*>(buf.get()), flat.extent(0));
       Kokkos::deep_copy(exec, h, flat);
       exec.fence();
       check(MPI_Allreduce(MPI_IN_PLACE, h.data(), n, mpi_type<T>(), mpi_op(op), m_comm),
@@ -199,16 +219,23 @@ class MpiCommunicator {
       if (!finalized && *x != MPI_COMM_NULL) MPI_Comm_free(x);
       delete x;
     });
-    return MpiCommunicator(std::move(owned));
+    return MpiCommunicator(std::move(owned), m_kept, m_stage_host);
   }
 
  private:
   MPI_Comm m_comm;
   int m_rank = 0, m_size = 1;
   std::shared_ptr<MPI_Comm> m_owned;  // set for communicators made by split()
+  std::shared_ptr<impl::StagingPool> m_staging;
+  bool m_stage_host = false;
+  std::size_t m_kept = 16;
 
-  explicit MpiCommunicator(std::shared_ptr<MPI_Comm> owned)
-      : m_comm(*owned), m_owned(std::move(owned)) {
+  MpiCommunicator(std::shared_ptr<MPI_Comm> owned, std::size_t kept, bool stage_host)
+      : m_comm(*owned),
+        m_owned(std::move(owned)),
+        m_staging(std::make_shared<impl::StagingPool>(kept)),
+        m_stage_host(stage_host),
+        m_kept(kept) {
     MPI_Comm_rank(m_comm, &m_rank);
     MPI_Comm_size(m_comm, &m_size);
   }
@@ -228,11 +255,16 @@ class MpiCommunicator {
     MPI_Datatype t = MPI_DATATYPE_NULL;
     check(MPI_Type_contiguous(int(sizeof(T)), MPI_BYTE, &t), "MPI_Type_contiguous");
     check(MPI_Type_commit(&t), "MPI_Type_commit");
-    if constexpr (needs_staging<SendView>() || needs_staging<RecvView>()) {
+    if (staged<SendView>() || staged<RecvView>()) {
       auto s = impl::flat_view(send);
       auto r = impl::flat_view(recv);
-      const auto alloc = Kokkos::view_alloc(Kokkos::WithoutInitializing, "blockattn::alltoall");
-      Kokkos::View<T*, Kokkos::HostSpace> hs(alloc, s.extent(0)), hr(alloc, r.extent(0));
+      // Staged in the host space of whichever side is in device memory.
+      using Dev = std::conditional_t<needs_staging<RecvView>(), RecvView, SendView>;
+      using Host = Kokkos::View<T*, staging_space_of<Dev>, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+      const auto bs = stage<Dev>(s.extent(0) * sizeof(T));
+      const auto br = stage<Dev>(r.extent(0) * sizeof(T));
+      const Host hs(reinterpret_cast<T*>(bs.get()), s.extent(0)),
+          hr(reinterpret_cast<T*>(br.get()), r.extent(0));
       Kokkos::deep_copy(exec, hs, s);
       Kokkos::deep_copy(exec, hr, r);  // what is not received stays as it was
       exec.fence();
@@ -252,12 +284,13 @@ class MpiCommunicator {
     check_peer(fn, dest);
     request_type r;
     const int count = byte_count(v);
-    if constexpr (needs_staging<View>()) {
-      auto h = std::make_shared<typename View::HostMirror>(Kokkos::create_mirror_view(v));
-      Kokkos::deep_copy(exec, *h, v);
+    if (staged<View>()) {
+      // Into a kept staging buffer on the instance (async where pinned), then MPI.
+      const auto buf = stage<View>(std::size_t(count));
+      Kokkos::deep_copy(exec, staging_view<View>(buf.get(), count), bytes_of(v, count));
       exec.fence();
-      r.staging = h;
-      check(MPI_Isend(h->data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
+      r.staging = buf;
+      check(MPI_Isend(buf.get(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
     } else {
       exec.fence();
       check(MPI_Isend(v.data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
@@ -271,21 +304,48 @@ class MpiCommunicator {
     check_peer(fn, source);
     request_type r;
     const int count = byte_count(v);
-    if constexpr (needs_staging<View>()) {
-      auto h = std::make_shared<typename View::HostMirror>(Kokkos::create_mirror_view(v));
-      r.staging = h;
+    if (staged<View>()) {
+      const auto buf = stage<View>(std::size_t(count));
+      r.staging = buf;
+      const auto h = staging_view<View>(buf.get(), count);
+      const auto d = bytes_of(v, count);
       if constexpr (OnInstance)
-        r.finish = [h, v, exec]() {
-          Kokkos::deep_copy(exec, v, *h);
-          exec.fence();  // the staging buffer is released after this
+        r.finish = [h, d, exec]() {
+          Kokkos::deep_copy(exec, d, h);
+          exec.fence();  // the staging buffer goes back to the pool after this
         };
       else
-        r.finish = [h, v]() { Kokkos::deep_copy(v, *h); };
-      check(MPI_Irecv(h->data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
+        r.finish = [h, d]() { Kokkos::deep_copy(d, h); };
+      check(MPI_Irecv(buf.get(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
     } else {
       check(MPI_Irecv(v.data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
     }
     return r;
+  }
+
+  /// Whether a point-to-point transfer of View goes through a staging buffer.
+  template <class View>
+  bool staged() const {
+    return needs_staging<View>() || (std::is_same<Transfer, HostStaged>::value && m_stage_host);
+  }
+  template <class View>
+  using staging_space_of = impl::staging_space_t<typename View::memory_space>;
+  template <class View>
+  std::shared_ptr<char> stage(std::size_t bytes) {
+    return m_staging->template acquire<staging_space_of<View>>(bytes);
+  }
+  template <class Space>
+  using bytes_view = Kokkos::View<char*, Space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  template <class View>
+  static bytes_view<staging_space_of<View>> staging_view(char* p, int count) {
+    return bytes_view<staging_space_of<View>>(p, std::size_t(count));
+  }
+  /// A contiguous View's bytes as a View of char in its memory space.
+  template <class View>
+  static bytes_view<typename View::memory_space> bytes_of(const View& v, int count) {
+    using T = typename View::non_const_value_type;
+    return bytes_view<typename View::memory_space>(
+        reinterpret_cast<char*>(const_cast<T*>(v.data())), std::size_t(count));
   }
 
   template <class View>
