@@ -14,6 +14,7 @@
 #include <blockattn/kernel/decode.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <iterator>
 #include <limits>
 #include <random>
@@ -450,6 +451,77 @@ TEST_SUITE("decode") {
     const std::string sp = message(
         [&] { attention_decode(q, k, v, len, qpos, o, lse, FullMask{}, OffsetPositions{}, opts); });
     CHECK(sp.find("'opts.splits' is 65") != std::string::npos);
+    Kokkos::View<int*, MemSpace> per("per", 2), per3("per3", 3);
+    Kokkos::deep_copy(per, 0);
+    opts.splits = 0;
+    opts.sequence_splits = per;
+    const std::string ss = message(
+        [&] { attention_decode(q, k, v, len, qpos, o, lse, FullMask{}, OffsetPositions{}, opts); });
+    CHECK(ss.find("'opts.sequence_splits' holds 0 at 0, expected 1 .. 64") != std::string::npos);
+    opts.sequence_splits = per3;
+    const std::string s3 = message(
+        [&] { attention_decode(q, k, v, len, qpos, o, lse, FullMask{}, OffsetPositions{}, opts); });
+    CHECK(s3.find("'opts.sequence_splits'") != std::string::npos);
+  }
+
+  TEST_CASE("attention_decode: each sequence's own key ranges give its own call's bits") {
+    // Four sequences of different lengths, GQA, 2 rows: one launch with a
+    // key range count per sequence against one launch per sequence.
+    const int B = 4, R = 2, H = 4, Hkv = 2, D = 32, cap = 3000;
+    const int lengths[B] = {3000, 17, 700, 0};
+    const int ranges[B] = {7, 1, 64, 3};
+    std::mt19937_64 rng(5);
+    HostTensor qt = random_tensor(B, R, H, D, rng, 2.0),
+               kt = random_tensor(B, cap, Hkv, D, rng, 2.0),
+               vt = random_tensor(B, cap, Hkv, D, rng);
+    V4<float> q("q", B, R, H, D), k("k", B, cap, Hkv, D), v("v", B, cap, Hkv, D),
+        o("o", B, R, H, D);
+    V3<float> lse("lse", B, H, R);
+    upload(qt, q);
+    upload(kt, k);
+    upload(vt, v);
+    Kokkos::View<int*, MemSpace> len("len", B), per("per", B);
+    Kokkos::View<index_type*, MemSpace> qpos("qpos", B);
+    auto lh = Kokkos::create_mirror_view(len);
+    auto ph = Kokkos::create_mirror_view(per);
+    auto qh = Kokkos::create_mirror_view(qpos);
+    for (int b = 0; b < B; ++b) {
+      lh(b) = lengths[b];
+      ph(b) = ranges[b];
+      qh(b) = lengths[b] - 1;
+    }
+    Kokkos::deep_copy(len, lh);
+    Kokkos::deep_copy(per, ph);
+    Kokkos::deep_copy(qpos, qh);
+    DecodeOptions opts;
+    opts.sequence_splits = per;
+    attention_decode(ExecSpace{}, q, k, v, len, qpos, o, lse, CausalMask{}, OffsetPositions{},
+                     opts);
+    const auto oh = to_host(o);
+    const auto lsh = to_host(lse);
+    for (int b = 0; b < B; ++b) {
+      const auto one = Kokkos::make_pair(b, b + 1);
+      const auto all = Kokkos::ALL;
+      V4<float> o1("o1", 1, R, H, D);
+      V3<float> l1("l1", 1, H, R);
+      DecodeOptions alone;
+      alone.splits = ranges[b];
+      attention_decode(ExecSpace{}, Kokkos::subview(q, one, all, all, all),
+                       Kokkos::subview(k, one, all, all, all),
+                       Kokkos::subview(v, one, all, all, all), Kokkos::subview(len, one),
+                       Kokkos::subview(qpos, one), o1, l1, CausalMask{}, OffsetPositions{}, alone);
+      const auto o1h = to_host(o1);
+      const auto l1h = to_host(l1);
+      int differ = 0;
+      for (int i = 0; i < R; ++i)
+        for (int h = 0; h < H; ++h) {
+          differ += std::memcmp(&lsh(b, h, i), &l1h(0, h, i), sizeof(float)) != 0 ? 1 : 0;
+          for (int d = 0; d < D; ++d)
+            differ += std::memcmp(&oh(b, i, h, d), &o1h(0, i, h, d), sizeof(float)) != 0 ? 1 : 0;
+        }
+      INFO("sequence ", b, " (", lengths[b], " keys, ", ranges[b], " ranges)");
+      CHECK(differ == 0);
+    }
   }
 
   TEST_CASE_TEMPLATE("merge_attention: n parts and two parts give the attention over all keys", T,

@@ -124,37 +124,43 @@ auto lse_as_batch(const V& x, index_type o0, int B, int N) {
 
 /// The batch's blocks cut into runs [runs[r], runs[r + 1]) of the n blocks:
 /// a run of several blocks is consecutive sequences of the cache with the
-/// same rows on the split-KV decode kernel, each of which alone would take
-/// the key splits the run's launch takes (then the launch gives each its
-/// own launch's bits: a sequence's teams, tiles and merge depend on its
-/// splits, rows and keys only); every other block is a run of its own.
-template <class T, class ExecSpace, class Cache>
-std::vector<int> decode_runs(const ExecSpace& exec, const Cache& cache, const ServeBatch& batch,
-                             int n, int H, int D, const ServeOptions& opts) {
+/// same rows on the split-KV decode kernel (one launch, each sequence with
+/// the key ranges a launch of its own would take: decode_splits); every
+/// other block is a run of its own.
+template <class T, class ExecSpace>
+std::vector<int> decode_runs(const ExecSpace& exec, const ServeBatch& batch, int n, int H, int D,
+                             const ServeOptions& opts) {
   const auto seq = [&](int i) { return batch.sequences[std::size_t(i)]; };
   const auto rows = [&](int i) { return batch.rows[std::size_t(i)]; };
-  const auto alone = [&](int i) {
-    return cache_decode_splits(exec, cache, 1, rows(i), H, cache.local_length(seq(i)), opts.splits);
-  };
   std::vector<int> runs{0};
   for (int i = 0; i < n;) {
     int j = i + 1;
-    if (!prefill_on_forward_pays<T>(exec, opts, rows(i), H, D)) {
+    if (!prefill_on_forward_pays<T>(exec, opts, rows(i), H, D))
       while (j < n && seq(j) == seq(j - 1) + 1 && rows(j) == rows(i)) ++j;
-      if (j > i + 1) {
-        index_type longest = 0;
-        for (int b = i; b < j; ++b)
-          longest = std::max<index_type>(longest, cache.local_length(seq(b)));
-        const int together =
-            cache_decode_splits(exec, cache, j - i, rows(i), H, longest, opts.splits);
-        for (int b = i; b < j && j > i + 1; ++b)
-          if (alone(b) != together) j = i + 1;
-      }
-    }
     runs.push_back(j);
     i = j;
   }
   return runs;
+}
+
+/// The key ranges of blocks [i, j) of a run, each as its own launch would
+/// take them, in the execution space's memory.
+template <class ExecSpace, class Cache>
+Kokkos::View<int*, typename ExecSpace::memory_space> decode_splits(const ExecSpace& exec,
+                                                                   const Cache& cache,
+                                                                   const ServeBatch& batch, int i,
+                                                                   int j, int H,
+                                                                   const ServeOptions& opts) {
+  Kokkos::View<int*, typename ExecSpace::memory_space> d("blockattn::sequence_splits",
+                                                         std::size_t(j - i));
+  auto h = Kokkos::create_mirror_view(d);
+  for (int b = i; b < j; ++b) {
+    const int s = batch.sequences[std::size_t(b)];
+    h(b - i) = cache_decode_splits(exec, cache, 1, batch.rows[std::size_t(b)], H,
+                                   cache.local_length(s), opts.splits);
+  }
+  Kokkos::deep_copy(d, h);
+  return d;
 }
 
 }  // namespace impl
@@ -224,9 +230,13 @@ void batch_attention(C& comm, const ExecSpace& exec, Cache& cache, const ServeBa
   for (int i = 0; i < n; ++i)
     cache.append(exec, batch.sequences[std::size_t(i)], Kokkos::subview(k, all, block(i), all, all),
                  Kokkos::subview(v, all, block(i), all, all));
-  // Runs of blocks that one decode launch computes with the bits of one
-  // launch per block (impl::decode_runs); every other block alone.
-  const std::vector<int> runs = impl::decode_runs<T>(exec, cache, batch, n, H, D, opts);
+  // Runs of consecutive decode blocks: one launch each, every sequence with
+  // the key ranges of a launch of its own (the same bits).
+  const std::vector<int> runs = impl::decode_runs<T>(exec, batch, n, H, D, opts);
+  std::vector<Kokkos::View<int*, mem>> splits(runs.size());
+  for (std::size_t r = 0; r + 1 < runs.size(); ++r)
+    if (runs[r + 1] > runs[r] + 1)
+      splits[r] = impl::decode_splits(exec, cache, batch, runs[r], runs[r + 1], H, opts);
   const auto attend = [&](const auto& out, const auto& out_lse, const SinkLogits& sinks) {
     for (std::size_t r = 0; r + 1 < runs.size(); ++r) {
       const int i = runs[r], j = runs[r + 1], s = batch.sequences[std::size_t(i)];
@@ -240,7 +250,8 @@ void batch_attention(C& comm, const ExecSpace& exec, Cache& cache, const ServeBa
       } else {
         impl::attend_shard(exec, fn, cache, s, s + (j - i), impl::rows_as_batch(q, o0, j - i, rows),
                            impl::rows_as_batch(out, o0, j - i, rows),
-                           impl::lse_as_batch(out_lse, o0, j - i, rows), mask, opts, sinks, false);
+                           impl::lse_as_batch(out_lse, o0, j - i, rows), mask, opts, sinks, false,
+                           splits[r]);
       }
     }
   };

@@ -203,13 +203,14 @@ Fingerprint serve_fingerprint(const char* fn, const Cache& cache, int H, int D, 
 /// queries q against the rank's shard, into out, out_lse (the rank's
 /// partial, or the result when P = 1). A prefill chunk (`prefill`, one
 /// sequence) of many rows runs on the forward's kernels, everything else on
-/// the split-KV decode kernel. The same work for the same sequence, rows
-/// and shard whatever else the call attends: a batched call gives the bits
-/// of separate ones.
+/// the split-KV decode kernel (`seq_splits`: each sequence's key ranges,
+/// DecodeOptions::sequence_splits). The same work for the same sequence,
+/// rows, shard and ranges whatever else the call attends.
 template <class ExecSpace, class Cache, class QV, class OV, class LV, class Mask>
 void attend_shard(const ExecSpace& exec, const char* fn, const Cache& cache, int s0, int s1,
                   const QV& q, const OV& out, const LV& out_lse, const Mask& mask,
-                  const ServeOptions& opts, const SinkLogits& sinks, bool prefill) {
+                  const ServeOptions& opts, const SinkLogits& sinks, bool prefill,
+                  const Kokkos::View<const int*, Kokkos::AnonymousSpace>& seq_splits = {}) {
   using T = typename Cache::value_type;
   using mem = typename ExecSpace::memory_space;
   const int B = s1 - s0;
@@ -233,6 +234,7 @@ void attend_shard(const ExecSpace& exec, const char* fn, const Cache& cache, int
   dopts.max_length = max_local;
   dopts.host_matrix = opts.host_matrix;
   dopts.sinks = sinks;
+  dopts.sequence_splits = seq_splits;
   cache_decode(exec, cache, s0, s1, q, len, qpos, out, out_lse, mask, dopts);
 }
 

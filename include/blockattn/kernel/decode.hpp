@@ -34,6 +34,12 @@ struct DecodeOptions {
   /// The longest cache length if the caller knows it (>= every lengths(b));
   /// -1: read from `lengths` (a reduction, which waits for the device).
   index_type max_length = -1;
+  /// Key ranges of each sequence (batch entries of 1 .. 64), in the
+  /// execution space's memory; empty: `splits` (or the automatic choice) for
+  /// every sequence. A sequence's results depend on its own ranges, rows and
+  /// keys only: sequences given the ranges calls of their own would take
+  /// get those calls' bits in one launch.
+  Kokkos::View<const int*, Kokkos::AnonymousSpace> sequence_splits;
   /// Attention sinks (kernel/sinks.hpp): one fp32 logit per query head, in
   /// the execution space's memory, folded into the rows' results. Empty: none.
   SinkLogits sinks;
@@ -143,6 +149,14 @@ DecodeGrid decode_grid(const ExecSpace& exec, const BlockExtents& e, index_type 
 }  // namespace impl
 
 namespace impl {
+/// A host copy of DecodeOptions::sequence_splits (in Mem).
+template <class Mem>
+auto sequence_splits_on_host(const Kokkos::View<const int*, Kokkos::AnonymousSpace>& s) {
+  const Kokkos::View<const int*, Mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> d(s.data(),
+                                                                                 s.extent(0));
+  return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
+}
+
 /// Whether a decode team's rows span kv heads: host spaces, keys and values
 /// sequence-major with unit stride ((batch, keys, kv_heads, dim), each
 /// key's kv heads adjacent).
@@ -171,6 +185,15 @@ index_type decode_checks(const ExecSpace& exec, const char* fn, const BlockExten
   if (opts.splits < 0 || opts.splits > max_decode_splits)
     fail(fn, "argument 'opts.splits' is ", opts.splits, ", expected 0 (automatic) .. ",
          max_decode_splits);
+  if (opts.sequence_splits.data() != nullptr) {
+    require_extent(fn, "opts.sequence_splits", opts.sequence_splits, 0, "batch", q.extent(0),
+                   "the batch of q");
+    const auto h = sequence_splits_on_host<mem>(opts.sequence_splits);
+    for (std::size_t b = 0; b < h.extent(0); ++b)
+      if (h(b) < 1 || h(b) > max_decode_splits)
+        fail(fn, "argument 'opts.sequence_splits' holds ", h(b), " at ", b, ", expected 1 .. ",
+             max_decode_splits);
+  }
   index_type max_len = opts.max_length;
   if (max_len < 0) {
     int lo = 0, hi = 0;
@@ -213,6 +236,15 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_
   // faster.
   const bool cross_heads = impl::decode_cross_heads<ExecSpace>(k, v, e.kv_heads, e.dim);
   impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits, cross_heads);
+  Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> seq_splits;
+  if (opts.sequence_splits.data() != nullptr) {
+    // The launch covers the most ranges of any sequence; each team past its
+    // sequence's ranges returns at once.
+    const auto h = impl::sequence_splits_on_host<mem>(opts.sequence_splits);
+    g.splits = 1;
+    for (std::size_t b = 0; b < h.extent(0); ++b) g.splits = std::max(g.splits, h(b));
+    seq_splits = decltype(seq_splits)(opts.sequence_splits.data(), opts.sequence_splits.extent(0));
+  }
 
   impl::DecodeKernel<ExecSpace, T, QS, S, OS, Mask, KPos> kern;
   kern.q = q;
@@ -225,6 +257,7 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_
   kern.mask = mask;
   kern.kpos = kpos;
   kern.pages = pages;
+  kern.seq_splits = seq_splits;
   if (opts.sinks.data() != nullptr)
     kern.sinks = impl::sink_view<mem>(opts.sinks.data(), opts.sinks.extent(0));
   kern.scale_log2 = scale * impl::log2e<T>;
@@ -272,7 +305,7 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_
   Kokkos::parallel_for("blockattn::decode", policy, kern);
   if (g.splits > 1) {
     impl::DecodeMerge<ExecSpace, T, OS> merge{kern.o,      kern.lse, kern.part_o, kern.part_m,
-                                              kern.part_l, g,        kern.sinks};
+                                              kern.part_l, g,        kern.sinks,  seq_splits};
     Kokkos::parallel_for(
         "blockattn::decode_merge",
         Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, g.state_rows()),

@@ -102,6 +102,8 @@ struct DecodeKernel {
   HostIsa isa = host_isa;   // host: the vector ISA of the tile products (dispatched_host_isa)
   bool bf16_dot = false;    // host, bf16: the AVX512-BF16 products (decode_bf16.hpp)
   DecodePages<mem> pages;   // where key j is: k(b, j, ...) or a paged pool's slot
+  /// Key ranges of sequence b (empty: g.splits for all; DecodeOptions::sequence_splits).
+  Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> seq_splits;
 
   /// Host spaces with fp32 compute: the explicit-vector tile products
   /// (decode_simd.hpp) where the keys and values have unit stride.
@@ -227,6 +229,8 @@ struct DecodeKernel {
     t /= g.row_tiles;
     const int kv_first = g.cross_heads ? 0 : int(t % g.kv_heads);
     const int b = g.cross_heads ? int(t) : int(t / g.kv_heads);
+    const int splits = seq_splits.data() ? seq_splits(b) : g.splits;
+    if (split >= splits) return;  // past this sequence's ranges (sequence_splits)
     const int D = g.dim, KT = g.key_tile, R = g.row_tile;
     const int group_rows = g.group * g.rows;
     // Rows r0 .. r0 + nr - 1 of the sequence's (DecodeGrid), of kv heads
@@ -271,10 +275,9 @@ struct DecodeKernel {
     const int len = lengths(b);
     // The split's keys from a multiple of 16 (tiles, and so the bf16 dot
     // products' key pairs, start where a paged cache's pages do).
-    const std::int64_t k_begin = (std::int64_t(len) * split / g.splits) & ~std::int64_t(15);
+    const std::int64_t k_begin = (std::int64_t(len) * split / splits) & ~std::int64_t(15);
     const std::int64_t k_end =
-        split + 1 == g.splits ? len
-                              : (std::int64_t(len) * (split + 1) / g.splits) & ~std::int64_t(15);
+        split + 1 == splits ? len : (std::int64_t(len) * (split + 1) / splits) & ~std::int64_t(15);
     const index_type q0 = q_positions(b);
 
     // Row r of the tile: head (r0 + r) / rows, query (r0 + r) % rows.
@@ -527,7 +530,7 @@ struct DecodeKernel {
     Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
       const int h = (r0 + r) / g.rows, i = (r0 + r) % g.rows;
       const T* orow = os + std::size_t(r) * D;
-      if (g.splits == 1) {
+      if (splits == 1) {
         // The sink in the normalisation: O rounded once into a 16-bit o.
         T f;
         lse(b, h, i) = fold_sink(SoftmaxRow<T>::lse(ms[r], ls[r]), sink_of<T>(sinks, h), f);

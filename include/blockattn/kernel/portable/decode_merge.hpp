@@ -24,6 +24,9 @@ struct DecodeMerge {
   Kokkos::View<T*, mem> part_o, part_m, part_l;
   DecodeGrid g;
   sink_view<mem> sinks;  // folded into the normalisation (empty: none)
+  /// Key ranges of sequence b (empty: g.splits for all); a sequence of one
+  /// range was written by the kernel.
+  Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> seq_splits;
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t row) const {
     const int i = int(row % g.rows);
@@ -31,9 +34,11 @@ struct DecodeMerge {
     const int b = int(row / (std::int64_t(g.rows) * g.heads));
     const std::int64_t n = g.state_rows();
     const int D = g.dim;
+    const int splits = seq_splits.data() ? seq_splits(b) : g.splits;
+    if (splits == 1) return;
     T mx = -infinity<T>();
     bool nan = false;
-    for (int s = 0; s < g.splits; ++s) {
+    for (int s = 0; s < splits; ++s) {
       const T l = part_l(s * n + row);
       if (l != l) nan = true;
       if (l != T(0) && part_m(s * n + row) > mx) mx = part_m(s * n + row);
@@ -45,7 +50,7 @@ struct DecodeMerge {
     }
     T w[max_decode_splits];
     T l = T(0);
-    for (int s = 0; s < g.splits; ++s) {
+    for (int s = 0; s < splits; ++s) {
       const T ls = part_l(s * n + row);
       w[s] = ls != T(0) ? kmath::exp2(part_m(s * n + row) - mx) : T(0);
       l += w[s] * ls;
@@ -56,7 +61,7 @@ struct DecodeMerge {
     const T inv = SoftmaxRow<T>::inverse_sum(l);
     for (int d = 0; d < D; ++d) {
       T acc = T(0);
-      for (int s = 0; s < g.splits; ++s)
+      for (int s = 0; s < splits; ++s)
         if (w[s] != T(0)) acc += w[s] * part_o((s * n + row) * D + d);
       o(b, i, h, d) = OS(acc * inv * f);
     }
