@@ -7,7 +7,8 @@
 # the forward's kernels next to one attention_forward call, then one
 # distributed decode step at
 # P = 1 and 2 (one rank per core of this machine) with the tree and the ring
-# merge, next to the planner's prediction from rates measured in the same run.
+# merge, next to the planner's prediction from rates measured in the same run,
+# and a mixed step (batch_attention) next to the same work in separate calls.
 #   bench/run_serve.sh <blockattn_bench_decode> [<blockattn_bench_serve>] [--keys N] [--reps R]
 set -euo pipefail
 decode=$1
@@ -59,5 +60,13 @@ for p in 1 2; do
   [ "$p" -le "$cores" ] || break
   OMP_NUM_THREADS=$((cores / p)) OMP_PROC_BIND=false \
     mpiexec -n "$p" --oversubscribe --bind-to none "$serve" "$@"
+  echo
+done
+# A mixed step (16 sequences decoding, one prefilling 64 rows): one
+# batch_attention next to separate calls and the three calls of before.
+for p in 1 2; do
+  [ "$p" -le "$cores" ] || break
+  OMP_NUM_THREADS=$((cores / p)) OMP_PROC_BIND=false \
+    mpiexec -n "$p" --oversubscribe --bind-to none "$serve" --mixed 64 --batch 16 --keys 4096
   echo
 done
