@@ -108,7 +108,7 @@ auto rows_as_batch(const V& x, index_type o0, int B, int N) {
   using Out = Kokkos::View<typename V::value_type****, Kokkos::LayoutStride,
                            typename V::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   const std::size_t s1 = x.stride(1);
-  return Out(&x(0, o0, 0, 0),
+  return Out(x.data() + std::size_t(o0) * s1,
              Kokkos::LayoutStride(std::size_t(B), s1 * std::size_t(N), std::size_t(N), s1,
                                   x.extent(2), x.stride(2), x.extent(3), x.stride(3)));
 }
@@ -118,8 +118,9 @@ auto lse_as_batch(const V& x, index_type o0, int B, int N) {
   using Out = Kokkos::View<typename V::value_type***, Kokkos::LayoutStride,
                            typename V::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   const std::size_t s2 = x.stride(2);
-  return Out(&x(0, 0, o0), Kokkos::LayoutStride(std::size_t(B), s2 * std::size_t(N), x.extent(1),
-                                                x.stride(1), std::size_t(N), s2));
+  return Out(x.data() + std::size_t(o0) * s2,
+             Kokkos::LayoutStride(std::size_t(B), s2 * std::size_t(N), x.extent(1), x.stride(1),
+                                  std::size_t(N), s2));
 }
 
 /// The batch's blocks cut into runs [runs[r], runs[r + 1]) of the n blocks:
