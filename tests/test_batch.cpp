@@ -22,34 +22,14 @@
 #include "backend.hpp"
 #include "forward_check.hpp"
 #include "reference.hpp"
+#include "serve_check.hpp"
 
 using namespace blockattn;
 using namespace blockattn::test;
 
 namespace {
 
-using Comm = MpiCommunicator<>;
-template <class T>
-using V4 = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
-template <class T>
-using V3 = Kokkos::View<compute_t<T>***, Kokkos::LayoutRight, MemSpace>;
-
-template <class A, class B>
-bool same_bits(const A& a, const B& b) {
-  const auto ha = to_host(a);
-  const auto hb = to_host(b);
-  return ha.span() == hb.span() &&
-         std::memcmp(ha.data(), hb.data(), ha.span() * sizeof(typename A::value_type)) == 0;
-}
-
-/// Rows [t0, t0 + n) of sequence s of a global tensor (B, tokens, heads, D).
-HostTensor rows_of(const HostTensor& t, int s, int t0, int n) {
-  HostTensor r(1, n, t.h, t.d);
-  for (int i = 0; i < n; ++i)
-    for (int h = 0; h < t.h; ++h)
-      for (int d = 0; d < t.d; ++d) r(0, i, h, d) = t(s, t0 + i, h, d);
-  return r;
-}
+using Comm = ServeComm;
 
 /// The batch's packed rows of a global tensor: block i holds rows[i] tokens
 /// of sequence sequences[i] from its length `at[i]` on.

@@ -28,25 +28,14 @@
 #include "backend.hpp"
 #include "forward_check.hpp"
 #include "reference.hpp"
+#include "serve_check.hpp"
 
 using namespace blockattn;
 using namespace blockattn::test;
 
 namespace {
 
-using Comm = MpiCommunicator<>;
-template <class T>
-using V4 = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
-template <class T>
-using V3 = Kokkos::View<compute_t<T>***, Kokkos::LayoutRight, MemSpace>;
-
-template <class A, class B>
-bool same_bits(const A& a, const B& b) {
-  const auto ha = to_host(a);
-  const auto hb = to_host(b);
-  return ha.span() == hb.span() &&
-         std::memcmp(ha.data(), hb.data(), ha.span() * sizeof(typename A::value_type)) == 0;
-}
+using Comm = ServeComm;
 
 /// One device: the same keys contiguous (B, cap, Hkv, D) and in pages of
 /// `ps` slots, the pages of all sequences shuffled over the pool; decode of

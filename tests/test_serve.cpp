@@ -21,17 +21,14 @@
 #include "backend.hpp"
 #include "forward_check.hpp"
 #include "reference.hpp"
+#include "serve_check.hpp"
 
 using namespace blockattn;
 using namespace blockattn::test;
 
 namespace {
 
-using Comm = MpiCommunicator<>;
-template <class T>
-using V4 = Kokkos::View<T****, Kokkos::LayoutRight, MemSpace>;
-template <class T>
-using V3 = Kokkos::View<compute_t<T>***, Kokkos::LayoutRight, MemSpace>;
+using Comm = ServeComm;
 
 template <class T>
 double bound(const ReferenceResult& ref, int dim, int keys) {
@@ -39,15 +36,6 @@ double bound(const ReferenceResult& ref, int dim, int keys) {
     return tolerance<float>(ref, dim, keys);
   else  // fp32 arithmetic, O rounded once to 16 bits
     return tolerance<float>(ref, dim, keys) + std::ldexp(1.0, -7);
-}
-
-/// The rows [r0, r0 + n) of sequence s of a global (sequences, tokens, ...) tensor.
-HostTensor rows_of(const HostTensor& t, int s, int r0, int n) {
-  HostTensor out(1, n, t.h, t.d);
-  for (int i = 0; i < n; ++i)
-    for (int h = 0; h < t.h; ++h)
-      for (int d = 0; d < t.d; ++d) out(0, i, h, d) = t(s, r0 + i, h, d);
-  return out;
 }
 
 /// A device View of rows [r0, r0 + n) of sequence s (values already rounded to T).

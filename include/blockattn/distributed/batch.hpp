@@ -36,10 +36,17 @@ namespace blockattn {
 struct ServeBatch {
   std::vector<int> sequences;  // distinct sequences of the cache
   std::vector<int> rows;       // >= 1 each
-  /// The first packed row of block i, and the rows of all blocks (i = size).
+  /// The first packed row of block i, and the rows of all blocks (i = size);
+  /// O(i): offsets() has them all at once.
   index_type offset(std::size_t i) const {
     index_type o = 0;
     for (std::size_t b = 0; b < i && b < rows.size(); ++b) o += rows[b];
+    return o;
+  }
+  /// offset(i) for i = 0 .. size (size + 1 entries).
+  std::vector<index_type> offsets() const {
+    std::vector<index_type> o(rows.size() + 1, 0);
+    for (std::size_t b = 0; b < rows.size(); ++b) o[b + 1] = o[b] + rows[b];
     return o;
   }
   index_type total() const { return offset(rows.size()); }
@@ -79,9 +86,10 @@ std::string batch_error(const char* fn, const Cache& cache, const ServeBatch& ba
            std::to_string(v.extent(1)) + " tokens (extent(1)), expected the batch's " +
            std::to_string(T);
   int pages = 0;
+  const std::vector<index_type> at_row = batch.offsets();
   for (std::size_t i = 0; i < batch.sequences.size(); ++i) {
     const int s = batch.sequences[i];
-    const auto r = Kokkos::make_pair(batch.offset(i), batch.offset(i + 1));
+    const auto r = Kokkos::make_pair(at_row[i], at_row[i + 1]);
     try {
       cache.check_append(fn, s, s + 1, Kokkos::subview(k, Kokkos::ALL, r, Kokkos::ALL, Kokkos::ALL),
                          Kokkos::subview(v, Kokkos::ALL, r, Kokkos::ALL, Kokkos::ALL), "k", "v");
@@ -223,8 +231,9 @@ void batch_attention(C& comm, const ExecSpace& exec, Cache& cache, const ServeBa
   } else if (!error.empty() || !relative.empty()) {
     throw invalid_argument(error.empty() ? relative : error);
   }
+  const std::vector<index_type> at_row = batch.offsets();
   const auto block = [&](int i) {
-    return Kokkos::make_pair(batch.offset(std::size_t(i)), batch.offset(std::size_t(i) + 1));
+    return Kokkos::make_pair(at_row[std::size_t(i)], at_row[std::size_t(i) + 1]);
   };
   const auto all = Kokkos::ALL;
   // Every rank agreed: the appends, in the batch's order.
@@ -241,7 +250,7 @@ void batch_attention(C& comm, const ExecSpace& exec, Cache& cache, const ServeBa
   const auto attend = [&](const auto& out, const auto& out_lse, const SinkLogits& sinks) {
     for (std::size_t r = 0; r + 1 < runs.size(); ++r) {
       const int i = runs[r], j = runs[r + 1], s = batch.sequences[std::size_t(i)];
-      const index_type o0 = batch.offset(std::size_t(i));
+      const index_type o0 = at_row[std::size_t(i)];
       const int rows = batch.rows[std::size_t(i)];
       if (j == i + 1) {
         const auto b = Kokkos::make_pair(o0, o0 + rows);

@@ -111,6 +111,16 @@ void prefill_on_forward(const ExecSpace& exec, const char* fn, const Cache& cach
   exec.fence();  // the kernels have read the table
 }
 
+/// Whether `cache` is this communicator's rank's: empty, or the error.
+template <class C, class Cache>
+std::string cache_rank_error(C& comm, const char* fn, const Cache& cache) {
+  if (comm.rank() == cache.rank() && comm.size() == cache.size()) return {};
+  return std::string("blockattn::") + fn + ": the cache is rank " + std::to_string(cache.rank()) +
+         " of " + std::to_string(cache.size()) + ", the communicator rank " +
+         std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) +
+         "; expected the cache of this communicator's rank";
+}
+
 /// This rank's checks of a serving call on `cache` (the library's own
 /// checks run in the kernel calls, after the ranks agree): the
 /// communicator, q (B sequences, rows, heads, head_dim) and opts. Returns
@@ -118,13 +128,8 @@ void prefill_on_forward(const ExecSpace& exec, const char* fn, const Cache& cach
 template <class C, class Cache, class QV>
 std::string serve_call_error(C& comm, const char* fn, const Cache& cache, int B, const QV& q,
                              const ServeOptions& opts) {
-  std::string error;
+  std::string error = cache_rank_error(comm, fn, cache);
   const int N = int(q.extent(1)), H = int(q.extent(2));
-  if (comm.rank() != cache.rank() || comm.size() != cache.size())
-    error = std::string("blockattn::") + fn + ": the cache is rank " +
-            std::to_string(cache.rank()) + " of " + std::to_string(cache.size()) +
-            ", the communicator rank " + std::to_string(comm.rank()) + " of " +
-            std::to_string(comm.size()) + "; expected the cache of this communicator's rank";
   const char* names[4] = {"sequences", "rows", "heads", "head_dim"};
   const std::size_t want[4] = {std::size_t(B), q.extent(1), q.extent(2), std::size_t(cache.dim())};
   for (int d = 0; d < 4 && error.empty(); ++d)
@@ -380,12 +385,9 @@ void append_kv(C& comm, const ExecSpace& exec, Cache& cache, int seq, const KV& 
   if (seq >= cache.sequences())
     error = std::string("blockattn::") + fn + ": argument 'seq' = " + std::to_string(seq) +
             ", expected -1 (all) or 0 .. " + std::to_string(cache.sequences() - 1);
-  else if (comm.rank() != cache.rank() || comm.size() != cache.size())
-    error = std::string("blockattn::") + fn + ": the cache is rank " +
-            std::to_string(cache.rank()) + " of " + std::to_string(cache.size()) +
-            ", the communicator rank " + std::to_string(comm.rank()) + " of " +
-            std::to_string(comm.size()) + "; expected the cache of this communicator's rank";
-  else {
+  else
+    error = impl::cache_rank_error(comm, fn, cache);
+  if (error.empty()) {
     try {
       cache.check_append(fn, s0, s1, k, v, "k", "v");
     } catch (const invalid_argument& e) {

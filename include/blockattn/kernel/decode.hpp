@@ -168,14 +168,22 @@ bool decode_cross_heads(const KV& k, const VV& v, int kv_heads, int dim) {
          std::size_t(v.stride(2)) == std::size_t(dim);
 }
 
+/// What decode_checks read for the launch: the longest cache
+/// (opts.max_length, or read from lengths) and the most key ranges of any
+/// sequence (opts.sequence_splits; 0 without).
+struct DecodeChecked {
+  index_type max_len = 0;
+  int most_splits = 0;
+};
+
 /// The checks attention_decode and attention_decode_paged share (after
-/// validate_forward's): lengths, q_positions, splits, mask and sinks; returns
-/// the longest cache (opts.max_length, or read from lengths), at most
-/// `capacity` (named `cap_name`).
+/// validate_forward's): lengths, q_positions, splits, mask and sinks; the
+/// longest cache at most `capacity` (named `cap_name`).
 template <class ExecSpace, class QV, class LenV, class PosV, class Mask>
-index_type decode_checks(const ExecSpace& exec, const char* fn, const BlockExtents& e, const QV& q,
-                         const LenV& lengths, const PosV& q_positions, const Mask& mask,
-                         const DecodeOptions& opts, const char* cap_name, index_type capacity) {
+DecodeChecked decode_checks(const ExecSpace& exec, const char* fn, const BlockExtents& e,
+                            const QV& q, const LenV& lengths, const PosV& q_positions,
+                            const Mask& mask, const DecodeOptions& opts, const char* cap_name,
+                            index_type capacity) {
   using mem = typename ExecSpace::memory_space;
   if (e.queries == 0) fail(fn, "argument 'q' has extent(1) (rows) = 0, expected >= 1");
   require_accessible<ExecSpace, typename LenV::memory_space>(fn, "lengths");
@@ -185,14 +193,17 @@ index_type decode_checks(const ExecSpace& exec, const char* fn, const BlockExten
   if (opts.splits < 0 || opts.splits > max_decode_splits)
     fail(fn, "argument 'opts.splits' is ", opts.splits, ", expected 0 (automatic) .. ",
          max_decode_splits);
+  int most_splits = 0;
   if (opts.sequence_splits.data() != nullptr) {
     require_extent(fn, "opts.sequence_splits", opts.sequence_splits, 0, "batch", q.extent(0),
                    "the batch of q");
     const auto h = sequence_splits_on_host<mem>(opts.sequence_splits);
-    for (std::size_t b = 0; b < h.extent(0); ++b)
+    for (std::size_t b = 0; b < h.extent(0); ++b) {
       if (h(b) < 1 || h(b) > max_decode_splits)
         fail(fn, "argument 'opts.sequence_splits' holds ", h(b), " at ", b, ", expected 1 .. ",
              max_decode_splits);
+      most_splits = std::max(most_splits, h(b));
+    }
   }
   index_type max_len = opts.max_length;
   if (max_len < 0) {
@@ -209,17 +220,17 @@ index_type decode_checks(const ExecSpace& exec, const char* fn, const BlockExten
   if (const std::string why = score_check(mask, e.heads); !why.empty())
     fail(fn, "argument 'mask': ", why);
   check_sinks(fn, opts.sinks, SinkGradient(), e.heads, false);
-  return max_len;
+  return DecodeChecked{max_len, most_splits};
 }
 
 /// The launch of attention_decode (and of attention_decode_paged: k, v the
-/// pools, `pages` the block table), after the checks: e, max_len checked.
+/// pools, `pages` the block table), after the checks (e, `checked`).
 template <class ExecSpace, class QV, class KV, class VV, class LenV, class PosV, class OV, class LV,
           class Mask, class KPos>
-void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_len, const QV& q,
-                   const KV& k, const VV& v, const LenV& lengths, const PosV& q_positions,
-                   const OV& o, const LV& lse, const Mask& mask, const KPos& kpos,
-                   const DecodeOptions& opts,
+void decode_launch(const ExecSpace& exec, const BlockExtents& e, const DecodeChecked& checked,
+                   const QV& q, const KV& k, const VV& v, const LenV& lengths,
+                   const PosV& q_positions, const OV& o, const LV& lse, const Mask& mask,
+                   const KPos& kpos, const DecodeOptions& opts,
                    const DecodePages<typename ExecSpace::memory_space>& pages) {
   using QS = typename QV::non_const_value_type;
   using S = typename KV::non_const_value_type;  // QS, or an 8-bit type (pages.kscale)
@@ -235,14 +246,12 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, index_type max_
   // fp32 and bf16, 1 and 2 threads) the teams over kv heads ran 1.4-1.9x
   // faster.
   const bool cross_heads = impl::decode_cross_heads<ExecSpace>(k, v, e.kv_heads, e.dim);
-  impl::DecodeGrid g = impl::decode_grid<T>(exec, e, max_len, opts.splits, cross_heads);
+  impl::DecodeGrid g = impl::decode_grid<T>(exec, e, checked.max_len, opts.splits, cross_heads);
   Kokkos::View<const int*, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> seq_splits;
   if (opts.sequence_splits.data() != nullptr) {
     // The launch covers the most ranges of any sequence; each team past its
     // sequence's ranges returns at once.
-    const auto h = impl::sequence_splits_on_host<mem>(opts.sequence_splits);
-    g.splits = 1;
-    for (std::size_t b = 0; b < h.extent(0); ++b) g.splits = std::max(g.splits, h(b));
+    g.splits = checked.most_splits;
     seq_splits = decltype(seq_splits)(opts.sequence_splits.data(), opts.sequence_splits.extent(0));
   }
 
@@ -356,9 +365,9 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     const char* fn = "attention_decode";
     // k may have no slot (an empty cache): only q's extents must be positive.
     const BlockExtents e = impl::validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
-    const index_type max_len = impl::decode_checks(exec, fn, e, q, lengths, q_positions, mask, opts,
-                                                   "k.extent(1)", index_type(k.extent(1)));
-    impl::decode_launch(exec, e, max_len, q, k, v, lengths, q_positions, o, lse, mask, kpos, opts,
+    const impl::DecodeChecked checked = impl::decode_checks(
+        exec, fn, e, q, lengths, q_positions, mask, opts, "k.extent(1)", index_type(k.extent(1)));
+    impl::decode_launch(exec, e, checked, q, k, v, lengths, q_positions, o, lse, mask, kpos, opts,
                         impl::DecodePages<mem>{});
   }
 }

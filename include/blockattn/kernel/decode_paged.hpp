@@ -108,7 +108,7 @@ void decode_paged(const ExecSpace& exec, const QV& q, const KV& k_pages, const V
                                                k_pages.extent(3), 1));
     const BlockExtents e =
         validate_forward<ExecSpace>(fn, q, logical, logical, o, lse, opts.scale, true);
-    const index_type max_len =
+    const DecodeChecked checked =
         decode_checks(exec, fn, e, q, lengths, q_positions, mask, opts,
                       "block_table.extent(1) * page_size", index_type(capacity));
     const int shift = page_shift(ps);
@@ -131,7 +131,7 @@ void decode_paged(const ExecSpace& exec, const QV& q, const KV& k_pages, const V
     pages.table = table;
     pages.paged = true;
     pages.shift = shift;
-    decode_launch(exec, e, max_len, q, k_pages, v_pages, lengths, q_positions, o, lse, mask, kpos,
+    decode_launch(exec, e, checked, q, k_pages, v_pages, lengths, q_positions, o, lse, mask, kpos,
                   opts, pages);
   }
 }

@@ -69,11 +69,11 @@ void decode_quantized(const ExecSpace& exec, const char* fn, const QV& q, const 
     const BlockExtents e =
         pages.paged ? validate_forward<ExecSpace>(fn, q, logical, logical, o, lse, opts.scale, true)
                     : validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
-    const index_type max_len =
+    const DecodeChecked checked =
         decode_checks(exec, fn, e, q, lengths, q_positions, mask, opts, "k.extent(1)", capacity);
     pages.kscale = k_scales;
     pages.vscale = v_scales;
-    decode_launch(exec, e, max_len, q, k, v, lengths, q_positions, o, lse, mask, kpos, opts, pages);
+    decode_launch(exec, e, checked, q, k, v, lengths, q_positions, o, lse, mask, kpos, opts, pages);
   }
 }
 }  // namespace impl
