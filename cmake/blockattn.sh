@@ -294,8 +294,9 @@ case "$cmd" in
     # (BLOCKATTN_TEST_KERNEL_OPT); warnings as errors (BLOCKATTN_WERROR);
     # of BlockAttn::kernels only the block products
     # the suite calls (tests/kernels_used.txt; ctest kernels_serial and
-    # kernels_openmp compile and run the rest); <Kokkos_Core.hpp> precompiled
-    # (BLOCKATTN_PCH, cmake/BlockAttnPch.cmake).
+    # kernels_openmp compile and run the rest); <Kokkos_Core.hpp>, and for the
+    # test files doctest and the library's headers, precompiled (BLOCKATTN_PCH,
+    # cmake/BlockAttnPch.cmake).
     configure -DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_EXAMPLES_OPT=-O0 -DBLOCKATTN_BENCH_OPT=-O0 -DBLOCKATTN_PCH=ON \
       -DBLOCKATTN_TEST_OPT=-O0 -DBLOCKATTN_TEST_KERNEL_OPT=-O1 -DBLOCKATTN_WERROR=ON \
       -DBLOCKATTN_KERNELS_SET=@tests/kernels_used.txt
