@@ -39,6 +39,7 @@
 #include <blockattn/kernel/host/simd_vec.hpp>
 #include <blockattn/kernel/impl/backward_pack.hpp>
 #include <blockattn/kernel/impl/mask_columns.hpp>
+#include <blockattn/kernel/impl/scratch.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/score.hpp>
@@ -84,9 +85,10 @@ struct AmxBackwardKernel : BlockExtents {
   /// Scratch: S^T and dP^T (fp32 BK x BQ); P^T, dS^T and dS^T's VNNI pairs
   /// (bf16 BK x BQ); dK, dV (fp32 BK x da); the column ranges and the keep
   /// bytes; with a score policy its factors (fp32 BK x BQ) and the tile
-  /// pair's positions. 64-byte aligned pieces.
-  static std::size_t scratch_bytes(int da) {
-    auto up = [](std::size_t b) { return (b + 63) / 64 * 64; };
+  /// pair's positions. Cache-line aligned pieces (impl/scratch.hpp): their
+  /// lines, and what a team asks for.
+  static std::size_t scratch_lines(int da) {
+    auto up = scratch_line_bytes;
     const std::size_t policy = has_score_mod_v<Mask>
                                    ? up(std::size_t(4) * BK * BQ) + up(sizeof(index_type) * BQ) +
                                          up(sizeof(index_type) * BK)
@@ -95,6 +97,7 @@ struct AmxBackwardKernel : BlockExtents {
            2 * up(std::size_t(4) * BK * da) + 2 * up(std::size_t(4) * BQ) +
            up(std::size_t(BK) * BQ) + policy;
   }
+  static std::size_t scratch_bytes(int da) { return scratch_request(scratch_lines(da)); }
 
   // run() calls the engine's functions (compiled for the AMX target) rather
   // than being flattened into one (AmxEntry): one copy of the exponent pass
@@ -104,25 +107,23 @@ struct AmxBackwardKernel : BlockExtents {
   void run(const member_type& team) const {
     const int slice = team.league_rank() % slices, pair = team.league_rank() / slices;
     const int hk = pair % kv_heads, b = pair / kv_heads;
-    auto take = [&](std::size_t bytes) {
-      return team.team_scratch(scratch_level).get_shmem((bytes + 63) / 64 * 64);
-    };
-    float* const st = static_cast<float*>(take(std::size_t(4) * BK * BQ));
-    float* const dpt = static_cast<float*>(take(std::size_t(4) * BK * BQ));
-    auto* const pt16 = static_cast<std::uint16_t*>(take(std::size_t(2) * BK * BQ));
-    auto* const dst16 = static_cast<std::uint16_t*>(take(std::size_t(2) * BK * BQ));
-    auto* const dsv = static_cast<std::uint16_t*>(take(std::size_t(2) * BK * BQ));
-    float* const dka = static_cast<float*>(take(std::size_t(4) * BK * da));
-    float* const dva = static_cast<float*>(take(std::size_t(4) * BK * da));
-    int* const lo = static_cast<int*>(take(std::size_t(4) * BQ));
-    int* const hi = static_cast<int*>(take(std::size_t(4) * BQ));
-    auto* const keep = static_cast<unsigned char*>(take(std::size_t(BK) * BQ));
+    ScratchLines scratch(team, scratch_level, scratch_lines(da));
+    float* const st = scratch.take<float>(std::size_t(BK) * BQ);
+    float* const dpt = scratch.take<float>(std::size_t(BK) * BQ);
+    auto* const pt16 = scratch.take<std::uint16_t>(std::size_t(BK) * BQ);
+    auto* const dst16 = scratch.take<std::uint16_t>(std::size_t(BK) * BQ);
+    auto* const dsv = scratch.take<std::uint16_t>(std::size_t(BK) * BQ);
+    float* const dka = scratch.take<float>(std::size_t(BK) * da);
+    float* const dva = scratch.take<float>(std::size_t(BK) * da);
+    int* const lo = scratch.take<int>(BQ);
+    int* const hi = scratch.take<int>(BQ);
+    auto* const keep = scratch.take<unsigned char>(std::size_t(BK) * BQ);
     float* grad = nullptr;
     index_type *qps = nullptr, *kps = nullptr;
     if constexpr (has_score_mod_v<Mask>) {
-      grad = static_cast<float*>(take(std::size_t(4) * BK * BQ));
-      qps = static_cast<index_type*>(take(sizeof(index_type) * BQ));
-      kps = static_cast<index_type*>(take(sizeof(index_type) * BK));
+      grad = scratch.take<float>(std::size_t(BK) * BQ);
+      qps = scratch.take<index_type>(BQ);
+      kps = scratch.take<index_type>(BK);
     }
 
     const std::size_t qs = std::size_t(nq) * da, ks = std::size_t(nk) * da;

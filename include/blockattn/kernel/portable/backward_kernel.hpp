@@ -21,6 +21,7 @@
 #include <blockattn/kernel/impl/backward_pack.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/impl/mask_columns.hpp>
+#include <blockattn/kernel/impl/scratch.hpp>
 #include <blockattn/kernel/portable/micro_gemm.hpp>
 #include <blockattn/kernel/tile_shape.hpp>
 #include <blockattn/kernel/validate.hpp>
@@ -312,11 +313,6 @@ struct BackwardCommon : BlockExtents {
   KOKKOS_INLINE_FUNCTION TileKind classify(int q0, int q_rows, int k0, int k_rows) const {
     return mask.classify(qpos(q0), qpos(q0 + q_rows - 1) + 1, kpos(k0), kpos(k0 + k_rows - 1) + 1);
   }
-
-  static std::size_t tile_scratch_elems(int dim_padded) {
-    // S/P and dP/dS tiles, one accumulator.
-    return std::size_t(2) * BQ * BK + std::size_t(BQ > BK ? BQ : BK) * dim_padded;
-  }
 };
 
 /// Which gradients a BackwardKernel computes.
@@ -356,12 +352,19 @@ struct BackwardKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos,
   int slices = 1;      // keys: teams per (batch, kv head), each with its own dQ accumulator
   bool fused = false;  // keys: dQ too (into dqacc)
 
+  /// The team's scratch pieces on cache lines (impl/scratch.hpp): S/P and
+  /// dP/dS tiles, one accumulator (dQ: BQ rows; dK and dV: BK rows each), and
+  /// the ones of dQ's product (queries; the fused keys kernel: with_dq).
+  KOKKOS_INLINE_FUNCTION static std::size_t scratch_lines(int dim_padded, bool with_dq) {
+    const std::size_t tile = scratch_line_bytes(sizeof(T) * BQ * BK);
+    const std::size_t ones = scratch_line_bytes(sizeof(T) * BQ);
+    if (Side == BackwardSide::queries)
+      return 2 * tile + scratch_line_bytes(sizeof(T) * BQ * dim_padded) + ones;
+    return 2 * tile + 2 * scratch_line_bytes(sizeof(T) * BK * dim_padded) + (with_dq ? ones : 0);
+  }
   /// Team scratch bytes; with_dq: a fused keys kernel.
   static std::size_t scratch_bytes(int dim_padded, bool with_dq) {
-    const std::size_t extra = Side == BackwardSide::queries
-                                  ? std::size_t(BQ)
-                                  : std::size_t(BK) * dim_padded + (with_dq ? BQ : 0);
-    return (Base::tile_scratch_elems(dim_padded) + extra) * sizeof(T);
+    return scratch_request(scratch_lines(dim_padded, with_dq));
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
@@ -385,11 +388,11 @@ struct BackwardKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos,
     const int b = league / (this->q_tiles * this->heads);
     const int hk = h / this->group;
     const int q0 = qt * BQ, q_rows = this->queries - q0 < BQ ? this->queries - q0 : BQ;
-    auto& sp = team.team_scratch(this->scratch_level);
-    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
-    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
-    T* dqa = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * p));
-    T* ones = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ));
+    ScratchLines sp(team, this->scratch_level, scratch_lines(p, false));
+    T* ss = sp.take<T>(std::size_t(BQ) * BK);
+    T* dps = sp.take<T>(std::size_t(BQ) * BK);
+    T* dqa = sp.take<T>(std::size_t(BQ) * p);
+    T* ones = sp.take<T>(BQ);
     const auto qt_ = this->query_tile(b, h, q0);
     const T *qs = qt_.q, *dos = qt_.dout, *lse2 = qt_.lse2, *dr = qt_.drow;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) {
@@ -430,12 +433,12 @@ struct BackwardKernel : BackwardCommon<ExecSpace, T, StaticD, Shape, Mask, QPos,
     const int pair = team.league_rank() / slices;
     const int hk = pair % this->kv_heads;
     const int b = pair / this->kv_heads;
-    auto& sp = team.team_scratch(this->scratch_level);
-    T* ss = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
-    T* dps = static_cast<T*>(sp.get_shmem(sizeof(T) * BQ * BK));
-    T* dka = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
-    T* dva = static_cast<T*>(sp.get_shmem(sizeof(T) * BK * p));
-    T* ones = fused ? static_cast<T*>(sp.get_shmem(sizeof(T) * BQ)) : nullptr;
+    ScratchLines sp(team, this->scratch_level, scratch_lines(p, fused));
+    T* ss = sp.take<T>(std::size_t(BQ) * BK);
+    T* dps = sp.take<T>(std::size_t(BQ) * BK);
+    T* dka = sp.take<T>(std::size_t(BK) * p);
+    T* dva = sp.take<T>(std::size_t(BK) * p);
+    T* ones = fused ? sp.take<T>(BQ) : nullptr;
     if (fused)
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, BQ), [&](const int r) { ones[r] = T(1); });
     const T* const k_head = &this->kside.k(b, hk, 0, 0);

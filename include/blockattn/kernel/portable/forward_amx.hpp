@@ -29,17 +29,14 @@ void ForwardKernel<ExecSpace, T, StaticD, Shape, Mask, QPos, KPos, QS, OS>::run_
   const int b = tr.b, h = tr.h, hk = tr.hk, q0 = tr.q0, q_rows = tr.q_rows;
   const int q_live = (q_rows + 31) / 32 * 32;
 
-  const int level = scratch_level;
-  auto take = [&](std::size_t bytes) {
-    return team.team_scratch(level).get_shmem((bytes + 63) / 64 * 64);
-  };
-  auto* const qb = static_cast<std::uint16_t*>(take(std::size_t(2) * BQA * da));
-  T* const os = static_cast<T*>(take(std::size_t(4) * BQA * da));
-  T* const ss = static_cast<T*>(take(std::size_t(4) * 32 * AW));
-  auto* const pb = static_cast<std::uint16_t*>(take(std::size_t(2) * 32 * AW));
-  T* const m = static_cast<T*>(take(std::size_t(4) * BQA));
-  T* const l = static_cast<T*>(take(std::size_t(4) * BQA));
-  T* const alpha = static_cast<T*>(take(std::size_t(4) * BQA));
+  ScratchLines scratch(team, scratch_level, amx_scratch_lines(da));
+  auto* const qb = scratch.take<std::uint16_t>(std::size_t(BQA) * da);
+  T* const os = scratch.take<T>(std::size_t(BQA) * da);
+  T* const ss = scratch.take<T>(std::size_t(32) * AW);
+  auto* const pb = scratch.take<std::uint16_t>(std::size_t(32) * AW);
+  T* const m = scratch.take<T>(BQA);
+  T* const l = scratch.take<T>(BQA);
+  T* const alpha = scratch.take<T>(BQA);
 
   // Q rows as stored (bf16 bits: exact; the scale goes to S), zero padded
   // to da columns and q_live rows; O and (m, l) fresh or resumed.

@@ -11,6 +11,7 @@
 #include <blockattn/kernel/impl/mask_columns.hpp>
 #include <blockattn/kernel/impl/pack.hpp>
 #include <blockattn/kernel/impl/prefetch.hpp>
+#include <blockattn/kernel/impl/scratch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/portable/forward_tiles.hpp>
 #include <blockattn/kernel/portable/micro_gemm.hpp>
@@ -118,10 +119,14 @@ struct ForwardKernel {
   QueryTiles q_split;
   T q_scale = T(1);  // softmax scale * log2(e): logits are kept in base 2
 
+  /// Q tile, O accumulator, S/P tile, and three row vectors (m, l, alpha):
+  /// cache-line aligned pieces (impl/scratch.hpp).
+  KOKKOS_INLINE_FUNCTION static std::size_t scratch_lines(int dim_padded) {
+    return 2 * scratch_line_bytes(sizeof(T) * BQ * dim_padded) +
+           scratch_line_bytes(sizeof(T) * BQ * BK) + 3 * scratch_line_bytes(sizeof(T) * BQ);
+  }
   static std::size_t scratch_bytes(int dim_padded) {
-    // Q tile, O accumulator, S/P tile, and three row vectors (m, l, alpha).
-    const std::size_t elems = std::size_t(2) * BQ * dim_padded + std::size_t(BQ) * BK + 3 * BQ;
-    return elems * sizeof(T);
+    return scratch_request(scratch_lines(dim_padded));
   }
 
   /// The AMX path (amx_kv set): K and V of every key tile in VNNI pairs, from
@@ -138,12 +143,16 @@ struct ForwardKernel {
   static constexpr int AW = AG * BK;
 
   /// Scratch of the AMX path: Q (bf16) and O (fp32) of BQA x amx_dim, S (fp32)
-  /// and P (bf16) of 32 x AW, m, l, alpha; 64-byte aligned pieces.
-  static std::size_t amx_scratch_bytes(int amx_dim) {
-    auto up = [](std::size_t b) { return (b + 63) / 64 * 64; };
+  /// and P (bf16) of 32 x AW, m, l, alpha; cache-line aligned pieces
+  /// (impl/scratch.hpp): their lines, and what a team asks for.
+  static std::size_t amx_scratch_lines(int amx_dim) {
+    auto up = scratch_line_bytes;
     return up(std::size_t(2) * BQA * amx_dim) + up(std::size_t(4) * BQA * amx_dim) +
            up(std::size_t(4) * 32 * AW) + up(std::size_t(2) * 32 * AW) +
            3 * up(std::size_t(4) * BQA);
+  }
+  static std::size_t amx_scratch_bytes(int amx_dim) {
+    return scratch_request(amx_scratch_lines(amx_dim));
   }
 
   KOKKOS_INLINE_FUNCTION int padded_dim() const {
@@ -183,13 +192,13 @@ struct ForwardKernel {
     const TeamRows tr = team_rows(team);
     const int b = tr.b, h = tr.h, hk = tr.hk, q0 = tr.q0, q_rows = tr.q_rows;
 
-    const int level = scratch_level;
-    T* const qs = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));
-    T* const os = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * dp));
-    T* const ss = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ * BK));
-    T* const m = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
-    T* const l = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
-    T* const alpha = static_cast<T*>(team.team_scratch(level).get_shmem(sizeof(T) * BQ));
+    ScratchLines scratch(team, scratch_level, scratch_lines(dp));
+    T* const qs = scratch.take<T>(std::size_t(BQ) * dp);
+    T* const os = scratch.take<T>(std::size_t(BQ) * dp);
+    T* const ss = scratch.take<T>(std::size_t(BQ) * BK);
+    T* const m = scratch.take<T>(BQ);
+    T* const l = scratch.take<T>(BQ);
+    T* const alpha = scratch.take<T>(BQ);
 
     // Rows of micro tiles that hold a query (the last tile of a sequence is
     // partial): the rest of the tile is never computed.
