@@ -220,13 +220,27 @@ struct alignas(64) AmxTileConfig {
   std::uint8_t rows[16] = {};
 };
 
-BLOCKATTN_TARGET_AMX inline void amx_configure() {
+/// The one configuration every kernel loads.
+constexpr AmxTileConfig amx_make_config() {
   AmxTileConfig c;
   for (int i = 0; i < 8; ++i) {
     c.colsb[i] = 64;
     c.rows[i] = 16;
   }
-  _tile_loadconfig(&c);
+  return c;
+}
+inline constexpr AmxTileConfig amx_tile_config = amx_make_config();
+
+// GCC's (12) tile intrinsics are inline assembly that under-state their
+// memory: _tile_loadconfig names 8 bytes of the 64-byte configuration as
+// read (a configuration built on the stack lost its later stores to
+// dead-store elimination: an all-zero tile shape, and the first tile
+// instruction raised SIGILL; seen in a -O2 build), and _tile_loadd names no
+// memory at all (stores to a tile's source could move past the load). The
+// configuration is loaded from constant storage through an operand that
+// covers all of it, and every tile block starts with a compiler barrier.
+BLOCKATTN_TARGET_AMX inline void amx_configure() {
+  __asm__ volatile("ldtilecfg %0" : : "m"(amx_tile_config));
 }
 
 BLOCKATTN_TARGET_AMX inline void amx_release() {
@@ -245,6 +259,7 @@ BLOCKATTN_TARGET_AMX inline void amx_block(int chunks, const std::uint16_t* a, i
                                            float* c, int ldc, bool load_c) {
   const int sa = lda * 2, sc = ldc * 4;
   float* const c1 = c + 16 * ldc;
+  __asm__ volatile("" : : : "memory");  // the operands' stores before the tile loads
   if (load_c) {
     _tile_loadd(0, c, sc);
     _tile_loadd(1, c + 16, sc);
