@@ -51,6 +51,12 @@ score_log=$logdir/score.log
 py=python3
 [ -x "$repo/.deps/torch-venv/bin/python" ] && py=$repo/.deps/torch-venv/bin/python
 torch=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo "not installed")
+# Which CPU path PyTorch's SDPA takes in the native builds' runs (the x86-64-v3
+# builds cap it at AVX2 through ATEN_CPU_CAPABILITY, cmake/blockattn.sh bench-isa).
+torch_path=$("$py" -c 'import torch
+amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: "unknown")()
+print("CPU capability", torch.backends.cpu.get_cpu_capability() + ", AMX tiles", amx)' \
+  2>/dev/null || echo "none")
 flags=$(grep -m1 -ow -E 'avx512f|avx512_bf16|avx512_fp16|amx_tile|amx_bf16|avx2|fma' /proc/cpuinfo |
         sort -u | tr '\n' ' ')
 # The library's commit, before the page is truncated (which would mark it dirty).
@@ -75,6 +81,7 @@ library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
        "$(nproc) cores; flags: ${flags}"
   echo "- Compiler: $(c++ --version | head -n1); PyTorch $torch;" \
        "runs: $runs; lengths: $lengths; heads: $heads; builds: $isas"
+  echo "- PyTorch's CPU path (native builds): $torch_path; x86-64-v3 builds: ATEN_CPU_CAPABILITY=avx2"
   echo "- Library: $library"
   for dt in ${dtypes//,/ }; do
     echo

@@ -78,7 +78,7 @@ if [ $have_torch = 1 ]; then
   # Which PyTorch CPU path runs: its vector ISA, and whether it sees AMX tiles
   # (its bf16 flash attention packs blocks for oneDNN's AMX brgemm there).
   "$py" -c 'import torch
-amx = getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: "unknown")()
+amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: "unknown")()
 print("PyTorch", torch.__version__, "CPU capability", torch.backends.cpu.get_cpu_capability(),
       "AMX tiles", amx, "oneDNN", torch.backends.mkldnn.is_available())'
 fi
