@@ -38,7 +38,8 @@ class ScratchLines {
  public:
   template <class Member>
   KOKKOS_INLINE_FUNCTION ScratchLines(const Member& team, int level, std::size_t lines) {
-    char* const base = static_cast<char*>(team.team_scratch(level).get_shmem(scratch_request(lines)));
+    char* const base =
+        static_cast<char*>(team.team_scratch(level).get_shmem(scratch_request(lines)));
     const std::size_t off = reinterpret_cast<std::uintptr_t>(base) % 64;
     next_ = base + (off == 0 ? 0 : 64 - off);
   }

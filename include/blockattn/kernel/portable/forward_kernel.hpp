@@ -142,9 +142,8 @@ struct ForwardKernel {
   static constexpr int AG = BK >= 256 ? 1 : 256 / BK;
   static constexpr int AW = AG * BK;
 
-  /// Scratch of the AMX path: Q (bf16) and O (fp32) of BQA x amx_dim, S (fp32)
-  /// and P (bf16) of 32 x AW, m, l, alpha; cache-line aligned pieces
-  /// (impl/scratch.hpp): their lines, and what a team asks for.
+  /// Scratch of the AMX path: Q (bf16) and O (fp32) of BQA x amx_dim, S (fp32) and P
+  /// (bf16) of 32 x AW, m, l, alpha; cache-line aligned pieces (impl/scratch.hpp).
   static std::size_t amx_scratch_lines(int amx_dim) {
     auto up = scratch_line_bytes;
     return up(std::size_t(2) * BQA * amx_dim) + up(std::size_t(4) * BQA * amx_dim) +
