@@ -89,7 +89,7 @@ double bound(const ReferenceResult& ref, int dim, int keys, bool dot) {
 /// (host/decode_bf16.hpp) for `setting` (shapes aside: one row per kv head
 /// over a heads-major cache keeps the fp32 vectors).
 bool decode_dot_expected(HostMatrix setting) {
-  return impl::decode_uses_bf16_dot<ExecSpace, bf16>(setting);
+  return impl::decode_rounds_p<ExecSpace, bf16>(setting);
 }
 
 /// Runs attention_decode on the case under `mask` and checks every sequence
@@ -277,6 +277,73 @@ TEST_SUITE("decode") {
       CHECK(differ == 0);
       MESSAGE("SKIPPED: the AVX512-BF16 decode cases (", impl::host_matrix_engine().reason, ")");
     }
+  }
+
+  TEST_CASE(
+      "attention_decode: bf16 GQA groups on AMX tiles (automatic) and on fp32 vectors (off)") {
+    // Both settings against the fp64 reference (the tiles round P to bf16:
+    // the bound adds 2^-9). Rows per kv head 2, 3, 5, 8 (2 queries x 4
+    // heads), 12, 16 and 20 (a row tile of 16 and one of 4); head dims 32,
+    // 64, 96, 128 (Q^T resident in tiles) and 256 (Q^T loaded per step);
+    // lengths off multiples of 16, 32 and 128 (the zero-padded blocks);
+    // heads-major and sequence-major; one split and several. Where AMX runs
+    // the two settings give different bits; elsewhere both run the fp32
+    // vectors, and the same bits.
+    const bool tiles = impl::decode_may_use_amx<ExecSpace, bf16, bf16>(HostMatrix::automatic);
+    const std::vector<DecodeCase> cases = {
+        {{1000, 37}, 1, 2, 1, 128, 0, 1, 0, true},    // 2 rows
+        {{513}, 1, 6, 2, 32, 3, 1, 0, true},          // 3 rows, D = 32
+        {{777, 1500}, 1, 40, 8, 96, 0, 1, 0, true},   // 5 rows, D = 96
+        {{2049}, 2, 4, 1, 256, 2, 1, 0, false},       // 8 rows, D = 256
+        {{300, 31, 1}, 3, 4, 1, 64, 64, 3, 2, true},  // 12 rows, a rank's shard
+        {{4000}, 1, 16, 1, 128, 1, 1, 0, true},       // 16 rows, one split
+        {{900, 129}, 5, 4, 1, 64, 0, 1, 0, true},     // 20 rows
+    };
+    std::uint64_t seed = 700;
+    int differ = 0;
+    for (const DecodeCase& c : cases) {
+      std::vector<double> fp32_o, tile_o;
+      check_decode<bf16>(c, causal_window(200), seed, HostMatrix::off, &fp32_o);
+      check_decode<bf16>(c, causal_window(200), seed, HostMatrix::automatic, &tile_o);
+      check_decode<bf16>(c, FullMask{}, seed + 1000);
+      ++seed;
+      if (fp32_o != tile_o) ++differ;
+    }
+    if (tiles) {
+      CHECK(differ == int(cases.size()));
+    } else {
+      MESSAGE("SKIPPED: the AMX decode cases (", impl::host_matrix_engine().reason, ")");
+    }
+  }
+
+  TEST_CASE("attention_decode: a NaN value on the tiles stays where it is visible") {
+    // 8 heads on one kv head, 2 query rows: value 3 of the last key is NaN;
+    // the first query row (one position earlier, causal) does not see it.
+    const int L = 300, R = 2, H = 8, D = 64;
+    V4<bf16> q("q", 1, R, H, D), k("k", 1, L, 1, D), v("v", 1, L, 1, D), o("o", 1, R, H, D);
+    V3<float> lse("lse", 1, H, R);
+    Kokkos::View<int*, MemSpace> len("len", 1);
+    Kokkos::View<index_type*, MemSpace> qpos("qpos", 1);
+    Kokkos::deep_copy(q, bf16(0.25f));
+    Kokkos::deep_copy(k, bf16(0.5f));
+    Kokkos::deep_copy(v, bf16(1.0f));
+    Kokkos::deep_copy(len, L);
+    Kokkos::deep_copy(qpos, index_type(L - 2));  // the rows at positions L - 2 and L - 1
+    auto vh = Kokkos::create_mirror_view(v);
+    Kokkos::deep_copy(vh, v);
+    vh(0, L - 1, 0, 3) = bf16(std::numeric_limits<float>::quiet_NaN());
+    Kokkos::deep_copy(v, vh);
+    attention_decode(ExecSpace{}, q, k, v, len, qpos, o, lse, CausalMask{});
+    Kokkos::fence();
+    auto oh = to_host(o);
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) {
+          INFO("row ", i, " head ", h, " column ", d);
+          const float x = float(oh(0, i, h, d));
+          CHECK(std::isnan(x) == (i == 1 && d == 3));
+          if (!std::isnan(x)) CHECK(x == 1.0f);
+        }
   }
 
   TEST_CASE_TEMPLATE(

@@ -263,6 +263,10 @@ TEST_SUITE("quant") {
       check_quant_decode<S, bf16>(lengths, 3, 4, 4, 32, splits, causal_window(100), seed++);
     }
     check_quant_decode<S, float>({2000}, 1, 8, 1, 128, 0, CausalMask{}, seed++);
+    // bf16 queries, 8 and 16 rows per kv head: the AMX tiles where they run
+    // (decode_amx.hpp; codes widened to bf16 exactly).
+    check_quant_decode<S, bf16>({2000, 77}, 2, 8, 2, 64, 0, CausalMask{}, seed++);
+    check_quant_decode<S, bf16>({1500}, 1, 16, 1, 128, 0, causal_window(300), seed++);
   }
 
   TEST_CASE("attention_decode_quantized: NaN stays where it is visible; argument errors") {

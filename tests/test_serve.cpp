@@ -212,7 +212,7 @@ void check_prefill(Comm& comm, const Placement& pl, const Mask& mask,
     // The forward's engine (2 u max|V|) or the decode kernel's dot products
     // (P to bf16: u / 2 max|V|, inside the same allowance).
     engine = forward_uses_matrix<float, bf16, ExecSpace>(D, opts.host_matrix) ||
-             impl::decode_uses_bf16_dot<ExecSpace, bf16>(opts.host_matrix);
+             impl::decode_rounds_p<ExecSpace, bf16>(opts.host_matrix);
     double vmax = 0.0;
     for (double x : v.data) vmax = std::max(vmax, std::abs(x));
     if (engine) extra = 2.0 * bf16::unit_roundoff * vmax;

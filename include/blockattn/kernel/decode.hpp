@@ -96,6 +96,30 @@ bool decode_uses_bf16_dot(HostMatrix setting) {
   return false;
 }
 
+/// Whether attention_decode on ExecSpace with QS queries over S storage can
+/// run a GQA group's rows on AMX tiles (host/decode_amx.hpp) for `setting`:
+/// bf16 queries, a bf16 or 8-bit cache, a host space whose matrix engine
+/// runs tiles (the launch also asks for unit strides, a head dim of whole
+/// 32-element chunks, 2 or more rows per kv head and teams of one kv head).
+template <class ExecSpace, class QS, class S>
+bool decode_may_use_amx(HostMatrix setting) {
+#if BLOCKATTN_DECODE_AMX
+  if constexpr (is_host_space_v<ExecSpace> && std::is_same<QS, bf16>::value &&
+                (std::is_same<S, bf16>::value || is_kv_quant_v<S>))
+    return matrix_path(setting) == MatrixPath::tiles;
+#endif
+  (void)setting;
+  return false;
+}
+
+/// Whether bf16 decode may round P to bf16 before P V (the dot products or
+/// the tiles) for `setting`: the tests' bound.
+template <class ExecSpace, class S>
+bool decode_rounds_p(HostMatrix setting) {
+  return decode_uses_bf16_dot<ExecSpace, S>(setting) ||
+         decode_may_use_amx<ExecSpace, bf16, S>(setting);
+}
+
 /// The smallest and largest of `len` (waits for exec). A function of its own:
 /// nvcc takes no extended lambda that first captures inside `if constexpr`.
 template <class ExecSpace, class LenV>
@@ -283,6 +307,16 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, const DecodeChe
     kern.bf16_dot = std::is_same<QS, S>::value &&
                     impl::decode_uses_bf16_dot<ExecSpace, S>(opts.host_matrix) &&
                     !(stream && g.group * g.rows == 1);
+    // A GQA group's rows (2 or more per kv head) on AMX tiles: each tile
+    // product serves all the group's rows (the vectors pay a dot product and
+    // a horizontal sum per row and key); tiles of 128 keys. 8-bit codes are
+    // widened to bf16 first (K's through scratch): from 8 rows per kv head
+    // (8 query heads on 1: 1.2-1.45x the vectors' rate), not below (32 on
+    // 8: 0.6-0.7x; 65 536 keys, 1 thread, a Sapphire Rapids).
+    g.amx = kern.unit && !cross_heads && g.group * g.rows >= (is_kv_quant_v<S> ? 8 : 2) &&
+            impl::decode_amx_dim(e.dim) &&
+            impl::decode_may_use_amx<ExecSpace, QS, S>(opts.host_matrix);
+    if (g.amx) g.key_tile = 128;
     // bf16 rows that stream, on the fp32 vectors: tiles of 128 keys (each
     // tile's fixed work over 4x the keys; a Zen 3, 65 536 keys, 8/8, 16/16
     // and 32/8 heads, D = 64 and 128: 1.0-1.23x the rate of 32-key tiles;

@@ -16,16 +16,20 @@
 // (decode_simd.hpp; the run-time dispatched ISA, isa.hpp): fp32 and bf16
 // read in place, fp16 tiles widened once into scratch for the team's rows;
 // bf16 caches, where the host's matrix engine runs vectors (matrix_path()),
-// on AVX512-BF16 dot products (decode_bf16.hpp).
+// on AVX512-BF16 dot products (decode_bf16.hpp); bf16 and 8-bit caches with
+// bf16 queries, where it runs AMX tiles, a GQA group's rows (DecodeGrid::amx)
+// on the tiles (decode_amx.hpp).
 #pragma once
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/kernel/host/decode_amx.hpp>
 #include <blockattn/kernel/host/decode_bf16.hpp>
 #include <blockattn/kernel/host/decode_simd.hpp>
 #include <blockattn/kernel/impl/exp2.hpp>
 #include <blockattn/kernel/impl/half_rows.hpp>
 #include <blockattn/kernel/impl/prefetch.hpp>
+#include <blockattn/kernel/impl/scratch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/isa.hpp>
 #include <blockattn/kernel/portable/decode_pages.hpp>
@@ -59,6 +63,7 @@ struct DecodeGrid {
   int splits = 1;            // key ranges per (sequence, kv head)
   int team_size = 1;         // threads per team (1 on host spaces)
   bool cross_heads = false;  // a team's rows may span kv heads
+  bool amx = false;          // host: the tile products on AMX tiles (decode_amx.hpp)
   /// The rows the row tiles cut: one kv head's group, or the sequence's.
   KOKKOS_INLINE_FUNCTION int span_rows() const {
     return group * rows * (cross_heads ? kv_heads : 1);
@@ -81,8 +86,6 @@ template <class ExecSpace, class T, class QS, class S, class OS, class Mask, cla
 struct DecodeKernel {
   using mem = typename ExecSpace::memory_space;
   using member = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
-  using scratch1 = Kokkos::View<T*, typename ExecSpace::scratch_memory_space,
-                                Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   Kokkos::View<const QS****, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> q;
   Kokkos::View<const S****, Kokkos::LayoutStride, mem, Kokkos::MemoryTraits<Kokkos::Unmanaged>> k,
       v;
@@ -141,20 +144,66 @@ struct DecodeKernel {
 #else
   static constexpr bool bf16_dot_capable = false;
 #endif
-  /// Their scratch: q as stored (row_tile x dim bf16) and P in bf16
-  /// (row_tile x p16_stride), in floats.
+  /// P in bf16 on the dot products: rows of p16_stride.
   static int p16_stride(const DecodeGrid& g) {
     return (g.key_tile + 15) / 16 * 16;
   }
-  static std::size_t bf16_scratch(const DecodeGrid& g) {
-    return bf16_dot_capable ? (std::size_t(g.row_tile) * (g.dim + p16_stride(g)) + 1) / 2 : 0;
-  }
+  /// bf16 q and a bf16 or 8-bit cache: the AMX tile products can run (where g.amx says).
+#if BLOCKATTN_DECODE_AMX
+  static constexpr bool amx_capable =
+      host_vectors && std::is_same<QS, bf16>::value && (std::is_same<S, bf16>::value || quant);
+#else
+  static constexpr bool amx_capable = false;
+#endif
 
+  /// A team's scratch, in cache-line aligned pieces (impl/scratch.hpp).
+  struct Scratch {
+    T* qs;               // R x D: q * scale * log2(e)
+    T* os;               // R x D: unnormalised O
+    T* ss;               // R x KT: scores, then P
+    T* ms;               // R: running max (base 2); then R each: ls, as, ones
+    T* kvw;              // KT x D: a widened K or V tile (widened_tiles)
+    std::uint16_t* q16;  // R x D: q as stored (the dot products, the tiles)
+    std::uint16_t* p16;  // R x p16_stride: P in bf16 (the dot products)
+    float* amx;          // DecodeAmxScratch (the tiles)
+  };
+  /// The pieces for g, taken from `from` (ScratchLines, or ScratchCount: the size).
+  template <class From>
+  KOKKOS_INLINE_FUNCTION static Scratch carve(From& from, const DecodeGrid& g) {
+    const std::size_t R = std::size_t(g.row_tile), D = std::size_t(g.dim);
+    const std::size_t KT = std::size_t(g.key_tile);
+    Scratch sc{};
+    sc.qs = from.template take<T>(R * D);
+    sc.os = from.template take<T>(R * D);
+    sc.ss = from.template take<T>(R * KT);
+    sc.ms = from.template take<T>(4 * R);
+    if (widened_tiles) sc.kvw = from.template take<T>(KT * D);
+    if (bf16_dot_capable || (amx_capable && g.amx))
+      sc.q16 = from.template take<std::uint16_t>(R * D);
+    if (bf16_dot_capable)
+      sc.p16 = from.template take<std::uint16_t>(R * std::size_t(p16_stride(g)));
+#if BLOCKATTN_DECODE_AMX
+    if (amx_capable && g.amx)
+      sc.amx = from.template take<float>(std::size_t(DecodeAmxScratch::total(g.dim, g.key_tile)));
+#endif
+    return sc;
+  }
+  /// Counts the lines carve takes.
+  struct ScratchCount {
+    std::size_t lines = 0;
+    template <class U>
+    U* take(std::size_t count) {
+      lines += scratch_line_bytes(sizeof(U) * count);
+      return nullptr;
+    }
+  };
+  static std::size_t scratch_lines(const DecodeGrid& g) {
+    ScratchCount c;
+    carve(c, g);
+    return c.lines;
+  }
   static std::size_t scratch_bytes(const DecodeGrid& g) {
-    std::size_t n = std::size_t(g.row_tile) * (2 * std::size_t(g.dim) + g.key_tile + 4);
-    if (widened_tiles) n += std::size_t(g.key_tile) * g.dim;
-    n += bf16_scratch(g);
-    return scratch1::shmem_size(n);
+    return scratch_request(scratch_lines(g));
   }
 
   /// The scores of the tile's rows against keys [j0, j0 + nk) by the team:
@@ -189,6 +238,13 @@ struct DecodeKernel {
 #if BLOCKATTN_SIMD_KERNELS
     if constexpr (host_vectors) {
       if (unit) {
+#if BLOCKATTN_DECODE_AMX
+        if constexpr (amx_capable)
+          if (g.amx) {  // matrix_path() said tiles: the CPU has AMX and AVX-512
+            AmxEntry::run([&] { run<DecodeVec512, false, true>(m); });
+            return;
+          }
+#endif
 #if BLOCKATTN_DECODE_BF16
         if constexpr (bf16_dot_capable)
           if (bf16_dot) {  // matrix_path() said vectors: the dispatched ISA is AVX-512
@@ -219,8 +275,9 @@ struct DecodeKernel {
   }
 
   /// One team's work; V: the vector class of the host tile products (void:
-  /// the portable loops); Dot: the bf16 tile products (decode_bf16.hpp).
-  template <class V, bool Dot = false>
+  /// the portable loops); Dot: the bf16 tile products (decode_bf16.hpp);
+  /// Amx: the AMX tile products (decode_amx.hpp; the rows of one kv head).
+  template <class V, bool Dot = false, bool Amx = false>
   KOKKOS_INLINE_FUNCTION void run(const member& m) const {
     std::int64_t t = m.league_rank();
     const int split = int(t % g.splits);
@@ -258,19 +315,22 @@ struct DecodeKernel {
       }
     };
 
-    const scratch1 buf(m.team_scratch(0), std::size_t(R) * (2 * std::size_t(D) + KT + 4));
-    T* qs = buf.data();                  // R x D: q * scale * log2(e)
-    T* os = qs + std::size_t(R) * D;     // R x D: unnormalised O
-    T* ss = os + std::size_t(R) * D;     // R x KT: scores, then P
-    T* ms = ss + std::size_t(R) * KT;    // R: running max (base 2)
-    T* ls = ms + R;                      // R: running sum
-    T* as = ls + R;                      // R: this tile's rescale factor
-    T* ones = as + R;                    // R: 1 (a paged tile's later runs)
-    [[maybe_unused]] T* kvw = ones + R;  // KT x D: a widened K or V tile (widened_tiles)
+    ScratchLines lines(m, 0, scratch_lines(g));
+    const Scratch sp = carve(lines, g);
+    T* const qs = sp.qs;
+    T* const os = sp.os;
+    T* const ss = sp.ss;
+    T* const ms = sp.ms;     // R: running max (base 2)
+    T* const ls = ms + R;    // R: running sum
+    T* const as = ls + R;    // R: this tile's rescale factor
+    T* const ones = as + R;  // R: 1 (a paged tile's later runs)
+    [[maybe_unused]] T* const kvw = sp.kvw;
     // Dot: R x D q as stored, then R x p16_stride(g) P in bf16.
-    [[maybe_unused]] std::uint16_t* q16 = reinterpret_cast<std::uint16_t*>(
-        kvw + (widened_tiles ? std::size_t(KT) * D : std::size_t(0)));
-    [[maybe_unused]] std::uint16_t* p16 = q16 + std::size_t(R) * D;
+    [[maybe_unused]] std::uint16_t* const q16 = sp.q16;
+    [[maybe_unused]] std::uint16_t* const p16 = sp.p16;
+#if BLOCKATTN_DECODE_AMX
+    [[maybe_unused]] const DecodeAmxScratch amx_sc{sp.amx, D, KT};
+#endif
 
     const int len = lengths(b);
     // The split's keys from a multiple of 16 (tiles, and so the bf16 dot
@@ -292,7 +352,7 @@ struct DecodeKernel {
           qr[d] = T(to_compute(q(b, i, h, d))) * scale_log2;
           orow[d] = T(0);
         }
-        if constexpr (Dot)
+        if constexpr (Dot || Amx)
           for (int d = 0; d < D; ++d) q16[std::size_t(r) * D + d] = q(b, i, h, d).bits;
       });
     } else {
@@ -309,6 +369,12 @@ struct DecodeKernel {
       ones[r] = T(1);
     });
     m.team_barrier();
+#if BLOCKATTN_DECODE_AMX
+    if constexpr (Amx) {  // the team's rows (one kv head) as Q^T tiles
+      amx_configure();
+      decode_amx_pack_q(q16, nr, D, amx_sc.qb());
+    }
+#endif
 
     // The query positions of the tile's rows, for classify.
     index_type qlo = q0 + g.rows, qhi = q0;
@@ -329,9 +395,12 @@ struct DecodeKernel {
           // and V once, and the prefetch keeps the loads ahead of this tile's
           // arithmetic (at the level decode_prefetch_level picked): asked for
           // key by key by the vector products that read K in place, else at
-          // once here.
+          // once here (the tiles too: on a Sapphire Rapids, 65 536 keys, asking
+          // for the rows as the tile loads reached the same keys, one or two
+          // tiles ahead, ran 0.7-0.9x the rate of one burst; none at all 0.8x on a cache that
+          // streams from memory, 1.1x on one held in the last-level cache).
           const bool spread =
-              !std::is_void<V>::value && !Dot && !widened_tiles && prefetch_spread != 0;
+              !std::is_void<V>::value && !Dot && !Amx && !widened_tiles && prefetch_spread != 0;
           DecodePrefetch next;
           next.level = spread ? prefetch_spread : prefetch;
           if (next.level != 0 && j0 + KT < k_end) {
@@ -363,7 +432,14 @@ struct DecodeKernel {
           // time (the tile, or its pages: decode_pages.hpp); the first asks
           // for the next tile's rows (next.row) as it goes.
           for_each_kv_head([&](const int kvh, const int lo, const int n) {
-            if constexpr (Dot) {
+            if constexpr (Amx) {
+#if BLOCKATTN_DECODE_AMX
+              for_each_run(j0, nk, [&](const int a, const int c) {
+                decode_scores_amx(amx_sc, n, pages.row(k, b, j0 + a, kvh), std::size_t(k.stride(1)),
+                                  c, scale_log2, ss + std::size_t(lo) * KT + a, KT);
+              });
+#endif
+            } else if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
               for_each_run(j0, nk, [&](const int a, const int c) {
                 decode_scores_bf16(q16 + std::size_t(lo) * D, n,
@@ -468,7 +544,14 @@ struct DecodeKernel {
             });
           // O = a O + P V run by run: the later runs rescale by 1 (exact).
           for_each_kv_head([&](const int kvh, const int lo, const int n) {
-            if constexpr (Dot) {
+            if constexpr (Amx) {
+#if BLOCKATTN_DECODE_AMX
+              // The whole tile at once (its sums whatever pages hold it).
+              const auto vrow = [&](const int j) { return pages.row(v, b, j0 + j, kvh); };
+              decode_pv_amx<S>(amx_sc, os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT,
+                               KT, n, vrow, nk);
+#endif
+            } else if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
               for_each_run(j0, nk, [&](const int a, const int c) {
                 decode_pv_bf16(os + std::size_t(lo) * D, (a == 0 ? as : ones) + lo,
@@ -526,6 +609,9 @@ struct DecodeKernel {
       m.team_barrier();
     }
 
+#if BLOCKATTN_DECODE_AMX
+    if constexpr (Amx) amx_release();
+#endif
     // Out: the open state of this split, or the normalised row.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(m, nr), [&](const int r) {
       const int h = (r0 + r) / g.rows, i = (r0 + r) % g.rows;
