@@ -44,6 +44,12 @@
 #
 # Environment:
 #   KOKKOS_ROOT   use this Kokkos (any version >= 3.4, any backend) instead of .deps/
+#                 (`test` then runs its whole suite on it, in one leg)
+#   KOKKOS4_SOURCE  where `test` finds kokkos-4.6.01.tar.xz and
+#                 kokkos-kernels-4.6.02.tar.xz for its Kokkos 4.6 leg (default:
+#                 ../shared/deps; without them that leg is skipped, said so, and
+#                 the Kokkos 3.4.1 leg runs everything)
+#   KOKKOS4_BUILD_DIR  that leg's build tree (default: <repo>/build-kokkos4)
 #   BLOCKATTN_DEPS  where to build Kokkos (default: <repo>/.deps)
 #   BUILD_DIR     build tree (default: <repo>/build; build-<ARCH> when ARCH is set)
 #   ARCH          -march= value for our targets (default: native), e.g. x86-64-v3
@@ -57,6 +63,12 @@ if [ -n "$arch" ] && [ "$arch" != native ]; then build=${BUILD_DIR:-$repo/build-
 else build=${BUILD_DIR:-$repo/build}; fi
 jobs=${JOBS:-$(nproc)}
 kokkos_prefix=$deps/kokkos-3.4.1-openmp
+# The second leg of `test`: Kokkos 4.6.01 + Kokkos Kernels 4.6.02 (OpenMP +
+# Serial) from release tarballs in KOKKOS4_SOURCE (default: ../shared/deps
+# beside the repository), never downloaded.
+kokkos4_prefix=$deps/kokkos-4.6.01-openmp
+kokkos4_source=${KOKKOS4_SOURCE:-$repo/../shared/deps}
+kokkos4_build=${KOKKOS4_BUILD_DIR:-$repo/build-kokkos4}
 log() { printf '[blockattn] %s\n' "$*" >&2; }
 
 as_root() {
@@ -154,6 +166,46 @@ build_kokkos() {
   touch "$kokkos_prefix/.complete"
 }
 
+# Kokkos 4.6.01 and Kokkos Kernels 4.6.02 (OpenMP + Serial; Kernels' ETI off)
+# into $kokkos4_prefix from the release tarballs in $kokkos4_source, checked
+# against its SHA256SUMS when there is one (kokkos4_available says whether
+# the tarballs are there).
+kokkos4_available() {
+  [ -f "$kokkos4_prefix/.complete" ] ||
+    { [ -f "$kokkos4_source/kokkos-4.6.01.tar.xz" ] &&
+      [ -f "$kokkos4_source/kokkos-kernels-4.6.02.tar.xz" ]; }
+}
+build_kokkos4() {
+  [ -f "$kokkos4_prefix/.complete" ] && return 0
+  local k=$kokkos4_source/kokkos-4.6.01.tar.xz kk=$kokkos4_source/kokkos-kernels-4.6.02.tar.xz
+  if [ -f "$kokkos4_source/SHA256SUMS" ]; then
+    (cd "$kokkos4_source" && sha256sum --quiet -c SHA256SUMS) ||
+      { log "the Kokkos 4.6 tarballs in $kokkos4_source do not match its SHA256SUMS"; exit 1; }
+  fi
+  local src=$deps/src4
+  rm -rf "$src" && mkdir -p "$src"
+  tar -xf "$k" -C "$src" && tar -xf "$kk" -C "$src"
+  log "building Kokkos 4.6.01 (OpenMP + Serial) and Kokkos Kernels 4.6.02 into $kokkos4_prefix"
+  cmake -S "$src/kokkos-4.6.01" -B "$src/build-kokkos" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_INSTALL_PREFIX="$kokkos4_prefix" -DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON \
+    -DKokkos_ENABLE_OPENMP=ON -DKokkos_ENABLE_SERIAL=ON >"$deps/kokkos4.log" 2>&1
+  cmake --build "$src/build-kokkos" -j "$jobs" >>"$deps/kokkos4.log" 2>&1
+  cmake --install "$src/build-kokkos" >>"$deps/kokkos4.log" 2>&1
+  cmake -S "$src/kokkos-kernels-4.6.02" -B "$src/build-kokkos-kernels" \
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$kokkos4_prefix" \
+    -DKokkos_ROOT="$kokkos4_prefix" -DBUILD_SHARED_LIBS=ON -DKokkosKernels_ENABLE_TPL_BLAS=OFF \
+    -DKokkosKernels_ENABLE_ALL_COMPONENTS=OFF -DKokkosKernels_ENABLE_COMPONENT_BLAS=ON \
+    -DKokkosKernels_INST_DOUBLE=OFF -DKokkosKernels_INST_FLOAT=OFF \
+    -DKokkosKernels_INST_ORDINAL_INT=OFF -DKokkosKernels_INST_OFFSET_INT=OFF \
+    -DKokkosKernels_INST_OFFSET_SIZE_T=OFF -DKokkosKernels_INST_LAYOUTLEFT=OFF \
+    -DKokkosKernels_INST_LAYOUTRIGHT=OFF -DKokkosKernels_INST_EXECSPACE_OPENMP=OFF \
+    -DKokkosKernels_INST_EXECSPACE_SERIAL=OFF >>"$deps/kokkos4.log" 2>&1
+  cmake --build "$src/build-kokkos-kernels" -j "$jobs" >>"$deps/kokkos4.log" 2>&1
+  cmake --install "$src/build-kokkos-kernels" >>"$deps/kokkos4.log" 2>&1
+  rm -rf "$src"
+  touch "$kokkos4_prefix/.complete"
+}
+
 # pypi_extract <requirement> <dest> <regex>: PyPI's wheel of <requirement>
 # (no dependencies), each member whose name matches the Python regex written
 # to <dest>/<the name from the match on>; fails if pip finds no such wheel.
@@ -239,7 +291,7 @@ configure() {
     -DKokkosKernels_ROOT="$kokkos" -DBLOCKATTN_BUILD_TESTS=ON -DBLOCKATTN_BUILD_EXAMPLES=ON \
     -DBLOCKATTN_BUILD_TOOLS=ON -DBLOCKATTN_BUILD_KERNELS=ON \
     -DBLOCKATTN_BUILD_BENCH=ON -DBLOCKATTN_ARCH="$arch" -DBLOCKATTN_APPS_OPT= -DBLOCKATTN_BENCH_OPT= -DBLOCKATTN_EXAMPLES_OPT= \
-    -DBLOCKATTN_WERROR=OFF \
+    -DBLOCKATTN_WERROR=OFF -DBLOCKATTN_LEG_SKIP_TARGETS= -DBLOCKATTN_LEG_ONLY_TARGETS= \
     '-DBLOCKATTN_KERNELS_SET=*:*:*:*:*' $extra "$@" >/dev/null
 }
 
@@ -297,11 +349,57 @@ case "$cmd" in
     # kernels_openmp compile and run the rest); <Kokkos_Core.hpp>, and for the
     # test files doctest and the library's headers, precompiled (BLOCKATTN_PCH,
     # cmake/BlockAttnPch.cmake).
-    configure -DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_EXAMPLES_OPT=-O0 -DBLOCKATTN_BENCH_OPT=-O0 -DBLOCKATTN_PCH=ON \
-      -DBLOCKATTN_TEST_OPT=-O0 -DBLOCKATTN_TEST_KERNEL_OPT=-O1 -DBLOCKATTN_WERROR=ON \
-      -DBLOCKATTN_KERNELS_SET=@tests/kernels_used.txt
-    cmake --build "$build" -j "$jobs"
-    (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
+    test_opts=(-DBLOCKATTN_APPS_OPT=-O1 -DBLOCKATTN_EXAMPLES_OPT=-O0 -DBLOCKATTN_BENCH_OPT=-O0
+      -DBLOCKATTN_PCH=ON -DBLOCKATTN_TEST_OPT=-O0 -DBLOCKATTN_TEST_KERNEL_OPT=-O1
+      -DBLOCKATTN_WERROR=ON -DBLOCKATTN_KERNELS_SET=@tests/kernels_used.txt)
+    # Two legs: Kokkos 3.4.1 (Debian's) and 4.6.01 (the current release
+    # line). The suite is split between them, not run twice (CI's time): on
+    # 4.6.01 the single-device forward, backward, 16-bit, decode and score
+    # suites, BlockAttn::kernels and its precompiled-set checks, the
+    # distributed suite at P = 1-8, the examples, the tools' and benchmarks'
+    # command lines and the installed package; on 3.4.1 the rest (the
+    # other MPI suites, the emulated GPU paths, the ISA builds, the compile
+    # tests) and the sanitizer set. Without the 4.6 sources (or with
+    # KOKKOS_ROOT) one leg runs everything.
+    k4_targets='^blockattn_(test_(serial|openmp|decode|score|kernels_(serial|openmp)|distributed_serial)|precompiled_use|plan|custom_mask|custom_partition|demo|demo_single|train_step|serve|score_policy|bench_[a-z]+)$'
+    k4_tests='^(forward_(serial|openmp)|kernels_(serial|openmp|precompiled)|decode|quant|score|distributed_serial_.*|example_.*|tool_.*|blockattn_bench_.*|consumer_project|readme_install_and_demo)$'
+    kokkos4_skip=""
+    if [ -n "${KOKKOS_ROOT:-}" ]; then
+      kokkos4_skip="KOKKOS_ROOT is set: the whole suite runs on it"
+    elif ! kokkos4_available; then
+      kokkos4_skip="no kokkos-4.6.01.tar.xz and kokkos-kernels-4.6.02.tar.xz in $kokkos4_source"
+      kokkos4_skip+=" (KOKKOS4_SOURCE); the Kokkos 3.4.1 leg runs the whole suite"
+    else
+      build_kokkos4
+    fi
+    if [ -n "$kokkos4_skip" ]; then
+      log "Kokkos 4.6 leg skipped: $kokkos4_skip"
+      configure "${test_opts[@]}" -DBLOCKATTN_LEG_SKIP_TARGETS= -DBLOCKATTN_LEG_ONLY_TARGETS=
+      cmake --build "$build" -j "$jobs"
+      (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
+    else
+      log "Kokkos 3.4.1 leg ($build)"
+      configure "${test_opts[@]}" "-DBLOCKATTN_LEG_SKIP_TARGETS=$k4_targets" \
+        -DBLOCKATTN_LEG_ONLY_TARGETS=
+      cmake --build "$build" -j "$jobs"
+      (cd "$build" && ctest --output-on-failure -j "$jobs" -E "$k4_tests|^kernels_set_matches_tests\$" "$@")
+      log "Kokkos 4.6.01 leg ($kokkos4_build)"
+      (build=$kokkos4_build KOKKOS_ROOT=$kokkos4_prefix
+        configure "${test_opts[@]}" -DBLOCKATTN_LEG_SKIP_TARGETS= \
+          "-DBLOCKATTN_LEG_ONLY_TARGETS=$k4_targets"
+        cmake --build "$build" -j "$jobs"
+        cd "$build" && ctest --output-on-failure -j "$jobs" -R "$k4_tests" "$@")
+      # kernels_set_matches_tests over both legs' objects (each tree lists
+      # every target's; each built its own half).
+      objects=$(mktemp)
+      while IFS= read -r obj; do
+        [ -z "$obj" ] && continue
+        if [ -f "$obj" ]; then echo "$obj"; else echo "$kokkos4_build${obj#"$build"}"; fi
+      done <"$build/kernels/objects_linking_kernels.txt" >"$objects"
+      sh "$repo/tests/kernels_used.sh" check "$objects" "$repo/tests/kernels_used.txt"
+      rm -f "$objects"
+      log "kernels_set_matches_tests (both legs' objects): passed"
+    fi
     "${BASH_SOURCE[0]}" test-sanitize
     ;;
   test-sanitize)

@@ -145,7 +145,7 @@ struct DecodeKernel {
   static constexpr bool bf16_dot_capable = false;
 #endif
   /// P in bf16 on the dot products: rows of p16_stride.
-  static int p16_stride(const DecodeGrid& g) {
+  KOKKOS_INLINE_FUNCTION static int p16_stride(const DecodeGrid& g) {
     return (g.key_tile + 15) / 16 * 16;
   }
   /// bf16 q and a bf16 or 8-bit cache: the AMX tile products can run (where g.amx says).
@@ -192,12 +192,12 @@ struct DecodeKernel {
   struct ScratchCount {
     std::size_t lines = 0;
     template <class U>
-    U* take(std::size_t count) {
+    KOKKOS_INLINE_FUNCTION U* take(std::size_t count) {
       lines += scratch_line_bytes(sizeof(U) * count);
       return nullptr;
     }
   };
-  static std::size_t scratch_lines(const DecodeGrid& g) {
+  KOKKOS_INLINE_FUNCTION static std::size_t scratch_lines(const DecodeGrid& g) {
     ScratchCount c;
     carve(c, g);
     return c.lines;
