@@ -225,8 +225,11 @@ struct SimdVec512 {
   /// x = 16 codes of an 8-bit cache widened to fp32: two halves of 8
   /// (widen8_*, the AVX2 conversions) joined.
   BLOCKATTN_TARGET_512 static type join(__m256 lo, __m256 hi) {
-    return _mm512_castpd_ps(
-        _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+    // The mask forms from zeros: see exp2_nonpositive (GCC 12's unoptimised
+    // casts and inserts from 256 bits pass an undefined register).
+    const __m512d z = _mm512_setzero_pd();
+    const __m512d l = _mm512_mask_insertf64x4(z, 0xFF, z, _mm256_castps_pd(lo), 0);
+    return _mm512_castpd_ps(_mm512_mask_insertf64x4(l, 0xFF, l, _mm256_castps_pd(hi), 1));
   }
   BLOCKATTN_TARGET_512 static void load_codes_to(type& x, const std::int8_t* p) {
     x = join(widen8_i8(p), widen8_i8(p + 8));

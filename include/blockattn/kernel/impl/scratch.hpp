@@ -56,5 +56,16 @@ class ScratchLines {
   char* next_ = nullptr;
 };
 
+/// Takes nothing and counts the lines that the same takes from a
+/// ScratchLines would: one function that carves a team's pieces sizes them.
+struct ScratchCount {
+  std::size_t lines = 0;
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T* take(std::size_t count) {
+    lines += scratch_line_bytes(sizeof(T) * count);
+    return nullptr;
+  }
+};
+
 }  // namespace impl
 }  // namespace blockattn

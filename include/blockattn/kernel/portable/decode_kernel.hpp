@@ -32,6 +32,7 @@
 #include <blockattn/kernel/impl/scratch.hpp>
 #include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/isa.hpp>
+#include <blockattn/kernel/portable/decode_layout.hpp>
 #include <blockattn/kernel/portable/decode_pages.hpp>
 #include <blockattn/kernel/portable/decode_rows.hpp>
 #include <blockattn/kernel/sinks.hpp>
@@ -44,37 +45,6 @@
 
 namespace blockattn {
 namespace impl {
-
-/// The most key ranges one (sequence, kv head) is cut into.
-inline constexpr int max_decode_splits = 64;
-
-/// How one decode launch cuts its work (host side).
-/// A team's rows are consecutive in the sequence's rows ordered (kv head,
-/// head of its group, query): row f is head f / rows, query f % rows, kv head
-/// f / (group * rows). Without cross_heads a team's rows share one kv head;
-/// with it (host spaces, sequence-major caches) they run on over the kv
-/// heads, and the team reads the adjacent rows of its kv heads key by key.
-struct DecodeGrid {
-  int batch = 0, heads = 0, kv_heads = 0, rows = 0, dim = 0;
-  int group = 1;             // heads / kv_heads
-  int row_tile = 1;          // team rows
-  int row_tiles = 1;         // ceil(span_rows() / row_tile)
-  int key_tile = 32;         // keys per scratch tile
-  int splits = 1;            // key ranges per (sequence, kv head)
-  int team_size = 1;         // threads per team (1 on host spaces)
-  bool cross_heads = false;  // a team's rows may span kv heads
-  bool amx = false;          // host: the tile products on AMX tiles (decode_amx.hpp)
-  /// The rows the row tiles cut: one kv head's group, or the sequence's.
-  KOKKOS_INLINE_FUNCTION int span_rows() const {
-    return group * rows * (cross_heads ? kv_heads : 1);
-  }
-  KOKKOS_INLINE_FUNCTION std::int64_t league() const {
-    return std::int64_t(batch) * (cross_heads ? 1 : kv_heads) * row_tiles * splits;
-  }
-  KOKKOS_INLINE_FUNCTION std::int64_t state_rows() const {
-    return std::int64_t(batch) * heads * rows;
-  }
-};
 
 /// The split-KV pass: one team per (sequence, kv head, row tile, split).
 /// q, o: (batch, rows, heads, dim); k, v: (batch, capacity, kv_heads, dim)
@@ -156,47 +126,13 @@ struct DecodeKernel {
   static constexpr bool amx_capable = false;
 #endif
 
-  /// A team's scratch, in cache-line aligned pieces (impl/scratch.hpp).
-  struct Scratch {
-    T* qs;               // R x D: q * scale * log2(e)
-    T* os;               // R x D: unnormalised O
-    T* ss;               // R x KT: scores, then P
-    T* ms;               // R: running max (base 2); then R each: ls, as, ones
-    T* kvw;              // KT x D: a widened K or V tile (widened_tiles)
-    std::uint16_t* q16;  // R x D: q as stored (the dot products, the tiles)
-    std::uint16_t* p16;  // R x p16_stride: P in bf16 (the dot products)
-    float* amx;          // DecodeAmxScratch (the tiles)
-  };
+  using Scratch = DecodeScratch<T>;
   /// The pieces for g, taken from `from` (ScratchLines, or ScratchCount: the size).
   template <class From>
   KOKKOS_INLINE_FUNCTION static Scratch carve(From& from, const DecodeGrid& g) {
-    const std::size_t R = std::size_t(g.row_tile), D = std::size_t(g.dim);
-    const std::size_t KT = std::size_t(g.key_tile);
-    Scratch sc{};
-    sc.qs = from.template take<T>(R * D);
-    sc.os = from.template take<T>(R * D);
-    sc.ss = from.template take<T>(R * KT);
-    sc.ms = from.template take<T>(4 * R);
-    if (widened_tiles) sc.kvw = from.template take<T>(KT * D);
-    if (bf16_dot_capable || (amx_capable && g.amx))
-      sc.q16 = from.template take<std::uint16_t>(R * D);
-    if (bf16_dot_capable)
-      sc.p16 = from.template take<std::uint16_t>(R * std::size_t(p16_stride(g)));
-#if BLOCKATTN_DECODE_AMX
-    if (amx_capable && g.amx)
-      sc.amx = from.template take<float>(std::size_t(DecodeAmxScratch::total(g.dim, g.key_tile)));
-#endif
-    return sc;
+    return Scratch::carve(from, g, widened_tiles, bf16_dot_capable, amx_capable && g.amx,
+                          p16_stride(g));
   }
-  /// Counts the lines carve takes.
-  struct ScratchCount {
-    std::size_t lines = 0;
-    template <class U>
-    KOKKOS_INLINE_FUNCTION U* take(std::size_t count) {
-      lines += scratch_line_bytes(sizeof(U) * count);
-      return nullptr;
-    }
-  };
   KOKKOS_INLINE_FUNCTION static std::size_t scratch_lines(const DecodeGrid& g) {
     ScratchCount c;
     carve(c, g);

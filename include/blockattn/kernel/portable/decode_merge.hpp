@@ -5,7 +5,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
-#include <blockattn/kernel/portable/decode_kernel.hpp>
+#include <blockattn/kernel/portable/decode_layout.hpp>
 #include <blockattn/kernel/sinks.hpp>
 
 #include <cstdint>
