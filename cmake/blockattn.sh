@@ -8,6 +8,8 @@
 #   cmake/blockattn.sh test                build and run the whole test suite (ctest),
 #                                          then the sanitizer set (test-sanitize)
 #   cmake/blockattn.sh test-sanitize       ASan + UBSan over a focused set (build-sanitize/)
+#   cmake/blockattn.sh test-aarch64        the single-device and P = 1, 2 suites cross-compiled
+#                                          for aarch64, run under qemu-user (build-aarch64/)
 #   cmake/blockattn.sh bench [bench args]  build and run the forward/backward benchmark
 #                                          (vs sgemm, and vs PyTorch when torch imports),
 #                                          then the decode rows (vs a plain read)
@@ -79,9 +81,11 @@ as_root() {
 packages=(cmake g++ make dpkg-dev libopenmpi-dev openmpi-bin doctest-dev libbenchmark-dev
           libopenblas-dev libtrilinos-kokkos-dev libtrilinos-kokkos-kernels-dev)
 
+# install_packages [package...]: those missing of the given (default: packages).
 install_packages() {
-  local missing=()
-  for p in "${packages[@]}"; do
+  local missing=() p
+  [ $# -gt 0 ] || set -- "${packages[@]}"
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -126,20 +130,42 @@ add_deb_src() {
 }
 
 # Kokkos 3.4.1 (OpenMP + Serial) and Kokkos Kernels 3.4.1 from Debian's trilinos source.
-build_kokkos() {
-  [ -f "$kokkos_prefix/.complete" ] && return 0
+# The configure, build and install of one CMake project: cmake_install <source>
+# <build dir> <log> <cmake -D...>.
+cmake_install() {
+  local s=$1 b=$2 l=$3
+  shift 3
+  cmake -S "$s" -B "$b" -DCMAKE_BUILD_TYPE=Release "$@" >"$l" 2>&1
+  cmake --build "$b" -j "$jobs" >>"$l" 2>&1
+  cmake --install "$b" >>"$l" 2>&1
+}
+# Kokkos (both versions, and the aarch64 cross build): OpenMP + Serial, shared.
+kokkos_opts=(-DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON -DKokkos_ENABLE_OPENMP=ON
+             -DKokkos_ENABLE_SERIAL=ON)
+# Kokkos Kernels: no BLAS, no explicit instantiations (header-only use).
+kernels_opts=(-DBUILD_SHARED_LIBS=ON -DKokkosKernels_ENABLE_TPL_BLAS=OFF
+              -DKokkosKernels_INST_DOUBLE=OFF -DKokkosKernels_INST_FLOAT=OFF
+              -DKokkosKernels_INST_ORDINAL_INT=OFF -DKokkosKernels_INST_OFFSET_INT=OFF
+              -DKokkosKernels_INST_OFFSET_SIZE_T=OFF -DKokkosKernels_INST_LAYOUTLEFT=OFF)
+
+# Debian's trilinos source package (its orig tarball) into $deps/src; prints its path.
+trilinos_tarball() {
   local src=$deps/src
   mkdir -p "$src"
   if ! ls "$src"/trilinos_*.orig.tar.* >/dev/null 2>&1; then
     if ! apt-get source --print-uris trilinos >/dev/null 2>&1; then
-      add_deb_src
-      as_root apt-get update -qq
+      add_deb_src >&2
+      as_root apt-get update -qq >&2
     fi
     log "downloading Debian's trilinos source package"
-    (cd "$src" && apt-get source --download-only -qq trilinos 2>/dev/null)
+    (cd "$src" && apt-get source --download-only -qq trilinos >&2 2>/dev/null)
   fi
-  local tarball
-  tarball=$(ls "$src"/trilinos_*.orig.tar.* | head -n 1)
+  ls "$src"/trilinos_*.orig.tar.* | head -n 1
+}
+build_kokkos() {
+  [ -f "$kokkos_prefix/.complete" ] && return 0
+  local src=$deps/src tarball
+  tarball=$(trilinos_tarball)
   log "extracting packages/kokkos and packages/kokkos-kernels from $(basename "$tarball")"
   rm -rf "$src/tree" && mkdir -p "$src/tree"
   tar -xf "$tarball" -C "$src/tree" --strip-components=1 --wildcards \
@@ -147,21 +173,12 @@ build_kokkos() {
   grep -q 'set(Kokkos_VERSION_MINOR 4)' "$src/tree/packages/kokkos/CMakeLists.txt" ||
     { log "unexpected Kokkos version in $tarball (want 3.4.x)"; exit 1; }
   log "building Kokkos 3.4.1 (OpenMP + Serial) into $kokkos_prefix"
-  cmake -S "$src/tree/packages/kokkos" -B "$deps/build-kokkos" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_INSTALL_PREFIX="$kokkos_prefix" -DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON \
-    -DKokkos_ENABLE_OPENMP=ON -DKokkos_ENABLE_SERIAL=ON >"$deps/kokkos.log" 2>&1
-  cmake --build "$deps/build-kokkos" -j "$jobs" >>"$deps/kokkos.log" 2>&1
-  cmake --install "$deps/build-kokkos" >>"$deps/kokkos.log" 2>&1
+  cmake_install "$src/tree/packages/kokkos" "$deps/build-kokkos" "$deps/kokkos.log" \
+    "${kokkos_opts[@]}" -DCMAKE_INSTALL_PREFIX="$kokkos_prefix"
   log "building Kokkos Kernels 3.4.1 (ETI off)"
-  cmake -S "$src/tree/packages/kokkos-kernels" -B "$deps/build-kokkos-kernels" \
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$kokkos_prefix" -DKokkos_ROOT="$kokkos_prefix" \
-    -DBUILD_SHARED_LIBS=ON -DKokkosKernels_ENABLE_TPL_BLAS=OFF \
-    -DKokkosKernels_INST_DOUBLE=OFF -DKokkosKernels_INST_FLOAT=OFF \
-    -DKokkosKernels_INST_ORDINAL_INT=OFF -DKokkosKernels_INST_OFFSET_INT=OFF \
-    -DKokkosKernels_INST_OFFSET_SIZE_T=OFF -DKokkosKernels_INST_LAYOUTLEFT=OFF \
-    >"$deps/kokkos-kernels.log" 2>&1
-  cmake --build "$deps/build-kokkos-kernels" -j "$jobs" >>"$deps/kokkos-kernels.log" 2>&1
-  cmake --install "$deps/build-kokkos-kernels" >>"$deps/kokkos-kernels.log" 2>&1
+  cmake_install "$src/tree/packages/kokkos-kernels" "$deps/build-kokkos-kernels" \
+    "$deps/kokkos-kernels.log" "${kernels_opts[@]}" -DCMAKE_INSTALL_PREFIX="$kokkos_prefix" \
+    -DKokkos_ROOT="$kokkos_prefix"
   rm -rf "$deps/build-kokkos" "$deps/build-kokkos-kernels" "$src/tree"
   touch "$kokkos_prefix/.complete"
 }
@@ -186,24 +203,95 @@ build_kokkos4() {
   rm -rf "$src" && mkdir -p "$src"
   tar -xf "$k" -C "$src" && tar -xf "$kk" -C "$src"
   log "building Kokkos 4.6.01 (OpenMP + Serial) and Kokkos Kernels 4.6.02 into $kokkos4_prefix"
-  cmake -S "$src/kokkos-4.6.01" -B "$src/build-kokkos" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_INSTALL_PREFIX="$kokkos4_prefix" -DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON \
-    -DKokkos_ENABLE_OPENMP=ON -DKokkos_ENABLE_SERIAL=ON >"$deps/kokkos4.log" 2>&1
-  cmake --build "$src/build-kokkos" -j "$jobs" >>"$deps/kokkos4.log" 2>&1
-  cmake --install "$src/build-kokkos" >>"$deps/kokkos4.log" 2>&1
-  cmake -S "$src/kokkos-kernels-4.6.02" -B "$src/build-kokkos-kernels" \
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$kokkos4_prefix" \
-    -DKokkos_ROOT="$kokkos4_prefix" -DBUILD_SHARED_LIBS=ON -DKokkosKernels_ENABLE_TPL_BLAS=OFF \
-    -DKokkosKernels_ENABLE_ALL_COMPONENTS=OFF -DKokkosKernels_ENABLE_COMPONENT_BLAS=ON \
-    -DKokkosKernels_INST_DOUBLE=OFF -DKokkosKernels_INST_FLOAT=OFF \
-    -DKokkosKernels_INST_ORDINAL_INT=OFF -DKokkosKernels_INST_OFFSET_INT=OFF \
-    -DKokkosKernels_INST_OFFSET_SIZE_T=OFF -DKokkosKernels_INST_LAYOUTLEFT=OFF \
-    -DKokkosKernels_INST_LAYOUTRIGHT=OFF -DKokkosKernels_INST_EXECSPACE_OPENMP=OFF \
-    -DKokkosKernels_INST_EXECSPACE_SERIAL=OFF >>"$deps/kokkos4.log" 2>&1
-  cmake --build "$src/build-kokkos-kernels" -j "$jobs" >>"$deps/kokkos4.log" 2>&1
-  cmake --install "$src/build-kokkos-kernels" >>"$deps/kokkos4.log" 2>&1
+  cmake_install "$src/kokkos-4.6.01" "$src/build-kokkos" "$deps/kokkos4.log" "${kokkos_opts[@]}" \
+    -DCMAKE_INSTALL_PREFIX="$kokkos4_prefix"
+  cmake_install "$src/kokkos-kernels-4.6.02" "$src/build-kokkos-kernels" \
+    "$deps/kokkos-kernels4.log" "${kernels_opts[@]}" -DCMAKE_INSTALL_PREFIX="$kokkos4_prefix" \
+    -DKokkos_ROOT="$kokkos4_prefix" -DKokkosKernels_ENABLE_ALL_COMPONENTS=OFF \
+    -DKokkosKernels_ENABLE_COMPONENT_BLAS=ON -DKokkosKernels_INST_LAYOUTRIGHT=OFF \
+    -DKokkosKernels_INST_EXECSPACE_OPENMP=OFF -DKokkosKernels_INST_EXECSPACE_SERIAL=OFF
   rm -rf "$src"
   touch "$kokkos4_prefix/.complete"
+}
+
+# ---- aarch64: the tests cross-compiled, run under qemu-user (test-aarch64) ----
+# Debian's cross compiler and qemu-user; Open MPI's arm64 runtime unpacked
+# (dpkg -x) from Debian's arm64 packages into $aarch64_dir/sysroot, never
+# installed: installing libopenmpi-dev:arm64 removes the amd64 one (libevent-dev
+# and libpmix-dev are not co-installable), and a libc6:arm64 in
+# /lib/aarch64-linux-gnu next to the cross toolchain's libc makes every
+# dynamically linked arm64 program that starts a thread hang under qemu
+# (pthread_create walks a list the other libc's loader set up).
+aarch64_dir=$deps/aarch64
+aarch64_build=${AARCH64_BUILD_DIR:-$repo/build-aarch64}
+aarch64_packages=(g++-aarch64-linux-gnu qemu-user)
+aarch64_mpi_debs=(libopenmpi3 libopenmpi-dev libpmix2 libhwloc15 libevent-2.1-7
+                  libevent-core-2.1-7 libevent-pthreads-2.1-7 libfabric1 libucx0 libibverbs1
+                  librdmacm1 libnl-3-200 libnl-route-3-200 libnuma1 libmunge2 libltdl7 libudev1
+                  libgfortran5 zlib1g libxml2 libicu72 liblzma5)
+aarch64_sysroot() {
+  local root=$aarch64_dir/sysroot
+  [ -f "$root/.complete" ] && return 0
+  if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+    log "adding arm64 to dpkg's architectures (its package lists; nothing arm64 is installed)"
+    as_root dpkg --add-architecture arm64
+    as_root apt-get update -qq
+  fi
+  log "unpacking Open MPI's arm64 runtime from Debian's packages into $root"
+  rm -rf "$aarch64_dir/debs" "$root" && mkdir -p "$aarch64_dir/debs" "$root"
+  (cd "$aarch64_dir/debs" &&
+    apt-get download -qq "${aarch64_mpi_debs[@]/%/:arm64}" 2>"$aarch64_dir/download.log") ||
+    { log "apt-get download of the arm64 packages failed ($aarch64_dir/download.log)"; exit 1; }
+  local d lib
+  for d in "$aarch64_dir"/debs/*.deb; do dpkg -x "$d" "$root"; done
+  ln -sfn /usr/share/openmpi "$root/usr/share/openmpi"  # help files (openmpi-common: all)
+  # Every library Open MPI's runtime links is there (or the cross toolchain's).
+  for lib in $(LC_ALL=C aarch64-linux-gnu-readelf -d "$root"/usr/lib/aarch64-linux-gnu/*.so.* \
+                 "$root"/usr/lib/aarch64-linux-gnu/openmpi/lib/openmpi3/*.so 2>/dev/null |
+               sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | sort -u); do
+    [ -e "/usr/aarch64-linux-gnu/lib/$lib" ] || [ -n "$(find "$root" -name "$lib" -print -quit)" ] ||
+      { log "the arm64 Open MPI runtime needs $lib: not in $root"; exit 1; }
+  done
+  touch "$root/.complete"
+}
+# Kokkos for aarch64 (OpenMP + Serial): 4.6.01 where its tarballs are, else
+# 3.4.1 from Debian's trilinos source; sets aarch64_kokkos to its prefix.
+aarch64_toolchain() {
+  local root=$aarch64_dir/sysroot lib=$aarch64_dir/sysroot/usr/lib/aarch64-linux-gnu
+  cat >"$aarch64_dir/toolchain.cmake" <<TOOLCHAIN
+set(CMAKE_SYSTEM_NAME Linux)
+set(CMAKE_SYSTEM_PROCESSOR aarch64)
+set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
+set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
+set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64;-L;/usr/aarch64-linux-gnu)
+set(CMAKE_FIND_ROOT_PATH /usr/aarch64-linux-gnu $root $aarch64_dir)
+set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)
+set(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)
+set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE ONLY)
+set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE BOTH)
+set(CMAKE_EXE_LINKER_FLAGS_INIT "-Wl,-rpath-link,$lib -Wl,-rpath-link,$root/lib/aarch64-linux-gnu")
+TOOLCHAIN
+}
+aarch64_kokkos_build() {
+  local src=$aarch64_dir/src
+  if kokkos4_available && [ -f "$kokkos4_source/kokkos-4.6.01.tar.xz" ]; then
+    aarch64_kokkos=$aarch64_dir/kokkos-4.6.01
+  else
+    aarch64_kokkos=$aarch64_dir/kokkos-3.4.1
+  fi
+  [ -f "$aarch64_kokkos/.complete" ] && return 0
+  rm -rf "$src" && mkdir -p "$src"
+  if [ "$aarch64_kokkos" = "$aarch64_dir/kokkos-4.6.01" ]; then
+    tar -xf "$kokkos4_source/kokkos-4.6.01.tar.xz" -C "$src"
+    mv "$src/kokkos-4.6.01" "$src/kokkos"
+  else
+    tar -xf "$(trilinos_tarball)" -C "$src" --strip-components=2 --wildcards '*/packages/kokkos/*'
+  fi
+  log "cross-building $(basename "$aarch64_kokkos") (OpenMP + Serial) for aarch64"
+  cmake_install "$src/kokkos" "$src/build" "$aarch64_dir/kokkos.log" "${kokkos_opts[@]}" \
+    -DCMAKE_TOOLCHAIN_FILE="$aarch64_dir/toolchain.cmake" -DCMAKE_INSTALL_PREFIX="$aarch64_kokkos"
+  rm -rf "$src"
+  touch "$aarch64_kokkos/.complete"
 }
 
 # pypi_extract <requirement> <dest> <regex>: PyPI's wheel of <requirement>
@@ -402,6 +490,40 @@ case "$cmd" in
     fi
     "${BASH_SOURCE[0]}" test-sanitize
     ;;
+  test-aarch64)
+    # The single-device suites (forward and backward, 16-bit, decode, quant,
+    # score policies) and the distributed suite at P = 1, 2, cross-compiled
+    # for aarch64 (the host ISA layer's NEON build) and run under qemu-user:
+    # ctest label aarch64 in $aarch64_build. Correctness only: no timing
+    # means anything under emulation. Not part of `test` (about an hour on 2
+    # cores).
+    install_packages
+    install_packages "${aarch64_packages[@]}"
+    aarch64_sysroot
+    aarch64_toolchain
+    aarch64_kokkos_build
+    a64_root=$aarch64_dir/sysroot
+    a64_lib=$a64_root/usr/lib/aarch64-linux-gnu
+    log "aarch64 cross build ($aarch64_build, $(basename "$aarch64_kokkos"))"
+    # MPI: the arm64 Open MPI's headers and library, no wrapper compiler; the
+    # host's mpiexec starts each rank as qemu-aarch64 <test> (MPIEXEC_PREFLAGS)
+    # with the arm64 libraries and Open MPI's prefix exported.
+    cmake -S "$repo" -B "$aarch64_build" -DCMAKE_TOOLCHAIN_FILE="$aarch64_dir/toolchain.cmake" \
+      -DCMAKE_BUILD_TYPE=Release -DKokkos_ROOT="$aarch64_kokkos" -DBLOCKATTN_BUILD_TESTS=ON \
+      -DBLOCKATTN_BUILD_EXAMPLES=OFF -DBLOCKATTN_BUILD_TOOLS=OFF -DBLOCKATTN_BUILD_BENCH=OFF \
+      -DBLOCKATTN_BUILD_KERNELS=OFF -DBLOCKATTN_NATIVE=OFF -DBLOCKATTN_ARCH= \
+      -DBLOCKATTN_WERROR=ON -DBLOCKATTN_PCH=ON -DBLOCKATTN_TEST_OPT=-O1 \
+      -DBLOCKATTN_TEST_KERNEL_OPT=-O1 -DBLOCKATTN_LEG_SKIP_TARGETS= \
+      '-DBLOCKATTN_LEG_ONLY_TARGETS=^blockattn_test_(serial|openmp|decode|score|distributed_serial)$' \
+      -DMPI_CXX_SKIP_MPICXX=ON -DMPI_ASSUME_NO_BUILTIN_MPI=ON \
+      -DMPI_CXX_ADDITIONAL_INCLUDE_DIRS="$a64_lib/openmpi/include" -DMPI_CXX_LIB_NAMES=mpi \
+      -DMPI_mpi_LIBRARY="$a64_lib/libmpi.so.40" -DMPIEXEC_EXECUTABLE="$(command -v mpiexec)" \
+      "-DMPIEXEC_PREFLAGS=-x;LD_LIBRARY_PATH=$a64_lib:$a64_lib/openmpi/lib:$a64_root/lib/aarch64-linux-gnu;-x;OPAL_PREFIX=$a64_root/usr;qemu-aarch64;-L;/usr/aarch64-linux-gnu" \
+      >/dev/null
+    cmake --build "$aarch64_build" -j "$jobs"
+    mpi_env
+    (cd "$aarch64_build" && ctest --output-on-failure -j "$jobs" -L aarch64 "$@")
+    ;;
   test-sanitize)
     # The focused set under AddressSanitizer + UndefinedBehaviorSanitizer, in
     # its own build tree (-O1 -g1: line tables, enough for the sanitizers'
@@ -506,7 +628,7 @@ case "$cmd" in
     "$repo/bench/plot_schedules.sh" "$build/tools/blockattn_plan" "${1:-$repo/docs/schedules_p8.png}"
     ;;
   *)
-    sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
