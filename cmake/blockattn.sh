@@ -242,15 +242,19 @@ aarch64_sysroot() {
   (cd "$aarch64_dir/debs" &&
     apt-get download -qq "${aarch64_mpi_debs[@]/%/:arm64}" 2>"$aarch64_dir/download.log") ||
     { log "apt-get download of the arm64 packages failed ($aarch64_dir/download.log)"; exit 1; }
-  local d lib
+  local d lib path todo=(libmpi.so.40) seen=" "
   for d in "$aarch64_dir"/debs/*.deb; do dpkg -x "$d" "$root"; done
   ln -sfn /usr/share/openmpi "$root/usr/share/openmpi"  # help files (openmpi-common: all)
-  # Every library Open MPI's runtime links is there (or the cross toolchain's).
-  for lib in $(LC_ALL=C aarch64-linux-gnu-readelf -d "$root"/usr/lib/aarch64-linux-gnu/*.so.* \
-                 "$root"/usr/lib/aarch64-linux-gnu/openmpi/lib/openmpi3/*.so 2>/dev/null |
-               sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | sort -u); do
-    [ -e "/usr/aarch64-linux-gnu/lib/$lib" ] || [ -n "$(find "$root" -name "$lib" -print -quit)" ] ||
-      { log "the arm64 Open MPI runtime needs $lib: not in $root"; exit 1; }
+  # libmpi and every library it links, transitively, are there or the cross
+  # toolchain's (Open MPI's plugins, dlopen'ed, are skipped where theirs are not).
+  while [ ${#todo[@]} -gt 0 ]; do
+    lib=${todo[0]} todo=("${todo[@]:1}")
+    case $seen in *" $lib "*) continue ;; esac
+    seen+="$lib "
+    [ -e "/usr/aarch64-linux-gnu/lib/$lib" ] && continue
+    path=$(find "$root" -name "$lib" -print -quit)
+    [ -n "$path" ] || { log "the arm64 Open MPI runtime needs $lib: not in $root"; exit 1; }
+    todo+=($(LC_ALL=C aarch64-linux-gnu-readelf -d "$path" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p'))
   done
   touch "$root/.complete"
 }
