@@ -5,6 +5,7 @@
 #pragma once
 
 #include <blockattn/core/config.hpp>
+#include <blockattn/kernel/impl/softmax_state.hpp>
 #include <blockattn/kernel/portable/decode_layout.hpp>
 #include <blockattn/kernel/sinks.hpp>
 
