@@ -129,7 +129,6 @@ add_deb_src() {
   fi
 }
 
-# Kokkos 3.4.1 (OpenMP + Serial) and Kokkos Kernels 3.4.1 from Debian's trilinos source.
 # The configure, build and install of one CMake project: cmake_install <source>
 # <build dir> <log> <cmake -D...>.
 cmake_install() {
@@ -162,6 +161,7 @@ trilinos_tarball() {
   fi
   ls "$src"/trilinos_*.orig.tar.* | head -n 1
 }
+# Kokkos 3.4.1 (OpenMP + Serial) and Kokkos Kernels 3.4.1 from Debian's trilinos source.
 build_kokkos() {
   [ -f "$kokkos_prefix/.complete" ] && return 0
   local src=$deps/src tarball
