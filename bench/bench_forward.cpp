@@ -47,6 +47,7 @@ enum MaskId { full = 0, causal = 1 };
 
 /// Query heads (= K/V heads) of every attention case (--heads); B = 1.
 int g_heads = 1;
+bool g_invariant = false;  // --invariant: also the invariant mode's forward
 
 /// Memory order of q, k, v, o, dO and the gradients (--layout): the Views are
 /// (batch, seq, heads, dim) either way, LayoutStride over memory laid out
@@ -115,6 +116,9 @@ void set_rates(benchmark::State& state, double gflop, double best_seconds) {
   state.counters["best GFLOP/s"] = benchmark::Counter(gflop / best_seconds);
 }
 
+/// The invariant mode (ForwardOptions::invariant) in place of a tile shape.
+struct InvariantMode {};
+
 template <class Shape, class V>
 void bm_attention(benchmark::State& state) {
   const int n = int(state.range(0)), d = int(state.range(1));
@@ -129,7 +133,11 @@ void bm_attention(benchmark::State& state) {
   // The default shape through the public call users make (its block
   // product, precompiled or not); other shapes through the shape entry point.
   auto forward = [&](const auto& m) {
-    if constexpr (std::is_same<Shape, blockattn::DefaultTileShape<float, host>>::value)
+    if constexpr (std::is_same<Shape, InvariantMode>::value) {
+      blockattn::ForwardOptions opts;
+      opts.invariant = true;
+      blockattn::attention_forward(Exec{}, q, k, v, o, lse, m, opts);
+    } else if constexpr (std::is_same<Shape, blockattn::DefaultTileShape<float, host>>::value)
       blockattn::attention_forward(Exec{}, q, k, v, o, lse, m);
     else
       blockattn::attention_forward_with_shape<Shape>(Exec{}, q, k, v, o, lse, m);
@@ -143,14 +151,20 @@ void bm_attention(benchmark::State& state) {
   };
   run();  // warm-up
   const double best = time_iterations(state, run);
-  const blockattn::TileSizes ts = blockattn::forward_tile_sizes<float, Exec, Shape>(d);
+  using SizesOf = std::conditional_t<std::is_same<Shape, InvariantMode>::value,
+                                     blockattn::DefaultTileShape<float, host>, Shape>;
+  const blockattn::TileSizes ts = blockattn::forward_tile_sizes<float, Exec, SizesOf>(d);
   const blockattn::TileCounts tiles =
       mask == causal ? blockattn::count_tiles(blockattn::CausalMask{}, n, n, ts.block_q, ts.block_k)
                      : blockattn::count_tiles(blockattn::FullMask{}, n, n, ts.block_q, ts.block_k);
   set_rates(state, double(h) * blockattn::forward_flops(tiles.allowed_pairs, d) * 1e-9, best);
   state.counters["threads"] = Exec().concurrency();
-  state.SetLabel(std::string(mask == causal ? "causal " : "full ") +
-                 blockattn::value_type_name<V>() + " " + Shape::tile_gemm::name());
+  if constexpr (std::is_same<Shape, InvariantMode>::value)
+    state.SetLabel(std::string(mask == causal ? "causal " : "full ") +
+                   blockattn::value_type_name<V>() + " invariant");
+  else
+    state.SetLabel(std::string(mask == causal ? "causal " : "full ") +
+                   blockattn::value_type_name<V>() + " " + Shape::tile_gemm::name());
 }
 
 /// Backward: dQ, dK, dV from the saved O and LSE. GFLOP/s counts 2.5x the
@@ -261,6 +275,10 @@ void register_dtype(int n, int d) {
     timed(benchmark::RegisterBenchmark(attn_name("register", dt, n, d, mask).c_str(),
                                        bm_attention<RegisterShape, V>)
               ->Args({n, d, mask}));
+    if (g_invariant)
+      timed(benchmark::RegisterBenchmark(attn_name("invariant", dt, n, d, mask).c_str(),
+                                         bm_attention<InvariantMode, V>)
+                ->Args({n, d, mask}));
 #ifdef BLOCKATTN_BENCH_HAVE_KOKKOS_KERNELS
     if (n <= 1024 && std::is_same<V, float>::value)  // the slower variant: one size is enough
       timed(benchmark::RegisterBenchmark(attn_name("kokkos_batched", dt, n, d, mask).c_str(),
@@ -333,6 +351,8 @@ size, a 4096^3 sgemm and (with --torch) PyTorch's CPU SDPA, in one run.
   --buffer-cache-mb=M host memory the calls keep cached between calls, MiB
                       (set_buffer_cache_limit) [the library's default]
   --torch=FILE        PyTorch's rates (bench/torch_sdpa.py, same threads, just before)
+  --invariant         also the invariant mode's forward (ForwardOptions::invariant),
+                      its rate next to the default's ("/ default")
   --help, -h          this text
 Google Benchmark's flags (--benchmark_filter=REGEX, --benchmark_repetitions=N,
 --benchmark_format=json, ...) and Kokkos' (--kokkos-num-threads=N) pass through;
@@ -350,6 +370,8 @@ int main(int argc, char** argv) {
       const std::string a = argv[i];
       if (a == "--quick")
         quick = true;
+      else if (a == "--invariant")
+        g_invariant = true;
       else if (a.rfind("--torch=", 0) == 0)
         torch = read_torch(a.substr(8));
       else if (a.rfind("--dtype=", 0) == 0)
@@ -449,6 +471,22 @@ int main(int argc, char** argv) {
                           mask == causal ? ratio(r, f).c_str() : "",
                           dt != "fp32" ? ratio(r, r32).c_str() : "", tr, ratio(r, tr).c_str());
             }
+    if (g_invariant) {
+      std::printf(
+          "\nInvariant mode (ForwardOptions::invariant, tile 64): its forward next to the "
+          "default forward of the same case\n");
+      std::printf("%5s %5s %5s %7s %9s %10s\n", "dtype", "N", "D", "mask", "GFLOP/s", "/ default");
+      for (int d : dims)
+        for (int n : lengths)
+          for (int mask : {full, causal})
+            for (const std::string& dt : dtypes) {
+              const double r = rate(attn_name("invariant", dt, n, d, mask));
+              if (r == 0.0) continue;
+              const double f = rate(attn_name("register", dt, n, d, mask));
+              std::printf("%5s %5d %5d %7s %9.1f %10s\n", dt.c_str(), n, d,
+                          mask == causal ? "causal" : "full", r, ratio(r, f).c_str());
+            }
+    }
     std::printf("\nBackward (dQ, dK, dV; GFLOP/s = 2.5 x forward FLOPs on allowed pairs)\n");
     std::printf("%5s %5s %5s %7s %9s %8s %9s %8s %7s %9s %8s\n", "dtype", "N", "D", "mask",
                 "GFLOP/s", "/sgemm", "/sgemm4k", "b/f time", "/ fp32", "torch", "/ torch");

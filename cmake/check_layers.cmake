@@ -22,7 +22,9 @@ set(_rank_top 5)
 # < the backends, each in the folder of where it runs: host/ (x86 micro
 # kernels, AMX, AVX512-BF16), cuda/ (the tensor-core kernels), cudnn/
 # (cuDNN and its emulation), portable/ (the Kokkos team kernels, which take
-# the host/ micro kernels on host spaces) < the seam (block_product.hpp,
+# the host/ micro kernels on host spaces), invariant/ (the invariant mode's
+# passes: the distributed and serving drivers call them directly, as the
+# mode has its own two-pass schedule) < the seam (block_product.hpp,
 # instantiate.hpp, portable_call.hpp, then dispatch.hpp: the one place that
 # chooses an implementation) < the entry points. A backend includes no other backend
 # (portable/ only host/), and nothing runs back up.
@@ -36,9 +38,9 @@ function(_kernel_rank path out_rank out_group)  # path relative to include/block
   elseif(path MATCHES "^(host|cuda|cudnn)/")
     set(r 2)
     set(g ${CMAKE_MATCH_1})
-  elseif(path MATCHES "^portable/")
+  elseif(path MATCHES "^(portable|invariant)/")
     set(r 3)
-    set(g portable)
+    set(g ${CMAKE_MATCH_1})
   else()
     string(REGEX REPLACE "\\.hpp$" "" stem "${path}")
     set(r 0)

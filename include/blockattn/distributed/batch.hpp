@@ -16,6 +16,7 @@
 #include <blockattn/distributed/decode.hpp>
 #include <blockattn/distributed/impl/cache_access.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/invariant_serve.hpp>
 #include <blockattn/distributed/impl/merge_ranks.hpp>
 #include <blockattn/distributed/options.hpp>
 #include <blockattn/policy/mask.hpp>
@@ -211,6 +212,11 @@ void batch_attention(C& comm, const ExecSpace& exec, Cache& cache, const ServeBa
   const std::string relative = impl::serve_output_error(fn, q, o, lse, opts);
   const int H = int(q.extent(2)), D = int(q.extent(3));
   const int n = error.empty() ? int(batch.sequences.size()) : 0;
+  for (int i = 0; i < n && error.empty() && opts.invariant; ++i) {
+    const int s = batch.sequences[std::size_t(i)];
+    error = impl::invariant_cache_error(fn, cache, s, s + 1, batch.rows[std::size_t(i)],
+                                        opts.invariant_tile);
+  }
   if (opts.check_config) {
     impl::Fingerprint f = impl::serve_fingerprint<ExecSpace>(fn, cache, H, D, mask, opts, true);
     std::uint64_t h = 1469598103934665603ull;
@@ -240,6 +246,16 @@ void batch_attention(C& comm, const ExecSpace& exec, Cache& cache, const ServeBa
   for (int i = 0; i < n; ++i)
     cache.append(exec, batch.sequences[std::size_t(i)], Kokkos::subview(k, all, block(i), all, all),
                  Kokkos::subview(v, all, block(i), all, all));
+  if (opts.invariant) {  // each block's rows as its own call: the same bits
+    for (int i = 0; i < n; ++i) {
+      const int s = batch.sequences[std::size_t(i)];
+      impl::invariant_attend(comm, exec, cache, s, s + 1,
+                             Kokkos::subview(q, all, block(i), all, all),
+                             Kokkos::subview(o, all, block(i), all, all),
+                             Kokkos::subview(lse, all, all, block(i)), mask, opts);
+    }
+    return;
+  }
   // Runs of consecutive decode blocks: one launch each, every sequence with
   // the key ranges of a launch of its own (the same bits).
   const std::vector<int> runs = impl::decode_runs<T>(exec, batch, n, H, D, opts);

@@ -12,6 +12,7 @@
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/impl/cache_access.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/invariant_serve.hpp>
 #include <blockattn/distributed/impl/merge_ranks.hpp>
 #include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/distributed/impl/transfer.hpp>
@@ -199,6 +200,7 @@ Fingerprint serve_fingerprint(const char* fn, const Cache& cache, int H, int D, 
     f.number("prefill forward rows", opts.prefill_forward_rows);
     f.number("host matrix", int(opts.host_matrix));
   }
+  f.number("invariant", opts.invariant ? 1 : 0).number("invariant tile", opts.invariant_tile);
   f.text("sinks", sink_text<ExecSpace>(opts.sinks));
   add_mask(f, mask);
   return f;
@@ -263,6 +265,8 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& c
       error = std::string("blockattn::") + fn + ": sequence " + std::to_string(s) + " holds " +
               std::to_string(cache.length(s) + appending) + " tokens; the " + std::to_string(N) +
               " query rows are its last tokens: append their keys and values first";
+  if (error.empty() && opts.invariant)
+    error = invariant_cache_error(fn, cache, s0, s1, appending, opts.invariant_tile);
   if (opts.check_config) {
     Fingerprint f = serve_fingerprint<ExecSpace>(fn, cache, H, D, mask, opts, prefill);
     f.number("sequences", B).number("first sequence", s0).number("rows (q.extent(1))", N);
@@ -278,6 +282,10 @@ void attend_cache(C& comm, const ExecSpace& exec, const char* fn, const Cache& c
     throw invalid_argument(error.empty() ? relative : error);
   }
   if (after_consensus) after_consensus();  // every rank agreed: the prefill's append
+  if (opts.invariant) {
+    invariant_attend(comm, exec, cache, s0, s1, q, o, lse, mask, opts);
+    return;
+  }
 
   if (comm.size() == 1 && std::is_same<typename OV::non_const_value_type, T>::value) {
     attend_shard(exec, fn, cache, s0, s1, q, o, lse, mask, opts, opts.sinks, prefill);

@@ -16,6 +16,7 @@
 #include <blockattn/distributed/impl/buffers.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
 #include <blockattn/distributed/impl/forward_steps.hpp>
+#include <blockattn/distributed/impl/invariant_ring.hpp>
 #include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/distributed/impl/step_loop.hpp>
 #include <blockattn/distributed/impl/transfer.hpp>
@@ -120,6 +121,11 @@ class DistributedAttention : public impl::DriverTypes<Partition, Mask, Communica
       const Call c = validate(fn, q, k, v, o, lse, opts);
       using T = compute_t<typename OV::non_const_value_type>;
       RunStats stats;
+      if (opts.invariant) {  // its own two-pass ring, whatever the schedule
+        impl::invariant_ring_forward(m_comm, m_exec, fn, m_part, m_mask, c.e, c.N, c.lengths, q, k,
+                                     v, o, lse, opts, stats);
+        return stats;
+      }
       run_forward(c, forward_layout<T, ExecSpace>(c.e.dim), q, k, v, o, lse, opts, stats);
       impl::apply_sinks(m_exec, opts.sinks, o, lse);
       return stats;
@@ -145,6 +151,11 @@ class DistributedAttention : public impl::DriverTypes<Partition, Mask, Communica
                                            true);
       });
       using T = compute_t<V>;
+      if (opts.invariant) {  // its own two rings, whatever the schedule
+        impl::invariant_ring_backward(m_comm, m_exec, bfn, m_part, m_mask, c.e, c.N, c.lengths, q,
+                                      k, v, o, lse, dout, dq, dk, dv, opts, stats);
+        return stats;
+      }
       impl::distributed_sink_gradient(m_comm, m_exec, opts, o, dout, lse);
       run_backward(c, backward_layout<T, ExecSpace>(c.e.dim), q, k, v, o, lse, dout, dq, dk, dv,
                    opts, stats);

@@ -151,6 +151,15 @@ struct ServeOptions {
   /// kernel take AVX512-BF16 dot products where the engine runs vectors
   /// (DecodeOptions::host_matrix).
   HostMatrix host_matrix = HostMatrix::automatic;
+  /// The invariant mode (ImplementationOptions::invariant): each row's O and
+  /// LSE the bits attention_forward gives over the whole sequence with the
+  /// same invariant_tile, whatever the rank count, the placement and the
+  /// chunks of prefill. The placement must keep canonical tiles whole on one
+  /// rank (interleave or tokens_per_rank multiples of invariant_tile; checked).
+  /// Two passes over each shard on the portable kernels, with two small
+  /// allreduces (the rows' bounds, then their exact sums) instead of the merge.
+  bool invariant = false;
+  int invariant_tile = 64;
 };
 
 }  // namespace blockattn

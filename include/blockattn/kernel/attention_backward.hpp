@@ -43,7 +43,7 @@ void attention_backward(const ExecSpace& exec, const QV& q, const KV& k, const V
       impl::check_mask_contract(fn, exec, mask, opts.q_offset, opts.q_offset + e.queries,
                                 opts.k_offset, opts.k_offset + e.keys);
     impl::check_score_and_sinks(fn, mask, opts, e.heads, true);
-    if (opts.sink_grad.data() != nullptr)
+    if (opts.sink_grad.data() != nullptr && !opts.invariant)  // the invariant mode sums its own
       impl::store_sink_gradient(exec, impl::sink_gradient_part(exec, opts.sinks, o, dout, lse),
                                 opts.sink_grad);
     const T scale = impl::softmax_scale<T>(opts.scale, e.dim);

@@ -32,6 +32,8 @@
 #include <blockattn/kernel/impl/pair_ops.hpp>
 #include <blockattn/kernel/impl/user_pair.hpp>
 #include <blockattn/kernel/instantiate.hpp>
+#include <blockattn/kernel/invariant/invariant_backward.hpp>
+#include <blockattn/kernel/invariant/invariant_forward.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/portable_call.hpp>
 #include <blockattn/kernel/sinks.hpp>
@@ -100,6 +102,17 @@ void forward_call(const ExecSpace& exec, const BlockExtents& e, const QV& q, con
                   const VV& v, const OV& o, const LV& lse, const Mask& mask, const Pos& qpos,
                   const Pos& kpos, T scale, const ForwardOptions& opts) {
   using V = typename QV::non_const_value_type;
+  // 0. The invariant mode: its own passes (kernel/invariant/), nothing else.
+  if (opts.invariant) {
+    if constexpr (!std::is_same<T, double>::value)
+      invariant_forward("attention_forward", exec, e, q, k, v, o, lse, mask, qpos, kpos, scale,
+                        opts);
+    else
+      check_invariant<double>("attention_forward", opts.invariant_tile, e.keys);
+    count_path(opts.paths, BlockPath::portable);
+    apply_sinks(exec, opts.sinks, o, lse);
+    return;
+  }
   const bool others = !opts.portable_only;
   // 1. Yours.
   if constexpr (user_enabled<ExecSpace, V, Mask>()) {
@@ -482,6 +495,15 @@ void backward_call(const ExecSpace& exec, const BlockExtents& e, const QV& q, co
                    const DKV& dk, const DVV& dv, const Mask& mask, const Pos& qpos, const Pos& kpos,
                    T scale, const ForwardOptions& opts) {
   using V = typename QV::non_const_value_type;
+  // 0. The invariant mode: its own passes (kernel/invariant/).
+  if (opts.invariant) {
+    if constexpr (!std::is_same<T, double>::value)
+      invariant_backward("attention_backward", exec, e, q, k, v, o, lse, dout, dq, dk, dv, mask,
+                         qpos, kpos, scale, opts);
+    else
+      check_invariant<double>("attention_backward", opts.invariant_tile, e.keys);
+    return;
+  }
   using mem = typename ExecSpace::memory_space;
   constexpr bool storage_grads = std::is_same<typename DQV::non_const_value_type, V>::value &&
                                  std::is_same<typename DKV::non_const_value_type, V>::value &&

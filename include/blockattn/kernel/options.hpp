@@ -56,6 +56,22 @@ struct ImplementationOptions {
   /// of masked keys into V (0 * inf = NaN in rows that cannot see it). false:
   /// skip the check (cuDNN's own behaviour for such inputs; no host wait).
   bool guard_masked_nonfinite = true;
+  /// One answer however the work is split (docs/numerics.md "Invariant
+  /// mode"): a row's O and LSE bitwise the same whatever the rank count,
+  /// partition and schedule, and between attention_forward, the distributed
+  /// forward, prefill_attention in any chunking and decode_attention (same
+  /// machine, build and options). Two passes over the keys (the row's
+  /// maximum first, so nothing is rescaled), tiles of invariant_tile keys on
+  /// global positions summed whole in fp32, their partials added exactly
+  /// (order-free fixed-point folds). fp32, bf16 and fp16 storage; BlockAttn's
+  /// portable kernels only (no cuDNN, tensor cores or host matrix engine).
+  bool invariant = false;
+  /// Keys per canonical tile of the invariant mode: every block of keys a
+  /// rank or call computes must hold whole tiles (a partition's pieces and a
+  /// cache's shards cut at multiples of it; checked). 1 accepts any split
+  /// (each key's term added exactly) at a higher cost. The same value gives
+  /// the same bits; another value other bits.
+  int invariant_tile = 64;
 };
 
 /// Run-time options of a forward call (and of a backward: attention_backward

@@ -15,6 +15,7 @@
 #include <blockattn/distributed/impl/step_loop.hpp>
 #include <blockattn/distributed/impl/validate.hpp>
 #include <blockattn/distributed/options.hpp>
+#include <blockattn/kernel/invariant/invariant_forward.hpp>
 #include <blockattn/kernel/sinks.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/partition.hpp>
@@ -424,6 +425,7 @@ class HeadParallelCalls {
         validate_backward<ExecSpace>(Derived::bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
                                      true);
       });
+      reject_invariant_backward(Derived::bfn, opts);  // the same options on every rank
       distributed_sink_gradient(m_comm, m_exec, opts, o, dout, lse);
       d.run_backward(e, N, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       m_exec.fence();

@@ -95,7 +95,9 @@ BlockExtents agree_on_call(Comm& comm, const char* name, const Mask& mask, const
                                                                : "avx512_bf16")
       .number("options.tensor_cores", opts.tensor_cores ? 1 : 0)
       .number("options.tensor_core_backward", opts.tensor_core_backward ? 1 : 0)
-      .number("options.guard_masked_nonfinite", opts.guard_masked_nonfinite ? 1 : 0);
+      .number("options.guard_masked_nonfinite", opts.guard_masked_nonfinite ? 1 : 0)
+      .number("options.invariant", opts.invariant ? 1 : 0)
+      .number("options.invariant_tile", opts.invariant_tile);
   f.text(
       "host ISA of the fp32 kernels (dispatched_host_isa(); the same BLOCKATTN_HOST_ISA on "
       "every rank makes them agree)",
