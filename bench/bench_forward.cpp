@@ -170,7 +170,7 @@ void bm_attention(benchmark::State& state) {
 /// Backward: dQ, dK, dV from the saved O and LSE. GFLOP/s counts 2.5x the
 /// forward's FLOPs on allowed pairs (FlashAttention's convention: 5 of the
 /// forward's 2 tile products), although our two-kernel backward computes 7.
-template <class V>
+template <class V, bool Invariant = false>
 void bm_backward(benchmark::State& state) {
   const int n = int(state.range(0)), d = int(state.range(1));
   const MaskId mask = MaskId(state.range(2));
@@ -184,18 +184,21 @@ void bm_backward(benchmark::State& state) {
   fill(k, 2);
   fill(v, 3);
   fill(dout, 4);
+  blockattn::ForwardOptions opts;
+  opts.invariant = Invariant;
   auto run = [&](bool backward) {
     if (mask == causal) {
       if (backward)
         blockattn::attention_backward(Exec{}, q, k, v, o, lse, dout, dq, dk, dv,
-                                      blockattn::CausalMask{});
+                                      blockattn::CausalMask{}, opts);
       else
-        blockattn::attention_forward(Exec{}, q, k, v, o, lse, blockattn::CausalMask{});
+        blockattn::attention_forward(Exec{}, q, k, v, o, lse, blockattn::CausalMask{}, opts);
     } else {
       if (backward)
-        blockattn::attention_backward(Exec{}, q, k, v, o, lse, dout, dq, dk, dv);
+        blockattn::attention_backward(Exec{}, q, k, v, o, lse, dout, dq, dk, dv,
+                                      blockattn::FullMask{}, opts);
       else
-        blockattn::attention_forward(Exec{}, q, k, v, o, lse);
+        blockattn::attention_forward(Exec{}, q, k, v, o, lse, blockattn::FullMask{}, opts);
     }
     Kokkos::fence();
   };
@@ -206,7 +209,7 @@ void bm_backward(benchmark::State& state) {
   set_rates(state, 2.5 * double(h) * blockattn::forward_flops(pairs, d) * 1e-9, best);
   state.counters["threads"] = Exec().concurrency();
   state.SetLabel(std::string(mask == causal ? "causal backward " : "full backward ") +
-                 blockattn::value_type_name<V>());
+                 blockattn::value_type_name<V>() + (Invariant ? " invariant" : ""));
 }
 
 void bm_sgemm(benchmark::State& state) {
@@ -286,9 +289,14 @@ void register_dtype(int n, int d) {
                 ->Args({n, d, mask}));
 #endif
   }
-  for (int mask : {full, causal})
+  for (int mask : {full, causal}) {
     timed(benchmark::RegisterBenchmark(bwd_name(dt, n, d, mask).c_str(), bm_backward<V>)
               ->Args({n, d, mask}));
+    if (g_invariant)
+      timed(benchmark::RegisterBenchmark(("invariant_" + bwd_name(dt, n, d, mask)).c_str(),
+                                         bm_backward<V, true>)
+                ->Args({n, d, mask}));
+  }
 }
 
 void register_all(bool quick, const std::vector<std::string>& dtypes) {
@@ -475,16 +483,22 @@ int main(int argc, char** argv) {
       std::printf(
           "\nInvariant mode (ForwardOptions::invariant, tile 64): its forward next to the "
           "default forward of the same case\n");
-      std::printf("%5s %5s %5s %7s %9s %10s\n", "dtype", "N", "D", "mask", "GFLOP/s", "/ default");
+      std::printf("%8s %5s %5s %5s %7s %9s %10s\n", "pass", "dtype", "N", "D", "mask", "GFLOP/s",
+                  "/ default");
       for (int d : dims)
         for (int n : lengths)
           for (int mask : {full, causal})
             for (const std::string& dt : dtypes) {
               const double r = rate(attn_name("invariant", dt, n, d, mask));
-              if (r == 0.0) continue;
               const double f = rate(attn_name("register", dt, n, d, mask));
-              std::printf("%5s %5d %5d %7s %9.1f %10s\n", dt.c_str(), n, d,
-                          mask == causal ? "causal" : "full", r, ratio(r, f).c_str());
+              const double rb = rate("invariant_" + bwd_name(dt, n, d, mask));
+              const double fb = rate(bwd_name(dt, n, d, mask));
+              if (r > 0.0)
+                std::printf("%8s %5s %5d %5d %7s %9.1f %10s\n", "forward", dt.c_str(), n, d,
+                            mask == causal ? "causal" : "full", r, ratio(r, f).c_str());
+              if (rb > 0.0)
+                std::printf("%8s %5s %5d %5d %7s %9.1f %10s\n", "backward", dt.c_str(), n, d,
+                            mask == causal ? "causal" : "full", rb, ratio(rb, fb).c_str());
             }
     }
     std::printf("\nBackward (dQ, dK, dV; GFLOP/s = 2.5 x forward FLOPs on allowed pairs)\n");

@@ -100,6 +100,7 @@ struct InvariantGradPass {
   InvariantGrads<mem> ga, gb;  // dQ (rows side); dK, dV (key side)
   InvariantGradBounds bounds;
   int tiles = 0, level = 0;
+  int chunk = C;  // C, as a run-time value
 
   template <class Take>
   KOKKOS_INLINE_FUNCTION static void carve(Take& t, int D, float*& a, float*& b, float*& at,
@@ -157,19 +158,17 @@ struct InvariantGradPass {
     char* vis;
     double *f1, *f2;
     carve(sl, D, a, b, at, bt, ar, br, s, dp, vis, g1, g2, f1, f2);
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R * D), [&](int x) {
-      const int r = x / D, d = x % D;
-      if (KeySide) {
-        a[x] = r < rows ? float(k(bi, r0 + r, hh, d)) : 0.0f;
-        b[x] = r < rows ? float(v(bi, r0 + r, hh, d)) : 0.0f;
-      } else {
-        a[x] = r < rows ? float(q(bi, r0 + r, hh, d)) : 0.0f;
-        b[x] = r < rows ? float(dout(bi, r0 + r, hh, d)) : 0.0f;
+    // A row per thread, its d in order (no division per element).
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
+      for (int d = 0; d < D; ++d) {
+        a[r * D + d] = r >= rows ? 0.0f
+                       : KeySide ? float(k(bi, r0 + r, hh, d))
+                                 : float(q(bi, r0 + r, hh, d));
+        b[r * D + d] = r >= rows ? 0.0f
+                       : KeySide ? float(v(bi, r0 + r, hh, d))
+                                 : float(dout(bi, r0 + r, hh, d));
       }
-      for (int f = 0; f < F; ++f) {
-        f1[r * F * D + f * D + d] = 0.0;
-        f2[r * F * D + f * D + d] = 0.0;
-      }
+      for (int x = 0; x < F * D; ++x) f1[r * F * D + x] = f2[r * F * D + x] = 0.0;
     });
     team.team_barrier();
     const index_type own_lo = KeySide ? kpos(r0) : qpos(r0);
@@ -186,48 +185,40 @@ struct InvariantGradPass {
         const TileKind kind =
             KeySide ? mask.classify(lo, hi, own_lo, own_hi) : mask.classify(own_lo, own_hi, lo, hi);
         if (kind == TileKind::empty) continue;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R * D), [&](int x) {
-          g1[x] = 0.0f;
-          g2[x] = 0.0f;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
+          for (int d = 0; d < D; ++d) g1[r * D + d] = g2[r * D + d] = 0.0f;
         });
         for (int c0 = 0; c0 < cnt; c0 += C) {
           const int n = cnt - c0 < C ? cnt - c0 : C;
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * D), [&](int x) {
-            const int cc = x / D, d = x % D, j = j0 + c0 + cc;
-            if (KeySide) {
-              const float qv = float(q(bi, j, h, d)), dv = float(dout(bi, j, h, d));
-              at[d * C + cc] = qv;
-              bt[d * C + cc] = dv;
-              ar[cc * D + d] = qv;
-              br[cc * D + d] = dv;
-            } else {
-              const float kv = float(k(bi, j, hk, d));
-              at[d * C + cc] = kv;
-              bt[d * C + cc] = float(v(bi, j, hk, d));
-              ar[cc * D + d] = kv;
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](int cc) {
+            const int j = j0 + c0 + cc;
+            for (int d = 0; d < D; ++d) {
+              if (cc >= n) {
+                at[d * C + cc] = bt[d * C + cc] = 0.0f;
+              } else if (KeySide) {
+                const float qv = float(q(bi, j, h, d)), dv = float(dout(bi, j, h, d));
+                at[d * C + cc] = qv;
+                bt[d * C + cc] = dv;
+                ar[cc * D + d] = qv;
+                br[cc * D + d] = dv;
+              } else {
+                const float kv = float(k(bi, j, hk, d));
+                at[d * C + cc] = kv;
+                bt[d * C + cc] = float(v(bi, j, hk, d));
+                ar[cc * D + d] = kv;
+              }
             }
           });
           team.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
             float* sr = s + r * C;
             float* pr = dp + r * C;
-            for (int cc = 0; cc < C; ++cc) sr[cc] = pr[cc] = 0.0f;
-            // s = q.k and dp = dO.v, each a sequential sum over d.
-            for (int d = 0; d < D; ++d) {
-              const float x = a[r * D + d], y = b[r * D + d];
-              const float* xt = at + d * C;
-              const float* yt = bt + d * C;
-              if (KeySide)  // a = k, b = v; at = q, bt = dO
-                for (int cc = 0; cc < C; ++cc) {
-                  sr[cc] += xt[cc] * x;
-                  pr[cc] += yt[cc] * y;
-                }
-              else  // a = q, b = dO; at = k, bt = v
-                for (int cc = 0; cc < C; ++cc) {
-                  sr[cc] += x * xt[cc];
-                  pr[cc] += y * yt[cc];
-                }
-            }
+            const int kc = chunk;  // C at run time (see the forward's scores)
+            for (int cc = 0; cc < kc; ++cc) sr[cc] = pr[cc] = 0.0f;
+            // s = q.k and dp = dO.v, each a sequential sum over d (key side:
+            // a = k, b = v against at = q, bt = dO; the same products).
+            invariant_dots(a + r * D, at, sr, D, kc);
+            invariant_dots(b + r * D, bt, pr, D, kc);
             for (int cc = 0; cc < n; ++cc) {
               const int i = KeySide ? j0 + c0 + cc : r0 + r;  // the query row
               const int j = KeySide ? r0 + r : j0 + c0 + cc;  // the key row
@@ -236,18 +227,8 @@ struct InvariantGradPass {
               vis[r * C + cc] = ok ? 1 : 0;
               if (ok) p_ds(sr[cc], pr[cc], qp, kp, h, lse2(bi, h, i), drow(bi, h, i));
             }
-            float* o1 = g1 + r * D;
-            float* o2 = g2 + r * D;
-            for (int cc = 0; cc < n; ++cc) {
-              if (!vis[r * C + cc]) continue;
-              const float p = sr[cc], ds = pr[cc];
-              const float* xr = ar + cc * D;
-              for (int d = 0; d < D; ++d) o1[d] += ds * xr[d];  // dS k (or dS q)
-              if (KeySide) {
-                const float* yr = br + cc * D;
-                for (int d = 0; d < D; ++d) o2[d] += p * yr[d];  // P dO
-              }
-            }
+            invariant_weighted_rows<false>(pr, vis + r * C, ar, g1 + r * D, D, n);  // dS k (q)
+            if (KeySide) invariant_weighted_rows<false>(sr, vis + r * C, br, g2 + r * D, D, n);
           });
           team.team_barrier();
         }

@@ -37,6 +37,7 @@
 #include <blockattn/policy/mask.hpp>
 #include <blockattn/policy/score.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -70,9 +71,85 @@ struct InvariantState {
 template <class MemorySpace>
 using InvariantRuns = Kokkos::View<int* [2], MemorySpace>;
 
-/// Rows per team and keys per chunk of the invariant kernels.
-inline constexpr int invariant_rows = 8;
+/// Rows per team and keys per chunk of the invariant kernels (a chunk of
+/// keys is loaded and transposed once per team: 32 rows amortise it; at 8
+/// the loads took more time than the products).
+inline constexpr int invariant_rows = 32;
 inline constexpr int invariant_chunk = 16;
+
+/// acc[c] += sum over d in order of a[d] kt[d][c] (kt rows of KC), c < kc:
+/// each acc[c] a sequential sum over d, eight d at a time per load and store
+/// of acc (one at a time, the store of each partial sum and its reload were
+/// a dependency chain that cost more than the products).
+KOKKOS_INLINE_FUNCTION void invariant_dots(const float* KOKKOS_RESTRICT a,
+                                           const float* KOKKOS_RESTRICT kt,
+                                           float* KOKKOS_RESTRICT acc, int D, int kc) {
+  constexpr int KC = invariant_chunk;
+  int d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const float* KOKKOS_RESTRICT k0 = kt + d * KC;
+    const float a0 = a[d], a1 = a[d + 1], a2 = a[d + 2], a3 = a[d + 3], a4 = a[d + 4],
+                a5 = a[d + 5], a6 = a[d + 6], a7 = a[d + 7];
+    for (int c = 0; c < kc; ++c) {
+      float t = acc[c];
+      t += a0 * k0[c];
+      t += a1 * k0[KC + c];
+      t += a2 * k0[2 * KC + c];
+      t += a3 * k0[3 * KC + c];
+      t += a4 * k0[4 * KC + c];
+      t += a5 * k0[5 * KC + c];
+      t += a6 * k0[6 * KC + c];
+      t += a7 * k0[7 * KC + c];
+      acc[c] = t;
+    }
+  }
+  for (; d < D; ++d) {
+    const float ad = a[d];
+    for (int c = 0; c < kc; ++c) acc[c] += ad * kt[d * KC + c];
+  }
+}
+
+/// o[d] += sum over the visible keys c < n, in order, of p[c] v[c][d] (v rows
+/// of D), and (Sum) o[D] += the sum of those p: four keys per load and store
+/// of o where all four are visible (a masked key is skipped, not multiplied by
+/// 0: its value may be inf or NaN).
+template <bool Sum>
+KOKKOS_INLINE_FUNCTION void invariant_weighted_rows(const float* KOKKOS_RESTRICT p, const char* vis,
+                                                    const float* KOKKOS_RESTRICT v,
+                                                    float* KOKKOS_RESTRICT o, int D, int n) {
+  int c = 0;
+  while (c < n) {
+    if (c + 4 <= n && vis[c] && vis[c + 1] && vis[c + 2] && vis[c + 3]) {
+      const float p0 = p[c], p1 = p[c + 1], p2 = p[c + 2], p3 = p[c + 3];
+      const float* KOKKOS_RESTRICT v0 = v + c * D;
+      for (int d = 0; d < D; ++d) {
+        float t = o[d];
+        t += p0 * v0[d];
+        t += p1 * v0[D + d];
+        t += p2 * v0[2 * D + d];
+        t += p3 * v0[3 * D + d];
+        o[d] = t;
+      }
+      if (Sum) {
+        float l = o[D];
+        l += p0;
+        l += p1;
+        l += p2;
+        l += p3;
+        o[D] = l;
+      }
+      c += 4;
+      continue;
+    }
+    if (vis[c]) {
+      const float pc = p[c];
+      const float* KOKKOS_RESTRICT vr = v + c * D;
+      for (int d = 0; d < D; ++d) o[d] += pc * vr[d];
+      if (Sum) o[D] += pc;
+    }
+    ++c;
+  }
+}
 
 /// One pass over a block of keys for the rows of q (Pass2 false: bounds;
 /// true: sums). Teams of invariant_rows rows of one (batch, head).
@@ -95,6 +172,7 @@ struct InvariantPass {
   InvariantState<mem> st;
   int state_batch = 0;  // batch b of q is batch state_batch + b of st
   int row_tiles = 0, level = 0;
+  int chunk = KC;  // KC, as a run-time value (see the scores)
 
   /// The team's scratch pieces (one carve: sizes them and takes them).
   template <class Take>
@@ -143,16 +221,22 @@ struct InvariantPass {
     double* fo;
     carve(sl, D, qs, kt, vs, vmax, s, vis, ot, fo, nf);
 
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R * D), [&](int x) {
-      const int r = x / D, d = x % D;
-      qs[x] = r < rows ? float(q(bi, i0 + r, h, d)) : 0.0f;
+    // Loads run a row (or key) per thread, its d in order: no division per
+    // element (an idiv per value cost more than the arithmetic).
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
+      float* KOKKOS_RESTRICT dst = qs + r * D;
+      if (r < rows) {
+        const auto* src = &q(bi, i0 + r, h, 0);
+        const std::ptrdiff_t st3 = std::ptrdiff_t(q.stride(3));
+        for (int d = 0; d < D; ++d) dst[d] = float(src[d * st3]);
+      } else {
+        for (int d = 0; d < D; ++d) dst[d] = 0.0f;
+      }
+      if constexpr (Pass2) {
+        for (int x = 0; x < F * D1; ++x) fo[r * F * D1 + x] = 0.0;
+        for (int d = 0; d < D1; ++d) nf[r * D1 + d] = 0.0f;
+      }
     });
-    if constexpr (Pass2) {
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R * D1), [&](int x) {
-        for (int f = 0; f < F; ++f) fo[(x / D1) * F * D1 + f * D1 + x % D1] = 0.0;
-        nf[x] = 0.0f;
-      });
-    }
     // Row state: pass 1 keeps its maxima in nf's first two columns.
     if constexpr (!Pass2) {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
@@ -167,35 +251,45 @@ struct InvariantPass {
       const int j0 = runs(u, 0), cnt = runs(u, 1);
       if (mask.classify(qlo, qhi, kpos(j0), kpos(j0 + cnt - 1) + 1) == TileKind::empty) continue;
       if constexpr (Pass2) {
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R * D1), [&](int x) { ot[x] = 0.0f; });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
+          for (int d = 0; d < D1; ++d) ot[r * D1 + d] = 0.0f;
+        });
       }
       for (int c0 = 0; c0 < cnt; c0 += KC) {
         const int n = cnt - c0 < KC ? cnt - c0 : KC;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * D), [&](int x) {
-          const int cc = x / D, d = x % D;
-          kt[d * KC + cc] = float(k(bi, j0 + c0 + cc, hk, d));
-          if constexpr (Pass2) vs[cc * D + d] = float(v(bi, j0 + c0 + cc, hk, d));
-        });
-        if constexpr (!Pass2) {
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](int cc) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, KC), [&](int cc) {
+          if (cc >= n) {
+            for (int d = 0; d < D; ++d) kt[d * KC + cc] = 0.0f;
+            return;
+          }
+          const int j = j0 + c0 + cc;
+          const auto* kr = &k(bi, j, hk, 0);
+          const auto* vr = &v(bi, j, hk, 0);
+          const std::ptrdiff_t ks = std::ptrdiff_t(k.stride(3)), vst = std::ptrdiff_t(v.stride(3));
+          for (int d = 0; d < D; ++d) kt[d * KC + cc] = float(kr[d * ks]);
+          if constexpr (Pass2) {
+            float* KOKKOS_RESTRICT dst = vs + cc * D;
+            for (int d = 0; d < D; ++d) dst[d] = float(vr[d * vst]);
+          } else {
             float mx = 0.0f;
             for (int d = 0; d < D; ++d) {
-              const float a = kmath::fabs(float(v(bi, j0 + c0 + cc, hk, d)));
+              const float a = kmath::fabs(float(vr[d * vst]));
               mx = a > mx && !is_nonfinite(a) ? a : mx;
             }
             vmax[cc] = mx;
-          });
-        }
-        team.team_barrier();
-        // Scores: s[r][cc] = sum over d in order of q[r][d] k[cc][d].
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
-          float* sr = s + r * KC;
-          for (int cc = 0; cc < KC; ++cc) sr[cc] = 0.0f;
-          for (int d = 0; d < D; ++d) {
-            const float a = qs[r * D + d];
-            const float* kd = kt + d * KC;
-            for (int cc = 0; cc < KC; ++cc) sr[cc] += a * kd[cc];
           }
+        });
+        team.team_barrier();
+        // Scores: s[r][cc] = sum over d in order of q[r][d] k[cc][d]. The
+        // key loop's trip count is the run-time `chunk` (= KC): with a
+        // constant one GCC unrolled it and vectorised over d with permutes,
+        // 20x slower than these vectors over the keys.
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
+          float* KOKKOS_RESTRICT sr = s + r * KC;
+          const int kc = chunk;
+          for (int cc = 0; cc < kc; ++cc) sr[cc] = 0.0f;
+          const float* KOKKOS_RESTRICT qr = qs + r * D;
+          invariant_dots(qr, kt, sr, D, kc);
           const index_type qp = qpos(i0 + r);
           for (int cc = 0; cc < n; ++cc) {
             const index_type kp = kpos(j0 + c0 + cc);
@@ -207,15 +301,12 @@ struct InvariantPass {
           }
           if constexpr (Pass2) {
             const float m = st.m(sb, h, i0 + r);
-            float* o = ot + r * D1;
+            float* KOKKOS_RESTRICT o = ot + r * D1;
             for (int cc = 0; cc < n; ++cc) {
-              if (!vis[r * KC + cc]) continue;
               const float x = sr[cc];
-              const float p = x == -infinity<float>() ? 0.0f : exp2_nonpositive(x - m);
-              o[D] += p;
-              const float* vr = vs + cc * D;
-              for (int d = 0; d < D; ++d) o[d] += p * vr[d];
+              sr[cc] = x == -infinity<float>() ? 0.0f : exp2_nonpositive(x - m);  // P
             }
+            invariant_weighted_rows<true>(sr, vis + r * KC, vs, o, D, n);
           } else {
             float m = nf[r * D1], b = nf[r * D1 + 1];
             for (int cc = 0; cc < n; ++cc) {
