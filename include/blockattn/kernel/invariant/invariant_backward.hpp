@@ -121,7 +121,7 @@ struct InvariantGradPass {
     f1 = t.template take<double>(std::size_t(R) * F * D);
     f2 = t.template take<double>(std::size_t(R) * F * D);
   }
-  static std::size_t lines(int D) {
+  KOKKOS_INLINE_FUNCTION static std::size_t lines(int D) {
     ScratchCount c;
     float *a, *b, *at, *bt, *ar, *br, *s, *dp, *g1, *g2;
     char* vis;
