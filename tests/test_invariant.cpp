@@ -322,9 +322,10 @@ void check_every_schedule(Mpi& comm, const Problem& p, const Mask& mask, bool ca
 
 TEST_CASE("invariant distributed: every schedule and partition, the one-device bits") {
   Mpi comm(MPI_COMM_WORLD);
-  // N = 192: contiguous pieces at P <= 4 start at multiples of 16, zigzag
-  // chunks (2P of them) at multiples of 8; striped takes tile 1.
-  const Problem p = problem<float>(192, 4, 2, 32, 21);
+  // N = 48 P: contiguous pieces start at multiples of 16, zigzag chunks (2P
+  // of them) at multiples of 8; striped takes tile 1.
+  const int N = 48 * comm.size();
+  const Problem p = problem<float>(N, 4, 2, 32, 21);
   const Kokkos::View<float*, MemSpace> none;
   check_every_schedule<float>(comm, p, CausalMask{}, true, none);
   check_every_schedule<float>(comm, p, with_score(SlidingWindowMask{50, 0}, SoftCap{6.0}), false,
@@ -332,15 +333,15 @@ TEST_CASE("invariant distributed: every schedule and partition, the one-device b
   Kokkos::View<float*, MemSpace> sinks("sinks", 4);
   Kokkos::deep_copy(sinks, 0.75f);
   check_every_schedule<float>(comm, p, FullMask{}, false, sinks);
-  const Problem pb = problem<bf16>(192, 4, 4, 64, 22);
+  const Problem pb = problem<bf16>(N, 4, 4, 64, 22);
   check_every_schedule<bf16>(comm, pb, CausalMask{}, true, none);
   check_every_schedule<bf16>(comm, pb, DocumentCausalMask{70}, false, none);
 }
 
 TEST_CASE("invariant distributed: Ulysses and the hybrid, the one-device bits") {
   Mpi comm(MPI_COMM_WORLD);
-  const int P = comm.size(), rank = comm.rank();
-  const Problem p = problem<float>(192, 12, 12, 32, 23);
+  const int P = comm.size(), rank = comm.rank(), N = 48 * P, H = 2 * P;  // H: a multiple of P
+  const Problem p = problem<float>(N, H, H, 32, 23);
   const auto mask = with_score(CausalMask{}, SoftCap{5.0});
   const Kokkos::View<float*, MemSpace> none;
   const Rows w16 = one_device<float>(p.q, p.k, p.v, mask, 16, none);
@@ -348,12 +349,12 @@ TEST_CASE("invariant distributed: Ulysses and the hybrid, the one-device bits") 
   opts.invariant = true;
   opts.invariant_tile = 16;
   {
-    const index_type n = local_length<ContiguousPartition>(192, P, rank);
-    const auto map = ContiguousPartition::positions(192, P, rank);
+    const index_type n = local_length<ContiguousPartition>(N, P, rank);
+    const auto map = ContiguousPartition::positions(N, P, rank);
     const V4<float> q = local_rows<float>(p.q, n, map), k = local_rows<float>(p.k, n, map),
                     v = local_rows<float>(p.v, n, map);
-    V4<float> o("o", 1, n, 12, 32);
-    V3<float> lse("lse", 1, 12, n);
+    V4<float> o("o", 1, n, H, 32);
+    V3<float> lse("lse", 1, H, n);
     UlyssesAttention<ContiguousPartition, std::decay_t<decltype(mask)>, Mpi, ExecSpace> u(comm,
                                                                                           mask);
     u.forward(q, k, v, o, lse, opts);
@@ -364,15 +365,15 @@ TEST_CASE("invariant distributed: Ulysses and the hybrid, the one-device bits") 
     if (P % ulysses != 0) continue;
     CAPTURE(ulysses);
     const HybridGrid g = HybridGrid::make(P, ulysses);
-    const index_type Ng = local_length<ContiguousPartition>(192, g.ring, g.group(rank));
+    const index_type Ng = local_length<ContiguousPartition>(N, g.ring, g.group(rank));
     const index_type base = Ng / ulysses, more = Ng % ulysses, a = g.member(rank);
     const index_type first = a * base + std::min(a, more), n = base + (a < more ? 1 : 0);
-    const auto group = ContiguousPartition::positions(192, g.ring, g.group(rank));
+    const auto group = ContiguousPartition::positions(N, g.ring, g.group(rank));
     const auto map = [&](index_type i) { return group(first + i); };
     const V4<float> q = local_rows<float>(p.q, n, map), k = local_rows<float>(p.k, n, map),
                     v = local_rows<float>(p.v, n, map);
-    V4<float> o("o", 1, n, 12, 32);
-    V3<float> lse("lse", 1, 12, n);
+    V4<float> o("o", 1, n, H, 32);
+    V3<float> lse("lse", 1, H, n);
     HybridAttention<ContiguousPartition, std::decay_t<decltype(mask)>, RingSchedule, Mpi, ExecSpace>
         hy(comm, ulysses, mask);
     hy.forward(q, k, v, o, lse, opts);
@@ -670,16 +671,17 @@ TEST_CASE("invariant backward: one device against fp64 (masks, score policy, sin
 TEST_CASE(
     "invariant distributed: the backward of every schedule and partition, the one-device bits") {
   Mpi comm(MPI_COMM_WORLD);
-  const Problem p = problem<float>(192, 4, 2, 32, 51);
+  const int N = 48 * comm.size();
+  const Problem p = problem<float>(N, 4, 2, 32, 51);
   std::mt19937_64 rng(52);
-  const HostTensor dout = rounded_to<float>(random_tensor(1, 192, 4, 32, rng));
+  const HostTensor dout = rounded_to<float>(random_tensor(1, N, 4, 32, rng));
   const Kokkos::View<float*, MemSpace> none;
   check_backward_schedules<float>(comm, p, dout, with_score(CausalMask{}, SoftCap{6.0}), none);
   Kokkos::View<float*, MemSpace> sinks("sinks", 4);
   Kokkos::deep_copy(sinks, 0.25f);
   check_backward_schedules<float>(comm, p, dout, SlidingWindowMask{40, 3}, sinks);
-  const Problem pb = problem<bf16>(192, 4, 4, 32, 53);
-  const HostTensor db = rounded_to<bf16>(random_tensor(1, 192, 4, 32, rng));
+  const Problem pb = problem<bf16>(N, 4, 4, 32, 53);
+  const HostTensor db = rounded_to<bf16>(random_tensor(1, N, 4, 32, rng));
   check_backward_schedules<bf16>(comm, pb, db, CausalMask{}, none);
 }
 
