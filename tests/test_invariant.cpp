@@ -542,24 +542,20 @@ WholeGrads whole_backward(const Problem& p, const HostTensor& dout, const Mask& 
   return w;
 }
 
-/// The distributed invariant backward under one partition and schedule
-/// against the one-device invariant backward: every gradient row the same bits.
-template <class S, class Partition, class Schedule, class Mask>
-void check_backward_schedule(Mpi& comm, const Problem& p, const HostTensor& dout, const Mask& mask,
-                             int tile, const Kokkos::View<float*, MemSpace>& sinks,
-                             const WholeGrads& whole) {
-  const int P = comm.size(), rank = comm.rank(), N = p.q.n, H = p.q.h, Hkv = p.k.h, D = p.q.d;
-  CAPTURE(Partition::name());
-  CAPTURE(Schedule::name());
+/// One distributed invariant backward (`attn`, any driver over every rank;
+/// this rank's n rows at global positions map(i)) against the one-device
+/// invariant backward: every gradient row the same bits.
+template <class S, class Driver, class Map>
+void check_backward_rows(Driver& attn, int P, index_type n, const Map& map, const Problem& p,
+                         const HostTensor& dout, int tile,
+                         const Kokkos::View<float*, MemSpace>& sinks, const WholeGrads& whole) {
+  const int H = p.q.h, Hkv = p.k.h, D = p.q.d;
   CAPTURE(tile);
-  const index_type n = local_length<Partition>(N, P, rank);
-  const auto map = Partition::positions(N, P, rank);
   const V4<S> q = local_rows<S>(p.q, n, map), k = local_rows<S>(p.k, n, map),
               v = local_rows<S>(p.v, n, map), d_o = local_rows<S>(dout, n, map);
   V4<S> o("o", 1, n, H, D), dq("dq", 1, n, H, D), dk("dk", 1, n, Hkv, D), dv("dv", 1, n, Hkv, D);
   V3<compute_t<S>> lse("lse", 1, H, n);
   Kokkos::View<float*, MemSpace> ds("dsinks", sinks.extent(0));
-  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
   DistributedOptions opts;
   opts.invariant = true;
   opts.invariant_tile = tile;
@@ -577,6 +573,19 @@ void check_backward_schedule(Mpi& comm, const Problem& p, const HostTensor& dout
   auto dh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), ds);
   for (std::size_t h = 0; h < dh.extent(0); ++h)
     CHECK(std::memcmp(&dh(h), &whole.dsink[h], sizeof(float)) == 0);
+}
+
+/// The same under one partition and schedule of DistributedAttention.
+template <class S, class Partition, class Schedule, class Mask>
+void check_backward_schedule(Mpi& comm, const Problem& p, const HostTensor& dout, const Mask& mask,
+                             int tile, const Kokkos::View<float*, MemSpace>& sinks,
+                             const WholeGrads& whole) {
+  const int P = comm.size(), rank = comm.rank(), N = p.q.n;
+  CAPTURE(Partition::name());
+  CAPTURE(Schedule::name());
+  DistributedAttention<Partition, Mask, Schedule, Mpi, ExecSpace> attn(comm, mask);
+  check_backward_rows<S>(attn, P, local_length<Partition>(N, P, rank),
+                         Partition::positions(N, P, rank), p, dout, tile, sinks, whole);
 }
 
 template <class S, class Mask>
@@ -685,15 +694,140 @@ TEST_CASE(
   check_backward_schedules<bf16>(comm, pb, db, CausalMask{}, none);
 }
 
-TEST_CASE("invariant distributed: the head-parallel backward says it has no invariant mode") {
+TEST_CASE("invariant distributed: the Ulysses and hybrid backward, the one-device bits") {
+  // H = 2P query heads on one K/V head: Ulysses and every hybrid grid
+  // replicate it (their default backward sums its partials over the ranks).
   Mpi comm(MPI_COMM_WORLD);
-  const int P = comm.size(), rank = comm.rank();
-  const index_type n = local_length<ContiguousPartition>(8 * P, P, rank);
-  V4<float> x("x", 1, n, P, 8);
-  V3<float> l("l", 1, P, n);
-  UlyssesAttention<ContiguousPartition, CausalMask, Mpi, ExecSpace> u(comm);
-  DistributedOptions opts;
+  const int P = comm.size(), rank = comm.rank(), N = 48 * P, H = 2 * P;
+  const Problem p = problem<float>(N, H, 1, 32, 61);
+  std::mt19937_64 rng(62);
+  const HostTensor dout = rounded_to<float>(random_tensor(1, N, H, 32, rng));
+  const auto mask = with_score(CausalMask{}, SoftCap{5.0});
+  using M = std::decay_t<decltype(mask)>;
+  Kokkos::View<float*, MemSpace> sinks("sinks", H);
+  Kokkos::deep_copy(sinks, -0.5f);
+  const WholeGrads w = whole_backward<float>(p, dout, mask, 16, sinks);
+  {
+    UlyssesAttention<ContiguousPartition, M, Mpi, ExecSpace> u(comm, mask);
+    check_backward_rows<float>(u, P, local_length<ContiguousPartition>(N, P, rank),
+                               ContiguousPartition::positions(N, P, rank), p, dout, 16, sinks, w);
+  }
+  for (int ulysses = 1; ulysses <= P; ++ulysses) {
+    if (P % ulysses != 0) continue;
+    CAPTURE(ulysses);
+    const HybridGrid g = HybridGrid::make(P, ulysses);
+    HybridAttention<ContiguousPartition, M, RingSchedule, Mpi, ExecSpace> hy(comm, ulysses, mask);
+    check_backward_rows<float>(hy, P, hybrid_length<ContiguousPartition>(N, g, rank),
+                               hybrid_position_map<ContiguousPartition>(N, g, rank), p, dout, 16,
+                               sinks, w);
+  }
+}
+
+namespace {
+
+/// attention_decode and attention_decode_paged in the invariant mode against
+/// attention_forward's over the whole sequence: two sequences of one problem
+/// whose caches hold 70 and 129 keys, two rows each at the cache's end (a
+/// partial last tile), the keys contiguous and in shuffled pages of 8.
+template <class T>
+void check_invariant_decode(std::uint64_t seed) {
+  const int N = 129, H = 4, Hkv = 2, D = 32, R = 2, B = 2, PS = 8;
+  const int len[B] = {70, N};
+  std::mt19937_64 rng(seed);
+  HostTensor q = random_tensor(1, N, H, D, rng), k = random_tensor(1, N, Hkv, D, rng),
+             v = random_tensor(1, N, Hkv, D, rng);
+  const auto mask = with_score(CausalMask{}, SoftCap{5.0});
+  Kokkos::View<float*, MemSpace> sinks("sinks", H);
+  Kokkos::deep_copy(sinks, 0.5f);
+  ForwardOptions fo;
+  fo.invariant_tile = 16;
+  fo.sinks = sinks;
+  // The decode inputs: rows len - 2, len - 1 of each sequence; its keys
+  // contiguous (capacity N) and paged (sequence 0's 9 pages at pool pages
+  // 25 .. 17, sequence 1's 17 at 16 .. 0: backwards).
+  HostTensor qd(B, R, H, D), kc(B, N, Hkv, D), vc(B, N, Hkv, D), kp(26, PS, Hkv, D),
+      vp(26, PS, Hkv, D);
+  auto table = Kokkos::View<int**, MemSpace>("table", B, 17);
+  auto th = Kokkos::create_mirror_view(table);
+  auto lengths = Kokkos::View<int*, MemSpace>("lengths", B);
+  auto first = Kokkos::View<index_type*, MemSpace>("first", B);
+  auto lh = Kokkos::create_mirror_view(lengths);
+  auto fh = Kokkos::create_mirror_view(first);
+  for (int b = 0; b < B; ++b) {
+    lh(b) = len[b];
+    fh(b) = len[b] - R;
+    for (int i = 0; i < R; ++i)
+      for (int x = 0; x < H; ++x)
+        for (int d = 0; d < D; ++d) qd(b, i, x, d) = q(0, len[b] - R + i, x, d);
+    for (int p = 0; p < 17; ++p) th(b, p) = b == 0 ? (p < 9 ? 25 - p : 0) : 16 - p;
+    for (int j = 0; j < len[b]; ++j)
+      for (int x = 0; x < Hkv; ++x)
+        for (int d = 0; d < D; ++d) {
+          kc(b, j, x, d) = k(0, j, x, d);
+          vc(b, j, x, d) = v(0, j, x, d);
+          kp(th(b, j / PS), j % PS, x, d) = k(0, j, x, d);
+          vp(th(b, j / PS), j % PS, x, d) = v(0, j, x, d);
+        }
+  }
+  Kokkos::deep_copy(table, th);
+  Kokkos::deep_copy(lengths, lh);
+  Kokkos::deep_copy(first, fh);
+  V4<T> qv("q", B, R, H, D), kcv("kc", B, N, Hkv, D), vcv("vc", B, N, Hkv, D),
+      kpv("kp", 26, PS, Hkv, D), vpv("vp", 26, PS, Hkv, D);
+  upload(qd, qv);
+  upload(kc, kcv);
+  upload(vc, vcv);
+  upload(kp, kpv);
+  upload(vp, vpv);
+  DecodeOptions opts;
   opts.invariant = true;
-  CHECK_THROWS_WITH_AS(u.backward(x, x, x, x, l, x, x, x, x, opts),
-                       doctest::Contains("invariant forward only"), invalid_argument);
+  opts.sinks = sinks;
+  for (int tile : {16, 8}) {
+    CAPTURE(tile);
+    fo.invariant_tile = opts.invariant_tile = tile;
+    const Rows whole = invariant_call<T>(q, k, v, 0, N, 0, N, mask, fo);
+    for (int paged = 0; paged < 2; ++paged) {
+      CAPTURE(paged);
+      V4<T> o("o", B, R, H, D);
+      V3<compute_t<T>> lse("lse", B, H, R);
+      if (paged)
+        attention_decode_paged(ExecSpace{}, qv, kpv, vpv, table, lengths, first, o, lse, mask,
+                               OffsetPositions{}, opts);
+      else
+        attention_decode(ExecSpace{}, qv, kcv, vcv, lengths, first, o, lse, mask, OffsetPositions{},
+                         opts);
+      Kokkos::fence();
+      const Rows got(o, lse);
+      int differ = 0;
+      for (int b = 0; b < B; ++b)
+        for (int i = 0; i < R; ++i)
+          for (int x = 0; x < H; ++x) {
+            const int pos = len[b] - R + i;
+            const std::size_t os = sizeof(T) * D;
+            differ += std::memcmp(&got.o[((std::size_t(b) * R + i) * H + x) * os],
+                                  &whole.o[(std::size_t(pos) * H + x) * os], os) != 0;
+            differ += std::memcmp(&got.lse[((std::size_t(b) * H + x) * R + i) * 4],
+                                  &whole.lse[(std::size_t(x) * N + pos) * 4], 4) != 0;
+          }
+      CHECK(differ == 0);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("invariant decode: attention_decode and attention_decode_paged, the one-device bits") {
+  check_invariant_decode<float>(71);
+  check_invariant_decode<bf16>(72);
+  // 8-bit caches have no invariant mode: a clear error.
+  V4<float> q("q", 1, 1, 2, 16), o("o", 1, 1, 2, 16);
+  V3<float> lse("lse", 1, 2, 1), ks("ks", 1, 8, 1);
+  V4<std::int8_t> k8("k8", 1, 8, 1, 16);
+  Kokkos::View<int*, MemSpace> lengths("lengths", 1);
+  Kokkos::View<index_type*, MemSpace> first("first", 1);
+  DecodeOptions opts;
+  opts.invariant = true;
+  CHECK_THROWS_WITH_AS(attention_decode_quantized(ExecSpace{}, q, k8, k8, ks, ks, lengths, first, o,
+                                                  lse, FullMask{}, OffsetPositions{}, opts),
+                       doctest::Contains("8-bit caches have no invariant mode"), invalid_argument);
 }

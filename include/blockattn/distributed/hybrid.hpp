@@ -22,7 +22,9 @@
 //
 // Heads: as UlyssesAttention with P_a ranks (H a multiple of P_a; GQA K/V
 // heads sharded, or replicated when a group has more ranks than K/V heads,
-// their dK, dV summed in the compute type on the way back).
+// their dK, dV summed in the compute type on the way back). The invariant
+// backward (options.invariant) runs DistributedAttention's invariant rings
+// over all P ranks on the hybrid layout instead (no all-to-all, no such sum).
 //
 // RunStats: `steps` are the ring's (its bytes cross groups), alltoall_bytes
 // the all-to-alls' (inside a group), workspace_bytes the peak of both.
@@ -191,6 +193,23 @@ class HybridAttention : public impl::HeadParallelCalls<
     stats.block_k = ring.block_k;
     stats.fused_workspace_bytes = ring.fused_workspace_bytes;
   }
+
+  /// The ranks' rows as a partition over all P ranks (the invariant
+  /// backward's rings): member a of group g holds the a-th piece of the
+  /// group's tokens.
+  struct RankLayout {
+    using position_map = HybridPositions<typename Partition::position_map>;
+    HybridGrid grid;
+    static constexpr const char* name() { return "hybrid"; }
+    index_type multiple_of(int) const { return 1; }
+    index_type length(index_type N, int, int rank) const {
+      return hybrid_length<Partition>(N, grid, rank);
+    }
+    position_map positions(index_type N, int, int rank) const {
+      return hybrid_position_map<Partition>(N, grid, rank);
+    }
+  };
+  RankLayout rank_layout(index_type) const { return RankLayout{m_grid}; }
 
   /// The group's all-to-alls (impl::HeadExchange, as UlyssesAttention's over
   /// the group's ranks): the group's tokens in concatenated order.

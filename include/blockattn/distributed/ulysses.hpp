@@ -5,7 +5,9 @@
 // whole sequence for H / P heads on every rank, attention runs on one device
 // over global positions (so every mask, custom ones included, just works),
 // and one all-to-all brings O (and LSE) back to the sequence split. The
-// backward does the same with Q, K, V, O, dO, LSE in and dQ, dK, dV out.
+// backward does the same with Q, K, V, O, dO, LSE in and dQ, dK, dV out
+// (with options.invariant it runs the invariant rings over every rank
+// instead: distributed/impl/invariant_ring.hpp, no all-to-all).
 //
 //   blockattn::UlyssesAttention<blockattn::ZigzagPartition, blockattn::CausalMask,
 //                               blockattn::MpiCommunicator<>> attn(comm);
@@ -115,6 +117,9 @@ class UlyssesAttention
       impl::check_mask_contract(name, this->m_exec, this->m_mask, 0, N, 0, N);
     return {e, N};
   }
+
+  /// The ranks' rows as a partition (the invariant backward's rings): the partition's.
+  static Partition rank_layout(index_type) { return Partition{}; }
 
   /// The all-to-alls over every rank (impl::HeadExchange): the whole sequence
   /// in global order on each rank, for its heads.

@@ -7,6 +7,7 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
+#include <blockattn/kernel/invariant/invariant_forward.hpp>
 #include <blockattn/kernel/options.hpp>
 #include <blockattn/kernel/portable/decode_kernel.hpp>
 #include <blockattn/kernel/portable/decode_merge.hpp>
@@ -50,6 +51,15 @@ struct DecodeOptions {
   /// vector products (bf16 widened as it is loaded). AMX tiles do not run
   /// decode: on AMX CPUs automatic keeps the fp32 vectors.
   HostMatrix host_matrix = HostMatrix::automatic;
+  /// The invariant mode (ForwardOptions::invariant, docs/numerics.md): each
+  /// row's O and LSE the bits of attention_forward's invariant mode (and of
+  /// prefill_attention's, decode_attention's) with the same invariant_tile
+  /// over the same keys, however long the cache. Runs sequence by sequence
+  /// on the invariant kernels (splits, sequence_splits and host_matrix do
+  /// not apply); o of the storage type for the bits of attention_forward's
+  /// 16-bit output. 8-bit caches have none (attention_decode_quantized throws).
+  bool invariant = false;
+  int invariant_tile = 64;
 };
 
 namespace impl {
@@ -401,6 +411,9 @@ void attention_decode(const ExecSpace& exec, const QV& q, const KV& k, const VV&
     const BlockExtents e = impl::validate_forward<ExecSpace>(fn, q, k, v, o, lse, opts.scale, true);
     const impl::DecodeChecked checked = impl::decode_checks(
         exec, fn, e, q, lengths, q_positions, mask, opts, "k.extent(1)", index_type(k.extent(1)));
+    if (opts.invariant)
+      return impl::invariant_decode(fn, exec, e, q, k, v, lengths, q_positions, o, lse, mask, kpos,
+                                    opts, impl::DecodePages<mem>{});
     impl::decode_launch(exec, e, checked, q, k, v, lengths, q_positions, o, lse, mask, kpos, opts,
                         impl::DecodePages<mem>{});
   }

@@ -131,6 +131,9 @@ void decode_paged(const ExecSpace& exec, const QV& q, const KV& k_pages, const V
     pages.table = table;
     pages.paged = true;
     pages.shift = shift;
+    if (opts.invariant)
+      return invariant_decode(fn, exec, e, q, k_pages, v_pages, lengths, q_positions, o, lse, mask,
+                              kpos, opts, pages);
     decode_launch(exec, e, checked, q, k_pages, v_pages, lengths, q_positions, o, lse, mask, kpos,
                   opts, pages);
   }

@@ -51,6 +51,11 @@ void decode_quantized(const ExecSpace& exec, const char* fn, const QV& q, const 
   check_mask_policy<Mask>();
   check_position_map<KPos>();
   if constexpr (decode_quant_views_ok<QV, KV, VV, SV, OV, LV>() && is_mask_policy_v<Mask>) {
+    if (opts.invariant)
+      fail(fn,
+           "argument 'options.invariant' is set: 8-bit caches have no invariant mode (their "
+           "dequantized keys are not the ones attention_forward sees); use a bf16, fp16 or fp32 "
+           "cache");
     require_accessible<ExecSpace, typename SV::memory_space>(fn, "k_scales");
     require_accessible<ExecSpace, typename SV::memory_space>(fn, "v_scales");
     const char* names[3] = {"batch", "capacity", "kv_heads"};

@@ -11,11 +11,11 @@
 #include <blockattn/core/errors.hpp>
 #include <blockattn/core/half.hpp>
 #include <blockattn/distributed/impl/consensus.hpp>
+#include <blockattn/distributed/impl/invariant_ring.hpp>
 #include <blockattn/distributed/impl/sinks.hpp>
 #include <blockattn/distributed/impl/step_loop.hpp>
 #include <blockattn/distributed/impl/validate.hpp>
 #include <blockattn/distributed/options.hpp>
-#include <blockattn/kernel/invariant/invariant_forward.hpp>
 #include <blockattn/kernel/sinks.hpp>
 #include <blockattn/kernel/validate.hpp>
 #include <blockattn/policy/partition.hpp>
@@ -425,7 +425,19 @@ class HeadParallelCalls {
         validate_backward<ExecSpace>(Derived::bfn, q, k, v, o, lse, dout, dq, dk, dv, opts.scale,
                                      true);
       });
-      reject_invariant_backward(Derived::bfn, opts);  // the same options on every rank
+      if (opts.invariant) {
+        // The invariant backward (the same options on every rank): the rings
+        // of DistributedAttention's over every rank, on the ranks' own rows
+        // (distributed/impl/invariant_ring.hpp): no all-to-all, and the
+        // gradients of every other schedule, bit for bit.
+        const auto layout = d.rank_layout(N);
+        const int P = m_comm.size();
+        std::vector<index_type> lengths(static_cast<std::size_t>(P));
+        for (int r = 0; r < P; ++r) lengths[std::size_t(r)] = local_length(layout, N, P, r);
+        invariant_ring_backward(m_comm, m_exec, Derived::bfn, layout, m_mask, e, N, lengths, q, k,
+                                v, o, lse, dout, dq, dk, dv, opts, stats);
+        return stats;
+      }
       distributed_sink_gradient(m_comm, m_exec, opts, o, dout, lse);
       d.run_backward(e, N, q, k, v, o, lse, dout, dq, dk, dv, opts, stats);
       m_exec.fence();

@@ -1,14 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 // The invariant mode's host side: the canonical tiles of a block of keys, the
-// checks, and the single-device forward (attention_forward with
-// ForwardOptions::invariant). The distributed and serving entry points run
-// the same passes (kernel/invariant/invariant_kernel.hpp) over their blocks.
+// checks, the single-device forward (attention_forward with
+// ForwardOptions::invariant) and decode (attention_decode, _paged). The distributed and serving
+// entry points run the same passes (kernel/invariant/invariant_kernel.hpp) over their blocks.
 #pragma once
 
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 #include <blockattn/kernel/invariant/invariant_kernel.hpp>
 #include <blockattn/kernel/options.hpp>
+#include <blockattn/kernel/sinks.hpp>
+#include <blockattn/kernel/validate.hpp>
+#include <blockattn/policy/positions.hpp>
 
 #include <cstdint>
 #include <string>
@@ -34,18 +37,6 @@ void check_invariant(const char* fn, int tile, index_type keys) {
          ", expected 1 <= tile <= 2^20 (keys per canonical tile)");
   if (keys >= (index_type(1) << 31))
     fail(fn, "the invariant mode takes sequences of fewer than 2^31 keys, got ", keys);
-}
-
-/// UlyssesAttention's and HybridAttention's backward have no invariant mode
-/// (their all-to-alls sum a replicated K/V head's partials in arrival
-/// order): a call that asks for it stops here, on every rank alike.
-template <class Opts>
-void reject_invariant_backward(const char* fn, const Opts& opts) {
-  if (opts.invariant)
-    fail(fn,
-         "argument 'options.invariant' is set: the invariant backward runs in "
-         "attention_backward and DistributedAttention::backward (any schedule and partition); "
-         "the head-parallel drivers have the invariant forward only");
 }
 
 /// The runs of canonical tiles of `n` local keys at positions pos(0 .. n-1)
@@ -102,6 +93,67 @@ void invariant_forward(const char* fn, const ExecSpace& exec, const BlockExtents
   invariant_pass<false>(exec, e, q, k, v, mask, qpos, kpos, scale, runs, st);
   invariant_pass<true>(exec, e, q, k, v, mask, qpos, kpos, scale, runs, st);
   invariant_finish(exec, st, o, lse, e.heads);
+}
+
+/// attention_decode and attention_decode_paged with options.invariant (the
+/// checks done): sequence by sequence (rows at q_positions(b) + i, keys 0 ..
+/// lengths(b) - 1), its keys copied out of the cache (a paged one's pages
+/// gathered: an exact copy) and both passes run over them, so each row gets
+/// the bits of attention_forward's invariant mode over the same keys; then
+/// the sinks. Waits for exec (the lengths and positions are read on the host).
+template <class ExecSpace, class QV, class KV, class VV, class LenV, class PosV, class OV, class LV,
+          class Mask, class KPos, class Opts, class Pages>
+void invariant_decode(const char* fn, const ExecSpace& exec, const BlockExtents& e, const QV& q,
+                      const KV& k, const VV& v, const LenV& lengths, const PosV& q_positions,
+                      const OV& o, const LV& lse, const Mask& mask, const KPos& kpos,
+                      const Opts& opts, const Pages& pages) {
+  using S = typename KV::non_const_value_type;
+  using V = typename OV::non_const_value_type;
+  using mem = typename ExecSpace::memory_space;
+  const auto len = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lengths);
+  const auto first = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), q_positions);
+  index_type most = 0;
+  for (int b = 0; b < e.batch; ++b) most = len(b) > most ? len(b) : most;
+  check_invariant<V>(fn, opts.invariant_tile, most);
+  if constexpr (!std::is_same<V, double>::value) {
+    using Keys = Kokkos::View<S****, Kokkos::LayoutRight, mem>;
+    const auto alloc = [](const char* label) {
+      return Kokkos::view_alloc(std::string(label), Kokkos::WithoutInitializing);
+    };
+    const Keys kb(alloc("blockattn::invariant_decode_k"), 1, most, e.kv_heads, e.dim),
+        vb(alloc("blockattn::invariant_decode_v"), 1, most, e.kv_heads, e.dim);
+    ForwardOptions fo;
+    fo.invariant = true;
+    fo.invariant_tile = opts.invariant_tile;
+    const float scale = softmax_scale<float>(opts.scale, e.dim);
+    for (int b = 0; b < e.batch; ++b) {
+      const index_type n = len(b);
+      if (n > 0)
+        Kokkos::parallel_for(
+            "blockattn::invariant_decode_gather",
+            Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(
+                exec, {0, 0, 0}, {n, index_type(e.kv_heads), index_type(e.dim)}),
+            KOKKOS_LAMBDA(index_type j, index_type g, index_type d) {
+              const int p = pages.paged ? pages.table(b, int(j >> pages.shift)) : b;
+              const index_type s = pages.paged ? j & ((index_type(1) << pages.shift) - 1) : j;
+              kb(0, j, g, d) = k(p, s, g, d);
+              vb(0, j, g, d) = v(p, s, g, d);
+            });
+      BlockExtents eb = e;
+      eb.batch = 1;
+      eb.keys = int(n);
+      const auto one = Kokkos::make_pair(b, b + 1);
+      const auto keys = Kokkos::make_pair(index_type(0), n);
+      invariant_forward(fn, exec, eb,
+                        Kokkos::subview(q, one, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL),
+                        Kokkos::subview(kb, Kokkos::ALL, keys, Kokkos::ALL, Kokkos::ALL),
+                        Kokkos::subview(vb, Kokkos::ALL, keys, Kokkos::ALL, Kokkos::ALL),
+                        Kokkos::subview(o, one, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL),
+                        Kokkos::subview(lse, one, Kokkos::ALL, Kokkos::ALL), mask,
+                        OffsetPositions{first(b)}, kpos, scale, fo);
+    }
+    apply_sinks(exec, opts.sinks, o, lse);
+  }
 }
 
 }  // namespace blockattn::impl
