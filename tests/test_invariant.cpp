@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -830,4 +831,60 @@ TEST_CASE("invariant decode: attention_decode and attention_decode_paged, the on
   CHECK_THROWS_WITH_AS(attention_decode_quantized(ExecSpace{}, q, k8, k8, ks, ks, lengths, first, o,
                                                   lse, FullMask{}, OffsetPositions{}, opts),
                        doctest::Contains("8-bit caches have no invariant mode"), invalid_argument);
+}
+
+TEST_CASE("invariant: NaN and inf inputs, where the default mode has them") {
+  // NaN in V[40][3] and K[77], inf in V[60][5] and Q[90]: each row's O, LSE,
+  // and each gradient element NaN (or inf) exactly where the default mode's
+  // is, forward and backward (causal, tile 16: chunks with and without a
+  // non-finite row).
+  const int N = 100, H = 2, D = 32;
+  std::mt19937_64 rng(81);
+  HostTensor q = random_tensor(1, N, H, D, rng), k = random_tensor(1, N, H, D, rng),
+             v = random_tensor(1, N, H, D, rng), dout = random_tensor(1, N, H, D, rng);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (int x = 0; x < H; ++x) {
+    v(0, 40, x, 3) = nan;
+    v(0, 60, x, 5) = inf;
+    for (int d = 0; d < D; ++d) k(0, 77, x, d) = x == 0 ? nan : 1.0;
+    q(0, 90, x, 7) = x == 1 ? inf : q(0, 90, x, 7);
+  }
+  const V4<float> qd = rows_of<float>(q, 0, N), kd = rows_of<float>(k, 0, N),
+                  vd = rows_of<float>(v, 0, N), dod = rows_of<float>(dout, 0, N);
+  auto pattern = [](const auto& view) {
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
+    std::vector<int> p(h.span());
+    for (std::size_t i = 0; i < h.span(); ++i)
+      p[i] = std::isnan(h.data()[i]) ? 2 : std::isinf(h.data()[i]) ? 1 : 0;
+    return p;
+  };
+  std::vector<int> want[5], got[5];
+  for (int inv = 0; inv < 2; ++inv) {
+    V4<float> o("o", 1, N, H, D), dq("dq", 1, N, H, D), dk("dk", 1, N, H, D),
+        dv("dv", 1, N, H, D);
+    V3<float> lse("lse", 1, H, N);
+    ForwardOptions opts;
+    opts.invariant = inv == 1;
+    opts.invariant_tile = 16;
+    attention_forward(ExecSpace{}, qd, kd, vd, o, lse, CausalMask{}, opts);
+    attention_backward(ExecSpace{}, qd, kd, vd, o, lse, dod, dq, dk, dv, CausalMask{}, opts);
+    Kokkos::fence();
+    std::vector<int>* out = inv ? got : want;
+    out[0] = pattern(o);
+    out[1] = pattern(lse);
+    out[2] = pattern(dq);
+    out[3] = pattern(dk);
+    out[4] = pattern(dv);
+  }
+  for (int t = 0; t < 5; ++t) {
+    CAPTURE(t);
+    int nonfinite = 0, differ = 0;
+    for (std::size_t i = 0; i < want[t].size(); ++i) {
+      nonfinite += want[t][i] != 0;
+      differ += want[t][i] != got[t][i];
+    }
+    CHECK(nonfinite > 0);
+    CHECK(differ == 0);
+  }
 }

@@ -65,6 +65,35 @@ struct InvariantFolds {
     f[2 * stride] += q;
   }
 
+  /// deposit() of x[d], d < n, into the folds f[d], f[n + 1 + d], f[2 (n +
+  /// 1) + d] (a row of n + 1 columns) with one e; a non-finite x[d] is added
+  /// to nf[d] instead (and 0 to the folds, which adds nothing). Branch-free:
+  /// the columns run as vectors.
+  KOKKOS_INLINE_FUNCTION static void deposit_row(double* KOKKOS_RESTRICT f,
+                                                 float* KOKKOS_RESTRICT nf,
+                                                 const float* KOKKOS_RESTRICT x, int n, int e) {
+    const int stride = n + 1;
+    double* KOKKOS_RESTRICT f1 = f + stride;
+    double* KOKKOS_RESTRICT f2 = f + 2 * stride;
+    const double m0 = 1.5 * pow2(e + 33), m1 = 1.5 * pow2(e + 13), m2 = 1.5 * pow2(e - 7);
+    for (int d = 0; d < n; ++d) {
+      // Finite x to the folds, inf or NaN to nf (+0 to the other): masks on
+      // the bits, no branch.
+      const std::uint32_t u = bit_cast<std::uint32_t>(x[d]);
+      const std::uint32_t keep = 0u - std::uint32_t((u & 0x7f800000u) != 0x7f800000u);
+      nf[d] += bit_cast<float>(u & ~keep);
+      double y = double(bit_cast<float>(u & keep));
+      double q = (m0 + y) - m0;
+      f[d] += q;
+      y -= q;
+      q = (m1 + y) - m1;
+      f1[d] += q;
+      y -= q;
+      q = (m2 + y) - m2;
+      f2[d] += q;
+    }
+  }
+
   /// The folds' value: smallest first (one fixed order).
   KOKKOS_INLINE_FUNCTION static double value(const double* f, int stride) {
     return f[0] + (f[stride] + f[2 * stride]);

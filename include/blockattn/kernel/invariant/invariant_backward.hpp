@@ -49,7 +49,8 @@ struct InvariantGradBounds {
 /// of tile partials that exceeded their bound.
 template <class MemorySpace>
 struct InvariantGrads {
-  Kokkos::View<double****, MemorySpace> folds;
+  // A row's columns contiguous (deposit_row_checked), whatever the space's default.
+  Kokkos::View<double****, Kokkos::LayoutRight, MemorySpace> folds;
   Kokkos::View<int, MemorySpace> overflow;
   InvariantGrads() = default;
   InvariantGrads(int batch, int heads, index_type rows, int dim)
@@ -57,20 +58,35 @@ struct InvariantGrads {
         overflow("blockattn::invariant_overflow") {}
 };
 
-/// Adds a tile partial x to the folds at f (stride `stride`) with exponent e;
-/// one beyond 2^e (the bound) is counted instead.
-template <class Overflow>
-KOKKOS_INLINE_FUNCTION void deposit_checked(double* f, int stride, float x, int e,
-                                            const Overflow& overflow) {
-  if (is_nonfinite(x)) {
-    f[0] += double(x);  // inf / NaN: the fold is non-finite, order-free
-    return;
+/// Adds the tile partials x[d], d < n, to a row of folds f (n columns, fold
+/// k at f + k n) with one e: a non-finite one into fold 0 (order-free), one
+/// beyond 2^e (the bound) counted instead (returns the count). Branch-free (masks on the bits): the
+/// columns run as vectors.
+KOKKOS_INLINE_FUNCTION int deposit_row_checked(double* KOKKOS_RESTRICT f,
+                                               const float* KOKKOS_RESTRICT x, int n, int e) {
+  double* KOKKOS_RESTRICT f1 = f + n;
+  double* KOKKOS_RESTRICT f2 = f + 2 * n;
+  const double bound = InvariantFolds::pow2(e), m0 = 1.5 * InvariantFolds::pow2(e + 33),
+               m1 = 1.5 * InvariantFolds::pow2(e + 13), m2 = 1.5 * InvariantFolds::pow2(e - 7);
+  int over = 0;
+  for (int d = 0; d < n; ++d) {
+    const std::uint32_t u = bit_cast<std::uint32_t>(x[d]);
+    const std::uint32_t keep = 0u - std::uint32_t((u & 0x7f800000u) != 0x7f800000u);
+    f[d] += double(bit_cast<float>(u & ~keep));  // inf / NaN: the fold non-finite, order-free
+    double y = double(bit_cast<float>(u & keep));
+    const bool big = !(kmath::fabs(y) < bound);
+    over += big ? 1 : 0;
+    y *= big ? 0.0 : 1.0;
+    double q = (m0 + y) - m0;
+    f[d] += q;
+    y -= q;
+    q = (m1 + y) - m1;
+    f1[d] += q;
+    y -= q;
+    q = (m2 + y) - m2;
+    f2[d] += q;
   }
-  if (!(kmath::fabs(double(x)) < InvariantFolds::pow2(e))) {
-    Kokkos::atomic_add(&overflow(), 1);
-    return;
-  }
-  InvariantFolds::deposit(f, stride, double(x), e);
+  return over;
 }
 
 /// One pass of the backward for a block of rows against a block of keys.
@@ -82,7 +98,9 @@ template <bool KeySide, class ExecSpace, class QV, class DOV, class LV, class DV
 struct InvariantGradPass {
   using member = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using mem = typename ExecSpace::memory_space;
-  static constexpr int R = invariant_rows, C = invariant_chunk;
+  static constexpr int R = is_host_space_v<ExecSpace> ? invariant_host_rows : invariant_rows;
+  static constexpr int C = invariant_chunk;
+  static constexpr int RB = is_host_space_v<ExecSpace> ? 4 : 1;  // as InvariantPass
   static constexpr int F = InvariantFolds::folds;
 
   BlockExtents e;  // queries: rows of q; keys: rows of k
@@ -105,8 +123,8 @@ struct InvariantGradPass {
   template <class Take>
   KOKKOS_INLINE_FUNCTION static void carve(Take& t, int D, float*& a, float*& b, float*& at,
                                            float*& bt, float*& ar, float*& br, float*& s,
-                                           float*& dp, char*& vis, float*& g1, float*& g2,
-                                           double*& f1, double*& f2) {
+                                           float*& dp, char*& vis, char*& bad, float*& g1,
+                                           float*& g2) {
     a = t.template take<float>(std::size_t(R) * D);   // own rows: q (or k)
     b = t.template take<float>(std::size_t(R) * D);   // own rows: dO (or v)
     at = t.template take<float>(std::size_t(D) * C);  // other rows transposed: k (or q)
@@ -116,17 +134,15 @@ struct InvariantGradPass {
     s = t.template take<float>(std::size_t(R) * C);   // then P
     dp = t.template take<float>(std::size_t(R) * C);  // then dS
     vis = t.template take<char>(std::size_t(R) * C);
+    bad = t.template take<char>(std::size_t(C));      // the chunk's key: ar or br holds inf / NaN
     g1 = t.template take<float>(std::size_t(R) * D);  // tile partial dQ (or dK)
     g2 = t.template take<float>(std::size_t(R) * D);  // (dV)
-    f1 = t.template take<double>(std::size_t(R) * F * D);
-    f2 = t.template take<double>(std::size_t(R) * F * D);
   }
   KOKKOS_INLINE_FUNCTION static std::size_t lines(int D) {
     ScratchCount c;
     float *a, *b, *at, *bt, *ar, *br, *s, *dp, *g1, *g2;
-    char* vis;
-    double *f1, *f2;
-    carve(c, D, a, b, at, bt, ar, br, s, dp, vis, g1, g2, f1, f2);
+    char *vis, *bad;
+    carve(c, D, a, b, at, bt, ar, br, s, dp, vis, bad, g1, g2);
     return c.lines;
   }
 
@@ -155,9 +171,8 @@ struct InvariantGradPass {
     const int rows = own - r0 < R ? own - r0 : R;
     ScratchLines sl(team, level, lines(D));
     float *a, *b, *at, *bt, *ar, *br, *s, *dp, *g1, *g2;
-    char* vis;
-    double *f1, *f2;
-    carve(sl, D, a, b, at, bt, ar, br, s, dp, vis, g1, g2, f1, f2);
+    char *vis, *bad;
+    carve(sl, D, a, b, at, bt, ar, br, s, dp, vis, bad, g1, g2);
     // A row per thread, its d in order (no division per element).
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
       for (int d = 0; d < D; ++d) {
@@ -168,7 +183,6 @@ struct InvariantGradPass {
                        : KeySide ? float(v(bi, r0 + r, hh, d))
                                  : float(dout(bi, r0 + r, hh, d));
       }
-      for (int x = 0; x < F * D; ++x) f1[r * F * D + x] = f2[r * F * D + x] = 0.0;
     });
     team.team_barrier();
     const index_type own_lo = KeySide ? kpos(r0) : qpos(r0);
@@ -192,6 +206,7 @@ struct InvariantGradPass {
           const int n = cnt - c0 < C ? cnt - c0 : C;
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](int cc) {
             const int j = j0 + c0 + cc;
+            bool nonfinite = false;
             for (int d = 0; d < D; ++d) {
               if (cc >= n) {
                 at[d * C + cc] = bt[d * C + cc] = 0.0f;
@@ -201,54 +216,66 @@ struct InvariantGradPass {
                 bt[d * C + cc] = dv;
                 ar[cc * D + d] = qv;
                 br[cc * D + d] = dv;
+                nonfinite = nonfinite || is_nonfinite(qv) || is_nonfinite(dv);
               } else {
                 const float kv = float(k(bi, j, hk, d));
                 at[d * C + cc] = kv;
                 bt[d * C + cc] = float(v(bi, j, hk, d));
                 ar[cc * D + d] = kv;
+                nonfinite = nonfinite || is_nonfinite(kv);
               }
             }
+            bad[cc] = nonfinite ? 1 : 0;
           });
           team.team_barrier();
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
-            float* sr = s + r * C;
-            float* pr = dp + r * C;
-            const int kc = chunk;  // C at run time (see the forward's scores)
-            for (int cc = 0; cc < kc; ++cc) sr[cc] = pr[cc] = 0.0f;
+          // RB rows at a time (rows past `rows` are zeros, their keys masked).
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (rows + RB - 1) / RB), [&](int grp) {
+            const int rg = grp * RB, kc = chunk;  // C at run time (see the forward's scores)
+            for (int x = 0; x < RB * C; ++x) s[rg * C + x] = dp[rg * C + x] = 0.0f;
             // s = q.k and dp = dO.v, each a sequential sum over d (key side:
             // a = k, b = v against at = q, bt = dO; the same products).
-            invariant_dots(a + r * D, at, sr, D, kc);
-            invariant_dots(b + r * D, bt, pr, D, kc);
-            for (int cc = 0; cc < n; ++cc) {
-              const int i = KeySide ? j0 + c0 + cc : r0 + r;  // the query row
-              const int j = KeySide ? r0 + r : j0 + c0 + cc;  // the key row
-              const index_type qp = qpos(i), kp = kpos(j);
-              const bool ok = mask.allowed(qp, kp);
-              vis[r * C + cc] = ok ? 1 : 0;
-              if (ok) p_ds(sr[cc], pr[cc], qp, kp, h, lse2(bi, h, i), drow(bi, h, i));
+            invariant_dots<RB>(a + rg * D, at, s + rg * C, D, kc);
+            invariant_dots<RB>(b + rg * D, bt, dp + rg * C, D, kc);
+            // The chunk's rows all finite: every key's product is added (P
+            // and dS are 0 at masked keys, which adds nothing then).
+            bool finite = true;
+            for (int cc = 0; cc < n && finite; ++cc) finite = !bad[cc];
+            for (int r = rg; r < rg + RB; ++r) {
+              float* sr = s + r * C;
+              float* pr = dp + r * C;
+              for (int cc = 0; cc < n; ++cc) {
+                const int i = KeySide ? j0 + c0 + cc : r0 + r;  // the query row
+                const int j = KeySide ? r0 + r : j0 + c0 + cc;  // the key row
+                const bool ok = r < rows && mask.allowed(qpos(i), kpos(j));
+                vis[r * C + cc] = ok ? 1 : 0;
+                if (ok)
+                  p_ds(sr[cc], pr[cc], qpos(i), kpos(j), h, lse2(bi, h, i), drow(bi, h, i));
+                else
+                  sr[cc] = pr[cc] = 0.0f;
+              }
+              if (!finite) {
+                invariant_weighted_rows<false>(pr, vis + r * C, ar, g1 + r * D, D, n);  // dS k (q)
+                if (KeySide) invariant_weighted_rows<false>(sr, vis + r * C, br, g2 + r * D, D, n);
+              }
             }
-            invariant_weighted_rows<false>(pr, vis + r * C, ar, g1 + r * D, D, n);  // dS k (q)
-            if (KeySide) invariant_weighted_rows<false>(sr, vis + r * C, br, g2 + r * D, D, n);
+            if (finite) {
+              invariant_weighted_block<RB, false>(dp + rg * C, ar, g1 + rg * D, D, n);
+              if (KeySide) invariant_weighted_block<RB, false>(s + rg * C, br, g2 + rg * D, D, n);
+            }
           });
           team.team_barrier();
         }
-        // The tile's partials into the folds.
+        // The tile's partials into the rows' folds (each row is this
+        // team's alone).
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
           const int e1 = KeySide ? bounds.e_dk() : bounds.e_dq(), e2 = bounds.e_dv();
-          for (int d = 0; d < D; ++d) {
-            deposit_checked(f1 + r * F * D + d, D, g1[r * D + d], e1, ga.overflow);
-            if (KeySide) deposit_checked(f2 + r * F * D + d, D, g2[r * D + d], e2, ga.overflow);
-          }
+          int over = deposit_row_checked(&ga.folds(bi, hh, r0 + r, 0), g1 + r * D, D, e1);
+          if (KeySide) over += deposit_row_checked(&gb.folds(bi, hh, r0 + r, 0), g2 + r * D, D, e2);
+          if (over > 0) Kokkos::atomic_add(&ga.overflow(), over);
         });
         team.team_barrier();
       }
     }
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
-      for (int x = 0; x < F * D; ++x) {
-        ga.folds(bi, hh, r0 + r, x) += f1[r * F * D + x];
-        if (KeySide) gb.folds(bi, hh, r0 + r, x) += f2[r * F * D + x];
-      }
-    });
   }
 };
 

@@ -49,8 +49,10 @@ namespace blockattn::impl {
 template <class MemorySpace>
 struct InvariantState {
   Kokkos::View<float***, MemorySpace> m, b;
-  Kokkos::View<double****, MemorySpace> folds;  // (batch, heads, rows, 3 (D + 1))
-  Kokkos::View<float****, MemorySpace> nf;      // (batch, heads, rows, D + 1)
+  // A row's columns contiguous (deposit_row), whatever the space's default layout.
+  Kokkos::View<double****, Kokkos::LayoutRight, MemorySpace>
+      folds;                                                     // (batch, heads, rows, 3 (D + 1))
+  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> nf;  // (batch, heads, rows, D + 1)
   int dim = 0;
 
   InvariantState() = default;
@@ -75,12 +77,19 @@ using InvariantRuns = Kokkos::View<int* [2], MemorySpace>;
 /// keys is loaded and transposed once per team: 32 rows amortise it; at 8
 /// the loads took more time than the products).
 inline constexpr int invariant_rows = 32;
+/// Rows per team on host spaces: the chunk's loads (a transpose of K and
+/// V's rows) amortised over more rows (32: about half the pass's time).
+inline constexpr int invariant_host_rows = 128;
 inline constexpr int invariant_chunk = 16;
 
-/// acc[c] += sum over d in order of a[d] kt[d][c] (kt rows of KC), c < kc:
-/// each acc[c] a sequential sum over d, eight d at a time per load and store
-/// of acc (one at a time, the store of each partial sum and its reload were
-/// a dependency chain that cost more than the products).
+/// acc_r[c] += sum over d in order of a_r[d] kt[d][c] (kt rows of KC), for
+/// RB rows r (a_r = a + r D, acc_r = acc + r KC) and c < kc: each acc_r[c] a
+/// sequential sum over d, eight d at a time per load and store of acc, the
+/// RB rows' chains side by side (one row's eight dependent additions per
+/// store were latency-bound: 8 flops per cycle; one at a time, the store of
+/// each partial sum and its reload were a chain that cost more than the
+/// products). A row's sums do not depend on RB or on the other rows.
+template <int RB>
 KOKKOS_INLINE_FUNCTION void invariant_dots(const float* KOKKOS_RESTRICT a,
                                            const float* KOKKOS_RESTRICT kt,
                                            float* KOKKOS_RESTRICT acc, int D, int kc) {
@@ -88,25 +97,32 @@ KOKKOS_INLINE_FUNCTION void invariant_dots(const float* KOKKOS_RESTRICT a,
   int d = 0;
   for (; d + 8 <= D; d += 8) {
     const float* KOKKOS_RESTRICT k0 = kt + d * KC;
-    const float a0 = a[d], a1 = a[d + 1], a2 = a[d + 2], a3 = a[d + 3], a4 = a[d + 4],
-                a5 = a[d + 5], a6 = a[d + 6], a7 = a[d + 7];
+    float x[RB][8];
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < 8; ++i) x[r][i] = a[r * D + d + i];
     for (int c = 0; c < kc; ++c) {
-      float t = acc[c];
-      t += a0 * k0[c];
-      t += a1 * k0[KC + c];
-      t += a2 * k0[2 * KC + c];
-      t += a3 * k0[3 * KC + c];
-      t += a4 * k0[4 * KC + c];
-      t += a5 * k0[5 * KC + c];
-      t += a6 * k0[6 * KC + c];
-      t += a7 * k0[7 * KC + c];
-      acc[c] = t;
+      const float k0c = k0[c], k1c = k0[KC + c], k2c = k0[2 * KC + c], k3c = k0[3 * KC + c],
+                  k4c = k0[4 * KC + c], k5c = k0[5 * KC + c], k6c = k0[6 * KC + c],
+                  k7c = k0[7 * KC + c];
+      for (int r = 0; r < RB; ++r) {
+        float t = acc[r * KC + c];
+        t += x[r][0] * k0c;
+        t += x[r][1] * k1c;
+        t += x[r][2] * k2c;
+        t += x[r][3] * k3c;
+        t += x[r][4] * k4c;
+        t += x[r][5] * k5c;
+        t += x[r][6] * k6c;
+        t += x[r][7] * k7c;
+        acc[r * KC + c] = t;
+      }
     }
   }
-  for (; d < D; ++d) {
-    const float ad = a[d];
-    for (int c = 0; c < kc; ++c) acc[c] += ad * kt[d * KC + c];
-  }
+  for (; d < D; ++d)
+    for (int r = 0; r < RB; ++r) {
+      const float ad = a[r * D + d];
+      for (int c = 0; c < kc; ++c) acc[r * KC + c] += ad * kt[d * KC + c];
+    }
 }
 
 /// o[d] += sum over the visible keys c < n, in order, of p[c] v[c][d] (v rows
@@ -151,13 +167,64 @@ KOKKOS_INLINE_FUNCTION void invariant_weighted_rows(const float* KOKKOS_RESTRICT
   }
 }
 
+/// o_r[d] += sum over the keys c < n, in order, of p_r[c] v[c][d], and (Sum)
+/// o_r[D] += sum of p_r[c], for RB rows r (p_r = p + r KC, o_r = o + r (D +
+/// Sum)): every key, four per load and store of o. For V rows that are all
+/// finite and P = 0 at masked keys, the same sums (and bits) as
+/// invariant_weighted_rows, which skips them (0 v adds nothing to a sum
+/// that starts at +0).
+template <int RB, bool Sum = true>
+KOKKOS_INLINE_FUNCTION void invariant_weighted_block(const float* KOKKOS_RESTRICT p,
+                                                     const float* KOKKOS_RESTRICT v,
+                                                     float* KOKKOS_RESTRICT o, int D, int n) {
+  constexpr int KC = invariant_chunk;
+  const int D1 = Sum ? D + 1 : D;
+  int c = 0;
+  for (; c + 4 <= n; c += 4) {
+    const float* KOKKOS_RESTRICT v0 = v + c * D;
+    for (int r = 0; r < RB; ++r) {
+      const float p0 = p[r * KC + c], p1 = p[r * KC + c + 1], p2 = p[r * KC + c + 2],
+                  p3 = p[r * KC + c + 3];
+      float* KOKKOS_RESTRICT orow = o + r * D1;
+      for (int d = 0; d < D; ++d) {
+        float t = orow[d];
+        t += p0 * v0[d];
+        t += p1 * v0[D + d];
+        t += p2 * v0[2 * D + d];
+        t += p3 * v0[3 * D + d];
+        orow[d] = t;
+      }
+      if (Sum) {
+        float l = orow[D];
+        l += p0;
+        l += p1;
+        l += p2;
+        l += p3;
+        orow[D] = l;
+      }
+    }
+  }
+  for (; c < n; ++c)
+    for (int r = 0; r < RB; ++r) {
+      const float pc = p[r * KC + c];
+      float* KOKKOS_RESTRICT orow = o + r * D1;
+      for (int d = 0; d < D; ++d) orow[d] += pc * v[c * D + d];
+      if (Sum) orow[D] += pc;
+    }
+}
+
 /// One pass over a block of keys for the rows of q (Pass2 false: bounds;
 /// true: sums). Teams of invariant_rows rows of one (batch, head).
 template <bool Pass2, class ExecSpace, class QV, class KV, class VV, class Mask, class QP, class KP>
 struct InvariantPass {
   using member = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using mem = typename ExecSpace::memory_space;
-  static constexpr int R = invariant_rows, KC = invariant_chunk;
+  static constexpr int R = is_host_space_v<ExecSpace> ? invariant_host_rows : invariant_rows;
+  static constexpr int KC = invariant_chunk;
+  // Rows per thread and step of the products: four on host spaces (their
+  // chains side by side), one on devices (a row per thread).
+  static constexpr int RB = is_host_space_v<ExecSpace> ? 4 : 1;
+  static_assert(R % 4 == 0, "invariant_rows: a multiple of the host's row blocks");
   static constexpr int F = InvariantFolds::folds;
 
   BlockExtents e;
@@ -175,29 +242,29 @@ struct InvariantPass {
   int chunk = KC;  // KC, as a run-time value (see the scores)
 
   /// The team's scratch pieces (one carve: sizes them and takes them).
+  /// (Pass 2 adds into the state's folds and non-finite sums directly: each
+  /// row is one team's.)
   template <class Take>
   KOKKOS_INLINE_FUNCTION static void carve(Take& t, int D, float*& qs, float*& kt, float*& vs,
                                            float*& vmax, float*& s, char*& vis, float*& ot,
-                                           double*& fo, float*& nf) {
-    const int D1 = D + 1;
+                                           float*& mb) {
     qs = t.template take<float>(std::size_t(R) * D);
     kt = t.template take<float>(std::size_t(D) * KC);
     vs = t.template take<float>(std::size_t(KC) * D);
     vmax = t.template take<float>(KC);
     s = t.template take<float>(std::size_t(R) * KC);
     vis = t.template take<char>(std::size_t(R) * KC);
-    ot = t.template take<float>(std::size_t(R) * D1);
-    fo = t.template take<double>(std::size_t(R) * F * D1);
-    nf = t.template take<float>(std::size_t(R) * D1);
+    ot = t.template take<float>(Pass2 ? std::size_t(R) * (D + 1) : 0);
+    mb = t.template take<float>(Pass2 ? 0 : std::size_t(R) * 2);  // pass 1: m, b of each row
   }
-  static std::size_t scratch_bytes(int D) {
+  KOKKOS_INLINE_FUNCTION static std::size_t lines(int D) {
     ScratchCount c;
     float *a, *b2, *c2, *d2, *e2, *g, *i2;
     char* f;
-    double* h;
-    carve(c, D, a, b2, c2, d2, e2, f, g, h, i2);
-    return scratch_request(c.lines);
+    carve(c, D, a, b2, c2, d2, e2, f, g, i2);
+    return c.lines;
   }
+  static std::size_t scratch_bytes(int D) { return scratch_request(lines(D)); }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member& team) const {
     const int D = e.dim, D1 = D + 1;
@@ -208,18 +275,10 @@ struct InvariantPass {
     const int sb = state_batch + bi;
     const int i0 = tile * R;
     const int rows = e.queries - i0 < R ? e.queries - i0 : R;
-    ScratchLines sl(team, level, [&] {
-      ScratchCount c;
-      float *a, *b2, *c2, *d2, *e2, *g, *i2;
-      char* f;
-      double* hh;
-      carve(c, D, a, b2, c2, d2, e2, f, g, hh, i2);
-      return c.lines;
-    }());
-    float *qs, *kt, *vs, *vmax, *s, *ot, *nf;
+    ScratchLines sl(team, level, lines(D));
+    float *qs, *kt, *vs, *vmax, *s, *ot, *mb;
     char* vis;
-    double* fo;
-    carve(sl, D, qs, kt, vs, vmax, s, vis, ot, fo, nf);
+    carve(sl, D, qs, kt, vs, vmax, s, vis, ot, mb);
 
     // Loads run a row (or key) per thread, its d in order: no division per
     // element (an idiv per value cost more than the arithmetic).
@@ -232,18 +291,11 @@ struct InvariantPass {
       } else {
         for (int d = 0; d < D; ++d) dst[d] = 0.0f;
       }
-      if constexpr (Pass2) {
-        for (int x = 0; x < F * D1; ++x) fo[r * F * D1 + x] = 0.0;
-        for (int d = 0; d < D1; ++d) nf[r * D1 + d] = 0.0f;
+      if constexpr (!Pass2) {
+        mb[2 * r] = -infinity<float>();  // m
+        mb[2 * r + 1] = 0.0f;            // b
       }
     });
-    // Row state: pass 1 keeps its maxima in nf's first two columns.
-    if constexpr (!Pass2) {
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, R), [&](int r) {
-        nf[r * D1] = -infinity<float>();  // m
-        nf[r * D1 + 1] = 0.0f;            // b (D >= 1)
-      });
-    }
     team.team_barrier();
     const index_type qlo = qpos(i0), qhi = qpos(i0 + rows - 1) + 1;
     const int nruns = int(runs.extent(0));
@@ -269,7 +321,12 @@ struct InvariantPass {
           for (int d = 0; d < D; ++d) kt[d * KC + cc] = float(kr[d * ks]);
           if constexpr (Pass2) {
             float* KOKKOS_RESTRICT dst = vs + cc * D;
-            for (int d = 0; d < D; ++d) dst[d] = float(vr[d * vst]);
+            bool bad = false;
+            for (int d = 0; d < D; ++d) {
+              dst[d] = float(vr[d * vst]);
+              bad = bad || is_nonfinite(dst[d]);
+            }
+            vmax[cc] = bad ? 1.0f : 0.0f;  // pass 2: whether the V row holds inf or NaN
           } else {
             float mx = 0.0f;
             for (int d = 0; d < D; ++d) {
@@ -280,75 +337,91 @@ struct InvariantPass {
           }
         });
         team.team_barrier();
-        // Scores: s[r][cc] = sum over d in order of q[r][d] k[cc][d]. The
-        // key loop's trip count is the run-time `chunk` (= KC): with a
-        // constant one GCC unrolled it and vectorised over d with permutes,
-        // 20x slower than these vectors over the keys.
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
-          float* KOKKOS_RESTRICT sr = s + r * KC;
-          const int kc = chunk;
-          for (int cc = 0; cc < kc; ++cc) sr[cc] = 0.0f;
-          const float* KOKKOS_RESTRICT qr = qs + r * D;
-          invariant_dots(qr, kt, sr, D, kc);
-          const index_type qp = qpos(i0 + r);
-          for (int cc = 0; cc < n; ++cc) {
-            const index_type kp = kpos(j0 + c0 + cc);
-            const bool ok = mask.allowed(qp, kp);
-            vis[r * KC + cc] = ok ? 1 : 0;
-            float x = sr[cc] * scale;
-            if constexpr (has_score_mod_v<Mask>) x = ok ? mask.score(x, qp, kp, h) : x;
-            sr[cc] = x * log2e<float>;
-          }
-          if constexpr (Pass2) {
-            const float m = st.m(sb, h, i0 + r);
-            float* KOKKOS_RESTRICT o = ot + r * D1;
-            for (int cc = 0; cc < n; ++cc) {
-              const float x = sr[cc];
-              sr[cc] = x == -infinity<float>() ? 0.0f : exp2_nonpositive(x - m);  // P
+        // Scores: s[r][cc] = sum over d in order of q[r][d] k[cc][d], RB
+        // rows at a time (the rows past `rows` are zeros; their keys are
+        // masked). The key loop's trip count is the run-time `chunk` (= KC):
+        // with a constant one GCC unrolled it and vectorised over d with
+        // permutes, 20x slower than these vectors over the keys.
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (rows + RB - 1) / RB), [&](int g) {
+          const int r0 = g * RB, kc = chunk;
+          for (int x = 0; x < RB * KC; ++x) s[r0 * KC + x] = 0.0f;
+          invariant_dots<RB>(qs + r0 * D, kt, s + r0 * KC, D, kc);
+          // V finite in the whole chunk: every key's P V is added (a masked
+          // key's P is 0, which adds nothing then), for RB rows at once.
+          bool finite = Pass2;
+          for (int cc = 0; cc < n && finite; ++cc) finite = vmax[cc] == 0.0f;
+          for (int r = r0; r < r0 + RB; ++r) {
+            float* KOKKOS_RESTRICT sr = s + r * KC;
+            char* vr = vis + r * KC;
+            if (r >= rows) {
+              for (int cc = 0; cc < KC; ++cc) {
+                vr[cc] = 0;
+                sr[cc] = 0.0f;
+              }
+              continue;
             }
-            invariant_weighted_rows<true>(sr, vis + r * KC, vs, o, D, n);
-          } else {
-            float m = nf[r * D1], b = nf[r * D1 + 1];
+            const index_type qp = qpos(i0 + r);
             for (int cc = 0; cc < n; ++cc) {
-              if (!vis[r * KC + cc]) continue;
-              m = sr[cc] > m ? sr[cc] : m;  // NaN: left out
-              b = vmax[cc] > b ? vmax[cc] : b;
+              const index_type kp = kpos(j0 + c0 + cc);
+              const bool ok = mask.allowed(qp, kp);
+              vr[cc] = ok ? 1 : 0;
+              float x = sr[cc] * scale;
+              if constexpr (has_score_mod_v<Mask>) x = ok ? mask.score(x, qp, kp, h) : x;
+              sr[cc] = x * log2e<float>;
             }
-            nf[r * D1] = m;
-            nf[r * D1 + 1] = b;
+            if constexpr (Pass2) {
+              // P = 2^(s - m), 0 at masked keys and at s = -inf: computed for
+              // every key and masked on the bits (no branch: vectors).
+              const float m = st.m(sb, h, i0 + r);
+              for (int cc = 0; cc < n; ++cc) {
+                const float x = sr[cc];
+                const std::uint32_t keep =
+                    0u - std::uint32_t((vr[cc] != 0) & (bit_cast<std::uint32_t>(x) != 0xff800000u));
+                sr[cc] = bit_cast<float>(bit_cast<std::uint32_t>(exp2_nonpositive(x - m)) & keep);
+              }
+              if (!finite) invariant_weighted_rows<true>(sr, vr, vs, ot + r * D1, D, n);
+            } else {
+              float m = mb[2 * r], b = mb[2 * r + 1];
+              for (int cc = 0; cc < n; ++cc) {
+                if (!vr[cc]) continue;
+                m = sr[cc] > m ? sr[cc] : m;  // NaN: left out
+                b = vmax[cc] > b ? vmax[cc] : b;
+              }
+              mb[2 * r] = m;
+              mb[2 * r + 1] = b;
+            }
           }
+          if constexpr (Pass2)
+            if (finite) invariant_weighted_block<RB>(s + r0 * KC, vs, ot + r0 * D1, D, n);
         });
         team.team_barrier();
       }
       if constexpr (Pass2) {
-        // The tile's partials into the folds.
+        // The tile's partials into the row's folds (non-finite ones into its
+        // fp32 sums instead; 0 into the folds then, which adds nothing).
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
-          const int ev = InvariantFolds::exponent_of(st.b(sb, h, i0 + r));
-          const int el = InvariantFolds::exponent_of(1.0f);
-          double* f = fo + r * F * D1;
-          for (int d = 0; d < D1; ++d) {
-            const float x = ot[r * D1 + d];
-            if (is_nonfinite(x))
-              nf[r * D1 + d] += x;
-            else
-              InvariantFolds::deposit(f + d, D1, double(x), d == D ? el : ev);
-          }
+          const int i = i0 + r;
+          double* KOKKOS_RESTRICT f = &st.folds(sb, h, i, 0);
+          float* KOKKOS_RESTRICT nfr = &st.nf(sb, h, i, 0);
+          const float* KOKKOS_RESTRICT o = ot + r * D1;
+          InvariantFolds::deposit_row(f, nfr, o, D, InvariantFolds::exponent_of(st.b(sb, h, i)));
+          const float l = o[D];
+          if (is_nonfinite(l))
+            nfr[D] += l;
+          else
+            InvariantFolds::deposit(f + D, D1, double(l), InvariantFolds::exponent_of(1.0f));
         });
         team.team_barrier();
       }
     }
-    // Into the state (each row is this team's alone).
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
-      const int i = i0 + r;
-      if constexpr (Pass2) {
-        for (int x = 0; x < F * D1; ++x) st.folds(sb, h, i, x) += fo[r * F * D1 + x];
-        for (int d = 0; d < D1; ++d) st.nf(sb, h, i, d) += nf[r * D1 + d];
-      } else {
-        const float m = nf[r * D1], b = nf[r * D1 + 1];
+    if constexpr (!Pass2) {  // the bounds into the state (each row is this team's alone)
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int r) {
+        const int i = i0 + r;
+        const float m = mb[2 * r], b = mb[2 * r + 1];
         st.m(sb, h, i) = m > st.m(sb, h, i) ? m : st.m(sb, h, i);
         st.b(sb, h, i) = b > st.b(sb, h, i) ? b : st.b(sb, h, i);
-      }
-    });
+      });
+    }
   }
 };
 
