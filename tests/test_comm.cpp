@@ -204,6 +204,39 @@ TEST_CASE("host staging: buffers kept and reused, the data intact") {
   CHECK(one.staging_stats().kept == 1);
 }
 
+TEST_CASE("host staging: a message of several chunks, waited for or polled") {
+  // Host Views staged as device Views are: 2 BLOCKATTN_STAGING_CHUNK_BYTES
+  // and 12 bytes per message (three chunks, the last short), received on an
+  // instance (each chunk copied in as it arrives) and without one, completed
+  // by wait() and by polling test().
+  Mpi comm(MPI_COMM_WORLD, StagingOptions{4, true});
+  const int P = comm.size(), me = comm.rank(), from = (me + P - 1) % P;
+  const ExecSpace exec;
+  const int n = int((2 * BLOCKATTN_STAGING_CHUNK_BYTES + 12) / sizeof(float));
+  Kokkos::View<float*, MemSpace> send("send", n), recv("recv", n);
+  auto h = Kokkos::create_mirror_view(send);
+  for (int i = 0; i < n; ++i) h(i) = float((me * 7919 + i) % 1000003);
+  Kokkos::deep_copy(send, h);
+  for (int round = 0; round < 4; ++round) {
+    CAPTURE(round);
+    Kokkos::deep_copy(recv, -1.0f);
+    auto r = round % 2 ? comm.irecv(recv, from, 9) : comm.irecv(exec, recv, from, 9);
+    auto s = comm.isend(exec, send, (me + 1) % P, 9);
+    CHECK(r.chunks.size() == 2);
+    if (round < 2) {
+      comm.wait(r);
+    } else {
+      while (!comm.test(r)) {
+      }
+    }
+    comm.wait(s);
+    auto got = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recv);
+    int wrong = 0;
+    for (int i = 0; i < n; ++i) wrong += got(i) != float((from * 7919 + i) % 1000003) ? 1 : 0;
+    CHECK(wrong == 0);
+  }
+}
+
 TEST_CASE("alltoall and alltoallv deliver every chunk where it belongs") {
   Mpi comm(MPI_COMM_WORLD);
   for (int count : {0, 1, 3, 1000}) check_alltoall(comm, count);

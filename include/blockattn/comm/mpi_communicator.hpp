@@ -11,6 +11,8 @@
 #include <blockattn/core/config.hpp>
 #include <blockattn/core/errors.hpp>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -25,6 +27,15 @@ namespace blockattn {
 /// for CUDA-/ROCm-aware MPI builds).
 struct HostStaged {};
 struct GpuAware {};
+
+#ifndef BLOCKATTN_STAGING_CHUNK_BYTES
+/// Host-staged messages move in chunks of this many bytes (the last one
+/// shorter), each its own MPI message: a chunk's device-to-host copy, its
+/// transfer and the next chunk's copy overlap. A library constant, not an
+/// option, so that every rank cuts a message alike (a rank that cut it
+/// otherwise would leave its peer waiting for chunks that never come).
+#define BLOCKATTN_STAGING_CHUNK_BYTES (std::size_t(4) << 20)
+#endif
 
 /// How MpiCommunicator<HostStaged> stages device memory.
 struct StagingOptions {
@@ -45,11 +56,17 @@ class MpiCommunicator {
  public:
   using communicator_type = MpiCommunicator;
 
-  /// A pending transfer. `finish` runs after MPI completes it (host-staged
-  /// receives copy into the device View there).
+  /// A pending transfer: one MPI message, or a host-staged message's chunks
+  /// in order (BLOCKATTN_STAGING_CHUNK_BYTES). `arrived(i)` runs when chunk i
+  /// of a host-staged receive is in (its copy into the device View is
+  /// enqueued there, while the next chunks still travel), `finish` after the
+  /// last (the instance fenced: the staging buffer goes back after it).
   struct request_type {
-    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Request request = MPI_REQUEST_NULL;  // the message, or its first chunk
+    std::vector<MPI_Request> chunks;         // a staged message's other chunks
+    int done = 0;                            // chunks completed (test)
     std::shared_ptr<void> staging;
+    std::function<void(int)> arrived;
     std::function<void()> finish;
   };
 
@@ -107,14 +124,24 @@ class MpiCommunicator {
   }
 
   void wait(request_type& r) {
-    check(MPI_Wait(&r.request, MPI_STATUS_IGNORE), "MPI_Wait");
+    const int n = 1 + int(r.chunks.size());
+    for (; r.done < n; ++r.done) {
+      check(MPI_Wait(chunk(r, r.done), MPI_STATUS_IGNORE), "MPI_Wait");
+      if (r.arrived) r.arrived(r.done);
+    }
     complete(r);
   }
   bool test(request_type& r) {
-    int flag = 0;
-    check(MPI_Test(&r.request, &flag, MPI_STATUS_IGNORE), "MPI_Test");
-    if (flag) complete(r);
-    return flag != 0;
+    const int n = 1 + int(r.chunks.size());
+    while (r.done < n) {
+      int flag = 0;
+      check(MPI_Test(chunk(r, r.done), &flag, MPI_STATUS_IGNORE), "MPI_Test");
+      if (!flag) return false;
+      if (r.arrived) r.arrived(r.done);
+      ++r.done;
+    }
+    complete(r);
+    return true;
   }
   void barrier() { check(MPI_Barrier(m_comm), "MPI_Barrier"); }
 
@@ -285,12 +312,24 @@ class MpiCommunicator {
     request_type r;
     const int count = byte_count(v);
     if (staged<View>()) {
-      // Into a kept staging buffer on the instance (async where pinned), then MPI.
+      // Into a kept staging buffer on the instance (async where pinned), a
+      // chunk at a time: each chunk's MPI message starts as soon as its copy
+      // is in, while the next chunk's copy runs (MPI progressed in between).
       const auto buf = stage<View>(std::size_t(count));
-      Kokkos::deep_copy(exec, staging_view<View>(buf.get(), count), bytes_of(v, count));
-      exec.fence();
       r.staging = buf;
-      check(MPI_Isend(buf.get(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
+      const auto h = staging_view<View>(buf.get(), count);
+      const auto d = bytes_of(v, count);
+      const int n = chunk_count(count);
+      r.chunks.resize(std::size_t(n - 1));
+      for (int i = 0; i < n; ++i) {
+        const auto part = chunk_range(count, i);
+        Kokkos::deep_copy(exec, Kokkos::subview(h, part), Kokkos::subview(d, part));
+        if (i > 0) progress(r, i);
+        exec.fence();
+        check(MPI_Isend(buf.get() + part.first, int(part.second - part.first), MPI_BYTE, dest, tag,
+                        m_comm, chunk(r, i)),
+              "MPI_Isend");
+      }
     } else {
       exec.fence();
       check(MPI_Isend(v.data(), count, MPI_BYTE, dest, tag, m_comm, &r.request), "MPI_Isend");
@@ -309,14 +348,28 @@ class MpiCommunicator {
       r.staging = buf;
       const auto h = staging_view<View>(buf.get(), count);
       const auto d = bytes_of(v, count);
-      if constexpr (OnInstance)
-        r.finish = [h, d, exec]() {
-          Kokkos::deep_copy(exec, d, h);
-          exec.fence();  // the staging buffer goes back to the pool after this
+      // Each chunk into the View as it arrives (on the instance: the copy
+      // runs while the next chunks travel).
+      if constexpr (OnInstance) {
+        r.arrived = [h, d, exec, count](int i) {
+          const auto part = chunk_range(count, i);
+          Kokkos::deep_copy(exec, Kokkos::subview(d, part), Kokkos::subview(h, part));
         };
-      else
-        r.finish = [h, d]() { Kokkos::deep_copy(d, h); };
-      check(MPI_Irecv(buf.get(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
+        r.finish = [exec]() { exec.fence(); };  // the staging buffer goes back after this
+      } else {
+        r.arrived = [h, d, count](int i) {
+          const auto part = chunk_range(count, i);
+          Kokkos::deep_copy(Kokkos::subview(d, part), Kokkos::subview(h, part));
+        };
+      }
+      const int n = chunk_count(count);
+      r.chunks.resize(std::size_t(n - 1));
+      for (int i = 0; i < n; ++i) {
+        const auto part = chunk_range(count, i);
+        check(MPI_Irecv(buf.get() + part.first, int(part.second - part.first), MPI_BYTE, source,
+                        tag, m_comm, chunk(r, i)),
+              "MPI_Irecv");
+      }
     } else {
       check(MPI_Irecv(v.data(), count, MPI_BYTE, source, tag, m_comm, &r.request), "MPI_Irecv");
     }
@@ -372,7 +425,31 @@ class MpiCommunicator {
   static void complete(request_type& r) {
     if (r.finish) r.finish();
     r.finish = nullptr;
+    r.arrived = nullptr;
     r.staging.reset();
+  }
+  /// Chunk i's request (0: the first, in `request`).
+  static MPI_Request* chunk(request_type& r, int i) {
+    return i == 0 ? &r.request : &r.chunks[std::size_t(i - 1)];
+  }
+  /// The chunks of a staged message of `count` bytes (at least one), and
+  /// chunk i's bytes [first, second).
+  static int chunk_count(int count) {
+    const std::size_t c = BLOCKATTN_STAGING_CHUNK_BYTES;
+    return count == 0 ? 1 : int((std::size_t(count) + c - 1) / c);
+  }
+  static Kokkos::pair<std::size_t, std::size_t> chunk_range(int count, int i) {
+    const std::size_t c = BLOCKATTN_STAGING_CHUNK_BYTES;
+    const std::size_t first = std::size_t(i) * c;
+    return {first, std::min(std::size_t(count), first + c)};
+  }
+  /// Lets MPI move the chunks already posted (0 .. i - 1) while a copy runs.
+  static void progress(request_type& r, int i) {
+    for (int j = 0; j < i; ++j) {
+      int flag = 0;
+      MPI_Request* q = chunk(r, j);
+      if (*q != MPI_REQUEST_NULL) check(MPI_Test(q, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    }
   }
   template <class T>
   static MPI_Datatype mpi_type() {
