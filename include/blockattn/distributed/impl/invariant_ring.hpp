@@ -104,7 +104,13 @@ void invariant_ring_forward(Comm& comm, const ExecSpace& exec, const char* fn,
     for (int s = 0; s < steps; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       const int src = ((rank - s) % P + P) % P;
-      const bool shift = P > 1 && s + 1 < steps;
+      // The blocks travel P - 1 times per pass; pass 2 starts from the own
+      // block, packed again (a copy instead of a transfer).
+      const bool shift = P > 1 && s + 1 < steps && s != P - 1;
+      if (P > 1 && s == P) {
+        invariant_pack(exec, k, kb[cur], e.keys);
+        invariant_pack(exec, v, vb[cur], e.keys);
+      }
       Tr tr[4];
       if (shift) {
         tr[0] = xfer.receive(kb[1 - cur], prev, s, Message::k);
