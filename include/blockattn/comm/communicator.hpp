@@ -25,6 +25,12 @@
 // communicator orders the transfer after that instance only (exec.fence(),
 // staging copies on exec), not after all of Kokkos. Without them the schedules
 // fence their instance before isend and after a receive completes.
+//   void flush();
+//     starts the sends and receives posted so far: a communicator that runs
+//     a step's transfers as one group (NcclCommunicator: NCCL needs a step's
+//     sends and receives in one group, or a ring deadlocks) collects them
+//     until then; the schedules call it once a step's transfers are posted
+//     (wait() and test() must start what is still collected).
 // Optional collectives for head-parallel (all-to-all) schedules; a schedule
 // that needs them checks is_alltoall_communicator_v / impl::check_alltoall_communicator
 // at compile time:
@@ -363,6 +369,12 @@ struct has_comm_split<C, std::void_t<decltype(std::declval<const C&>().split(0, 
 }  // namespace impl
 
 namespace impl {
+/// Optional: flush() (see the top of this file).
+template <class C, class = void>
+struct has_comm_flush : std::false_type {};
+template <class C>
+struct has_comm_flush<C, std::void_t<decltype(std::declval<C&>().flush())>> : std::true_type {};
+
 /// Optional: allreduce of n values of T at once (the communicator's array
 /// overload, `allreduce(const T* in, T* out, int n, ReduceOp)`).
 template <class C, class T, class = void>

@@ -117,6 +117,7 @@ void invariant_ring_forward(Comm& comm, const ExecSpace& exec, const char* fn,
         tr[1] = xfer.receive(vb[1 - cur], prev, s, Message::v);
         tr[2] = xfer.send(kb[cur], next, s, Message::k);
         tr[3] = xfer.send(vb[cur], next, s, Message::v);
+        xfer.flush();
       }
       BlockExtents be = e;
       be.keys = int(lengths[std::size_t(src)]);
@@ -248,6 +249,7 @@ void invariant_ring_backward(Comm& comm, const ExecSpace& exec, const char* fn,
             tr[posted++] = xfer.send(lse2[cur], next, 2 * s + pass, Message::q_lse);
             tr[posted++] = xfer.send(drow[cur], next, 2 * s + pass, Message::q_drow);
           }
+          xfer.flush();
         }
         const auto t1 = std::chrono::steady_clock::now();
         BlockExtents be = e;

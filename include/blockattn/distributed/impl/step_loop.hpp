@@ -124,6 +124,7 @@ double run_step_loop(Xfer& x, const std::vector<Step>& desc, int rank, bool comm
     for (const ScheduledTransfer& t : f.transfers)
       if (after_compute ? (t.after_compute && t.src == rank) : (!t.after_compute || t.dst == rank))
         dir.post(t, due[std::size_t(t.done_step)], st);
+    x.flush();  // the step's transfers as one group where the communicator groups them
   };
   const auto complete = [&](std::size_t s) {
     for (auto& r : due[s]) x.wait(r);

@@ -104,6 +104,12 @@ class Transfers {
     return post<true>(v, peer, step, m);
   }
 
+  /// Starts what was posted so far, for a communicator that collects a
+  /// step's transfers (comm/communicator.hpp, flush()); a no-op otherwise.
+  void flush() {
+    if constexpr (has_comm_flush<Comm>::value) m_comm.flush();
+  }
+
   /// Progresses the transfer; true once it completed.
   bool test(transfer_type& t) {
     if (!t.done) t.done = m_comm.test(t.request);
