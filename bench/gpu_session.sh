@@ -157,6 +157,11 @@ if [ -d .mpi ]; then
       --pass backward --schedule burst
     cat 2>/dev/null "$logs/steps_burst_backward_np2.log" >>"$out/session.log"
   fi
+  # NcclCommunicator (never run on a GPU before): one rank per GPU.
+  if [ -x "$cuda/tests/blockattn_test_nccl" ]; then
+    step nccl_np1 60 mpiexec -n 1 --bind-to none "$cuda/tests/blockattn_test_nccl"
+    grep -sE 'test cases|Status|ERROR|FAILED' "$logs/nccl_np1.log" | head -10 | tee -a "$out/session.log"
+  fi
   if [ -x "$cuda/tests/blockattn_test_fused_distributed_cuda" ]; then
     for np in 1 2 3 4; do
       step "fused_distributed_np$np" 60 mpiexec -n $np --oversubscribe --bind-to none \
