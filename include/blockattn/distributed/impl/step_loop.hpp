@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <sstream>
 #include <vector>
 
 namespace blockattn::impl {
@@ -112,11 +113,41 @@ struct StepContext {
 ///   void arrived(int s)        after the waits of step s (s = steps: the end)
 ///   TileCounts work(const BlockTask&) const
 ///   static constexpr bool results_first
+/// A communicator that groups a step's transfers (flush(), e.g.
+/// NcclCommunicator) runs a description only if both ends of every transfer
+/// post it at the start of the same step: the k-th group of every rank then
+/// pairs with the k-th groups of its peers, and no group waits for one queued
+/// behind it (ends posted at different steps, or after a compute, could close
+/// such a cycle: a hang). Checked on every rank (one allreduce), the same
+/// verdict everywhere.
+template <class Step, class Xfer>
+void require_grouped_posting(Xfer& x, const std::vector<Step>& desc, int rank) {
+  const ScheduledTransfer* bad = nullptr;
+  for (const Step& f : desc)
+    for (const ScheduledTransfer& t : f.transfers)
+      if (bad == nullptr && (t.after_compute || t.src_step != t.dst_step)) bad = &t;
+  if (x.agree_max(bad != nullptr ? 1 : 0) == 0) return;
+  std::ostringstream why;
+  why << "the communicator groups each step's transfers (flush(): NcclCommunicator), which "
+         "needs both ends of every transfer posted at the start of the same step; this "
+         "schedule's ";
+  if (bad != nullptr)
+    why << payload_name(bad->payload) << " from rank " << bad->src << " (step " << bad->src_step
+        << (bad->after_compute ? ", after its compute" : "") << ") to rank " << bad->dst
+        << " (step " << bad->dst_step << ") is not one (rank " << rank << " found it)";
+  else
+    why << "transfers are not all such (another rank found one)";
+  why << ": run this schedule with MpiCommunicator";
+  fail(x.function(), why.str());
+}
+
 template <class Step, class Xfer, class Dir>
 double run_step_loop(Xfer& x, const std::vector<Step>& desc, int rank, bool communicate, Dir& dir,
                      RunStats& stats) {
   using request = typename Xfer::transfer_type;
   using clock = std::chrono::steady_clock;
+  if constexpr (Xfer::grouped)
+    if (communicate) require_grouped_posting(x, desc, rank);
   const std::size_t steps = desc.size();
   std::vector<std::vector<request>> due(steps + 1);  // by the step that completes them
   const auto post = [&](const Step& f, bool after_compute, StepStats& st) {

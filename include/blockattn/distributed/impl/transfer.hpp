@@ -104,11 +104,17 @@ class Transfers {
     return post<true>(v, peer, step, m);
   }
 
+  /// Whether the communicator collects a step's transfers until flush().
+  static constexpr bool grouped = has_comm_flush<Comm>::value;
+
   /// Starts what was posted so far, for a communicator that collects a
   /// step's transfers (comm/communicator.hpp, flush()); a no-op otherwise.
   void flush() {
-    if constexpr (has_comm_flush<Comm>::value) m_comm.flush();
+    if constexpr (grouped) m_comm.flush();
   }
+  /// The largest `value` over the ranks (one allreduce).
+  int agree_max(int value) { return m_comm.allreduce(value, ReduceOp::max); }
+  const char* function() const { return m_function; }
 
   /// Progresses the transfer; true once it completed.
   bool test(transfer_type& t) {
