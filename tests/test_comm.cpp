@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <blockattn/comm/communicator.hpp>
+#include <blockattn/distributed/impl/step_loop.hpp>
 #include <blockattn/mpi_communicator.hpp>
 
 #include <cstdint>
@@ -235,6 +236,41 @@ TEST_CASE("host staging: a message of several chunks, waited for or polled") {
     for (int i = 0; i < n; ++i) wrong += got(i) != float((from * 7919 + i) % 1000003) ? 1 : 0;
     CHECK(wrong == 0);
   }
+}
+
+namespace {
+/// The part of impl::Transfers a grouped communicator's check uses.
+struct GroupedXfer {
+  static constexpr bool grouped = true;
+  Mpi& comm;
+  int agree_max(int v) { return comm.allreduce(v, ReduceOp::max); }
+  const char* function() const { return "test"; }
+};
+}  // namespace
+
+TEST_CASE("grouped communicators: a description with late or after-compute ends is refused") {
+  // NcclCommunicator groups a step's transfers: both ends of each must post at
+  // the start of the same step. Every rank gets the same verdict, the rank
+  // that holds the transfer names it.
+  Mpi comm(MPI_COMM_WORLD);
+  const int P = comm.size(), me = comm.rank();
+  GroupedXfer x{comm};
+  std::vector<ForwardStep> desc(2);
+  desc[0].transfers.push_back({me, ring_next(comm), Payload::kv, 0, 0, false, 0, 0, 1});
+  desc[1].transfers.push_back({ring_prev(comm), me, Payload::kv, 1, 1, false, 1, 1, 0});
+  impl::require_grouped_posting(x, desc, me);  // the KV ring's: passes
+  std::vector<ForwardStep> late = desc;
+  if (me == P - 1) late[1].transfers.push_back({me, 0, Payload::result, 1, 1, true, 1, 0, 0});
+  const std::string what = error_of([&] { impl::require_grouped_posting(x, late, me); });
+  CHECK(what.find("groups each step's transfers") != std::string::npos);
+  if (me == P - 1)
+    CHECK(what.find("after its compute") != std::string::npos);
+  else
+    CHECK(what.find("another rank found one") != std::string::npos);
+  std::vector<ForwardStep> skew = desc;
+  skew[0].transfers[0].dst_step = 1;
+  CHECK(error_of([&] { impl::require_grouped_posting(x, skew, me); }).find("(step 1)") !=
+        std::string::npos);
 }
 
 TEST_CASE("alltoall and alltoallv deliver every chunk where it belongs") {
