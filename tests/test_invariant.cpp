@@ -861,8 +861,7 @@ TEST_CASE("invariant: NaN and inf inputs, where the default mode has them") {
   };
   std::vector<int> want[5], got[5];
   for (int inv = 0; inv < 2; ++inv) {
-    V4<float> o("o", 1, N, H, D), dq("dq", 1, N, H, D), dk("dk", 1, N, H, D),
-        dv("dv", 1, N, H, D);
+    V4<float> o("o", 1, N, H, D), dq("dq", 1, N, H, D), dk("dk", 1, N, H, D), dv("dv", 1, N, H, D);
     V3<float> lse("lse", 1, H, N);
     ForwardOptions opts;
     opts.invariant = inv == 1;
