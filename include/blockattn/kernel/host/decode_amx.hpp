@@ -196,7 +196,7 @@ BLOCKATTN_TARGET_AMX inline void decode_amx_load_q(const std::uint32_t* qb) {
 template <class S>
 BLOCKATTN_TARGET_AMX inline void decode_scores_amx(const DecodeAmxScratch& sc, int nr, const S* k,
                                                    std::size_t ldk, int nk, float scale, float* s,
-                                                   int lds) {
+                                                   int lds, const DecodePrefetch& next) {
   const int D = sc.D, chunks = D / 32;
   float* const st = sc.st();
   const __m512i rows =
@@ -222,6 +222,8 @@ BLOCKATTN_TARGET_AMX inline void decode_scores_amx(const DecodeAmxScratch& sc, i
       break;
   }
   for (int j0 = 0; j0 < nk; j0 += step) {
+    // The first half of the next tile's rows (next.row; its offset: this run's first key / 2).
+    for (int j = j0 / 2; j < (j0 + step < nk ? j0 + step : nk + 1) / 2; ++j) next.row(j);
     const int nb = (nk - j0 < step ? nk - j0 + 15 : step) / 16;
     const std::uint16_t* a[4] = {};
     int sa[4] = {};
@@ -305,7 +307,7 @@ BLOCKATTN_TARGET_AMX inline __m512i decode_amx_row32(const S* row, int c, bool p
 template <class S, class Row>
 BLOCKATTN_TARGET_AMX inline void decode_pv_amx(const DecodeAmxScratch& sc, float* o, const float* a,
                                                const float* p, int ldp, int nr, const Row& vrow,
-                                               int nk) {
+                                               int nk, const DecodePrefetch& next) {
   const int D = sc.D, ld16 = sc.ld16(), nkp = (nk + 31) / 32 * 32;
   std::uint16_t* const p16 = sc.p16();
   // P in bf16: rows past nr and keys past nk zero (the A operand's padding).
@@ -328,6 +330,10 @@ BLOCKATTN_TARGET_AMX inline void decode_pv_amx(const DecodeAmxScratch& sc, float
       _tile_zero(7);
     }
     for (int j0 = 0; j0 < nk; j0 += 32) {
+      if (c0 == 0) {  // the second half of the next tile's rows
+        const int end = j0 + 32 < nk ? (nk + j0 + 32) / 2 : next.rows;
+        for (int j = (nk + j0) / 2; j < end; ++j) next.row(j);
+      }
       // V's key pairs of keys j0 .. j0 + 31, columns c0 .. c0 + 32 groups,
       // into two buffers taken in turn (this chunk's pairs are written while
       // the previous chunk's tile products still read theirs).

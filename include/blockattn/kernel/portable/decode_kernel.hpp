@@ -324,6 +324,7 @@ struct DecodeKernel {
       const int nk = int(k_end - j0 < KT ? k_end - j0 : KT);
       const TileKind kind = mask.classify(qlo, qhi, kpos(j0), kpos(j0 + nk - 1) + 1);
       if (kind == TileKind::empty) continue;
+      [[maybe_unused]] DecodePrefetch next;  // the next tile's rows (host, unit strides)
       // Scores S = q k^T (base 2, scaled), masked to -inf.
       if constexpr (is_host_space_v<ExecSpace>) {
         if (unit && (!quant || !std::is_void<V>::value)) {  // 8-bit: the vectors' widened tiles
@@ -331,14 +332,17 @@ struct DecodeKernel {
           // and V once, and the prefetch keeps the loads ahead of this tile's
           // arithmetic (at the level decode_prefetch_level picked): asked for
           // key by key by the vector products that read K in place, else at
-          // once here (the tiles too: on a Sapphire Rapids, 65 536 keys, asking
-          // for the rows as the tile loads reached the same keys, one or two
-          // tiles ahead, ran 0.7-0.9x the rate of one burst; none at all 0.8x on a cache that
-          // streams from memory, 1.1x on one held in the last-level cache).
+          // once here. The tiles ask for the next tile's rows into the
+          // second-level cache, half during the scores and half during P V
+          // (a Sapphire Rapids, bf16, 65 536 keys, D = 128, 1 and 2 threads:
+          // 1.01-1.06x the rate of one first-level burst before the tile for
+          // 8 query heads on 1 and 32 on 8, bench_decode, alternated; 1.04-1.1x
+          // for 8 on 1 streaming from memory, 4 sequences; asking into the
+          // first level ran 0.95-1.0x, a burst into the second 0.98x, none
+          // 0.9x from memory and 1.1x from the last-level cache).
           const bool spread =
-              !std::is_void<V>::value && !Dot && !Amx && !widened_tiles && prefetch_spread != 0;
-          DecodePrefetch next;
-          next.level = spread ? prefetch_spread : prefetch;
+              !std::is_void<V>::value && !Dot && !widened_tiles && prefetch_spread != 0;
+          next.level = spread ? (Amx ? 2 : prefetch_spread) : prefetch;
           if (next.level != 0 && j0 + KT < k_end) {
             // The rows of the tile's kv heads (adjacent where they are several:
             // decode_grid's cross_heads).
@@ -371,8 +375,10 @@ struct DecodeKernel {
             if constexpr (Amx) {
 #if BLOCKATTN_DECODE_AMX
               for_each_run(j0, nk, [&](const int a, const int c) {
+                DecodePrefetch ask = kvh == kvh_lo ? next : DecodePrefetch{};
+                ask.offset = a / 2;
                 decode_scores_amx(amx_sc, n, pages.row(k, b, j0 + a, kvh), std::size_t(k.stride(1)),
-                                  c, scale_log2, ss + std::size_t(lo) * KT + a, KT);
+                                  c, scale_log2, ss + std::size_t(lo) * KT + a, KT, ask);
               });
 #endif
             } else if constexpr (Dot) {
@@ -485,7 +491,7 @@ struct DecodeKernel {
               // The whole tile at once (its sums whatever pages hold it).
               const auto vrow = [&](const int j) { return pages.row(v, b, j0 + j, kvh); };
               decode_pv_amx<S>(amx_sc, os + std::size_t(lo) * D, as + lo, ss + std::size_t(lo) * KT,
-                               KT, n, vrow, nk);
+                               KT, n, vrow, nk, kvh == kvh_lo ? next : DecodePrefetch{});
 #endif
             } else if constexpr (Dot) {
 #if BLOCKATTN_DECODE_BF16
