@@ -241,7 +241,6 @@ TEST_CASE("host staging: a message of several chunks, waited for or polled") {
 namespace {
 /// The part of impl::Transfers a grouped communicator's check uses.
 struct GroupedXfer {
-  static constexpr bool grouped = true;
   Mpi& comm;
   int agree_max(int v) { return comm.allreduce(v, ReduceOp::max); }
   const char* function() const { return "test"; }
