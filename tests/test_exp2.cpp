@@ -210,6 +210,43 @@ void check_simd_exp2_bitwise_of() {
 
 #endif
 
+#if BLOCKATTN_SIMD_KERNELS
+/// V::load_codes_to at every start in a run of all 256 codes (twice, so
+/// that every start has a whole vector): each lane the scalar conversion's
+/// value (core/quant.hpp), bitwise, NaN where it is NaN.
+template <class V, class C>
+int widen_mismatches() {
+  constexpr int W = V::width;
+  std::uint8_t raw[512];
+  for (int i = 0; i < 512; ++i) raw[i] = std::uint8_t(i);
+  int bad = 0;
+  for (int c0 = 0; c0 < 256; ++c0) {
+    typename V::type x;
+    V::load_codes_to(x, reinterpret_cast<const C*>(raw + c0));
+    float out[W];
+    V::store_from(out, x);
+    for (int l = 0; l < W; ++l) {
+      C code;
+      std::memcpy(&code, raw + c0 + l, 1);
+      const float want = float(code);
+      if (std::isnan(want) ? !std::isnan(out[l]) : std::memcmp(&want, &out[l], 4) != 0) ++bad;
+    }
+  }
+  return bad;
+}
+#endif
+
+TEST_CASE("8-bit codes widened in vectors (AVX2, AVX-512): every code its scalar value, exactly") {
+#if BLOCKATTN_SIMD_KERNELS
+  on_vector_isas([](auto* v) {
+    using V = std::remove_pointer_t<decltype(v)>;
+    CHECK(widen_mismatches<V, std::int8_t>() == 0);
+    CHECK(widen_mismatches<V, blockattn::fp8_e4m3>() == 0);
+    CHECK(widen_mismatches<V, blockattn::fp8_e5m2>() == 0);
+  });
+#endif
+}
+
 TEST_CASE("vector exp2 (AVX2, AVX-512): bitwise exp2_nonpositive's arithmetic in FMA steps") {
 #if BLOCKATTN_SIMD_KERNELS
   on_vector_isas([](auto* v) { check_simd_exp2_bitwise_of<std::remove_pointer_t<decltype(v)>>(); });

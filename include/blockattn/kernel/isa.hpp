@@ -80,9 +80,9 @@ inline constexpr HostIsa host_isa = HostIsa::generic;
 #if BLOCKATTN_HOST_DISPATCH
 // The target attributes of the dispatched kernels: x86-64-v3's vector part,
 // and x86-64-v4's.
-#define BLOCKATTN_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define BLOCKATTN_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define BLOCKATTN_TARGET_AVX512 \
-  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
 #endif
 
 namespace impl {
@@ -115,7 +115,8 @@ inline HostIsa parse_host_isa(const char* name) {
 inline HostIsa detect_host_isa() {
 #if BLOCKATTN_HOST_DISPATCH
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
     return HostIsa::avx512;
