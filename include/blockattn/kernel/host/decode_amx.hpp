@@ -320,6 +320,16 @@ BLOCKATTN_TARGET_AMX inline void decode_pv_amx(const DecodeAmxScratch& sc, float
     }
   float* const t = sc.pv();
   std::uint16_t* const vb2 = sc.vb();
+  // The value rows' addresses once per tile (the column passes read each
+  // row once per pass: with a page lookup per read, a paged cache in pool
+  // order ran 0.89-0.96x the contiguous one, 0.92-0.97x with the list; a
+  // Sapphire Rapids, bf16, 65 536 keys, 32/8 and 8/1, pages of 64 and 256).
+  constexpr int most = 256;
+  const S* rows[most];
+  const bool listed = nk <= most;
+  if (listed)
+    for (int j = 0; j < nk; ++j) rows[j] = vrow(j);
+  const auto row = [&](const int j) { return listed ? rows[j] : vrow(j); };
   for (int c0 = 0; c0 < D; c0 += 64) {
     const int groups = D - c0 >= 64 ? 2 : 1;  // 32-column groups in this pass
     __asm__ volatile("" : : : "memory");
@@ -340,8 +350,8 @@ BLOCKATTN_TARGET_AMX inline void decode_pv_amx(const DecodeAmxScratch& sc, float
       std::uint16_t* const vb = vb2 + ((j0 / 32) & 1) * 2048;
       for (int kp = 0; kp < 16; ++kp) {
         const int j = j0 + 2 * kp;
-        const S* const r0 = j < nk ? vrow(j) : nullptr;
-        const S* const r1 = j + 1 < nk ? vrow(j + 1) : nullptr;
+        const S* const r0 = j < nk ? row(j) : nullptr;
+        const S* const r1 = j + 1 < nk ? row(j + 1) : nullptr;
         for (int g = 0; g < groups; ++g) {
           const __m512i x = decode_amx_row32(r0, c0 + 32 * g, j < nk);
           const __m512i y = decode_amx_row32(r1, c0 + 32 * g, j + 1 < nk);
