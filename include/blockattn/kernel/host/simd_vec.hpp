@@ -117,36 +117,17 @@ namespace blockattn::impl {
 #define BLOCKATTN_WIDEN8_F16C 1  // the dispatch target has F16C (isa.hpp)
 #endif
 /// 8 codes of an 8-bit KV cache at p widened to fp32, exactly
-/// (core/quant.hpp): int8 by sign extension; fp8 through fp16 (F16C's
-/// vcvtph2ps): E5M2 is fp16's upper byte (inf and NaN included), E4M3's
-/// magnitude bits under fp16's exponent are its value / 2^8 (subnormals
-/// included: fp16 has 8 more exponent steps below), then times 2^8, its
-/// S.1111.111 codes NaN. On a Sapphire Rapids (bench_decode --quant) the
-/// fp32-exponent construction before it (kept where the target has no F16C)
-/// made an fp8 cache slower than a bf16 one.
+/// (core/quant.hpp): int8 by sign extension; E4M3 by moving the magnitude
+/// bits under fp32's exponent and scaling by 2^120, subnormals included,
+/// then S.1111.111 to NaN and the sign; E5M2, fp16's upper byte, through
+/// F16C's vcvtph2ps (inf and NaN included; without F16C as E4M3, by 2^112).
+/// On a Sapphire Rapids (bench_decode --quant) E5M2 through fp16 ran 1.5x
+/// the fp32-exponent construction; E4M3 through fp16 (its magnitude times
+/// 2^8) ran 0.85x of it on AVX2: more operations than it saves.
 BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_i8(const std::int8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
-#if BLOCKATTN_WIDEN8_F16C
-BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_e4m3(const std::uint8_t* p) {
-  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
-                                 _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
-  const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
-  const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
-  return _mm256_blendv_ps(f, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
-                          _mm256_castsi256_ps(nan));
-}
-BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_e5m2(const std::uint8_t* p) {
-  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
-}
-#else
-/// Without F16C: the magnitude bits moved under fp32's exponent and scaled
-/// by 2^120 (E4M3) or 2^112 (E5M2), subnormals included, then the codes
-/// apart (E4M3 S.1111.111: NaN; E5M2 exponent 31: inf or NaN) and the sign.
 template <int Shift, int MaxFinite>
 BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_fp8(const std::uint8_t* p, float scale) {
   const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -168,9 +149,13 @@ BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_e4m3(const std::uint8_t* p) {
   return widen8_fp8<20, 0x7e>(p, 1.329227995784916e36f);  // 2^120
 }
 BLOCKATTN_TARGET_WIDEN8 inline __m256 widen8_e5m2(const std::uint8_t* p) {
+#if BLOCKATTN_WIDEN8_F16C
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+#else
   return widen8_fp8<21, 0x7b>(p, 5.192296858534828e33f);  // 2^112
-}
 #endif
+}
 #undef BLOCKATTN_WIDEN8_F16C
 #endif
 
@@ -271,14 +256,18 @@ struct SimdVec512 {
     x = _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepi8_epi32(0xFFFF, b));
   }
   BLOCKATTN_TARGET_512 static void load_codes_to(type& x, const fp8_e4m3* p) {
-    const __m256i w = codes16(p);
-    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-    const __m256i h =
-        _mm256_or_si256(_mm256_slli_epi16(mag, 7),
-                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-    x = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_maskz_cvtph_ps(0xFFFF, h), _mm512_set1_ps(256.0f)),
-                           _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f)),
-                           _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+    // widen8_fp8's construction on 16 lanes; the sign by one ternary-logic
+    // operation (f | (w << 24 & 2^31)).
+    const __m512i w =
+        _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7f));
+    const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, mag, 20)),
+                                   _mm512_set1_ps(1.329227995784916e36f));  // 2^120
+    const __m512 g = _mm512_mask_mov_ps(f, _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7e)),
+                                        _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+    x = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(g),
+                                                      _mm512_maskz_slli_epi32(0xFFFF, w, 24),
+                                                      _mm512_set1_epi32(int(0x80000000u)), 0xF8));
   }
   BLOCKATTN_TARGET_512 static void load_codes_to(type& x, const fp8_e5m2* p) {
     x = _mm512_maskz_cvtph_ps(0xFFFF, _mm256_slli_epi16(codes16(p), 8));
