@@ -244,6 +244,9 @@ fi
 if [ -x "$cuda/bench/blockattn_bench_decode" ]; then
   step bench_decode 60 "$cuda/bench/blockattn_bench_decode" --reps 5
   step prefill_cuda 60 "$cuda/bench/blockattn_bench_decode" --prefill --reps 3
+  # 8-bit and paged caches on the GPU's split-KV kernel (never timed there).
+  step decode_quant_cuda 60 "$cuda/bench/blockattn_bench_decode" --quant --reps 3
+  step decode_paged_cuda 60 "$cuda/bench/blockattn_bench_decode" --paged --reps 3
 fi
 # Chunked prefill on 16 CPU cores: where the forward's kernels overtake the
 # decode kernel with many threads (ServeOptions::prefill_forward_rows).
