@@ -32,7 +32,7 @@ reuse=${REUSE_LOGS:-0}
 for i in $(seq "$runs"); do
   log=$logdir/run$i.log
   if [ "$reuse" != 1 ]; then
-    LENGTHS=$lengths ISAS=$isas HEADS=$heads "$repo/cmake/blockattn.sh" bench-isa --dtype="$dtypes" 2>&1 |
+    LENGTHS=$lengths ISAS=$isas HEADS=$heads BENCH_SERVE=0 "$repo/cmake/blockattn.sh" bench-isa --dtype="$dtypes" 2>&1 |
       tee "$log"
   fi
   logs+=("$log")
@@ -59,6 +59,10 @@ print("CPU capability", torch.backends.cpu.get_cpu_capability() + ", AMX tiles",
   2>/dev/null || echo "none")
 flags=$(grep -m1 -ow -E 'avx512f|avx512_bf16|avx512_fp16|amx_tile|amx_bf16|avx2|fma' /proc/cpuinfo |
         sort -u | tr '\n' ' ')
+# The host matrix engine the native runs' bf16 took (the bench prints it).
+engine=$(grep -ho 'host matrix engine [a-z0-9-]*' "${logs[@]}" 2>/dev/null | head -n1 |
+         sed "s/host matrix engine //" || true)
+engine=${engine:-unknown}
 # The library's commit, before the page is truncated (which would mark it dirty).
 library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
 {
@@ -72,8 +76,15 @@ library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
   echo "(at least two). B = 1, H query = K/V heads as each table says (PyTorch's"
   echo "too), q, k, v and o in ${LAYOUT:-bnhd} memory for both (LAYOUT; bnhd ="
   echo "[batch][seq][heads][dim]); fwd = forward, bwd = backward (2.5× the"
-  echo "forward's FLOPs). The x86-64-v3 build runs the AVX2 kernels next to"
-  echo "PyTorch, MKL, oneDNN and OpenBLAS capped at AVX2."
+  echo "forward's FLOPs)."
+  case " $isas " in *" x86-64-v3 "*)
+    echo "The x86-64-v3 build runs the AVX2 kernels next to PyTorch, MKL, oneDNN and"
+    echo "OpenBLAS capped at AVX2." ;;
+  esac
+  case $dtypes in *bf16*|*fp16*)
+    echo "Each 16-bit table is followed by our 16-bit rate over our fp32 rate of the"
+    echo "same run (the native builds' bf16 on the host matrix engine: $engine)." ;;
+  esac
   echo
   echo "- Machine: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n1)," \
        "family $(lscpu | sed -n 's/^CPU family:[[:space:]]*//p' | head -n1)," \

@@ -36,7 +36,9 @@ def parse(path, dtype):
     """The runs of one log (a table whose key the current run already holds
     starts the next run: run_forward.sh with RUNS > 1), each
     {(build, threads, heads, memory layout): {(D, N, mask): {"fwd": ours/torch,
-    "rates": (ours, torch) forward GFLOP/s, "bwd": ..., "sgemm": ...}}}"""
+    "rates": (ours, torch) forward GFLOP/s, "bwd": ..., "sgemm": ...,
+    "ours": forward GFLOP/s, "ours_bwd": backward GFLOP/s, "fp32": our fp32
+    forward GFLOP/s, "fp32_bwd": our fp32 backward GFLOP/s}}}"""
     runs = [{}]
     build, table, mode = None, None, None
     with open(path, errors="replace") as f:
@@ -60,9 +62,14 @@ def parse(path, dtype):
                 continue
             p = line.split()
             try:
+                if mode == "fwd" and len(p) >= 10 and p[0] == "register" and p[1] == "fp32":
+                    table.setdefault((int(p[3]), int(p[2]), p[4]), {})["fp32"] = float(p[5])
+                if mode == "bwd" and len(p) >= 8 and p[0] == "fp32":
+                    table.setdefault((int(p[2]), int(p[1]), p[3]), {})["fp32_bwd"] = float(p[4])
                 if mode == "fwd" and len(p) >= 10 and p[0] == "register" and p[1] == dtype:
                     n, d, mask, ours, torch = int(p[2]), int(p[3]), p[4], float(p[5]), float(p[-2])
                     cell = table.setdefault((d, n, mask), {})
+                    cell["ours"] = ours
                     if p[6] != "-":
                         cell["sgemm"] = float(p[6])
                     if torch > 0:
@@ -70,8 +77,10 @@ def parse(path, dtype):
                         cell["rates"] = (ours, torch)
                 elif mode == "bwd" and len(p) >= 8 and p[0] == dtype:
                     n, d, mask, ours, torch = int(p[1]), int(p[2]), p[3], float(p[4]), float(p[-2])
+                    cell = table.setdefault((d, n, mask), {})
+                    cell["ours_bwd"] = ours
                     if torch > 0:
-                        table.setdefault((d, n, mask), {})["bwd"] = ours / torch
+                        cell["bwd"] = ours / torch
             except ValueError:  # a line of another table
                 continue
     return [r for r in runs if r]
@@ -119,6 +128,31 @@ def main():
         if medians:
             print(f"\nfwd ÷ PyTorch medians {min(medians):.2f}-{max(medians):.2f}; "
                   f"below 1.0 in a median or a run: {'; '.join(low) if low else 'none'}")
+        if a.dtype != "fp32":
+            over_fp32(present, cells, a.dtype)
+
+
+def over_fp32(present, cells, dtype):
+    """Our 16-bit rate over our fp32 rate, per run (both in the same run)."""
+    rows = []
+    for c in cells:
+        per = {}
+        for mine, base in (("ours", "fp32"), ("ours_bwd", "fp32_bwd")):
+            per[mine] = [t[c][mine] / t[c][base] for t in present
+                         if mine in t.get(c, {}) and t[c].get(base, 0) > 0]
+        if per["ours"] or per["ours_bwd"]:
+            rows.append((c, per))
+    if not rows:
+        return
+    print(f"\nOurs, {dtype} over our fp32 (same run):\n")
+    print("| D | N | mask | fwd, each run | median | bwd, each run | median | min |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c, per in rows:
+        f, b = per["ours"], per["ours_bwd"]
+        each = lambda v: " ".join(f"{x:.2f}" for x in v) if v else "-"
+        med = lambda v: f"{statistics.median(v):.2f}" if v else "-"
+        print(f"| {c[0]} | {c[1]} | {c[2]} | {each(f)} | {med(f)} | {each(b)} | {med(b)} | "
+              f"{f'{min(b):.2f}' if b else '-'} |")
 
 
 if __name__ == "__main__":

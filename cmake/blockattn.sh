@@ -56,6 +56,7 @@
 #   BUILD_DIR     build tree (default: <repo>/build; build-<ARCH> when ARCH is set)
 #   ARCH          -march= value for our targets (default: native), e.g. x86-64-v3
 #   JOBS          parallel build jobs (default: nproc)
+#   BENCH_SERVE   0: `bench` runs the forward/backward rows only, not the decode rows
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -546,8 +547,10 @@ case "$cmd" in
     configure
     cmake --build "$build" -j "$jobs" --target blockattn_bench_forward blockattn_bench_decode
     "$repo/bench/run_forward.sh" "$build/bench/blockattn_bench_forward" "$@"
-    echo
-    "$repo/bench/run_serve.sh" "$build/bench/blockattn_bench_decode" --reps 3
+    if [ "${BENCH_SERVE:-1}" != 0 ]; then  # (bench/make_performance.sh runs bench-serve once itself)
+      echo
+      "$repo/bench/run_serve.sh" "$build/bench/blockattn_bench_decode" --reps 3
+    fi
     ;;
   bench-isa)
     # The x86-64-v3 build runs its AVX2 kernels (BLOCKATTN_HOST_ISA=avx2: it
