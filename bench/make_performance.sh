@@ -14,7 +14,8 @@
 # B = 1, one table per H), LAYOUT (memory order of q, k, v, o for ours and
 # PyTorch's alike: bnhd, the default, or bhnd; bench/run_forward.sh), ISAS (default "native x86-64-v3"),
 # DTYPES (default fp32,bf16), REUSE_LOGS=1 (write the page from the logs of
-# the last run in build/perf-logs/ without running anything). PyTorch comes from .deps/torch-venv
+# the last run in build/perf-logs/ without running anything; RUNS and the
+# rest as that run's). PyTorch comes from .deps/torch-venv
 # (cmake/blockattn.sh torch installs it); without it the PyTorch columns are
 # empty. The raw logs are kept next to the page's build dir (build/perf-logs/).
 set -euo pipefail
@@ -27,16 +28,15 @@ isas=${ISAS:-native x86-64-v3}
 heads=${HEADS:-1 4 16}
 logdir=$repo/build/perf-logs
 mkdir -p "$logdir"
-logs=()
 reuse=${REUSE_LOGS:-0}
-for i in $(seq "$runs"); do
-  log=$logdir/run$i.log
-  if [ "$reuse" != 1 ]; then
-    LENGTHS=$lengths ISAS=$isas HEADS=$heads BENCH_SERVE=0 "$repo/cmake/blockattn.sh" bench-isa --dtype="$dtypes" 2>&1 |
-      tee "$log"
-  fi
-  logs+=("$log")
-done
+# One bench-isa call: per build, bench/run_forward.sh repeats its runs (RUNS)
+# one after the other, each with its own ratios, all in one log.
+log=$logdir/bench.log
+if [ "$reuse" != 1 ]; then
+  RUNS=$runs LENGTHS=$lengths ISAS=$isas HEADS=$heads BENCH_SERVE=0 \
+    "$repo/cmake/blockattn.sh" bench-isa --dtype="$dtypes" 2>&1 | tee "$log"
+fi
+logs=("$log")
 
 # Serving: decode on one device against a plain read of the same bytes, and
 # the distributed decode step at P = 1, 2 next to the planner (one run).
@@ -92,7 +92,10 @@ library=$(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)
        "$(nproc) cores; flags: ${flags}"
   echo "- Compiler: $(c++ --version | head -n1); PyTorch $torch;" \
        "runs: $runs; lengths: $lengths; heads: $heads; builds: $isas"
-  echo "- PyTorch's CPU path (native builds): $torch_path; x86-64-v3 builds: ATEN_CPU_CAPABILITY=avx2"
+  case " $isas " in
+    *" x86-64-v3 "*) echo "- PyTorch's CPU path (native builds): $torch_path; x86-64-v3 builds: ATEN_CPU_CAPABILITY=avx2" ;;
+    *) echo "- PyTorch's CPU path: $torch_path" ;;
+  esac
   echo "- Library: $library"
   for dt in ${dtypes//,/ }; do
     echo
