@@ -275,29 +275,45 @@ struct AmxBackwardKernel : BlockExtents {
 };
 
 /// dq = [dq +] scale * (sum over the slices of dQ^T), transposed: dqt
-/// (slices, batch, head, da, nq) as AmxBackwardKernel leaves it.
+/// (slices, batch, head, da, nq) as AmxBackwardKernel leaves it. By blocks
+/// of 16 rows: each head-dim row of dQ^T read as 16 consecutive floats (one
+/// cache line per slice), the block transposed through a local buffer, then
+/// written row by row (reading one element per line, row by row, cost about
+/// 5-8 % of the bf16 backward at 1024 queries on a Zen 4); the same sums
+/// in the same order.
 template <class ExecSpace, class DQV>
 void finish_dq_transposed(const ExecSpace& exec, const float* dqt, const DQV& dq, int nq, int da,
                           float scale, bool accumulate, int slices) {
   using GS = typename DQV::non_const_value_type;
+  constexpr int R = 16;
   const int batch = int(dq.extent(0)), queries = int(dq.extent(1)), heads = int(dq.extent(2)),
             dim = int(dq.extent(3));
+  const int blocks = (queries + R - 1) / R;
   const std::size_t per_slice = std::size_t(batch) * heads * da * nq;
-  Kokkos::parallel_for("blockattn::backward_finish_dq_amx",
-                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, std::int64_t(batch) * heads * queries),
-                       [=](const std::int64_t row) {
-                         const int i = int(row % queries), h = int((row / queries) % heads),
-                                   b = int(row / (std::int64_t(queries) * heads));
-                         const float* const base = dqt + (std::size_t(b) * heads + h) * da * nq + i;
-                         for (int d = 0; d < dim; ++d) {
-                           float sum = base[std::size_t(d) * nq];
-                           for (int s = 1; s < slices; ++s)
-                             sum += base[s * per_slice + std::size_t(d) * nq];
-                           const float val = scale * sum;
-                           dq(b, i, h, d) = GS(accumulate ? float(dq(b, i, h, d)) + val : val);
-                         }
-                       });
+  Kokkos::parallel_for(
+      "blockattn::backward_finish_dq_amx",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+          exec, 0, std::int64_t(batch) * heads * blocks),
+      [=](const std::int64_t unit) {
+        const int blk = int(unit % blocks), h = int((unit / blocks) % heads),
+                  b = int(unit / (std::int64_t(blocks) * heads));
+        const int i0 = blk * R, n = queries - i0 < R ? queries - i0 : R;
+        const float* const base = dqt + (std::size_t(b) * heads + h) * da * nq + i0;
+        alignas(64) float t[R * amx_bwd_max_dim];  // t[r dim + d]
+        for (int d = 0; d < dim; ++d) {
+          const float* const col = base + std::size_t(d) * nq;
+          float sum[R];
+          for (int r = 0; r < R; ++r) sum[r] = col[r];
+          for (int s = 1; s < slices; ++s)
+            for (int r = 0; r < R; ++r) sum[r] += col[s * per_slice + r];
+          for (int r = 0; r < R; ++r) t[r * dim + d] = scale * sum[r];
+        }
+        for (int r = 0; r < n; ++r)
+          for (int d = 0; d < dim; ++d) {
+            const float val = t[r * dim + d];
+            dq(b, i0 + r, h, d) = GS(accumulate ? float(dq(b, i0 + r, h, d)) + val : val);
+          }
+      });
 }
 #endif  // BLOCKATTN_AMX_BACKWARD
 
