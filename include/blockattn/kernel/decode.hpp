@@ -334,7 +334,7 @@ void decode_launch(const ExecSpace& exec, const BlockExtents& e, const DecodeChe
     if ((std::is_same<S, bf16>::value || is_kv_quant_v<S>)&&stream && !kern.bf16_dot)
       g.key_tile = 128;
     const std::size_t tile_bytes = 2 * std::size_t(g.key_tile) * std::size_t(e.dim) * sizeof(S);
-    kern.prefetch = impl::decode_prefetch_level(stream, tile_bytes, false);
+    kern.prefetch = impl::decode_prefetch_level(stream, tile_bytes, false, kern.bf16_dot);
     // Spread over the tile products where the rows stream or a team reads
     // its kv heads' adjacent rows (cross_heads); other strided rows keep
     // the burst (per kv head, sequence-major rows ran 0.77-1.2x its rate
